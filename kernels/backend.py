@@ -1,0 +1,59 @@
+"""The attention backend interface: one Protocol, two implementations (torch on CPU and as the
+oracle, Triton on GPU). The runner describes a step's batch once (BatchLayout); the backend turns
+that into whatever metadata its kernels want (plan), once per step, then every layer calls forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """A step's varlen batch, sequence by sequence, in the order of the flattened tokens.
+
+    Sequence i contributes query_lens[i] new tokens at positions context_lens[i] ..
+    context_lens[i] + query_lens[i] - 1; its K/V for positions < context_lens[i] are already in
+    the cache. block_tables[i] covers at least context_lens[i] + query_lens[i] tokens.
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    block_size: int
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+
+class AttentionBackend(Protocol):
+    def plan(self, layout: BatchLayout) -> Any:
+        """Build per-step metadata; called once per step, shared by all layers."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [T, H, D]
+        """Write k/v into their cache slots, then attend each new token to its sequence's cached
+        context (fully) and to the new tokens (causally)."""
+        ...
+
+    def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """kv: [layers, 2, num_blocks, block_size, Hkv, D]; copy block src[i] onto dst[i] in every layer
+        (copy-on-write)."""
+        ...
+
+    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks between pools (device <-> CPU swap pool); same layout as copy_blocks."""
+        ...

@@ -1,0 +1,116 @@
+"""PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
+
+Decode tokens (query length 1) of all sequences go through one batched SDPA per layer: the
+per-step plan turns block tables into a padded gather index [B, L] once, so each layer does one
+gather and one attention call instead of a Python loop over sequences. Prefill chunks are few per
+step and run one SDPA each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.backend import BatchLayout
+
+
+@dataclass
+class _Prefill:
+    token_slice: slice  # rows of this sequence's new tokens in the flattened batch
+    key_slots: torch.Tensor  # [L] int64 slots of positions 0..L-1
+    mask: torch.Tensor | None  # [q, L] bool, None when there is no cached context (plain causal)
+
+
+@dataclass
+class TorchMeta:
+    slot_mapping: torch.Tensor  # [T]
+    decode_rows: torch.Tensor | None  # [Bd] rows of decode tokens in the flattened batch
+    decode_slots: torch.Tensor | None  # [Bd, Lmax] int64, padded with slot 0
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, Lmax] bool, True where a key is valid
+    all_decode: bool
+    prefills: list[_Prefill]
+
+
+def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..length-1 of a sequence. -> [length] int64"""
+    blocks = torch.tensor(block_table[: (length + block_size - 1) // block_size], dtype=torch.int64)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return slots[:length]
+
+
+class TorchBackend:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def plan(self, layout: BatchLayout) -> TorchMeta:
+        bs = layout.block_size
+        decode_idx, prefills, start = [], [], 0
+        for i, (q, ctx) in enumerate(zip(layout.query_lens, layout.context_lens)):
+            if q == 1:
+                decode_idx.append(i)
+            else:
+                L = ctx + q
+                mask = None
+                if ctx > 0:  # query j sits at position ctx + j and sees keys 0..ctx + j
+                    mask = torch.arange(L)[None, :] <= (torch.arange(q)[:, None] + ctx)
+                    mask = mask.to(self.device)
+                prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
+            start += q
+        rows = slots = mask = None
+        if decode_idx:
+            lens = [layout.context_lens[i] + 1 for i in decode_idx]
+            lmax = max(lens)
+            nblk = (lmax + bs - 1) // bs
+            table = torch.zeros(len(decode_idx), nblk, dtype=torch.int64)
+            for r, i in enumerate(decode_idx):
+                bt = layout.block_tables[i][:nblk]
+                table[r, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+            slots = (table[:, :, None] * bs + torch.arange(bs)).flatten(1)[:, :lmax]  # [Bd, Lmax]
+            lens_t = torch.tensor(lens)
+            mask = (torch.arange(lmax)[None, :] < lens_t[:, None])[:, None, None, :]
+            qstarts = torch.tensor(layout.query_lens).cumsum(0) - 1
+            rows = qstarts[torch.tensor(decode_idx)]
+            rows, slots, mask = rows.to(self.device), slots.to(self.device), mask.to(self.device)
+        return TorchMeta(
+            slot_mapping=layout.slot_mapping.to(self.device),
+            decode_rows=rows,
+            decode_slots=slots,
+            decode_mask=mask,
+            all_decode=not prefills,
+            prefills=prefills,
+        )
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
+        num_blocks, block_size, hkv, d = k_cache.shape
+        k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
+        v_flat = v_cache.view(num_blocks * block_size, hkv, d)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        gqa = q.shape[1] != hkv
+        out = q.new_empty(q.shape) if not meta.all_decode else None
+        if meta.decode_rows is not None:
+            qd = q if meta.all_decode else q[meta.decode_rows]  # [Bd, H, D]
+            kd = k_flat[meta.decode_slots].transpose(1, 2)  # [Bd, Hkv, Lmax, D]
+            vd = v_flat[meta.decode_slots].transpose(1, 2)
+            od = F.scaled_dot_product_attention(
+                qd.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            ).squeeze(2)  # [Bd, H, D]
+            if meta.all_decode:
+                return od
+            out[meta.decode_rows] = od
+        for p in meta.prefills:
+            qp = q[p.token_slice].transpose(0, 1)  # [H, q, D]
+            kp = k_flat[p.key_slots].transpose(0, 1)  # [Hkv, L, D]
+            vp = v_flat[p.key_slots].transpose(0, 1)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[p.token_slice] = op.transpose(0, 1)
+        return out
+
+    def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv[:, :, dst] = kv[:, :, src]
+
+    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst_kv[:, :, dst.to(dst_kv.device)] = src_kv[:, :, src.to(src_kv.device)].to(dst_kv.device)

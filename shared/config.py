@@ -1,0 +1,88 @@
+"""Configuration: frozen dataclasses, one per concern, validated once in __post_init__.
+
+Components receive the slice they need, never the whole EngineConfig.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def _require(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Tokens computed in one step, prefill and decode together. Larger = better throughput
+    # (bigger GEMMs), worse inter-token latency for running requests while prompts prefill.
+    max_num_batched_tokens: int = 512
+    # Sequences in one step. Larger = more throughput until the KV cache runs out.
+    max_num_seqs: int = 128
+    # chunked: prompt chunks share the step with decodes (steady inter-token latency);
+    # prefill_first: new prompts get a step of their own (lowest TTFT, decode stalls);
+    # mixed: whole prompts join the decode step (simple, long prompts stall decodes).
+    prefill_policy: str = "chunked"
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
+        _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
+        _require(self.prefill_policy in PREFILL_POLICIES, f"prefill_policy must be one of {PREFILL_POLICIES}")
+        _require(self.max_model_len >= 2, "max_model_len must be >= 2")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # Bytes for the device KV pool ("2GiB", "512MiB", a plain number of bytes), or a
+    # fraction of free memory ("0.3"). Ignored when num_blocks is given.
+    kv_cache_memory: str = "2GiB"
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
+        parse_memory(self.kv_cache_memory, total=1)  # raises ValueError when malformed
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    # Compute threads of the engine process; None = one per physical core.
+    num_threads: int | None = None
+    max_model_len: int | None = None  # None = the model's own context length
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
+        _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(text: str, total: int) -> int:
+    """'2GiB' -> bytes; '0.3' -> 30% of total. Raises ValueError with the accepted forms."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abgikm")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like '0.3'") from None
+    if unit not in _UNITS or value <= 0:
+        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like '0.3'")
+    if unit == "" and value < 1:
+        return int(value * total)
+    return int(value * _UNITS[unit])

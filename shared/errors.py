@@ -1,0 +1,41 @@
+"""Typed errors. Each carries the HTTP status the gateway answers with and an OpenAI error type."""
+from __future__ import annotations
+
+
+class ConveyorError(Exception):
+    status = 500
+    type = "internal_error"
+
+
+class InvalidRequest(ConveyorError):
+    """The request itself is wrong; retrying it unchanged will fail again."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Overloaded(ConveyorError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class EngineDead(ConveyorError):
+    """The engine process is gone or never answered the handshake."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class ProtocolError(ConveyorError):
+    """A message on the wire could not be decoded."""
+
+    status = 400
+    type = "protocol_error"
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id

@@ -1,0 +1,176 @@
+"""The wire between clients (gateway, SDK) and the engine.
+
+A message is two ZeroMQ frames: a one-byte type frame and an orjson payload. The engine's
+ROUTER socket adds the client identity in front. Never pickle: anyone who reaches the socket
+must not be able to run code here.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+
+from shared.errors import ConveyorError, ProtocolError
+from shared.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class MsgType(bytes, enum.Enum):
+    HELLO = b"H"
+    READY = b"R"
+    ADD = b"A"
+    ABORT = b"X"
+    OUTPUTS = b"O"
+    ERROR = b"E"
+    STATS = b"S"
+    GET_STATS = b"G"
+
+
+@dataclass(slots=True)
+class Hello:
+    """Client -> engine: first message; the engine answers READY."""
+
+    protocol_version: int = PROTOCOL_VERSION
+    client_name: str = ""
+
+
+@dataclass(slots=True)
+class Ready:
+    """Engine -> client: the handshake answer, with what a client needs to validate requests."""
+
+    protocol_version: int
+    model_name: str
+    max_model_len: int
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+
+
+@dataclass(slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's delta from one step: only the tokens that are new since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Outputs:
+    outputs: list[RequestOutput]
+
+
+@dataclass(slots=True)
+class Error:
+    """A request (or, with request_id None, a message) the engine could not take."""
+
+    request_id: str | None
+    message: str
+    status: int = 400
+
+
+@dataclass(slots=True)
+class GetStats:
+    pass
+
+
+@dataclass(slots=True)
+class Stats:
+    """Scheduler and cache gauges; a flat name -> number map so new gauges need no protocol change."""
+
+    gauges: dict[str, float]
+
+
+Message = Hello | Ready | Add | Abort | Outputs | Error | GetStats | Stats
+
+_TYPES: dict[type, MsgType] = {
+    Hello: MsgType.HELLO,
+    Ready: MsgType.READY,
+    Add: MsgType.ADD,
+    Abort: MsgType.ABORT,
+    Outputs: MsgType.OUTPUTS,
+    Error: MsgType.ERROR,
+    GetStats: MsgType.GET_STATS,
+    Stats: MsgType.STATS,
+}
+
+
+def encode(msg: Message) -> list[bytes]:
+    """-> [type frame, orjson payload]."""
+    if isinstance(msg, Add):
+        payload: Any = {
+            "request_id": msg.request_id,
+            "prompt_token_ids": msg.prompt_token_ids,
+            "params": msg.params.to_dict(),
+            "priority": msg.priority,
+            "arrival_time": msg.arrival_time,
+        }
+    elif isinstance(msg, Outputs):
+        # Positional rows: one OUTPUTS message per client per step carries many deltas.
+        payload = [
+            [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens]
+            for o in msg.outputs
+        ]
+    else:
+        payload = asdict(msg)
+    return [_TYPES[type(msg)].value, orjson.dumps(payload)]
+
+
+def decode(frames: list[bytes]) -> Message:
+    """Inverse of encode. Any malformed input raises ProtocolError, never anything else."""
+    if len(frames) != 2:
+        raise ProtocolError(f"expected 2 frames, got {len(frames)}")
+    data: Any = None
+    try:
+        kind = MsgType(bytes(frames[0]))
+        data = orjson.loads(frames[1])
+        return _DECODERS[kind](data)
+    except Exception as e:  # noqa: BLE001 - every decoding failure becomes one typed error
+        rid = data.get("request_id") if isinstance(data, dict) else None
+        why = str(e) if isinstance(e, ConveyorError) else f"malformed message: {type(e).__name__}: {e}"
+        raise ProtocolError(why, request_id=rid if isinstance(rid, str) else None) from None
+
+
+def _decode_add(d: dict[str, Any]) -> Add:
+    ids = d["prompt_token_ids"]
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+        raise ProtocolError("prompt_token_ids must be a non-empty list of non-negative integers")
+    if not isinstance(d["request_id"], str):
+        raise ProtocolError("request_id must be a string")
+    return Add(
+        request_id=d["request_id"],
+        prompt_token_ids=ids,
+        params=SamplingParams.from_dict(d["params"]),
+        priority=int(d.get("priority", 0)),
+        arrival_time=float(d.get("arrival_time", 0.0)),
+    )
+
+
+_DECODERS = {
+    MsgType.HELLO: lambda d: Hello(**d),
+    MsgType.READY: lambda d: Ready(**d),
+    MsgType.ADD: _decode_add,
+    MsgType.ABORT: lambda d: Abort(request_ids=[str(r) for r in d["request_ids"]]),
+    MsgType.OUTPUTS: lambda rows: Outputs([RequestOutput(*row) for row in rows]),
+    MsgType.ERROR: lambda d: Error(**d),
+    MsgType.GET_STATS: lambda d: GetStats(),
+    MsgType.STATS: lambda d: Stats(gauges=dict(d["gauges"])),
+}

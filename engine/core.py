@@ -1,0 +1,139 @@
+"""EngineCore: the engine without sockets. add / abort / step; tests and the offline API drive it
+in-process, engine/loop.py drives it from ZeroMQ."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.kv_cache import allocate_kv_cache
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.weights import load_model
+from kernels import get_backend
+from shared.config import EngineConfig, SchedulerConfig
+from shared.errors import InvalidRequest
+from shared.model_source import resolve_model
+from shared.protocol import RequestOutput
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("conveyor.engine")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step computed: (request_id, num_new_tokens) per scheduled request."""
+
+    step: int
+    scheduled: tuple[tuple[str, int], ...]
+    preempted: tuple[str, ...]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, free_block_order: list[int] | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        device = torch.device(config.device)
+        self.source = resolve_model(config.model)
+        dtype = getattr(torch, config.dtype)
+        t0 = time.perf_counter()
+        model, self.model_config = load_model(self.source, dtype, device)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        kv = allocate_kv_cache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        self.block_manager = BlockManager(num_blocks, block_size, free_block_order)
+        # A request must always fit the pool alone, or preemption could never make room for it.
+        self.max_model_len = min(self.max_model_len, num_blocks * block_size)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.prefill_policy, self.max_model_len),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, kv, get_backend(config.attention_backend, device), block_size, device)
+        self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.history: deque[StepRecord] = deque(maxlen=4096)
+        log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
+                 time.perf_counter() - t0, self.source.name, self.max_model_len, num_blocks, block_size)
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0, arrival_time: float | None = None) -> None:
+        """Raises InvalidRequest when the request can never run; nothing is queued then."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens including at least one generated token", param="prompt")
+        req = Request(request_id, prompt_token_ids, params, priority,
+                      time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Idempotent: unknown or finished ids are ignored. -> one final output per live request."""
+        outs = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.abort(req)
+            outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
+        return outs
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
+        if not plan:
+            return []
+        sampled = self.runner.execute(plan)  # one forward, one sample
+        deltas = self.scheduler.update(plan, sampled, self.max_model_len)  # advance, stop, free
+        self._record(plan)
+        return [self._output(d.request, d.new_token_ids) for d in deltas]
+
+    def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
+        finished = req.status.finished
+        if finished:
+            del self.requests[req.request_id]
+        return RequestOutput(req.request_id, new_token_ids, finished, req.status.finish_reason,
+                             req.num_prompt_tokens, req.num_cached_tokens)
+
+    def _record(self, plan) -> None:
+        self.num_steps += 1
+        self.history.append(StepRecord(
+            self.num_steps,
+            tuple((r.request_id, n) for r, n in zip(plan.requests, plan.num_new_tokens)),
+            tuple(r.request_id for r in plan.preempted),
+        ))
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_usage": self.block_manager.usage,
+            "num_free_blocks": self.block_manager.num_free_blocks,
+            "num_blocks": self.block_manager.num_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": self.num_steps,
+        }

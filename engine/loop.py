@@ -1,0 +1,102 @@
+"""The engine process: a ROUTER socket around EngineCore. Moves messages; holds no scheduling logic.
+
+Busy loop: poll the socket without waiting while there is work, block while idle (an idle engine
+uses no CPU). Each step's outputs go out as one OUTPUTS message per client, holding only that
+client's requests. A malformed message gets an ERROR back and is dropped; it never stops the loop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+
+import zmq
+
+from engine.core import EngineCore
+from shared.errors import ConveyorError, ProtocolError
+from shared.protocol import (
+    PROTOCOL_VERSION, Abort, Add, Error, GetStats, Hello, Outputs, Ready, RequestOutput, Stats, decode, encode,
+)
+
+log = logging.getLogger("conveyor.loop")
+
+IDLE_POLL_MS = 1000  # while idle, wake this often only to notice signals
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, address: str) -> None:
+        self.core = core
+        self.address = address
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # a full queue would silently drop a client's outputs
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(address)
+        self.owner: dict[str, bytes] = {}  # request_id -> client identity
+
+    def run(self) -> None:
+        try:
+            while True:
+                # 1. drain the inbox: adds and aborts take effect before the next step
+                busy = self.core.has_work()
+                if self.sock.poll(0 if busy else IDLE_POLL_MS):
+                    self._drain()
+                # 2. one step: schedule, execute, update
+                if busy or self.core.has_work():
+                    self._send_outputs(self.core.step())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+        if self.address.startswith("ipc://"):
+            try:
+                os.unlink(self.address[len("ipc://"):])
+            except FileNotFoundError:
+                pass
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            client, body = frames[0], frames[1:]
+            try:
+                self._handle(client, decode(body))
+            except ProtocolError as e:
+                log.warning("bad message from %s: %s", client.hex(), e)
+                self._send(client, Error(e.request_id, str(e), e.status))
+
+    def _handle(self, client: bytes, msg: object) -> None:
+        if isinstance(msg, Add):
+            try:
+                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time or None)
+            except ConveyorError as e:
+                self._send(client, Error(msg.request_id, str(e), e.status))
+                return
+            self.owner[msg.request_id] = client
+        elif isinstance(msg, Abort):
+            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client]))
+        elif isinstance(msg, Hello):
+            if msg.protocol_version != PROTOCOL_VERSION:
+                self._send(client, Error(None, f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}", 400))
+                return
+            self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
+                                     list(self.core.eos_token_ids)))
+        elif isinstance(msg, GetStats):
+            self._send(client, Stats(self.core.stats()))
+        else:
+            self._send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for out in outputs:
+            client = self.owner.pop(out.request_id) if out.finished else self.owner[out.request_id]
+            by_client[client].append(out)
+        for client, outs in by_client.items():
+            self._send(client, Outputs(outs))
+
+    def _send(self, client: bytes, msg: object) -> None:
+        self.sock.send_multipart([client, *encode(msg)])

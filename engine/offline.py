@@ -1,0 +1,84 @@
+"""Offline API: the same EngineCore, in-process, no sockets. For batch jobs, tests and benchmarks.
+
+    llm = LLM(model="SmolLM2-135M-Instruct")
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.core import EngineCore
+from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+def build_config(model: str, **kwargs: Any) -> EngineConfig:
+    """Flat keyword arguments (as on the command line) -> the nested, validated EngineConfig."""
+    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, EngineConfig: {}}
+    for key, value in kwargs.items():
+        owner = next((cls for cls in parts if key in {f.name for f in dataclasses.fields(cls)}), None)
+        if owner is None or key in ("scheduler", "cache"):
+            raise TypeError(f"unknown engine option {key!r}")
+        parts[owner][key] = value
+    return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                        cache=CacheConfig(**parts[CacheConfig]), **parts[EngineConfig])
+
+
+class LLM:
+    def __init__(self, model: str = EngineConfig.model, **engine_options: Any) -> None:
+        self.core = EngineCore(build_config(model, **engine_options))
+        self._tokenizer = None
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from shared.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.core.source)
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        outputs: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{self._counter}"
+            self._counter += 1
+            self.core.add(rid, ids, p)
+            outputs[rid] = CompletionOutput(rid, ids)
+            order.append(rid)
+        with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while self.core.has_work():
+                for out in self.core.step():
+                    o = outputs[out.request_id]
+                    o.token_ids.extend(out.new_token_ids)
+                    if out.finished:
+                        o.finish_reason = out.finish_reason
+                        bar.update(1)
+        results = [outputs[rid] for rid in order]
+        if any(isinstance(p, str) for p in prompts):
+            for o in results:
+                o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+        return results

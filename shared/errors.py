@@ -13,9 +13,10 @@ class InvalidRequest(ConveyorError):
     status = 400
     type = "invalid_request_error"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code  # OpenAI's machine-readable reason, e.g. "context_length_exceeded"
 
 
 class Overloaded(ConveyorError):

@@ -1,0 +1,370 @@
+"""Client SDK for the engine over ZeroMQ; the gateway is one of its users. No torch here.
+
+One DEALER socket with a unique identity per client; the engine's ROUTER answers only this client's
+requests on it. A single reader task owns receiving and dispatches each OUTPUTS row to the queue of
+its request, so a slow consumer of one request never delays another (mini-sglang's request table).
+A socket monitor notices a lost engine: in-flight requests fail fast with EngineDead instead of
+hanging, and a restarted engine is greeted with HELLO again (basic reconnect).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from shared import protocol as P
+from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
+from shared.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Prompt = str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
+
+
+@dataclass(slots=True)
+class TextOutput:
+    """One step of a text-level request: the new text and ids, plus counts for `usage`."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far, including this step
+    num_cached_tokens: int = 0
+
+
+class RequestStream:
+    """Async iterator over one request's RequestOutput deltas; ends after the finished one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.done = False
+        self._queue: asyncio.Queue[P.RequestOutput | ConveyorError] = asyncio.Queue()
+
+    def put(self, item: P.RequestOutput | ConveyorError) -> None:
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> P.RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, ConveyorError):
+            self.done = True
+            raise item
+        self.done = item.finished
+        return item
+
+
+def _error_from_wire(msg: P.Error) -> ConveyorError:
+    cls = {400: InvalidRequest, 429: Overloaded, 503: EngineDead}.get(msg.status, ConveyorError)
+    return cls(msg.message)
+
+
+class AsyncEngineClient:
+    """`await client.start()` (or `async with`), then add/abort/get_stats/stream_text; `await close()`."""
+
+    def __init__(self, address: str, *, name: str = "client", ready_timeout: float = 10.0,
+                 model: str | None = None, tokenizer: Any = None) -> None:
+        self.address = address
+        self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
+        self.ready_timeout = ready_timeout
+        self.ready: P.Ready | None = None  # the engine's handshake answer: model name, max_model_len, eos ids
+        self._model, self._tokenizer = model, tokenizer  # model: where to load the tokenizer from
+        self._streams: dict[str, RequestStream] = {}
+        self._stats_waiters: deque[asyncio.Future[dict[str, float]]] = deque()
+        self._ready_evt = asyncio.Event()
+        self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
+        self._lost = False  # disconnected since the last handshake: greet the next connection
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tok_lock = asyncio.Lock()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    async def start(self, timeout: float | None = None) -> P.Ready:
+        """Connect, send HELLO and wait for READY; EngineDead if none comes within the timeout."""
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.IDENTITY, self.identity)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.RCVHWM, 0)  # never make the engine's ROUTER drop our outputs
+            monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._sock.connect(self.address)
+            self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._monitor_loop(monitor))]
+            await self._send(P.Hello(client_name=self.identity.decode()))
+        await self.wait_ready(timeout)
+        assert self.ready is not None
+        return self.ready
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Idempotent. Open streams end with EngineDead; sockets close without lingering."""
+        self._dead = EngineDead("client closed")
+        self._fail_all(self._dead)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._ctx is not None:
+            self._sock.disable_monitor()
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def mark_dead(self, reason: str) -> None:
+        """For whoever watches the engine process (the launcher): fail everything now, for good."""
+        self._dead = EngineDead(reason)
+        self._fail_all(self._dead)
+
+    async def wait_ready(self, timeout: float | None = None) -> None:
+        if self._dead is not None:
+            raise self._dead
+        if self._ctx is None:
+            raise EngineDead("client not started: call start() first")
+        timeout = self.ready_timeout if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._ready_evt.wait(), timeout)
+        except TimeoutError:
+            why = "lost the connection and it did not come back" if self._lost else "did not answer HELLO"
+            raise EngineDead(f"engine at {self.address} {why} within {timeout:g}s") from None
+        if self._dead is not None:
+            raise self._dead
+
+    # -- token-level calls ---------------------------------------------------------------------------
+    async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                  priority: int = 0) -> RequestStream:
+        """Queue a request in the engine; iterate the returned stream for its deltas. An ERROR answer
+        from the engine is raised (InvalidRequest) from the iteration."""
+        await self.wait_ready()
+        rid = request_id or uuid.uuid4().hex
+        if rid in self._streams:
+            raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
+        stream = self._streams[rid] = RequestStream(rid)
+        await self._send(P.Add(rid, list(prompt_token_ids), params, priority, time.time()))
+        return stream
+
+    async def abort(self, request_id: str) -> None:
+        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.put(P.RequestOutput(request_id, [], finished=True, finish_reason="abort"))
+        if self._dead is None and self._ctx is not None:
+            await self._send(P.Abort([request_id]))
+
+    async def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
+        await self.wait_ready(timeout)
+        fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await self._send(P.GetStats())
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise EngineDead(f"engine at {self.address} did not answer GET_STATS within {timeout:g}s") from None
+
+    # -- text-level calls ----------------------------------------------------------------------------
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer given to the constructor, else the one of `model`, else of the engine's model."""
+        async with self._tok_lock:
+            if self._tokenizer is None:
+                from shared.model_source import resolve_model
+                from shared.tokenizer import load_tokenizer
+
+                if self._model is None:
+                    await self.wait_ready()
+                    assert self.ready is not None
+                model = self._model or self.ready.model_name  # type: ignore[union-attr]
+                self._tokenizer = await asyncio.to_thread(lambda: load_tokenizer(resolve_model(model)))
+        return self._tokenizer
+
+    async def encode_prompt(self, prompt: Prompt) -> list[int]:
+        from shared.tokenizer import apply_chat_template, encode
+
+        if isinstance(prompt, str):
+            return encode(await self.get_tokenizer(), prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return apply_chat_template(await self.get_tokenizer(), prompt)  # type: ignore[arg-type]
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)  # type: ignore[arg-type]
+        raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
+
+    async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                          priority: int = 0) -> AsyncIterator[TextOutput]:
+        """Text deltas of one request. A stop string ends it (finish_reason "stop") and aborts it in the
+        engine; so does leaving the loop early or being cancelled (a client that went away)."""
+        from shared.detokenizer import IncrementalDetokenizer
+
+        ids = await self.encode_prompt(prompt)
+        detok = IncrementalDetokenizer(await self.get_tokenizer(), params.stop)
+        stream = await self.add(ids, params, request_id, priority)
+        num_out = 0
+        try:
+            async for out in stream:
+                num_out += len(out.new_token_ids)
+                text = detok.step(out.new_token_ids, final=out.finished)
+                finished, reason = out.finished, out.finish_reason
+                if detok.stopped:
+                    finished, reason = True, "stop"
+                    await self.abort(stream.request_id)
+                yield TextOutput(stream.request_id, text, out.new_token_ids, finished, reason,
+                                 out.num_prompt_tokens or len(ids), num_out, out.num_cached_tokens)
+                if finished:
+                    return
+        finally:
+            if not stream.done:
+                await self.abort(stream.request_id)
+
+    async def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
+        """The whole completion at once: text and token ids of every step joined."""
+        parts: list[TextOutput] = [out async for out in self.stream_text(prompt, params, request_id)]
+        last = parts[-1]
+        return TextOutput(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
+                          True, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+    # -- the socket --------------------------------------------------------------------------------------
+    async def _send(self, msg: P.Message) -> None:
+        try:
+            await self._sock.send_multipart(P.encode(msg))
+        except zmq.ZMQError as e:
+            raise EngineDead(f"cannot send to engine at {self.address}: {e}") from None
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                frames = await self._sock.recv_multipart()
+                try:
+                    msg = P.decode(frames)
+                except ProtocolError as e:
+                    log.warning("dropping malformed message from engine: %s", e)
+                    continue
+                self._dispatch(msg)
+        except (zmq.ZMQError, RuntimeError) as e:  # the socket went away under us: nothing will come
+            self.mark_dead(f"engine connection failed: {e}")
+
+    def _dispatch(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Outputs):
+            for out in msg.outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:  # None: aborted here already; the engine's final row is late
+                    stream.put(out)
+                    if out.finished:
+                        del self._streams[out.request_id]
+        elif isinstance(msg, P.Error):
+            stream = self._streams.pop(msg.request_id, None) if msg.request_id else None
+            if stream is not None:
+                stream.put(_error_from_wire(msg))
+            elif self.ready is None:  # the answer to our HELLO: e.g. a protocol version it does not speak
+                self.mark_dead(f"engine at {self.address} refused the handshake: {msg.message}")
+            else:
+                log.warning("engine error: %s", msg.message)
+        elif isinstance(msg, P.Stats):
+            while self._stats_waiters:
+                fut = self._stats_waiters.popleft()
+                if not fut.done():
+                    fut.set_result(msg.gauges)
+                    break
+        elif isinstance(msg, P.Ready):
+            if msg.protocol_version != P.PROTOCOL_VERSION:
+                self.mark_dead(f"engine speaks protocol v{msg.protocol_version}, this client v{P.PROTOCOL_VERSION}")
+            self.ready = msg
+            self._ready_evt.set()
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    log.warning("lost connection to engine at %s", self.address)
+                    self._lost = True
+                    self._ready_evt.clear()
+                    self._fail_all(EngineDead(f"lost connection to engine at {self.address}"))
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
+                    self._lost = False
+                    await self._send(P.Hello(client_name=self.identity.decode()))
+        finally:
+            monitor.close(linger=0)
+
+    def _fail_all(self, err: ConveyorError) -> None:
+        streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            stream.put(err)
+        while self._stats_waiters:
+            fut = self._stats_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+        if self._dead is not None:
+            self._ready_evt.set()  # wake wait_ready() callers so that they raise _dead
+
+
+class EngineClient:
+    """Blocking wrapper: the async client runs on its own event loop in a daemon thread."""
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="conveyor-client", daemon=True)
+        self._thread.start()
+        self._client = AsyncEngineClient(address, **kwargs)
+        self.ready = self._call(self._client.start())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _iterate(self, it: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    yield self._call(it.__anext__())  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+        finally:
+            if hasattr(it, "aclose"):
+                self._call(it.aclose())
+
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+            priority: int = 0) -> Iterator[P.RequestOutput]:
+        return self._iterate(self._call(self._client.add(prompt_token_ids, params, request_id, priority)))
+
+    def abort(self, request_id: str) -> None:
+        self._call(self._client.abort(request_id))
+
+    def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
+        return self._call(self._client.get_stats(timeout))
+
+    def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[TextOutput]:
+        return self._iterate(self._client.stream_text(prompt, params, request_id))
+
+    def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
+        return self._call(self._client.generate_text(prompt, params, request_id))
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._client.close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

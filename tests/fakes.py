@@ -1,0 +1,146 @@
+"""Test doubles for the client side: a fake engine that speaks shared/protocol.py, and the default
+model's tokenizer loaded once per test session into a temporary cache (never ~/.cache)."""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from shared import protocol as P
+from shared.errors import ProtocolError
+
+
+def cache_root() -> Path:
+    """CONVEYOR_CACHE for this test process and its children: tests/conftest.py points it at a session
+    temp folder; run without that conftest, a private temp folder is made here."""
+    if "CONVEYOR_CACHE" not in os.environ:
+        path = tempfile.mkdtemp(prefix="conveyor-test-cache-")
+        atexit.register(shutil.rmtree, path, True)
+        os.environ["CONVEYOR_CACHE"] = path
+    return Path(os.environ["CONVEYOR_CACHE"])
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2_tokenizer() -> Any:
+    """Parsed from the GGUF once per session (seconds), then cached where subprocesses find it too."""
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+
+    source = resolve_model("SmolLM2-135M-Instruct")
+    return load_tokenizer(source, cache_dir=cache_root() / source.cache_dir.name)
+
+
+class FakeEngine:
+    """A ROUTER in a thread. Every request emits `tokens` (or `script(add)`), `tokens_per_step` per step,
+    finishing with "length" at max_tokens or "stop" when the script runs out. `reject(add)` returning a
+    message makes the engine answer ERROR instead. Everything received is kept in `received`."""
+
+    def __init__(self, tokens: list[int] | None = None, *, address: str | None = None, answer_hello: bool = True,
+                 model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (2,),
+                 step_interval: float = 0.002, tokens_per_step: int = 1,
+                 script: Callable[[P.Add], list[int]] | None = None,
+                 reject: Callable[[P.Add], str | None] | None = None) -> None:
+        self.tokens = tokens if tokens is not None else [100, 200, 300]
+        self.answer_hello, self.step_interval, self.tokens_per_step = answer_hello, step_interval, tokens_per_step
+        self.ready = P.Ready(P.PROTOCOL_VERSION, model_name, max_model_len, list(eos_token_ids))
+        self.script = script or (lambda add: list(self.tokens))
+        self.reject = reject or (lambda add: None)
+        self.received: list[P.Message] = []
+        self.aborted: list[str] = []
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address is None:
+            port = self._sock.bind_to_random_port("tcp://127.0.0.1")
+            address = f"tcp://127.0.0.1:{port}"
+        else:
+            self._sock.bind(address)
+        self.address = address
+        # request_id -> [client identity, Add, remaining tokens, emitted count]
+        self._live: dict[str, list[Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> FakeEngine:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._ctx.destroy(linger=0)
+
+    def wait_for(self, pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():
+                return True
+            time.sleep(0.005)
+        return pred()
+
+    def adds(self) -> list[P.Add]:
+        return [m for m in self.received if isinstance(m, P.Add)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(int(self.step_interval * 1000) if self._live else 20):
+                while self._sock.poll(0):
+                    ident, *frames = self._sock.recv_multipart()
+                    self._handle(ident, frames)
+            if self._live:
+                self._step()
+
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        self._sock.send_multipart([ident, *P.encode(msg)])
+
+    def _handle(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            msg = P.decode(frames)
+        except ProtocolError as e:
+            self._send(ident, P.Error(e.request_id, str(e)))
+            return
+        self.received.append(msg)
+        if isinstance(msg, P.Hello) and self.answer_hello:
+            self._send(ident, self.ready)
+        elif isinstance(msg, P.GetStats):
+            self._send(ident, P.Stats({"num_running": float(len(self._live))}))
+        elif isinstance(msg, P.Add):
+            why = self.reject(msg)
+            if why is not None:
+                self._send(ident, P.Error(msg.request_id, why, 400))
+            else:
+                self._live[msg.request_id] = [ident, msg, self.script(msg), 0]
+        elif isinstance(msg, P.Abort):
+            for rid in msg.request_ids:
+                self.aborted.append(rid)
+                entry = self._live.pop(rid, None)
+                if entry is not None:
+                    self._send(entry[0], P.Outputs([P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))]))
+
+    def _step(self) -> None:
+        per_client: dict[bytes, list[P.RequestOutput]] = {}
+        for rid, entry in list(self._live.items()):
+            ident, add, remaining, emitted = entry
+            room = add.params.max_tokens - emitted
+            new, entry[2] = remaining[: min(self.tokens_per_step, room)], remaining[min(self.tokens_per_step, room):]
+            entry[3] += len(new)
+            reason = "length" if entry[3] >= add.params.max_tokens else ("stop" if not entry[2] else None)
+            per_client.setdefault(ident, []).append(
+                P.RequestOutput(rid, new, reason is not None, reason, len(add.prompt_token_ids)))
+            if reason is not None:
+                del self._live[rid]
+        for ident, outs in per_client.items():  # one OUTPUTS message per client per step, as the engine does
+            self._send(ident, P.Outputs(outs))

@@ -1,0 +1,184 @@
+"""The client SDK against a fake engine: streaming, abort, typed errors, handshake timeout, engine loss."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from shared.client import AsyncEngineClient, EngineClient
+from shared.errors import EngineDead, InvalidRequest
+from shared.sampling import SamplingParams
+from shared.tokenizer import apply_chat_template
+from tests.fakes import FakeEngine, smollm2_tokenizer
+
+
+def run(coro):  # noqa: ANN001, ANN201 - tiny helper, no pytest-asyncio needed
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_handshake_reports_engine_facts() -> None:
+    async def main() -> None:
+        with FakeEngine(max_model_len=123) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                assert client.ready is not None
+                assert (client.ready.model_name, client.ready.max_model_len) == ("SmolLM2-135M-Instruct", 123)
+    run(main())
+
+
+def test_streams_deltas_until_finished() -> None:
+    async def main() -> None:
+        with FakeEngine(tokens=[5, 6, 7, 8, 9], tokens_per_step=2) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                stream = await client.add([1, 2, 3], SamplingParams(max_tokens=10), request_id="r1")
+                outs = [o async for o in stream]
+        assert [o.new_token_ids for o in outs] == [[5, 6], [7, 8], [9]]
+        assert [o.finished for o in outs] == [False, False, True]
+        assert outs[-1].finish_reason == "stop" and outs[-1].num_prompt_tokens == 3
+        assert eng.adds()[0].prompt_token_ids == [1, 2, 3]
+    run(main())
+
+
+def test_many_requests_are_routed_to_their_own_streams() -> None:
+    async def main() -> None:
+        script = lambda add: [add.prompt_token_ids[0]] * 4  # noqa: E731 - each request echoes its id
+        with FakeEngine(script=script) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                streams = [await client.add([i + 10], SamplingParams(max_tokens=8)) for i in range(20)]
+                results = await asyncio.gather(*[_collect(s) for s in streams])
+        assert results == [[i + 10] * 4 for i in range(20)]
+    run(main())
+
+
+async def _collect(stream) -> list[int]:  # noqa: ANN001
+    return [t async for o in stream for t in o.new_token_ids]
+
+
+def test_max_tokens_gives_length() -> None:
+    async def main() -> None:
+        with FakeEngine(tokens=list(range(100, 150))) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                outs = [o async for o in await client.add([1], SamplingParams(max_tokens=4))]
+        assert sum(len(o.new_token_ids) for o in outs) == 4 and outs[-1].finish_reason == "length"
+    run(main())
+
+
+def test_abort_ends_stream_and_reaches_engine_and_is_idempotent() -> None:
+    async def main() -> None:
+        with FakeEngine(tokens=list(range(1000)), step_interval=0.01) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                stream = await client.add([1], SamplingParams(max_tokens=1000), request_id="long")
+                first = await stream.__anext__()
+                await client.abort("long")
+                await client.abort("long")
+                await client.abort("never-existed")
+                rest = [o async for o in stream]
+                assert eng.wait_for(lambda: "long" in eng.aborted)
+        assert first.new_token_ids == [0]
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        assert eng.aborted == ["long"]  # the second abort was a no-op on the client side
+    run(main())
+
+
+def test_engine_error_raises_invalid_request() -> None:
+    async def main() -> None:
+        reject = lambda add: "prompt is too long" if len(add.prompt_token_ids) > 2 else None  # noqa: E731
+        with FakeEngine(reject=reject) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                stream = await client.add([1, 2, 3], SamplingParams())
+                with pytest.raises(InvalidRequest, match="too long"):
+                    await stream.__anext__()
+                ok = [o async for o in await client.add([1], SamplingParams())]  # the client still works
+                assert ok[-1].finished
+    run(main())
+
+
+def test_no_ready_gives_engine_dead_within_timeout() -> None:
+    async def main() -> None:
+        for eng in (FakeEngine(answer_hello=False), None):  # engine mute, or nothing listening at all
+            address = eng.address if eng else "tcp://127.0.0.1:9"
+            client = AsyncEngineClient(address, ready_timeout=0.3)
+            start = time.monotonic()
+            with pytest.raises(EngineDead, match="did not answer HELLO"):
+                await client.start()
+            assert time.monotonic() - start < 2
+            await client.close()
+            if eng:
+                eng.stop()
+    run(main())
+
+
+def test_engine_loss_fails_inflight_requests_then_reconnects() -> None:
+    async def main() -> None:
+        eng = FakeEngine(tokens=list(range(1000)), step_interval=0.01).__enter__()
+        async with AsyncEngineClient(eng.address, ready_timeout=3) as client:
+            stream = await client.add([1], SamplingParams(max_tokens=1000))
+            await stream.__anext__()
+            eng.stop()
+            with pytest.raises(EngineDead):
+                async for _ in stream:
+                    pass
+            with FakeEngine(tokens=[7], address=eng.address):  # the engine comes back on the same address
+                outs = [o async for o in await client.add([1], SamplingParams())]
+                assert outs[-1].new_token_ids == [7]
+    run(main())
+
+
+def test_get_stats_and_closed_client() -> None:
+    async def main() -> None:
+        with FakeEngine() as eng:
+            client = AsyncEngineClient(eng.address)
+            await client.start()
+            assert await client.get_stats() == {"num_running": 0.0}
+            await client.close()
+            await client.close()
+            with pytest.raises(EngineDead):
+                await client.add([1], SamplingParams())
+    run(main())
+
+
+def test_duplicate_request_id_is_rejected() -> None:
+    async def main() -> None:
+        with FakeEngine(tokens=list(range(100)), step_interval=0.05) as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                await client.add([1], SamplingParams(max_tokens=50), request_id="same")
+                with pytest.raises(InvalidRequest, match="already running"):
+                    await client.add([1], SamplingParams(), request_id="same")
+    run(main())
+
+
+def test_text_level_generate_with_stop_string_aborts_engine() -> None:
+    tok = smollm2_tokenizer()
+    ids = tok.encode("The capital of France is Paris. It is big.")
+
+    async def main() -> None:
+        with FakeEngine(tokens=ids, step_interval=0.01) as eng:
+            async with AsyncEngineClient(eng.address, tokenizer=tok) as client:
+                out = await client.generate_text("Capital?", SamplingParams(max_tokens=100, stop=["Paris"]))
+                assert out.text == "The capital of France is " and out.finish_reason == "stop"
+                assert eng.wait_for(lambda: eng.aborted == [out.request_id])
+                chat = await client.generate_text([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=100))
+                assert chat.text == "The capital of France is Paris. It is big." and chat.finish_reason == "stop"
+                assert eng.adds()[-1].prompt_token_ids == apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+                assert chat.num_prompt_tokens == len(eng.adds()[-1].prompt_token_ids)
+    run(main())
+
+
+def test_sync_client() -> None:
+    with FakeEngine(tokens=[4, 5, 6]) as eng, EngineClient(eng.address) as client:
+        assert client.ready.model_name == "SmolLM2-135M-Instruct"
+        outs = list(client.add([1, 2], SamplingParams(max_tokens=8)))
+        assert [t for o in outs for t in o.new_token_ids] == [4, 5, 6] and outs[-1].finished
+        assert client.get_stats()["num_running"] == 0.0
+        stream = client.add([1], SamplingParams(max_tokens=8), request_id="x")
+        next(stream)
+        client.abort("x")
+        assert list(stream)[-1].finish_reason in ("abort", "stop")
+
+
+def test_sync_client_text_calls() -> None:
+    tok = smollm2_tokenizer()
+    with FakeEngine(tokens=tok.encode("Bonjour 你好")) as eng, EngineClient(eng.address, tokenizer=tok) as client:
+        parts = list(client.stream_text("Say hi", SamplingParams(max_tokens=20)))
+        assert "".join(p.text for p in parts) == "Bonjour 你好" and parts[-1].finish_reason == "stop"
+        assert client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=["你"])).text == "Bonjour "

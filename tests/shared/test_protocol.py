@@ -1,0 +1,110 @@
+"""The wire: every message survives encode/decode; anything malformed is a ProtocolError, nothing else."""
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from shared import protocol as P
+from shared.errors import ProtocolError
+from shared.sampling import SamplingParams
+
+MESSAGES: list[P.Message] = [
+    P.Hello(),
+    P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name="gateway-1"),
+    P.Ready(P.PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 2048, [2]),
+    P.Add("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=("\n\n",), stop_token_ids=(7,), seed=3)),
+    P.Add("r2", [0], SamplingParams(), priority=-2, arrival_time=1234.5),
+    P.Abort(["r1", "r2"]),
+    P.Outputs([]),
+    P.Outputs([P.RequestOutput("r1", [5, 6]), P.RequestOutput("r2", [], True, "abort", 3, 2)]),
+    P.Error("r1", "prompt is too long", 400),
+    P.Error(None, "malformed message", 400),
+    P.GetStats(),
+    P.Stats({"num_running": 3.0, "kv_cache_usage": 0.25}),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg: P.Message) -> None:
+    frames = P.encode(msg)
+    assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
+    assert P.decode(frames) == msg
+
+
+def test_every_message_type_is_covered() -> None:
+    assert {type(m) for m in MESSAGES} == set(P._TYPES)
+
+
+def test_decode_accepts_zmq_style_buffers() -> None:
+    frames = P.encode(P.Abort(["x"]))
+    assert P.decode([memoryview(frames[0]), memoryview(frames[1])]) == P.Abort(["x"])  # type: ignore[list-item]
+
+
+def _add_payload(**changes: object) -> bytes:
+    d = orjson.loads(P.encode(P.Add("r9", [1, 2], SamplingParams()))[1])
+    d.update(changes)
+    return orjson.dumps(d)
+
+
+MALFORMED: dict[str, list[bytes]] = {
+    "one frame": [b"H"],
+    "three frames": [b"H", b"{}", b"{}"],
+    "unknown type byte": [b"Z", b"{}"],
+    "empty type frame": [b"", b"{}"],
+    "bad json": [b"A", b"{not json"],
+    "empty payload": [b"H", b""],
+    "add without prompt": [b"A", orjson.dumps({"request_id": "r", "params": {}})],
+    "add payload is a list": [b"A", b"[1, 2]"],
+    "add empty prompt": [b"A", _add_payload(prompt_token_ids=[])],
+    "add negative token": [b"A", _add_payload(prompt_token_ids=[1, -5])],
+    "add token is a string": [b"A", _add_payload(prompt_token_ids=["a"])],
+    "add request id not a string": [b"A", _add_payload(request_id=5)],
+    "add bad priority": [b"A", _add_payload(priority="high")],
+    "ready missing fields": [b"R", orjson.dumps({"protocol_version": 1})],
+    "hello unknown field": [b"H", orjson.dumps({"evil": 1})],
+    "abort without ids": [b"X", b"{}"],
+    "outputs row too short": [b"O", orjson.dumps([["r1"]])],
+    "outputs not a list": [b"O", b"5"],
+    "error missing message": [b"E", orjson.dumps({"request_id": "r"})],
+    "stats gauges not a map": [b"S", orjson.dumps({"gauges": 3})],
+}
+
+
+@pytest.mark.parametrize("frames", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_raises_protocol_error(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        P.decode(frames)
+
+
+@pytest.mark.parametrize(
+    "params, param",
+    [({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p"),
+     ({"max_tokens": "many"}, "max_tokens"), ({"no_such_knob": 1}, "no_such_knob"), ({"stop": [""]}, "stop")],
+)
+def test_bad_sampling_params_keep_request_id(params: dict[str, object], param: str) -> None:
+    """The engine answers ERROR for the very request, so the decoder must keep its id."""
+    with pytest.raises(ProtocolError, match=param) as info:
+        P.decode([b"A", _add_payload(params=params)])
+    assert info.value.request_id == "r9"
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> object:
+    choices = [None, True, -1, 0, 2**40, 1.5, "", "r1", [], {}]
+    if depth < 3:
+        choices += [[_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]] * 3
+        keys = ["request_id", "prompt_token_ids", "params", "gauges", "request_ids", "message", "x"]
+        choices += [{rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}] * 3
+    return rng.choice(choices)
+
+
+def test_fuzz_only_protocol_errors() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        kind = rng.choice([t.value for t in P.MsgType] + [b"?", b"AA"])
+        payload = orjson.dumps(_random_json(rng)) if rng.random() < 0.9 else rng.randbytes(rng.randrange(8))
+        try:
+            P.decode([kind, payload])
+        except ProtocolError:
+            pass

@@ -31,6 +31,8 @@ class EngineLoop:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # a full queue would silently drop a client's outputs
         self.sock.setsockopt(zmq.RCVHWM, 0)
+        # Sending to a client that is gone raises instead of dropping, so its requests get aborted.
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(address)
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
 
@@ -99,4 +101,13 @@ class EngineLoop:
             self._send(client, Outputs(outs))
 
     def _send(self, client: bytes, msg: object) -> None:
-        self.sock.send_multipart([client, *encode(msg)])
+        try:
+            self.sock.send_multipart([client, *encode(msg)])
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            gone = [rid for rid, c in self.owner.items() if c == client]
+            log.warning("client %s is gone; aborting its %d requests", client.hex(), len(gone))
+            for rid in gone:
+                del self.owner[rid]
+            self.core.abort(gone)

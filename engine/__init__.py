@@ -1,0 +1,1 @@
+"""The engine process: scheduler, KV cache, model runner; no sockets below loop.py."""

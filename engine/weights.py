@@ -1,0 +1,235 @@
+"""Weight loading: HF folders (config.json + *.safetensors) and GGUF files. Never downloads anything.
+
+The model is built on the meta device and takes the loaded tensors as its parameters
+(load_state_dict(assign=True)), so weights are allocated once.
+
+A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata),
+then written as a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row
+order) under source.cache_dir / "weights". Every later start reads that folder like any HF model,
+in well under a second. The folder appears atomically (written beside it, then renamed), so a
+crash or a concurrent start never leaves a half-written cache that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from tqdm import tqdm
+
+from engine.models import ModelConfig, get_model_class
+from shared.model_source import ModelSource
+
+log = logging.getLogger("conveyor.weights")
+
+# GGUF architecture -> (HF architecture, HF model_type). llama.cpp files Mistral under "llama".
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
+    """-> (model in eval mode without grads, its config). GGUF sources load from the dequantized
+    cache when it exists, and create it otherwise."""
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    if source.gguf_file is None:
+        folder = source.folder
+    else:
+        folder = source.cache_dir / "weights"
+        if not (folder / "config.json").is_file():
+            config, tensors = read_gguf(source.folder / source.gguf_file)
+            if _try_write_cache(folder, config, tensors):
+                log.info("dequantized %s into %s", source.gguf_file, folder)
+            model, cfg = _build(config, None, _drain(tensors), dtype, device)
+            _log_loaded(source, model, dtype, source.folder / source.gguf_file, t0)
+            return model, cfg
+    config = json.loads((folder / "config.json").read_text())
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device)
+    _log_loaded(source, model, dtype, folder, t0)
+    return model, cfg
+
+
+def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype,
+           device: torch.device) -> tuple[nn.Module, ModelConfig]:
+    cfg = ModelConfig.from_hf(config, gen)
+    with torch.device("meta"):
+        model = get_model_class(cfg.architecture)(cfg)
+    cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
+    model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
+    return model.requires_grad_(False).eval().to(device), cfg  # .to moves the RoPE table buffer
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The shards the index names, else every *.safetensors except Mistral's consolidated.safetensors
+    (the same weights under Mistral's own names, shipped beside the HF shards in some repos)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *.safetensors files (only safetensors checkpoints are supported)")
+    return files
+
+
+def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams tensors one at a time, so conversion can fuse and free as it goes."""
+    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
+        for h in handles:
+            for name in h.keys():
+                yield name, h.get_tensor(name)
+                bar.update()
+
+
+def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields and removes, so each dequantized tensor is freed once the model holds its converted form."""
+    for name in list(tensors):
+        yield name, tensors.pop(name)
+
+
+def _log_loaded(source: ModelSource, model: nn.Module, dtype: torch.dtype, origin: Path, t0: float) -> None:
+    n = sum(p.numel() for p in model.parameters())
+    log.info("loaded %s (%.1fM params, %s) from %s in %.2f s", source.name, n / 1e6,
+             str(dtype).removeprefix("torch."), origin, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    t0 = time.perf_counter()
+    reader = GGUFReader(path)
+    config = _gguf_config(reader)
+    log.info("read GGUF metadata of %s in %.2f s", path.name, time.perf_counter() - t0)
+    # llama.cpp permutes q/k rows of "llama" models into its interleaved RoPE order; qwen2 uses
+    # NEOX (HF's) order and is stored as is.
+    unpermute = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    permuted = reader.fields["general.architecture"].contents() == "llama"
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
+        name, module = _gguf_to_hf_name(t.name)
+        w = dequantize(t.data, t.tensor_type)  # [rows, cols] float32 (GGUF lists shapes reversed)
+        assert w.shape == tuple(int(n) for n in reversed(t.shape)), (t.name, w.shape, t.shape)
+        if w.dtype != np.float32 or not w.flags.writeable:  # F32/F16 come as views of the file map
+            w = np.array(w, dtype=np.float32)
+        w = torch.from_numpy(w)
+        if permuted and module in unpermute:
+            w = from_interleaved(w, unpermute[module])
+        tensors[name] = w
+    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    return config, tensors
+
+
+def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation: within each head, rows (2j, 2j+1) -> (j, j + D/2).
+    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works for weights and biases."""
+    d_half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, d_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_to_hf_name(name: str) -> tuple[str, str]:
+    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'self_attn.q_proj')."""
+    base, kind = name.rsplit(".", 1)
+    if base in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[base]}.{kind}", base
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER:
+        module = _GGUF_LAYER[parts[2]]
+        return f"model.layers.{parts[1]}.{module}.{kind}", module
+    if base == "rope_freqs":
+        raise ValueError("GGUF rope_freqs (Llama 3.1-style RoPE scaling stored as factors) is not supported")
+    raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def _gguf_config(reader: Any) -> dict[str, Any]:
+    """GGUF metadata -> an HF config.json dict (llama.* / qwen2.* keys, tokenizer.ggml.* token ids)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = get("general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHS)}")
+    hf_arch, model_type = _GGUF_ARCHS[arch]
+    hidden, heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
+    head_dim = get(f"{arch}.attention.key_length") or hidden // heads
+    rope_dims = get(f"{arch}.rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim}: partial RoPE is not supported")
+    vocab = get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_type = get(f"{arch}.rope.scaling.type", "none")
+    rope_scaling = None
+    if rope_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": get(f"{arch}.rope.scaling.factor")}
+    elif rope_type != "none":
+        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported")
+    # The ids that end generation: eos, plus end-of-turn / end-of-message where the file names them.
+    eos = [get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": get(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": get(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get(f"{arch}.attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get(f"{arch}.rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": get(f"{arch}.context_length"),
+        "hidden_act": "silu",
+        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
+        "torch_dtype": "float32",
+    }
+
+
+def _try_write_cache(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+    """Writes the HF folder atomically. A failure (read-only or full disk) costs only the next start's
+    speed, so it is logged, not raised."""
+    tmp = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
+        return True
+    except OSError as e:
+        if not (folder / "config.json").is_file():
+            log.warning("could not write the weight cache %s (%s); the next start dequantizes again", folder, e)
+        return False
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

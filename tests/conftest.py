@@ -1,0 +1,78 @@
+"""Shared fixtures: tiny random HF checkpoints (no download, seconds to build) and the embedded SmolLM2."""
+from __future__ import annotations
+
+import os
+
+# Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests must never reach the network, whatever a test asks transformers for.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from shared.model_source import ModelSource, resolve_model  # noqa: E402
+
+TINY = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+    intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    # std 0.15 (HF's default is 0.02) keeps greedy output varied instead of one repeated token, with
+    # top-1/top-2 logit gaps far above float noise, so greedy comparisons are not decided by rounding.
+    initializer_range=0.15,
+)
+
+
+def save_tiny(folder: Path, config_cls: type, model_cls: type, seed: int = 0, bias_std: float = 0.0,
+              **overrides: object) -> Path:
+    """Writes a tiny random checkpoint (config.json + model.safetensors) and returns its folder.
+    bias_std: HF initialises q/k/v biases to zero; a nonzero draw makes the bias path really tested."""
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**TINY, **overrides})).eval()
+    if bias_std:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, bias_std)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Derived files (dequantized weights, tokenizer) go to a per-session folder, never the user's home."""
+    path = tmp_path_factory.mktemp("conveyor-cache")
+    old = os.environ.get("CONVEYOR_CACHE")
+    os.environ["CONVEYOR_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("CONVEYOR_CACHE", None)
+    else:
+        os.environ["CONVEYOR_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), Qwen2Config, Qwen2ForCausalLM, seed=2, bias_std=0.1)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint():
+    """save_tiny, for tests that need a variant (another RoPE scaling, tied embeddings, ...)."""
+    return save_tiny
+
+
+@pytest.fixture(scope="session")
+def smollm2_source() -> ModelSource:
+    return resolve_model("SmolLM2-135M-Instruct")

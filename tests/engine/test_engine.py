@@ -1,0 +1,121 @@
+"""The engine against transformers' own generate, and the paging / batching promises of the design."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.core import EngineCore
+from engine.offline import LLM, build_config
+from shared.sampling import SamplingParams
+from tests.reference import hf_folder_model, hf_greedy, transformers_gguf_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_greedy_equals_transformers_generate(fixture, request):
+    folder = request.getfixturevalue(fixture)
+    prompts = random_prompts(8, vocab=512)
+    llm = LLM(str(folder), num_blocks=128, block_size=16, max_num_batched_tokens=128)
+    ours = [o.token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert ours == hf_greedy(hf_folder_model(folder), prompts, GREEDY.max_tokens)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_source.folder, gguf_file=smollm2_source.gguf_file)
+    texts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,",
+             "The quick brown fox", "Explain photosynthesis to a child in three sentences, please. " * 3,
+             "def fibonacci(n):", "Name three colors.", "Once upon a time in a land far away, " * 8]
+    prompts = [tok.encode(t) for t in texts]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    llm = LLM("SmolLM2-135M-Instruct", kv_cache_memory="256MiB", max_num_batched_tokens=1024)
+    ours = llm.generate(prompts, params, use_tqdm=False)
+    # All eight decoded side by side in one batch, not one after another.
+    assert max(len(r.scheduled) for r in llm.core.history) == 8
+    ref = hf_greedy(transformers_gguf_model(smollm2_source), prompts, 48)
+    assert [o.token_ids for o in ours] == ref
+
+
+def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
+    prompts = random_prompts(6, vocab=512, seed=1, lo=20, hi=90)
+    cfg = build_config(str(tiny_llama_dir), num_blocks=96, block_size=16, max_num_batched_tokens=64)
+    plain = EngineCore(cfg)
+    order = list(range(96))
+    random.Random(7).shuffle(order)
+    scrambled = EngineCore(cfg, free_block_order=order)
+    results = []
+    for core in (plain, scrambled):
+        for i, p in enumerate(prompts):
+            core.add(f"r{i}", p, GREEDY)
+        tables, toks = {}, {f"r{i}": [] for i in range(len(prompts))}
+        while core.has_work():
+            for out in core.step():
+                toks[out.request_id] += out.new_token_ids
+            for rid, req in core.requests.items():
+                tables[rid] = list(req.block_table)
+        results.append((toks, tables))
+    assert results[0][0] == results[1][0]
+    long_tables = [t for t in results[1][1].values() if len(t) > 2]
+    assert long_tables, "some sequence must span several blocks"
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in long_tables), "blocks must be non-contiguous"
+    assert scrambled.block_manager.num_free_blocks == 96
+
+
+def test_request_joins_running_batch_next_step_and_blocks_return(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16))
+    core.add("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add("b", [9, 10, 11], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    core.add("late", [12, 13, 14, 15, 16], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.step()
+    last = dict(core.history[-1].scheduled)
+    assert last == {"a": 1, "b": 1, "late": 5}  # joined at once, prefilled beside two decodes
+    while core.has_work():
+        core.step()
+    assert core.block_manager.num_free_blocks == 64
+    assert core.block_manager.ref_counts == [0] * 64
+
+
+def test_finished_request_frees_blocks_in_the_same_step(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16))
+    core.add("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    core.add("short", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    core.step()
+    held = 64 - core.block_manager.num_free_blocks
+    outs = core.step()
+    assert any(o.request_id == "short" and o.finished for o in outs)
+    assert 64 - core.block_manager.num_free_blocks == held // 2  # short's 3 blocks are back
+
+
+def test_abort_frees_blocks_and_is_idempotent(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=16))
+    core.add("x", list(range(3, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    core.step()
+    assert core.block_manager.num_free_blocks < 32
+    assert [o.finish_reason for o in core.abort(["x"])] == ["abort"]
+    assert core.abort(["x", "never-seen"]) == []
+    assert core.block_manager.num_free_blocks == 32 and not core.has_work()
+
+
+def test_prompt_that_can_never_fit_is_rejected_and_others_continue(tiny_llama_dir):
+    from shared.errors import InvalidRequest
+
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=4, block_size=16))  # 64 tokens fit
+    with pytest.raises(InvalidRequest, match="at most 64 tokens"):
+        core.add("huge", list(range(3, 100)), GREEDY)
+    core.add("ok", [3, 4, 5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    got = []
+    while core.has_work():
+        got += [t for o in core.step() for t in o.new_token_ids]
+    assert len(got) == 5

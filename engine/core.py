@@ -2,6 +2,7 @@
 in-process, engine/loop.py drives it from ZeroMQ."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -11,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.block_manager import BlockManager
-from engine.kv_cache import allocate_kv_cache
+from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, StepPlan
 from engine.weights import load_model
 from kernels import get_backend
-from shared.config import EngineConfig, SchedulerConfig
+from shared.config import EngineConfig
 from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
 from shared.protocol import RequestOutput
@@ -49,20 +50,19 @@ class EngineCore:
         model, self.model_config = load_model(self.source, dtype, device)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        kv = allocate_kv_cache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-        num_blocks, block_size = kv.shape[2], kv.shape[3]
-        self.block_manager = BlockManager(num_blocks, block_size, free_block_order)
+        kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        num_blocks, block_size = kv.num_blocks, kv.block_size
+        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks)
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
-        sched = config.scheduler
-        self.scheduler = Scheduler(
-            SchedulerConfig(sched.max_num_batched_tokens, sched.max_num_seqs, sched.prefill_policy, self.max_model_len),
-            self.block_manager,
-        )
-        self.runner = ModelRunner(model, kv, get_backend(config.attention_backend, device), block_size, device)
+        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
+                                   self.block_manager)
+        self.runner = ModelRunner(model, kv, get_backend(config.attention_backend, device), device)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.totals = {"prefill_tokens": 0, "decode_tokens": 0}
+        self.last_step: dict[str, int] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
         log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
                  time.perf_counter() - t0, self.source.name, self.max_model_len, num_blocks, block_size)
@@ -84,6 +84,7 @@ class EngineCore:
                 f"{self.max_model_len} tokens including at least one generated token", param="prompt")
         req = Request(request_id, prompt_token_ids, params, priority,
                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
+        req.events["queued"] = time.time()
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -106,7 +107,7 @@ class EngineCore:
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
-        sampled = self.runner.execute(plan)  # one forward, one sample
+        sampled = self.runner.execute(plan)  # swap, one forward, one sample
         deltas = self.scheduler.update(plan, sampled, self.max_model_len)  # advance, stop, free
         self._record(plan)
         return [self._output(d.request, d.new_token_ids) for d in deltas]
@@ -116,10 +117,14 @@ class EngineCore:
         if finished:
             del self.requests[req.request_id]
         return RequestOutput(req.request_id, new_token_ids, finished, req.status.finish_reason,
-                             req.num_prompt_tokens, req.num_cached_tokens)
+                             req.num_prompt_tokens, req.num_cached_tokens, req.events if finished else None)
 
-    def _record(self, plan) -> None:
+    def _record(self, plan: StepPlan) -> None:
         self.num_steps += 1
+        self.totals["prefill_tokens"] += plan.num_tokens - plan.num_decode_tokens
+        self.totals["decode_tokens"] += plan.num_decode_tokens
+        self.last_step = {"step_prefill_tokens": plan.num_tokens - plan.num_decode_tokens,
+                          "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.requests)}
         self.history.append(StepRecord(
             self.num_steps,
             tuple((r.request_id, n) for r, n in zip(plan.requests, plan.num_new_tokens)),
@@ -127,13 +132,21 @@ class EngineCore:
         ))
 
     def stats(self) -> dict[str, float]:
-        s = self.scheduler
+        """Gauges and counters for STATS and /metrics: a flat name -> number map."""
+        s, bm = self.scheduler, self.block_manager
         return {
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
-            "kv_usage": self.block_manager.usage,
-            "num_free_blocks": self.block_manager.num_free_blocks,
-            "num_blocks": self.block_manager.num_blocks,
-            "num_preemptions": s.num_preemptions,
+            "num_swapped": len(s.swapped),
+            "kv_usage": bm.usage,
+            "cpu_kv_usage": bm.cpu.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "num_free_cpu_blocks": bm.cpu.num_free,
+            "num_cpu_blocks": bm.cpu.num_blocks,
+            "num_preemptions_swap": s.num_preemptions["swap"],
+            "num_preemptions_recompute": s.num_preemptions["recompute"],
             "num_steps": self.num_steps,
+            **{f"total_{k}": v for k, v in self.totals.items()},
+            **self.last_step,
         }

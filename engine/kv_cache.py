@@ -1,4 +1,5 @@
-"""The physical KV memory: one preallocated tensor for all layers, sized once from a memory budget."""
+"""The physical KV memory: a device pool and a CPU swap pool, each one preallocated tensor for all
+layers, sized once at start-up from a memory budget."""
 from __future__ import annotations
 
 import logging
@@ -21,24 +22,39 @@ def available_memory(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def allocate_kv_cache(
-    config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """-> [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]
+class KVCache:
+    """device: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; cpu: the same
+    with num_cpu_blocks.
 
     Zero-filled: padded decode gathers read slots beyond a sequence's length; their attention
     weight is 0, but 0 * NaN from uninitialised memory would still poison the output.
     """
-    per_block = bytes_per_block(num_layers, config.block_size, num_kv_heads, head_dim, dtype)
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        num_blocks = parse_memory(config.kv_cache_memory, total=available_memory(device)) // per_block
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {per_block} bytes")
-    log.info("kv cache: %d blocks x %d tokens = %d tokens, %.1f MiB", num_blocks, config.block_size,
-             num_blocks * config.block_size, num_blocks * per_block / 2**20)
-    return torch.zeros(num_layers, 2, num_blocks, config.block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, 2, config.block_size, num_kv_heads, head_dim)
+        per_block = num_layers * 2 * config.block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            num_blocks = parse_memory(config.kv_cache_memory, total=available_memory(device)) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {per_block} bytes")
+        num_cpu = config.num_cpu_blocks
+        if num_cpu is None:
+            num_cpu = parse_memory(config.swap_space, total=available_memory(torch.device("cpu"))) // per_block
+        self.block_size = config.block_size
+        self.device = torch.zeros(*shape[:2], num_blocks, *shape[2:], dtype=dtype, device=device)
+        # Pinned on CUDA so swaps are DMA copies; plain memory on a CPU-only machine.
+        pin = device.type == "cuda"
+        self.cpu = torch.zeros(*shape[:2], num_cpu, *shape[2:], dtype=dtype, pin_memory=pin)
+        log.info("kv cache: %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens (%.0f MiB)",
+                 num_blocks, num_blocks * self.block_size, num_blocks * per_block / 2**20,
+                 num_cpu, num_cpu * self.block_size, num_cpu * per_block / 2**20)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.device.shape[2]
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.cpu.shape[2]

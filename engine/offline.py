@@ -5,14 +5,13 @@
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
 from engine.core import EngineCore
-from shared.config import CacheConfig, EngineConfig, SchedulerConfig
+from shared.config import EngineConfig, build_config
 from shared.sampling import SamplingParams
 
 
@@ -23,18 +22,6 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
-
-
-def build_config(model: str, **kwargs: Any) -> EngineConfig:
-    """Flat keyword arguments (as on the command line) -> the nested, validated EngineConfig."""
-    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, EngineConfig: {}}
-    for key, value in kwargs.items():
-        owner = next((cls for cls in parts if key in {f.name for f in dataclasses.fields(cls)}), None)
-        if owner is None or key in ("scheduler", "cache"):
-            raise TypeError(f"unknown engine option {key!r}")
-        parts[owner][key] = value
-    return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                        cache=CacheConfig(**parts[CacheConfig]), **parts[EngineConfig])
 
 
 class LLM:

@@ -42,7 +42,7 @@ class Request:
     __slots__ = (
         "request_id", "params", "priority", "arrival_time", "token_ids", "num_prompt_tokens",
         "num_computed_tokens", "num_cached_tokens", "block_table", "status", "num_sent_tokens",
-        "generator", "stop_ids",
+        "generator", "stop_ids", "swapped", "just_resumed", "events",
     )
 
     def __init__(
@@ -66,6 +66,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_sent_tokens = 0  # output tokens already reported to the client
         self.generator: Any = None  # the sampler's per-request RNG when params.seed is set
+        self.swapped = False  # block_table holds CPU swap-pool blocks
+        self.just_resumed = False  # resumed after preemption and not yet advanced: not a victim again
+        # Engine-stamped wall-clock times (time.time()): queued, scheduled, first_token, finished,
+        # plus preempted (a count); sent with the final output so clients compute latencies.
+        self.events: dict[str, float] = {}
         ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             ids.update(eos_token_ids)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.sampler import Sampler
 from engine.scheduler import StepPlan
@@ -11,19 +12,19 @@ from kernels.backend import AttentionBackend, BatchLayout
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: torch.Tensor, backend: AttentionBackend, block_size: int,
-        device: torch.device,
+        self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
-        self.block_size = block_size
+        self.block_size = kv_cache.block_size
         self.device = device
         self.sampler = Sampler(device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
         """Compute every scheduled token; sample one token for each request that reaches its end."""
+        self._swap(plan)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -58,7 +59,7 @@ class ModelRunner:
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_cache,
+            self.kv_cache.device,
             meta,
             self.backend,
             torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
@@ -66,3 +67,11 @@ class ModelRunner:
         if not sampling:
             return []
         return self.sampler(logits.float(), sampling)
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Out before in: a block swapped out this step may be the very block another request swaps into."""
+        kv = self.kv_cache
+        for pairs, src, dst in ((plan.swap_out, kv.device, kv.cpu), (plan.swap_in, kv.cpu, kv.device)):
+            if pairs:
+                ids = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src block, dst block)
+                self.backend.swap_blocks(src, dst, ids[:, 0], ids[:, 1])

@@ -1,44 +1,61 @@
 """Iteration-level scheduling: every step decides afresh which requests compute how many tokens.
 
 One token budget per step (max_num_batched_tokens) and a cap on sequences (max_num_seqs).
-Running requests are served first, in admission order, each the rest of its gap (1 for a decode,
-a chunk for a prompt); waiting requests are admitted with what is left, by (priority, arrival).
-The prefill policy only changes that order and how prompts may be cut:
+Order of service: running requests (in admission order, each the rest of its gap: 1 for a
+decode, a chunk for a prompt), then swapped-out requests (they come back before anyone new),
+then waiting requests by (priority, arrival). The prefill policy only changes that order and how
+prompts may be cut:
   chunked        prompts are cut to fit the budget left after decodes (Sarathi-Serve).
   prefill_first  while prompts wait, a step serves only prompts; decodes pause (vLLM V0, TGI).
   mixed          a prompt joins a step only whole, next to the decodes (Orca).
-When a request cannot get blocks, the running request that wastes least to redo (lowest priority,
-then latest arrival) is preempted by recompute: its blocks are freed and it waits again with its
-prompt and generated tokens, which are prefilled anew; outputs do not change.
+When a request cannot get blocks, a running request not yet served this step is preempted: the
+lowest priority, then the least computed work (cheapest to redo), never one that was just resumed
+and has not advanced since (no preempt/resume ping-pong). `swap` copies its blocks to the CPU
+pool; `recompute` frees them and prefills prompt + generated tokens again; `auto` swaps while the
+CPU pool has room. Outputs are identical either way.
 """
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from shared.config import SchedulerConfig
 
+# waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many steps.
+MAX_WAITING_STEPS = 20
+
 
 @dataclass
 class StepPlan:
-    """What one step computes: requests[i] computes its next num_new_tokens[i] tokens."""
+    """What one step computes: requests[i] computes its next num_new_tokens[i] tokens, after the
+    runner has copied the swap_out then the swap_in block pairs."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    num_decode_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    def add(self, req: Request, n: int) -> None:
+        if n == 1 and req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
+            self.num_decode_tokens += 1
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
 
     def __bool__(self) -> bool:
         return bool(self.requests)
 
 
 @dataclass
-class Finished:
+class Delta:
     request: Request
     new_token_ids: list[int]
 
@@ -47,62 +64,89 @@ def _order(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
 
 
+def _victim_order(req: Request) -> tuple[int, int, float]:
+    """The max is preempted: lowest priority, then least computed work, then latest arrival."""
+    return (req.priority, -req.num_computed_tokens, req.arrival_time)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.bm = block_manager
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time)
+        self.swapped: list[Request] = []  # sorted by (priority, arrival_time)
         self.running: list[Request] = []  # admission order
-        self.num_preemptions = 0
+        self.num_steps = 0
+        self.steps_since_admission = 0
+        self.num_preemptions = {"swap": 0, "recompute": 0}
 
     def add(self, req: Request) -> None:
-        keys = [_order(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, _order(req)), req)
+        _insert(self.waiting, req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        for queue in (self.running, self.waiting, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                break
         self.bm.free(req)
         req.status = RequestStatus.FINISHED_ABORTED
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
+        self.num_steps += 1
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
-        policy = self.config.prefill_policy
-        prompts_first = policy == "prefill_first" and self._can_admit(budget)
+        admit = self._admission_open()
+        prompts_first = self.config.prefill_policy == "prefill_first" and admit and self._room(budget)
         if not prompts_first:
             budget = self._schedule_running(plan, budget)
         if not plan.preempted:
-            budget = self._schedule_waiting(plan, budget, whole_prompts=policy == "mixed")
+            budget = self._schedule_swapped(plan, budget)
+        if admit and not plan.preempted and not self.swapped:
+            budget = self._schedule_waiting(plan, budget)
         if prompts_first and not plan.requests:  # nothing could be admitted after all
             self._schedule_running(plan, budget)
         return plan
+
+    def _admission_open(self) -> bool:
+        """schedule_interval and waiting_served_ratio hold new requests back to keep decode batches
+        steady; with nothing running, the door is always open."""
+        if not self.waiting:
+            return False
+        self.steps_since_admission += 1
+        if not self.running and not self.swapped:
+            return True
+        cfg = self.config
+        if (self.num_steps - 1) % cfg.schedule_interval:
+            return False
+        if cfg.waiting_served_ratio > 0 and self.steps_since_admission < MAX_WAITING_STEPS:
+            return len(self.waiting) >= cfg.waiting_served_ratio * len(self.running)
+        return True
+
+    def _room(self, budget: int) -> bool:
+        return budget > 0 and len(self.running) < self.config.max_num_seqs
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, n, plan, protect=i):
+            if not self._reserve(req, n, plan, first_candidate=i):
                 continue  # req itself was preempted; running[i] is now the next request
-            plan.requests.append(req)
-            plan.num_new_tokens.append(n)
+            plan.add(req, n)
             budget -= n
             i += 1
         return budget
 
-    def _reserve(self, req: Request, n: int, plan: StepPlan, protect: int) -> bool:
-        """Get blocks for req's next n tokens, preempting requests not yet scheduled this step."""
+    def _reserve(self, req: Request, n: int, plan: StepPlan, first_candidate: int) -> bool:
+        """Get blocks for req's next n tokens, preempting requests not yet served this step."""
         need = self.bm.num_new_blocks(req, req.num_computed_tokens + n)
         while not self.bm.can_allocate(need):
-            candidates = self.running[protect:]
-            victim = max(candidates, key=_order)
+            candidates = self.running[first_candidate:]
+            victim = max([r for r in candidates if not r.just_resumed] or candidates, key=_victim_order)
             self._preempt(victim, plan)
             if victim is req:
                 return False
@@ -111,40 +155,71 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
-        self.bm.free(req)
-        req.num_computed_tokens = 0
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = "swap" if self.bm.can_swap_out(req) else "recompute"
+        if mode == "swap" and self.bm.can_swap_out(req):
+            plan.swap_out += self.bm.swap_out(req)
+            _insert(self.swapped, req)
+        else:
+            mode = "recompute"
+            self.bm.free(req)
+            req.num_computed_tokens = 0
+            _insert(self.waiting, req)
         req.status = RequestStatus.PREEMPTED
-        self.add(req)
+        req.events["preempted"] = req.events.get("preempted", 0) + 1
         plan.preempted.append(req)
-        self.num_preemptions += 1
+        self.num_preemptions[mode] += 1
 
-    def _can_admit(self, budget: int) -> bool:
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0
-
-    def _schedule_waiting(self, plan: StepPlan, budget: int, whole_prompts: bool) -> int:
-        while self._can_admit(budget):
-            req = self.waiting[0]
-            remaining = req.num_tokens - req.num_computed_tokens
-            if whole_prompts and remaining > budget and plan.requests:
-                break  # mixed: a prompt joins only whole, unless it alone exceeds the budget
-            n = min(remaining, budget)
-            need = self.bm.num_new_blocks(req, req.num_computed_tokens + n)
-            if not self.bm.can_allocate(need):
-                break  # FCFS: do not let a later, smaller request overtake
+    def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
+        while self.swapped and self._room(budget):
+            req = self.swapped[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.bm.can_swap_in(req, req.num_computed_tokens + n):
+                break
+            self.swapped.pop(0)
+            plan.swap_in += self.bm.swap_in(req)
             self.bm.allocate(req, req.num_computed_tokens + n)
-            self.waiting.pop(0)
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            plan.requests.append(req)
-            plan.num_new_tokens.append(n)
+            self._start(req, plan, n)
             budget -= n
         return budget
 
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
+        cfg = self.config
+        long_prefills = sum(r.num_tokens - r.num_computed_tokens > cfg.long_prefill_threshold for r in self.running)
+        i = 0
+        while i < len(self.waiting) and self._room(budget):
+            req = self.waiting[i]
+            remaining = req.num_tokens - req.num_computed_tokens
+            is_long = remaining > cfg.long_prefill_threshold
+            if is_long and long_prefills >= cfg.max_long_prefills:
+                i += 1  # let shorter prompts behind it get their first token
+                continue
+            if cfg.prefill_policy == "mixed" and remaining > budget and plan.requests:
+                break  # a prompt joins only whole, unless it alone exceeds the budget
+            n = min(remaining, budget)
+            if not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
+                break  # FCFS within what fits: a later request does not overtake for memory
+            self.bm.allocate(req, req.num_computed_tokens + n)
+            self.waiting.pop(i)
+            long_prefills += is_long
+            self._start(req, plan, n)
+            budget -= n
+            self.steps_since_admission = 0
+        return budget
+
+    def _start(self, req: Request, plan: StepPlan, n: int) -> None:
+        req.just_resumed = req.status == RequestStatus.PREEMPTED
+        req.status = RequestStatus.RUNNING
+        req.events.setdefault("scheduled", time.time())
+        self.running.append(req)
+        plan.add(req, n)
+
     # ---------------------------------------------------------------- update
-    def update(self, plan: StepPlan, sampled: list[int], max_model_len: int) -> list[Finished]:
+    def update(self, plan: StepPlan, sampled: list[int], max_model_len: int) -> list[Delta]:
         """Advance every scheduled request; sampled holds one token per request that reached the
         end of its known tokens this step, in plan order. Returns the deltas; frees finished ones."""
-        deltas: list[Finished] = []
+        deltas: list[Delta] = []
         j = 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
             req.num_computed_tokens += n
@@ -153,11 +228,15 @@ class Scheduler:
             token = sampled[j]
             j += 1
             req.token_ids.append(token)
+            req.just_resumed = False
+            if req.num_sent_tokens == 0:
+                req.events.setdefault("first_token", time.time())
             self._check_stop(req, token, max_model_len)
             new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
             req.num_sent_tokens += len(new)
-            deltas.append(Finished(req, new))
+            deltas.append(Delta(req, new))
             if req.status.finished:
+                req.events["finished"] = time.time()
                 self.running.remove(req)
                 self.bm.free(req)
         assert j == len(sampled)
@@ -170,3 +249,8 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+
+
+def _insert(queue: list[Request], req: Request) -> None:
+    keys = [_order(r) for r in queue]
+    queue.insert(bisect.bisect_right(keys, _order(req)), req)

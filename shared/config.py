@@ -4,10 +4,12 @@ Components receive the slice they need, never the whole EngineConfig.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -18,22 +20,41 @@ def _require(ok: bool, why: str) -> None:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # Tokens computed in one step, prefill and decode together. Larger = better throughput
-    # (bigger GEMMs), worse inter-token latency for running requests while prompts prefill.
+    """Each knob says what it trades: throughput, inter-token latency (ITL), time to first token (TTFT)."""
+
+    # Tokens computed in one step, prefill and decode together. Larger = better throughput (bigger
+    # GEMMs), worse ITL for running requests while prompts prefill.
     max_num_batched_tokens: int = 512
-    # Sequences in one step. Larger = more throughput until the KV cache runs out.
+    # Sequences in one step. Larger = more throughput until the KV cache runs out (then preemption).
     max_num_seqs: int = 128
-    # chunked: prompt chunks share the step with decodes (steady inter-token latency);
-    # prefill_first: new prompts get a step of their own (lowest TTFT, decode stalls);
-    # mixed: whole prompts join the decode step (simple, long prompts stall decodes).
+    # chunked: prompt chunks share the step with decodes (steady ITL, TTFT grows with load);
+    # prefill_first: new prompts get a step of their own (lowest TTFT, decodes stall);
+    # mixed: whole prompts join the decode step (simple; a long prompt stalls every decode once).
     prefill_policy: str = "chunked"
     max_model_len: int = 2048
+    # Admit new requests only every N steps: fewer batch changes (steadier ITL), worse TTFT.
+    schedule_interval: int = 1
+    # TGI's knob: while requests run, admit new ones only when waiting >= ratio * running (0 = off).
+    # Larger = bigger admission batches (throughput), worse TTFT.
+    waiting_served_ratio: float = 0.0
+    # At most this many prompts with more than long_prefill_threshold tokens left prefill at once, so
+    # one huge prompt cannot starve the first token of the short ones queued behind it.
+    max_long_prefills: int = 1
+    long_prefill_threshold: int = 256
+    # auto: swap to the CPU pool while it has room, else recompute; swap: CPU pool only (recompute
+    # when full); recompute: free the blocks and prefill again (costs FLOPs, no memory).
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _require(self.prefill_policy in PREFILL_POLICIES, f"prefill_policy must be one of {PREFILL_POLICIES}")
         _require(self.max_model_len >= 2, "max_model_len must be >= 2")
+        _require(self.schedule_interval >= 1, "schedule_interval must be >= 1")
+        _require(self.waiting_served_ratio >= 0, "waiting_served_ratio must be >= 0")
+        _require(self.max_long_prefills >= 1, "max_long_prefills must be >= 1")
+        _require(self.long_prefill_threshold >= 1, "long_prefill_threshold must be >= 1")
+        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
 
 
 @dataclass(frozen=True)
@@ -43,11 +64,15 @@ class CacheConfig:
     # fraction of free memory ("0.3"). Ignored when num_blocks is given.
     kv_cache_memory: str = "2GiB"
     num_blocks: int | None = None
+    # CPU pool that preempted requests swap to (bytes, as kv_cache_memory). 0 = recompute only.
+    swap_space: str = "1GiB"
+    num_cpu_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
         parse_memory(self.kv_cache_memory, total=1)  # raises ValueError when malformed
+        parse_memory(self.swap_space, total=1)
 
 
 @dataclass(frozen=True)
@@ -73,8 +98,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 
 def parse_memory(text: str, total: int) -> int:
-    """'2GiB' -> bytes; '0.3' -> 30% of total. Raises ValueError with the accepted forms."""
+    """'2GiB' -> bytes; '0.3' -> 30% of total; '0' -> 0. Raises ValueError with the accepted forms."""
     s = str(text).strip().lower().replace(" ", "")
+    if s == "0":
+        return 0
     num = s.rstrip("abgikm")
     unit = s[len(num):]
     try:
@@ -86,3 +113,16 @@ def parse_memory(text: str, total: int) -> int:
     if unit == "" and value < 1:
         return int(value * total)
     return int(value * _UNITS[unit])
+
+
+def build_config(model: str, **options: Any) -> EngineConfig:
+    """Flat options (as on the command line: max_num_seqs=..., block_size=...) -> the nested,
+    validated EngineConfig. Unknown names are a TypeError, bad values a ValueError."""
+    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, EngineConfig: {}}
+    for key, value in options.items():
+        owner = next((cls for cls in parts if key in {f.name for f in fields(cls)}), None)
+        if owner is None or key in ("scheduler", "cache", "model"):
+            raise TypeError(f"unknown engine option {key!r}")
+        parts[owner][key] = value
+    return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
+                        cache=CacheConfig(**parts[CacheConfig]), **parts[EngineConfig])

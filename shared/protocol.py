@@ -71,6 +71,9 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # On the final output only: engine-stamped wall-clock times (queued, scheduled, first_token,
+    # finished) and the preemption count, so clients compute latencies from the engine's clock.
+    events: dict[str, float] | None = None
 
 
 @dataclass(slots=True)
@@ -126,7 +129,8 @@ def encode(msg: Message) -> list[bytes]:
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
-            [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens]
+            [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
+             o.events]
             for o in msg.outputs
         ]
     else:

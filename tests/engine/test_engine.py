@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.core import EngineCore
-from engine.offline import LLM, build_config
+from engine.offline import LLM
+from shared.config import build_config
 from shared.sampling import SamplingParams
 from tests.reference import hf_folder_model, hf_greedy, transformers_gguf_model
 

@@ -1,0 +1,50 @@
+"""The engine's command-line flags. In shared/ because `conveyor serve` offers the same flags and
+passes them through to the engine process it starts (and the gateway must not import engine/)."""
+from __future__ import annotations
+
+import argparse
+
+from shared.config import (
+    ATTENTION_BACKENDS, DEFAULT_MODEL, PREEMPTION_MODES, PREFILL_POLICIES, CacheConfig, EngineConfig,
+    SchedulerConfig, build_config,
+)
+
+# Flags whose value is None are left out, so the config's own defaults apply.
+_NOT_CONFIG = {"address", "log_level", "model"}
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags; `conveyor serve` passes the same ones through. Help says what each trades."""
+    s, c = SchedulerConfig(), CacheConfig()
+    a = p.add_argument
+    a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
+    a("--dtype", help="float32 (default) is fastest on CPUs without AMX; bfloat16 halves memory")
+    a("--device", help="cpu (default) or cuda")
+    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, PyTorch on CPU")
+    a("--num-threads", type=int, help="compute threads; default: one per core")
+    a("--max-model-len", type=int, help="default: the model's context length")
+    a("--seed", type=int, help="seed of unseeded sampling")
+    a("--max-num-seqs", type=int, help=f"sequences per step (default {s.max_num_seqs}): more = throughput "
+      "until the KV cache runs out")
+    a("--max-num-batched-tokens", type=int, help=f"token budget per step (default {s.max_num_batched_tokens}): "
+      "more = throughput, but longer steps (inter-token latency)")
+    a("--prefill-policy", choices=PREFILL_POLICIES, help=f"(default {s.prefill_policy}) chunked: steady "
+      "inter-token latency; prefill_first: lowest time to first token; mixed: whole prompts join decodes")
+    a("--schedule-interval", type=int, help="admit new requests every N steps (default 1): larger = steadier "
+      "decode batches, later first tokens")
+    a("--waiting-served-ratio", type=float, help="while requests run, admit new ones only when waiting >= "
+      "ratio * running (default 0 = off): bigger admission batches, later first tokens")
+    a("--max-long-prefills", type=int, help=f"long prompts prefilling at once (default {s.max_long_prefills}): "
+      "fewer = short prompts behind a long one get their first token sooner")
+    a("--long-prefill-threshold", type=int, help=f"tokens that make a prompt long (default {s.long_prefill_threshold})")
+    a("--preemption-mode", choices=PREEMPTION_MODES, help="(default auto) swap: copy blocks to the CPU pool; "
+      "recompute: free them and prefill again; auto: swap while the CPU pool has room")
+    a("--block-size", type=int, help=f"tokens per KV block (default {c.block_size})")
+    a("--kv-cache-memory", help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default {c.kv_cache_memory})")
+    a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int, help="exact KV block count (overrides --kv-cache-memory)")
+    a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only")
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    options = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG and v is not None}
+    return build_config(args.model, **options)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
@@ -21,6 +22,11 @@ def main(argv: list[str] | None = None) -> None:
         config = config_from_args(args)
     except ValueError as e:
         p.error(str(e))
+    # Pin OpenMP compute threads, one per core, before torch starts them: unpinned threads migrate
+    # and wait on each other at every GEMM's barrier. Set here, not below __main__, because OpenMP
+    # reads them once, when torch first runs a parallel region.
+    os.environ.setdefault("OMP_PROC_BIND", "close")
+    os.environ.setdefault("OMP_PLACES", "cores")
     # SIGTERM unwinds like Ctrl-C so the loop closes its socket and removes its ipc file.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     from engine.core import EngineCore

@@ -1,0 +1,50 @@
+"""Shared bits of the benchmarks: thread placement, what machine this is, seeded workloads."""
+from __future__ import annotations
+
+import os
+import platform
+import random
+
+
+def pin_threads(num_threads: int) -> None:
+    """OpenMP reads these once, at the first parallel region: call before torch does any work."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(num_threads))
+    os.environ.setdefault("OMP_PROC_BIND", "close")
+    os.environ.setdefault("OMP_PLACES", "cores")
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads, python {platform.python_version()}")
+
+
+def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0) -> float:
+    """Measured fp32 GEMM speed at a shape of this model: the yardstick for the arithmetic ceiling."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(n_tokens, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * n_tokens * k * n * reps / (time.perf_counter() - t0) / 1e9
+
+
+def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """Seeded (prompt token ids, output length) pairs; ids avoid the low special-token range."""
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+            for _ in range(num_requests)]

@@ -21,7 +21,7 @@ from kernels.backend import BatchLayout
 class _Prefill:
     token_slice: slice  # rows of this sequence's new tokens in the flattened batch
     key_slots: torch.Tensor  # [L] int64 slots of positions 0..L-1
-    mask: torch.Tensor | None  # [q, L] bool, None when there is no cached context (plain causal)
+    mask: torch.Tensor | None  # [q, L] float additive (0 / -inf), None without cached context (plain causal)
 
 
 @dataclass
@@ -55,8 +55,9 @@ class TorchBackend:
                 L = ctx + q
                 mask = None
                 if ctx > 0:  # query j sits at position ctx + j and sees keys 0..ctx + j
-                    mask = torch.arange(L)[None, :] <= (torch.arange(q)[:, None] + ctx)
-                    mask = mask.to(self.device)
+                    # Additive float mask: CPU SDPA runs about 2x faster with it than with a bool mask.
+                    hidden = torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx)
+                    mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
             start += q
         rows = blocks = mask = None

@@ -15,7 +15,8 @@ from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.runner import ModelRunner
-from engine.scheduler import Scheduler, StepPlan
+from engine.sampler import LogprobEntry
+from engine.scheduler import Delta, Scheduler, StepPlan
 from engine.weights import load_model
 from kernels import get_backend
 from shared.config import EngineConfig
@@ -52,7 +53,8 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size
-        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks)
+        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks,
+                                          config.cache.enable_prefix_caching)
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
@@ -78,6 +80,8 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
@@ -107,17 +111,23 @@ class EngineCore:
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
-        sampled = self.runner.execute(plan)  # swap, one forward, one sample
-        deltas = self.scheduler.update(plan, sampled, self.max_model_len)  # advance, stop, free
+        sampled = self.runner.execute(plan)  # swap, copy, one forward, one sample
+        logprobs = self.runner.sampler.logprobs if sampled else None
+        deltas = self.scheduler.update(plan, sampled, self.max_model_len, logprobs)  # advance, stop, free
         self._record(plan)
-        return [self._output(d.request, d.new_token_ids) for d in deltas]
+        return [self._output(d) for d in deltas]
 
-    def _output(self, req: Request, new_token_ids: list[int]) -> RequestOutput:
-        finished = req.status.finished
-        if finished:
+    def _output(self, d: Delta) -> RequestOutput:
+        req = d.request
+        if d.finished:
             del self.requests[req.request_id]
-        return RequestOutput(req.request_id, new_token_ids, finished, req.status.finish_reason,
-                             req.num_prompt_tokens, req.num_cached_tokens, req.events if finished else None)
+        return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
+                             req.num_cached_tokens, req.events if d.finished else None,
+                             _wire_logprobs(d.logprobs), d.index)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (benchmarks, or after swapping weights); running requests go on."""
+        self.block_manager.reset_prefix_cache()
 
     def _record(self, plan: StepPlan) -> None:
         self.num_steps += 1
@@ -147,6 +157,16 @@ class EngineCore:
             "num_preemptions_swap": s.num_preemptions["swap"],
             "num_preemptions_recompute": s.num_preemptions["recompute"],
             "num_steps": self.num_steps,
+            **{f"total_{k}_tokens" if k.startswith("prefix") else f"total_{k}": v for k, v in bm.stats.items()},
+            "num_cached_device_blocks": len(bm.device.cached),
+            "num_cached_cpu_blocks": len(bm.cpu.cached),
             **{f"total_{k}": v for k, v in self.totals.items()},
             **self.last_step,
         }
+
+
+def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list] | None:
+    """[(logprob, [(id, logprob), ...]), ...] -> JSON-ready [[logprob, [[id, logprob], ...]], ...]."""
+    if entries is None:
+        return None
+    return [[lp, [[t, v] for t, v in top]] for lp, top in entries]

@@ -15,7 +15,8 @@ import zmq
 from engine.core import EngineCore
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
-    PROTOCOL_VERSION, Abort, Add, Error, GetStats, Hello, Outputs, Ready, RequestOutput, Stats, decode, encode,
+    PROTOCOL_VERSION, Abort, Add, Error, GetStats, Hello, Outputs, Ready, RequestOutput, ResetPrefixCache, Stats,
+    decode, encode,
 )
 
 log = logging.getLogger("conveyor.loop")
@@ -89,6 +90,8 @@ class EngineLoop:
                                      list(self.core.eos_token_ids)))
         elif isinstance(msg, GetStats):
             self._send(client, Stats(self.core.stats()))
+        elif isinstance(msg, ResetPrefixCache):
+            self.core.reset_prefix_cache()
         else:
             self._send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
 

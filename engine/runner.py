@@ -75,3 +75,6 @@ class ModelRunner:
             if pairs:
                 ids = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src block, dst block)
                 self.backend.swap_blocks(src, dst, ids[:, 0], ids[:, 1])
+        if plan.copies:  # copy-on-write, after the swaps: a copy's source may just have been swapped in
+            ids = torch.tensor(plan.copies, dtype=torch.int64)  # [N, 2] (shared block, its new copy)
+            self.backend.copy_blocks(kv.device, ids[:, 0], ids[:, 1])

@@ -4,6 +4,11 @@ Greedy rows take the argmax. Random rows are processed together (temperature, to
 min-p) and drawn by the exponential race argmax(p / E), E ~ Exp(1), which equals sampling from p.
 A seeded row draws its E from its own generator, so its tokens do not depend on what else is in
 the batch.
+
+Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
+that order, in place on the logits. Logprobs (and the candidates of beam search, and the cumulative
+logprob best_of ranks by) are the raw model's log_softmax, taken before any of that, as OpenAI
+reports them. A step where every row is plain greedy pays one attribute check per row and an argmax.
 """
 from __future__ import annotations
 
@@ -11,14 +16,31 @@ import torch
 
 from engine.request import Request
 
+# One logprob entry per sampled row: (logprob of the sampled token, [(token id, logprob), ...] top k).
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
 
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        # Per row of the last call: a LogprobEntry where the row's request wants logprobs (or runs
+        # several sequences), else None. None altogether when no row wanted any (the common case).
+        self.logprobs: list[LogprobEntry | None] | None = None
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         """logits: [B, V] float32, one row per request that samples. -> B token ids."""
-        self._suppress_early_stop(logits, reqs)
+        self.logprobs = None
+        if all(r.plain for r in reqs):
+            return logits.argmax(dim=-1).tolist()
+        lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None or r.group is not None]
+        raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
+        self._process(logits, reqs)
+        tokens = self._sample(logits, reqs)
+        if raw_logp is not None:
+            self.logprobs = self._gather_logprobs(raw_logp, lp_rows, reqs, tokens)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1).tolist()
         probs = self._probs(logits, reqs)  # [B, V]
@@ -26,7 +48,9 @@ class Sampler:
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
                 if r.generator is None:
-                    r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+                    # Each sequence of an n > 1 request draws its own stream, all from the one seed.
+                    seed = r.params.seed if r.index == 0 else hash((r.params.seed, r.index)) & (2**63 - 1)
+                    r.generator = torch.Generator(device=self.device).manual_seed(seed)
                 noise[i].exponential_(generator=r.generator)
             else:
                 noise[i].exponential_()
@@ -37,11 +61,43 @@ class Sampler:
         return tokens.tolist()
 
     @staticmethod
-    def _suppress_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
-        """min_tokens: a request may not stop before it has produced that many tokens."""
+    def _process(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """min_tokens, logit_bias and penalties, in place, only on the rows that ask for them."""
+        vocab = logits.shape[-1]
         for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens and r.stop_ids:
-                logits[i, list(r.stop_ids)] = float("-inf")
+            p = r.params
+            if p.min_tokens and r.num_output_tokens < p.min_tokens and r.stop_ids:
+                logits[i, list(r.stop_ids)] = float("-inf")  # may not stop before min_tokens
+            if not p.has_penalties:
+                continue
+            row = logits[i]  # [V] view
+            if p.logit_bias:
+                ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
+                row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device))
+            if p.repetition_penalty != 1.0:  # over prompt and output, as transformers
+                ids = torch.tensor(r.token_ids, device=row.device).unique()
+                seen = row[ids]
+                row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
+                out = torch.tensor(r.token_ids[r.num_prompt_tokens:], device=row.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _gather_logprobs(raw_logp: torch.Tensor, rows: list[int], reqs: list[Request],
+                         tokens: list[int]) -> list[LogprobEntry | None]:
+        ks = [_top_k_wanted(reqs[i]) for i in rows]
+        k = max(ks)
+        idx = torch.tensor([tokens[i] for i in rows], device=raw_logp.device)
+        sampled = raw_logp.gather(1, idx[:, None])[:, 0].tolist()  # [L]
+        top_vals, top_ids = raw_logp.topk(k, dim=-1) if k else (None, None)  # [L, k]
+        top_vals = top_vals.tolist() if k else None
+        top_ids = top_ids.tolist() if k else None
+        out: list[LogprobEntry | None] = [None] * len(reqs)
+        for j, i in enumerate(rows):
+            kj = ks[j]
+            out[i] = (sampled[j], list(zip(top_ids[j][:kj], top_vals[j][:kj])) if kj else [])
+        return out
 
     @staticmethod
     def _probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -50,7 +106,7 @@ class Sampler:
         top_ks = [r.params.top_k for r in reqs]
         if any(k > 0 for k in top_ks):
             vocab = logits.shape[-1]
-            ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])  # [B, 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
@@ -64,6 +120,16 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
         min_ps = [r.params.min_p for r in reqs]
         if any(p > 0 for p in min_ps):
+            # transformers' MinPLogitsWarper: drop tokens below min_p times the top token's probability.
             mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
             probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
         return probs
+
+
+def _top_k_wanted(req: Request) -> int:
+    """Top logprobs a row reports: the request's own `logprobs`, or 2 * beam_width beam candidates."""
+    p = req.params
+    k = p.logprobs or 0
+    if p.use_beam_search:
+        k = max(k, 2 * p.beam_width)
+    return k

@@ -13,6 +13,10 @@ lowest priority, then the least computed work (cheapest to redo), never one that
 and has not advanced since (no preempt/resume ping-pong). `swap` copies its blocks to the CPU
 pool; `recompute` frees them and prefills prompt + generated tokens again; `auto` swaps while the
 CPU pool has room. Outputs are identical either way.
+
+Sharing: a waiting request starts on the longest cached prefix of its tokens (prefix caching), so
+only its suffix is computed. A request that runs several sequences (n / best_of, beam search) is
+one sequence until its prompt is computed but for the last token, then forks (engine/groups.py).
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from engine import groups
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
+from engine.sampler import LogprobEntry
 from shared.config import SchedulerConfig
 
 # waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many steps.
@@ -31,13 +37,14 @@ MAX_WAITING_STEPS = 20
 @dataclass
 class StepPlan:
     """What one step computes: requests[i] computes its next num_new_tokens[i] tokens, after the
-    runner has copied the swap_out then the swap_in block pairs."""
+    runner has copied the swap_out, then the swap_in, then the copy-on-write block pairs."""
 
     requests: list[Request] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
     num_decode_tokens: int = 0
 
     @property
@@ -56,8 +63,14 @@ class StepPlan:
 
 @dataclass
 class Delta:
+    """New tokens of one sequence. finish_reason: this sequence's; finished: the whole request's."""
+
     request: Request
     new_token_ids: list[int]
+    index: int = 0
+    finish_reason: str | None = None
+    finished: bool = False
+    logprobs: list[LogprobEntry] | None = None
 
 
 def _order(req: Request) -> tuple[int, float]:
@@ -87,16 +100,21 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort(self, req: Request) -> None:
-        for queue in (self.running, self.waiting, self.swapped):
-            if req in queue:
-                queue.remove(req)
-                break
-        self.bm.free(req)
+        for seq in (req.group.seqs if req.group else [req]):
+            for queue in (self.running, self.waiting, self.swapped):
+                if seq in queue:
+                    queue.remove(seq)
+                    break
+            self.bm.free(seq)
+            seq.status = RequestStatus.FINISHED_ABORTED
         req.status = RequestStatus.FINISHED_ABORTED
+        if req.group:
+            req.group.seqs = []
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         self.num_steps += 1
+        self.bm.begin_step()
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         admit = self._admission_open()
@@ -109,6 +127,7 @@ class Scheduler:
             budget = self._schedule_waiting(plan, budget)
         if prompts_first and not plan.requests:  # nothing could be admitted after all
             self._schedule_running(plan, budget)
+        plan.swap_out, plan.swap_in, plan.copies = self.bm.swap_out, self.bm.swap_in, self.bm.copies
         return plan
 
     def _admission_open(self) -> bool:
@@ -133,7 +152,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(_remaining(req), budget, others_waiting=bool(self.waiting))
+            if n == 0:  # a beam waiting for its siblings (preempted) before the group can step
+                i += 1
+                continue
             if not self._reserve(req, n, plan, first_candidate=i):
                 continue  # req itself was preempted; running[i] is now the next request
             plan.add(req, n)
@@ -141,10 +163,18 @@ class Scheduler:
             i += 1
         return budget
 
+    def _chunk(self, remaining: int, budget: int, others_waiting: bool) -> int:
+        """Tokens to compute now. A long prefill is cut to long_prefill_threshold while others wait,
+        so they get budget (and their first token) this step; alone, it takes the whole budget."""
+        n = min(remaining, budget)
+        cut = others_waiting and self.config.prefill_policy != "mixed"  # mixed never cuts a prompt
+        if cut and n > self.config.long_prefill_threshold:
+            n = self.config.long_prefill_threshold
+        return n
+
     def _reserve(self, req: Request, n: int, plan: StepPlan, first_candidate: int) -> bool:
         """Get blocks for req's next n tokens, preempting requests not yet served this step."""
-        need = self.bm.num_new_blocks(req, req.num_computed_tokens + n)
-        while not self.bm.can_allocate(need):
+        while not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
             candidates = self.running[first_candidate:]
             victim = max([r for r in candidates if not r.just_resumed] or candidates, key=_victim_order)
             self._preempt(victim, plan)
@@ -159,7 +189,7 @@ class Scheduler:
         if mode == "auto":
             mode = "swap" if self.bm.can_swap_out(req) else "recompute"
         if mode == "swap" and self.bm.can_swap_out(req):
-            plan.swap_out += self.bm.swap_out(req)
+            self.bm.do_swap_out(req)
             _insert(self.swapped, req)
         else:
             mode = "recompute"
@@ -174,11 +204,11 @@ class Scheduler:
     def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and self._room(budget):
             req = self.swapped[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(_remaining(req), budget)
             if not self.bm.can_swap_in(req, req.num_computed_tokens + n):
                 break
             self.swapped.pop(0)
-            plan.swap_in += self.bm.swap_in(req)
+            self.bm.do_swap_in(req)
             self.bm.allocate(req, req.num_computed_tokens + n)
             self._start(req, plan, n)
             budget -= n
@@ -190,22 +220,31 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and self._room(budget):
             req = self.waiting[i]
-            remaining = req.num_tokens - req.num_computed_tokens
+            hit = self.bm.lookup(req)
+            cached = hit.num_tokens(self.bm.block_size)
+            remaining = _remaining(req, cached)
             is_long = remaining > cfg.long_prefill_threshold
             if is_long and long_prefills >= cfg.max_long_prefills:
                 i += 1  # let shorter prompts behind it get their first token
                 continue
             if cfg.prefill_policy == "mixed" and remaining > budget and plan.requests:
                 break  # a prompt joins only whole, unless it alone exceeds the budget
-            n = min(remaining, budget)
-            if not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
-                break  # FCFS within what fits: a later request does not overtake for memory
-            self.bm.allocate(req, req.num_computed_tokens + n)
+            n = self._chunk(remaining, budget, others_waiting=len(self.waiting) > 1)
+            if req.block_table:  # holds shared blocks already (a forked sequence): no prefix lookup
+                if not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
+                    break
+                self.bm.allocate(req, req.num_computed_tokens + n)
+            else:
+                if not self.bm.can_allocate_hit(hit, cached + n):
+                    break  # FCFS within what fits: a later request does not overtake for memory
+                self.bm.allocate_hit(req, hit, cached + n)
             self.waiting.pop(i)
             long_prefills += is_long
             self._start(req, plan, n)
             budget -= n
             self.steps_since_admission = 0
+            if groups.ready_to_fork(req):  # its prompt is cached but for the last token
+                self.running += groups.fork(req, self.bm)
         return budget
 
     def _start(self, req: Request, plan: StepPlan, n: int) -> None:
@@ -213,34 +252,60 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         req.events.setdefault("scheduled", time.time())
         self.running.append(req)
-        plan.add(req, n)
+        if n:  # 0: a request about to fork whose prompt is cached but for the last token
+            plan.add(req, n)
 
     # ---------------------------------------------------------------- update
-    def update(self, plan: StepPlan, sampled: list[int], max_model_len: int) -> list[Delta]:
+    def update(self, plan: StepPlan, sampled: list[int], max_model_len: int,
+               logprobs: list[LogprobEntry | None] | None = None) -> list[Delta]:
         """Advance every scheduled request; sampled holds one token per request that reached the
-        end of its known tokens this step, in plan order. Returns the deltas; frees finished ones."""
+        end of its known tokens this step, in plan order (logprobs, when given, one entry per token).
+        Returns the deltas; frees finished sequences."""
         deltas: list[Delta] = []
+        beams: dict[int, list[tuple[Request, LogprobEntry]]] = {}
+        bs, caching = self.bm.block_size, self.bm.enable_prefix_caching
         j = 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
+            before = req.num_computed_tokens
             req.num_computed_tokens += n
+            if caching and req.num_computed_tokens // bs > before // bs:
+                self.bm.cache_blocks(req, before)
             if req.num_computed_tokens < req.num_tokens:
+                if groups.ready_to_fork(req):  # a chunk that ends one short of the prompt
+                    self.running += groups.fork(req, self.bm)
                 continue  # a prompt chunk that does not reach the end samples nothing
-            token = sampled[j]
+            token, entry = sampled[j], logprobs[j] if logprobs else None
             j += 1
-            req.token_ids.append(token)
             req.just_resumed = False
-            if req.num_sent_tokens == 0:
-                req.events.setdefault("first_token", time.time())
-            self._check_stop(req, token, max_model_len)
-            new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
-            req.num_sent_tokens += len(new)
-            deltas.append(Delta(req, new))
+            if req.group is not None and req.group.beam is not None:
+                beams.setdefault(id(req.group), []).append((req, entry))
+                continue
+            self._append(req, token, entry, max_model_len)
             if req.status.finished:
                 req.events["finished"] = time.time()
                 self.running.remove(req)
                 self.bm.free(req)
+            if req.group is None:
+                new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
+                lps = req.logprobs[req.num_sent_tokens:] if req.logprobs is not None else None
+                req.num_sent_tokens += len(new)
+                deltas.append(Delta(req, new, 0, req.status.finish_reason, req.status.finished, lps))
+            else:
+                deltas += groups.deltas_of(req)
         assert j == len(sampled)
+        for cands in beams.values():
+            deltas += groups.beam_step(cands, self, max_model_len)
         return deltas
+
+    def _append(self, req: Request, token: int, entry: LogprobEntry | None, max_model_len: int) -> None:
+        req.token_ids.append(token)
+        if entry is not None:
+            req.cumulative_logprob += entry[0]
+            if req.logprobs is not None:
+                req.logprobs.append(entry)
+        if req.num_sent_tokens == 0:
+            req.events.setdefault("first_token", time.time())
+        self._check_stop(req, token, max_model_len)
 
     @staticmethod
     def _check_stop(req: Request, token: int, max_model_len: int) -> None:
@@ -249,6 +314,14 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+
+
+def _remaining(req: Request, cached: int = 0) -> int:
+    """Tokens req may compute now. A request about to fork stops one short of its prompt: each of its
+    sequences computes the last prompt token itself (and so has its own logits to sample from)."""
+    start = max(cached, req.num_computed_tokens)
+    hold = req.group is not None and not req.group.forked
+    return req.num_tokens - start - hold
 
 
 def _insert(queue: list[Request], req: Request) -> None:

@@ -27,6 +27,7 @@ class MsgType(bytes, enum.Enum):
     ERROR = b"E"
     STATS = b"S"
     GET_STATS = b"G"
+    RESET_PREFIX_CACHE = b"C"
 
 
 @dataclass(slots=True)
@@ -74,6 +75,12 @@ class RequestOutput:
     # On the final output only: engine-stamped wall-clock times (queued, scheduled, first_token,
     # finished) and the preemption count, so clients compute latencies from the engine's clock.
     events: dict[str, float] | None = None
+    # Per new token, when the request asked for logprobs: [logprob, [[token id, logprob], ...top k]],
+    # the raw model's log_softmax (before penalties and temperature).
+    logprobs: list[list[Any]] | None = None
+    # Which of the request's sequences these tokens extend (n / best_of / beam search; 0 otherwise).
+    # finish_reason ends that sequence; finished ends the request (its last sequence).
+    index: int = 0
 
 
 @dataclass(slots=True)
@@ -96,13 +103,18 @@ class GetStats:
 
 
 @dataclass(slots=True)
+class ResetPrefixCache:
+    """Client -> engine: forget every cached prefix. No answer."""
+
+
+@dataclass(slots=True)
 class Stats:
     """Scheduler and cache gauges; a flat name -> number map so new gauges need no protocol change."""
 
     gauges: dict[str, float]
 
 
-Message = Hello | Ready | Add | Abort | Outputs | Error | GetStats | Stats
+Message = Hello | Ready | Add | Abort | Outputs | Error | GetStats | Stats | ResetPrefixCache
 
 _TYPES: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
@@ -113,6 +125,7 @@ _TYPES: dict[type, MsgType] = {
     Error: MsgType.ERROR,
     GetStats: MsgType.GET_STATS,
     Stats: MsgType.STATS,
+    ResetPrefixCache: MsgType.RESET_PREFIX_CACHE,
 }
 
 
@@ -130,7 +143,7 @@ def encode(msg: Message) -> list[bytes]:
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
             [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-             o.events]
+             o.events, o.logprobs, o.index]
             for o in msg.outputs
         ]
     else:
@@ -168,13 +181,17 @@ def _decode_add(d: dict[str, Any]) -> Add:
     )
 
 
+_NUM_OUTPUT_FIELDS = len(RequestOutput.__dataclass_fields__)
+
 _DECODERS = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,
     MsgType.ABORT: lambda d: Abort(request_ids=[str(r) for r in d["request_ids"]]),
-    MsgType.OUTPUTS: lambda rows: Outputs([RequestOutput(*row) for row in rows]),
+    # Rows may carry fields this reader does not know yet (appended at the end): ignore them.
+    MsgType.OUTPUTS: lambda rows: Outputs([RequestOutput(*row[:_NUM_OUTPUT_FIELDS]) for row in rows]),
     MsgType.ERROR: lambda d: Error(**d),
     MsgType.GET_STATS: lambda d: GetStats(),
     MsgType.STATS: lambda d: Stats(gauges=dict(d["gauges"])),
+    MsgType.RESET_PREFIX_CACHE: lambda d: ResetPrefixCache(),
 }

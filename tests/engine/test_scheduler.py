@@ -46,18 +46,19 @@ def test_budget_and_seq_cap_hold_every_step(policy):
     assert s.bm.num_free_blocks == 200
 
 
-def test_chunked_prefill_splits_long_prompt_and_keeps_decodes_running():
-    s = make_scheduler(max_num_batched_tokens=16, max_num_seqs=8)
-    s.add(make_request("short", 3, max_tokens=20, arrival=0))
-    run_step(s)  # short prefilled, sampled its first token
-    s.add(make_request("long", 50, arrival=1))
+def test_chunked_prefill_of_2000_tokens_never_starves_running_decodes():
+    s = make_scheduler(num_blocks=1024, max_num_batched_tokens=256, max_num_seqs=8)
+    for i in range(3):
+        s.add(make_request(f"chat{i}", 5, max_tokens=200, arrival=i))
+    run_step(s)  # the three chats are prefilled and decoding
+    s.add(make_request("doc", 2000, arrival=10))
     chunks = []
-    while any(r.request_id == "long" and r.num_computed_tokens < 50 for r in s.running + s.waiting):
+    while any(r.request_id == "doc" and r.num_computed_tokens < 2000 for r in s.running + s.waiting):
         plan = run_step(s)
-        ids = {r.request_id: n for r, n in zip(plan.requests, plan.num_new_tokens)}
-        assert ids["short"] == 1  # the decode is never starved by the prefill
-        chunks.append(ids.get("long", 0))
-    assert chunks == [15, 15, 15, 5]
+        ids = dict(zip((r.request_id for r in plan.requests), plan.num_new_tokens))
+        assert all(ids[f"chat{i}"] == 1 for i in range(3))  # every decode gets its token every step
+        chunks.append(ids.get("doc", 0))
+    assert chunks == [253] * 7 + [2000 - 253 * 7]
 
 
 def test_prefill_first_gives_new_prompts_a_step_of_their_own():
@@ -110,3 +111,66 @@ def test_blocks_come_from_the_free_list_in_its_order():
     assert r.block_table == [5, 2, 7, 0]
     bm.free(r)
     assert bm.num_free_blocks == 8 and r.block_table == []
+
+
+def test_schedule_interval_admits_only_every_nth_step():
+    s = make_scheduler(max_num_batched_tokens=64, schedule_interval=3)
+    s.add(make_request("a", 4, max_tokens=30, arrival=0))
+    run_step(s)  # step 1: admitted at once (nothing was running)
+    admitted_at = {}
+    for step in range(2, 9):
+        s.add(make_request(f"n{step}", 4, max_tokens=30, arrival=step))
+        plan = run_step(s)
+        for r, n in zip(plan.requests, plan.num_new_tokens):
+            if n > 1:
+                admitted_at.setdefault(r.request_id, step)
+    assert set(admitted_at.values()) == {4, 7}  # steps 1, 4, 7 open the door
+
+
+def test_waiting_served_ratio_holds_admissions_until_enough_wait():
+    s = make_scheduler(max_num_batched_tokens=64, waiting_served_ratio=2.0)
+    s.add(make_request("a", 4, max_tokens=50, arrival=0))
+    run_step(s)
+    s.add(make_request("b", 4, max_tokens=50, arrival=1))
+    assert [r.request_id for r in run_step(s).requests] == ["a"]  # 1 waiting < 2 x 1 running
+    s.add(make_request("c", 4, max_tokens=50, arrival=2))
+    assert sorted(r.request_id for r in run_step(s).requests) == ["a", "b", "c"]
+
+
+def test_long_prompt_cap_lets_short_prompts_overtake():
+    s = make_scheduler(num_blocks=512, max_num_batched_tokens=64, max_long_prefills=1, long_prefill_threshold=32)
+    s.add(make_request("long1", 400, arrival=0))
+    s.add(make_request("long2", 400, arrival=1))
+    s.add(make_request("short", 10, arrival=2))
+    plan = run_step(s)
+    # long1's chunk is capped while others wait; long2 may not prefill beside it; short overtakes.
+    assert dict(zip((r.request_id for r in plan.requests), plan.num_new_tokens)) == {"long1": 32, "short": 10}
+    s2 = make_scheduler(num_blocks=512, max_num_batched_tokens=64, long_prefill_threshold=32)
+    s2.add(make_request("alone", 400))
+    assert run_step(s2).num_new_tokens == [64]  # with nobody waiting, a long prompt uses the whole budget
+
+
+def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_again_at_once():
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(6, 4, num_cpu_blocks=16))
+    reqs = [make_request(f"r{i}", 7, max_tokens=6, arrival=i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    swapped_out, steps, checked = [], 0, 0
+    while s.has_work():
+        steps += 1
+        if steps == 3:
+            reqs.append(make_request("late", 3, max_tokens=6, arrival=10))
+            s.add(reqs[-1])
+        waiting = {r.request_id for r in s.waiting}
+        plan = s.schedule()
+        if s.swapped:  # nobody new is admitted while a swapped request still waits to come back
+            checked += 1
+            assert not waiting & {r.request_id for r in plan.requests}
+        swapped_out += [r.request_id for r in plan.preempted]
+        resumed = {r.request_id for r in plan.requests if r.just_resumed}
+        assert not resumed & {r.request_id for r in plan.preempted}
+        n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.requests, plan.num_new_tokens))
+        s.update(plan, [7] * n_sample, max_model_len=10_000)
+    assert swapped_out and checked and s.num_preemptions == {"swap": len(swapped_out), "recompute": 0}
+    assert all(r.num_output_tokens == 6 for r in reqs)
+    assert s.bm.num_free_blocks == 6 and s.bm.cpu.num_free == 16

@@ -3,6 +3,7 @@ weights equal to what transformers' own GGUF loader produces."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -69,8 +70,17 @@ def test_gguf_unpermute_inverts_llama_cpp_and_matches_transformers():
 
 # ---------------------------------------------------------------------------------------- GGUF
 @pytest.fixture(scope="module")
-def smollm2_loads(smollm2_source, conveyor_cache):
-    """(model, config, log records) of the first load, which dequantizes and fills the cache."""
+def smollm2_loads(smollm2_source, conveyor_cache, tmp_path_factory):
+    """(model, config, log records) of the first load, which dequantizes and fills the cache. The
+    module gets a cache folder of its own: other tests of the session may have filled the shared one."""
+    os.environ["CONVEYOR_CACHE"] = str(tmp_path_factory.mktemp("weights-cache"))
+    try:
+        yield _first_load(smollm2_source)
+    finally:
+        os.environ["CONVEYOR_CACHE"] = str(conveyor_cache)
+
+
+def _first_load(smollm2_source):
     handler = _Collect()
     log = logging.getLogger("conveyor.weights")
     log.addHandler(handler)

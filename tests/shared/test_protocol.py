@@ -23,7 +23,18 @@ MESSAGES: list[P.Message] = [
     P.Error(None, "malformed message", 400),
     P.GetStats(),
     P.Stats({"num_running": 3.0, "kv_cache_usage": 0.25}),
+    P.ResetPrefixCache(),
+    P.Outputs([P.RequestOutput("r3", [9], False, "stop", 4, 0, None, [[-0.5, [[9, -0.5], [4, -1.5]]]], 2)]),
+    P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias={5: -1.0}, repetition_penalty=1.2)),
 ]
+
+
+def test_old_readers_ignore_new_output_fields_and_new_readers_default_missing_ones() -> None:
+    row = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
+    out = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row])]).outputs[0]
+    assert out.logprobs is None and out.index == 0
+    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, "a future field"]])]).outputs[0]
+    assert longer == out
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)

@@ -1,0 +1,90 @@
+"""n and best_of: the prompt is prefilled once and its blocks are shared by every sample."""
+from __future__ import annotations
+
+import pytest
+
+from engine.core import EngineCore
+from shared.config import build_config
+from shared.sampling import SamplingParams
+
+BS = 16
+
+
+def collect(core: EngineCore) -> dict[tuple[str, int], list[int]]:
+    out: dict[tuple[str, int], list[int]] = {}
+    while core.has_work():
+        for o in core.step():
+            out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    return out
+
+
+def test_n4_on_a_300_token_prompt_holds_the_prompt_blocks_once(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=BS, max_num_batched_tokens=512,
+                                   enable_prefix_caching=False))
+    bm = core.block_manager
+    prompt = [3 + i % 500 for i in range(300)]
+    core.add("a", prompt, SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=6, ignore_eos=True))
+    core.step()  # prefills 299 tokens once, then forks
+    assert core.history[-1].scheduled == (("a", 299),)
+    seqs = core.requests["a"].group.seqs
+    assert len(seqs) == 4 and all(s.block_table == seqs[0].block_table for s in seqs)
+    table = seqs[0].block_table
+    assert len(table) == 19 and 64 - bm.num_free_blocks == 19  # 299 tokens = 18 full blocks + 11
+    assert [bm.ref_counts[b] for b in table] == [4] * 19
+    first = core.step()  # each sequence computes token 300 into the shared partial block: 3 copies, 1 in place
+    assert core.history[-1].scheduled == (("a", 1),) * 4
+    assert bm.stats["cow_copies"] == 3
+    assert [bm.ref_counts[b] for b in table[:18]] == [4] * 18 and bm.ref_counts[table[18]] == 1
+    assert 64 - bm.num_free_blocks == 19 + 3  # four separate requests would hold 4 * 19 = 76
+    assert len({s.block_table[18] for s in seqs}) == 4
+    out = collect(core)
+    for o in first:
+        out[(o.request_id, o.index)][:0] = o.new_token_ids
+    assert sorted(out) == [("a", i) for i in range(4)] and all(len(t) == 6 for t in out.values())
+    assert len({tuple(t) for t in out.values()}) > 1  # the samples differ
+    assert bm.num_free_blocks == 64 and set(bm.ref_counts) == {0}
+
+
+def test_forked_greedy_samples_equal_one_plain_request(tiny_llama_dir):
+    """If copy-on-write copied the wrong block or wrote a shared one, the four would diverge."""
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=BS, enable_prefix_caching=False))
+    prompt = list(range(3, 45))
+    core.add("one", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add("four", prompt, SamplingParams(temperature=0, n=4, max_tokens=20, ignore_eos=True))
+    out = collect(core)
+    assert all(out[("four", i)] == out[("one", 0)] for i in range(4))
+
+
+def test_seeded_n_is_reproducible_and_each_sample_is_its_own_stream(tiny_llama_dir):
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=10, ignore_eos=True)
+    runs = []
+    for others in (0, 5):
+        core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=128, block_size=BS))
+        for k in range(others):
+            core.add(f"o{k}", list(range(5 + k, 30)), SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True))
+        core.add("s", list(range(3, 25)), params)
+        runs.append({k: v for k, v in collect(core).items() if k[0] == "s"})
+    assert runs[0] == runs[1] and len({tuple(v) for v in runs[0].values()}) == 3
+
+
+def test_best_of_returns_the_n_most_likely_at_the_end(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=128, block_size=BS))
+    core.add("b", list(range(3, 25)), SamplingParams(temperature=1.0, seed=2, n=2, best_of=5, max_tokens=8,
+                                                      ignore_eos=True, logprobs=0))
+    rows = []
+    while core.has_work():
+        rows += core.step()
+    assert [(o.index, o.finished) for o in rows] == [(0, False), (1, True)]  # nothing streamed before the end
+    sums = [sum(lp for lp, _ in o.logprobs) for o in rows]
+    group = core.scheduler.running  # all gone
+    assert not group
+    assert sums[0] >= sums[1] and all(len(o.new_token_ids) == 8 for o in rows)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_prompt_of_one_token_forks_at_once(tiny_llama_dir, n):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=16, block_size=BS))
+    core.add("x", [7], SamplingParams(temperature=0, n=n, max_tokens=4, ignore_eos=True))
+    out = collect(core)
+    assert len(out) == n and len({tuple(v) for v in out.values()}) == 1
+    assert core.block_manager.num_free_blocks == 16

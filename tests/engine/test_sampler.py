@@ -1,0 +1,127 @@
+"""The sampler's logits processing against transformers' own logits processors on the same logits;
+logprobs against the model's log_softmax; seeded sampling independent of the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+)
+
+from engine.core import EngineCore
+from engine.request import Request
+from engine.sampler import Sampler
+from shared.config import build_config
+from shared.sampling import SamplingParams
+
+V = 64
+EOS = 2
+
+
+def make(prompt: list[int], output: list[int], **params) -> Request:
+    req = Request("r", prompt, SamplingParams(temperature=0, max_tokens=32, **params), eos_token_ids=(EOS,))
+    req.token_ids += output
+    return req
+
+
+def processed(req: Request, logits: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()[None]
+    Sampler._process(out, [req])
+    return out[0]
+
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(V) * 3
+
+
+PROMPT, OUTPUT = [5, 6, 7, 5, 9], [9, 10, 10, 11]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_equals_transformers(logits, penalty):
+    req = make(PROMPT, OUTPUT, repetition_penalty=penalty)
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]), logits.clone()[None])[0]
+    torch.testing.assert_close(processed(req, logits), ref)
+
+
+def test_presence_and_frequency_penalties_follow_openai(logits):
+    req = make(PROMPT, OUTPUT, presence_penalty=0.5, frequency_penalty=0.25)
+    counts = torch.bincount(torch.tensor(OUTPUT), minlength=V).float()
+    ref = logits - 0.25 * counts - 0.5 * (counts > 0).float()  # prompt tokens are not penalised
+    torch.testing.assert_close(processed(req, logits), ref)
+
+
+def test_logit_bias_equals_transformers_sequence_bias(logits):
+    bias = {3: 5.0, 17: -100.0, 40: 0.5}
+    req = make(PROMPT, OUTPUT, logit_bias={str(k): v for k, v in bias.items()})  # JSON keys are strings
+    ref = SequenceBiasLogitsProcessor({(k,): v for k, v in bias.items()})(torch.tensor([PROMPT + OUTPUT]),
+                                                                          logits.clone()[None])[0]
+    torch.testing.assert_close(processed(req, logits), ref)
+
+
+@pytest.mark.parametrize("produced", [0, 2, 3])
+def test_min_tokens_equals_transformers(logits, produced):
+    out = OUTPUT[:produced]
+    req = make(PROMPT, out, min_tokens=3)
+    proc = MinNewTokensLengthLogitsProcessor(len(PROMPT), 3, EOS)
+    ref = proc(torch.tensor([PROMPT + out]), logits.clone()[None])[0]
+    torch.testing.assert_close(processed(req, logits), ref)
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
+    req = make(PROMPT, OUTPUT, min_p=min_p)
+    req.params = SamplingParams(temperature=1.0, min_p=min_p)
+    probs = Sampler._probs(logits.clone()[None], [req])[0]
+    ref = MinPLogitsWarper(min_p)(None, logits.clone()[None])[0]
+    assert torch.equal(probs > 0, ref > float("-inf"))
+    torch.testing.assert_close(probs / probs.sum(), ref.softmax(-1))  # the exponential race needs no renormalising
+
+
+def test_all_greedy_plain_batch_takes_the_fast_path(logits):
+    reqs = [make(PROMPT, []) for _ in range(3)]
+    s = Sampler()
+    assert all(r.plain for r in reqs)
+    assert s(logits.repeat(3, 1), reqs) == [int(logits.argmax())] * 3 and s.logprobs is None
+
+
+def test_logprobs_equal_log_softmax_of_the_model_logits(tiny_llama_dir):
+    from tests.reference import hf_folder_model
+
+    prompt = list(range(3, 30))
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=8))
+    core.add("lp", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5,
+                                          repetition_penalty=1.5))
+    tokens, entries = [], []
+    while core.has_work():
+        for o in core.step():
+            tokens += o.new_token_ids
+            entries += o.logprobs
+    model = hf_folder_model(tiny_llama_dir)
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    for i, (tok, (lp, top)) in enumerate(zip(tokens, entries)):
+        assert abs(lp - ref[i, tok].item()) < 1e-4
+        vals, ids = ref[i].topk(5)
+        assert [t for t, _ in top] == ids.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(top, vals.tolist())) < 1e-4
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(tiny_llama_dir):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, max_tokens=16,
+                            ignore_eos=True, presence_penalty=0.3)
+    prompt = list(range(7, 40))
+    results = []
+    for others in (0, 16):
+        core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=256, block_size=8))
+        for k in range(others):
+            core.add(f"o{k}", list(range(3 + k, 20 + 2 * k)),
+                     SamplingParams(temperature=1.0 if k % 2 else 0.0, max_tokens=10 + k, ignore_eos=True))
+        core.add("seeded", prompt, params)
+        got: list[int] = []
+        while core.has_work():
+            got += [t for o in core.step() if o.request_id == "seeded" for t in o.new_token_ids]
+        results.append(got)
+    assert results[0] == results[1] and len(results[0]) == 16

@@ -1,58 +1,102 @@
-"""`conveyor serve` (engine child process + gateway) and `conveyor gateway` (gateway only)."""
+"""`conveyor serve` (engine child process + gateway workers), `conveyor gateway` (gateway only) and
+`conveyor ping` (is an engine up? for health checks).
+
+Every flag can also come from the environment: --max-waiting-requests from CONVEYOR_MAX_WAITING_REQUESTS,
+--api-key from CONVEYOR_API_KEY, and so on (a flag on the command line wins). Containers are configured
+that way, and a key in the environment does not show in `ps`.
+"""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
-
-from aiohttp import web
-
-from gateway.app import SERVED, GatewayConfig, build_app
-from gateway.launcher import EngineProcess, default_address
-from shared.client import AsyncEngineClient
-from shared.config import ATTENTION_BACKENDS, DEFAULT_MODEL, PREFILL_POLICIES
-from shared.errors import EngineDead
+import tempfile
 
 log = logging.getLogger("gateway")
 
+ENV_PREFIX = "CONVEYOR_"
 # Passed through to `python -m engine` only when given, so the engine's own defaults stay the defaults.
 ENGINE_FLAGS: list[tuple[str, type, dict[str, object]]] = [
     ("--max-num-seqs", int, {"help": "sequences in one step"}),
     ("--max-num-batched-tokens", int, {"help": "token budget of one step (prefill + decode)"}),
     ("--kv-cache-memory", str, {"help": "KV cache size: bytes like 2GiB, or a fraction of free memory like 0.3"}),
+    ("--num-kv-blocks", int, {"help": "exact KV block count (overrides --kv-cache-memory)"}),
     ("--block-size", int, {"help": "tokens per KV cache block (a power of two)"}),
     ("--dtype", str, {"choices": ["float32", "bfloat16", "float16"]}),
+    ("--device", str, {"help": "cpu, cuda, cuda:1, ..."}),
     ("--num-threads", int, {"help": "compute threads of the engine process"}),
-    ("--prefill-policy", str, {"choices": list(PREFILL_POLICIES)}),
-    ("--attention-backend", str, {"choices": list(ATTENTION_BACKENDS)}),
+    ("--prefill-policy", str, {"choices": ["chunked", "prefill_first", "mixed"]}),
+    ("--attention-backend", str, {"choices": ["auto", "torch", "triton"]}),
     ("--max-model-len", int, {"help": "context length; default: the model's own"}),
+    ("--seed", int, {"help": "the engine's base random seed"}),
 ]
+# Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
+WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
+                "max_body_size", "stream_interval", "log_level")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.config import DEFAULT_MODEL
+
     parser = argparse.ArgumentParser(prog="conveyor", description="An LLM inference server with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the engine as a child process and serve HTTP")
     serve.add_argument("--model", default=DEFAULT_MODEL, help="a HF folder, a .gguf file, or the embedded default")
-    serve.add_argument("--engine-address", default=None, help="connect to this engine instead of starting one")
+    serve.add_argument("--engine-address", default=None,
+                       help="connect to this engine instead of starting one (default: start one on "
+                            "ipc:///tmp/conveyor-<pid>.sock)")
+    serve.add_argument("--gateway-workers", type=int, default=1,
+                       help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
+                            "process detokenizes and streams its own requests")
     group = serve.add_argument_group("engine", "passed to `python -m engine`")
     for flag, typ, extra in ENGINE_FLAGS:
         group.add_argument(flag, type=typ, default=None, **extra)  # type: ignore[arg-type]
     gateway = sub.add_parser("gateway", help="serve HTTP for an engine that runs elsewhere")
     gateway.add_argument("--engine-address", required=True, help="e.g. tcp://engine:5555")
     gateway.add_argument("--model", default=None, help="where to load the tokenizer from; default: the engine's model")
+    gateway.add_argument("--reuse-port", action="store_true",
+                         help="bind with SO_REUSEPORT (several processes, one port)")
+    gateway.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)  # `serve` waits on it
     for p in (serve, gateway):
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=8000)
         p.add_argument("--served-model-name", default=None, help="the model name clients use; default: the engine's")
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-        p.add_argument("--max-pending", type=int, default=1024, help="requests in flight before 429")
+        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set CONVEYOR_API_KEY)")
+        p.add_argument("--max-concurrent-requests", "--max-pending", dest="max_concurrent_requests", type=int,
+                       default=1024, help="requests in flight in one gateway process before 429")
+        p.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="requests without a first token yet (queued in the engine) before 429")
+        p.add_argument("--max-queued-prompt-tokens", type=int, default=262144,
+                       help="prompt tokens of waiting requests before 429")
+        p.add_argument("--max-body-size", default="16MiB", help="largest request body (bytes, or like 1MiB) before 413")
+        p.add_argument("--stream-interval", type=int, default=1,
+                       help="stream the first token at once, then one event every N tokens: fewer, larger events "
+                            "(less CPU per token under load) at the price of burstier streams")
         p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine's READY")
         p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
+    ping.add_argument("--engine-address", required=True)
+    ping.add_argument("--timeout", type=float, default=5.0)
+    for p in (serve, gateway, ping):
+        _env_defaults(p)
     return parser
+
+
+def _env_defaults(parser: argparse.ArgumentParser) -> None:
+    """CONVEYOR_<DEST> in the environment becomes the flag's default; argparse applies the flag's type."""
+    for action in parser._actions:
+        value = os.environ.get(ENV_PREFIX + action.dest.upper())
+        if value is None or not action.option_strings or action.dest == "help":
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            action.default = value
+            action.required = False
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
@@ -64,18 +108,52 @@ def engine_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
+    argv = [sys.executable, "-m", "gateway", "gateway", "--engine-address", address, "--model", args.model,
+            "--host", args.host, "--port", str(args.port), "--reuse-port"]
+    for dest in WORKER_FLAGS:
+        value = getattr(args, dest)
+        if value is not None:
+            argv += ["--" + dest.replace("_", "-"), str(value)]
+    return argv
+
+
+def gateway_config(args: argparse.Namespace):  # noqa: ANN201 - imported lazily, see main()
+    from gateway.admission import Limits
+    from gateway.app import GatewayConfig
+    from shared.config import parse_memory
+
+    limits = Limits(args.max_concurrent_requests, args.max_waiting_requests, args.max_queued_prompt_tokens)
+    return GatewayConfig(args.host, args.port, args.served_model_name, args.api_key or None, limits,
+                         parse_memory(args.max_body_size, total=1), args.stream_interval)
+
+
 async def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from gateway.app import SERVED, build_app
+    from gateway.launcher import EngineProcess, WorkerProcesses, default_address
+    from shared.client import AsyncEngineClient
+    from shared.errors import EngineDead
+
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    engine = None
-    if args.engine_address is None:
+    engine, workers = None, None
+    if args.command == "serve" and args.engine_address is None:
         engine = EngineProcess(default_address(), engine_args(args))
         engine.start()
-    client = AsyncEngineClient(engine.address if engine else args.engine_address, name="gateway", model=args.model)
-    config = GatewayConfig(args.host, args.port, args.served_model_name, args.api_key, args.max_pending)
+        address = engine.address
+    else:
+        address = args.engine_address
+    client = AsyncEngineClient(address, name="gateway", model=args.model)
+    config = gateway_config(args)
     runner, tasks = None, [asyncio.ensure_future(stop.wait())]
     try:
+        if args.command == "serve" and args.gateway_workers > 1:  # they load while the engine loads
+            env = {**os.environ, **({"CONVEYOR_API_KEY": args.api_key} if args.api_key else {})}  # not in argv: ps
+            workers = WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)], env)
+            workers.start()
         if args.model is not None:  # parse the tokenizer while the engine loads its weights
             tasks.append(asyncio.create_task(client.get_tokenizer()))
         ready = asyncio.ensure_future(engine.wait_ready(client, args.ready_timeout) if engine
@@ -88,12 +166,19 @@ async def run(args: argparse.Namespace) -> int:
         app = build_app(config, client)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=log if log.isEnabledFor(logging.INFO) else None)
         await runner.setup()
-        await web.TCPSite(runner, args.host, args.port).start()
+        if workers is not None:  # bind last, so that once this process answers /ready every worker serves too
+            await asyncio.to_thread(workers.wait_ready, args.ready_timeout)
+            tasks.append(asyncio.create_task(workers.watch(stop)))
+        reuse = getattr(args, "reuse_port", False) or workers is not None
+        await web.TCPSite(runner, args.host, args.port, reuse_port=reuse or None).start()
+        if getattr(args, "ready_fd", None) is not None:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
         print(f"conveyor: serving {app[SERVED].name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         if engine is not None:
             tasks.append(asyncio.create_task(engine.watch(stop)))
         await stop.wait()
-        return 1 if engine and engine.exit_code() is not None else 0
+        return 1 if (engine and engine.exit_code() is not None) or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1
@@ -102,6 +187,8 @@ async def run(args: argparse.Namespace) -> int:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if workers is not None:
+            await asyncio.to_thread(workers.stop)
         if runner is not None:
             await runner.cleanup()
         log.info("http server stopped")
@@ -111,13 +198,49 @@ async def run(args: argparse.Namespace) -> int:
             log.info("engine stopped")
 
 
+async def ping(args: argparse.Namespace) -> int:
+    from shared.client import AsyncEngineClient
+    from shared.errors import ConveyorError
+
+    client = AsyncEngineClient(args.engine_address, name="ping", ready_timeout=args.timeout)
+    try:
+        ready = await client.start()
+        stats = await client.get_stats(timeout=args.timeout)
+        print(f"engine at {args.engine_address}: {ready.model_name}, running {stats.get('num_running', 0):g}, "
+              f"waiting {stats.get('num_waiting', 0):g}")
+        return 0
+    except ConveyorError as e:
+        print(f"conveyor ping: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="time=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)s")
+    level = getattr(args, "log_level", "warning")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="time=%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)s")
     import uvloop
 
-    code = uvloop.run(run(args))
+    if args.command == "ping":
+        os._exit(uvloop.run(ping(args)))
+    if args.command == "serve" and args.gateway_workers < 1:
+        sys.exit("conveyor: --gateway-workers must be >= 1")
+    metrics_dir = None
+    if args.command == "serve" and args.gateway_workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        # Before prometheus_client is imported anywhere: it picks its value store at import time.
+        metrics_dir = tempfile.mkdtemp(prefix="conveyor-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        code = uvloop.run(run(args))
+    finally:
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid())
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     # Everything is closed and the engine is stopped by now. Skip the interpreter's teardown of the
     # modules transformers pulled in (torch among them): it takes seconds after a Ctrl-C.
     logging.shutdown()

@@ -10,9 +10,11 @@ import asyncio
 import ctypes
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from shared.client import AsyncEngineClient
@@ -89,3 +91,66 @@ class EngineProcess:
     def _remove_ipc_file(self) -> None:
         if self.address.startswith("ipc://"):
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
+
+
+class WorkerProcesses:
+    """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own DEALER to
+    the engine and binds the same port with SO_REUSEPORT, so the kernel spreads connections over them."""
+
+    def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None, stop_timeout: float = 10.0) -> None:
+        self.argvs = argvs
+        self.env = env
+        self.stop_timeout = stop_timeout
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.failed = False
+        self._ready_fds: list[int] = []
+
+    def start(self) -> None:
+        """Each worker gets the write end of a pipe (--ready-fd) and writes one line to it once it serves."""
+        parent = os.getpid()
+        preexec = (lambda: _die_with_parent(parent)) if sys.platform.startswith("linux") else None
+        for argv in self.argvs:
+            r, w = os.pipe()
+            log.info("starting gateway worker: %s", " ".join(argv))
+            self.procs.append(subprocess.Popen([*argv, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, env=self.env,
+                                               preexec_fn=preexec, pass_fds=(w,)))
+            os.close(w)
+            self._ready_fds.append(r)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Blocks until every worker serves; EngineDead when one exits first or the timeout passes."""
+        deadline = time.monotonic() + timeout
+        pending = list(self._ready_fds)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineDead(f"{len(pending)} gateway worker(s) not serving after {timeout:g}s")
+            readable, _, _ = select.select(pending, [], [], min(left, 0.5))
+            for fd in readable:
+                if not os.read(fd, 64):
+                    raise EngineDead("a gateway worker exited before it served (its error is above)")
+                pending.remove(fd)
+                os.close(fd)
+        self._ready_fds = []
+
+    async def watch(self, on_exit: asyncio.Event) -> None:
+        """A worker that dies takes the whole server down (its share of the port would be lost otherwise);
+        the supervisor above (systemd, compose, k8s) restarts it whole."""
+        while all(p.poll() is None for p in self.procs):
+            await asyncio.sleep(0.5)
+        dead = [(p.pid, p.returncode) for p in self.procs if p.poll() is not None]
+        log.error("gateway worker(s) exited: %s", dead)
+        self.failed = True
+        on_exit.set()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("gateway worker %d ignored SIGTERM; killing it", p.pid)
+                p.kill()
+                p.wait()

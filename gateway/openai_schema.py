@@ -13,11 +13,20 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import apply_chat_template, encode
 
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
-_PASSTHROUGH = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-                "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "min_tokens": "min_tokens"}
-# Accepted only at their neutral value until the engine implements them: never silently ignored.
-_NEUTRAL = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-            "logprobs": False, "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": None}
+_PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+                                        "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                        "logit_bias")}
+# Accepted only at their neutral value until the gateway implements them: never silently ignored.
+_NEUTRAL = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": None,
+            "use_beam_search": False}
+_UNSUPPORTED = {
+    "n": "this server returns exactly one choice per request (parallel sampling needs engine support); "
+         "send n requests with different seeds instead",
+    "best_of": "this server samples exactly one sequence per request",
+    "logprobs": "this server does not return log probabilities yet",
+    "top_logprobs": "this server does not return log probabilities yet",
+    "use_beam_search": "this server samples exactly one sequence per request",
+}
 
 
 @dataclass(slots=True)
@@ -89,8 +98,11 @@ def _check_common(body: Any, served: Served) -> dict[str, Any]:
         raise InvalidRequest(f"The model `{model}` does not exist. This server serves `{served.name}`.",
                              param="model", code="model_not_found")
     for key, neutral in _NEUTRAL.items():
-        if body.get(key) not in (None, neutral):
-            raise InvalidRequest(f"{key}={body[key]!r} is not supported yet", param=key)
+        value = body.get(key)
+        # logprobs=0 asks for the sampled token's logprob (completions): only null / false mean "none".
+        if value not in (None, neutral) or (key == "logprobs" and value is not None and value is not False):
+            why = _UNSUPPORTED.get(key, "the engine does not implement it")
+            raise InvalidRequest(f"{key}={value!r} is not supported yet: {why}", param=key)
     return body
 
 

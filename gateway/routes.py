@@ -1,33 +1,35 @@
 """HTTP handlers. They only translate HTTP to shared/client.py calls and back; all checking of bodies
-is in openai_schema.py and all engine I/O in the client."""
+is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the client."""
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.app import CLIENT, CONFIG, COUNTERS, SERVED
-from gateway.openai_schema import (ParsedRequest, chat_object, completion_object, parse_chat, parse_completion,
-                                   parse_messages, usage)
-from gateway.streaming import sse_response
-from shared.client import AsyncEngineClient, TextOutput
-from shared.errors import InvalidRequest, Overloaded
+from gateway.app import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
+from gateway.metrics import CONTENT_TYPE
+from gateway.openai_schema import parse_chat, parse_completion, parse_messages
+from gateway.streaming import chunks, complete, sse_response
+from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
 routes = web.RouteTableDef()
 
 
-def _json_response(obj: Any, status: int = 200) -> web.Response:
+def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
-async def _read_json(request: web.Request) -> Any:
+async def read_json(request: web.Request) -> Any:
     try:
-        return orjson.loads(await request.read())
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"the request body is larger than this server's limit of "
+                              f"{request.app[CONFIG].max_body_size} bytes") from None
+    try:
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
 
@@ -43,81 +45,54 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
-    app, served = request.app, request.app[SERVED]
-    req = (parse_chat if chat else parse_completion)(await _read_json(request), served)
-    counters = app[COUNTERS]
-    if counters.inflight >= app[CONFIG].max_pending:
-        raise Overloaded(f"{counters.inflight} requests are in flight, the limit of this gateway; retry later")
-    counters.inflight += 1
-    counters.total += 1
-    try:
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if req.stream:
-            return await sse_response(request, _events(app[CLIENT], req, rid, served.name, chat))
-        return _json_response(await _complete(app[CLIENT], req, rid, served.name, chat))
-    finally:
-        counters.inflight -= 1
-
-
-async def _events(client: AsyncEngineClient, req: ParsedRequest, rid: str, model: str,
-                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
-    """OpenAI stream chunks of one request. Nothing is yielded before the engine's first output, so an
-    engine ERROR is raised before any byte is sent; the role travels in that first chunk."""
-    created, first, last = int(time.time()), True, None
-    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid)
-    try:
-        async for out in outputs:
-            last = out
-            if not (out.text or out.finished or first):
-                continue  # text held back (an unfinished character, a possible stop string)
-            reason = out.finish_reason if out.finished else None
-            if chat:
-                yield chat_object(rid, created, model, out.text, reason, chunk=True, first=first)
-            else:
-                yield completion_object(rid, created, model, out.text, reason, chunk=True)
-            first = False
-        if req.include_usage and last is not None:
-            yield {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": model, "choices": [], "usage": _usage(last)}
-    finally:
-        await outputs.aclose()  # aborts the request in the engine unless it finished
-
-
-async def _complete(client: AsyncEngineClient, req: ParsedRequest, rid: str, model: str, chat: bool) -> dict[str, Any]:
-    created, parts, last = int(time.time()), [], None
-    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid)
-    try:
-        async for out in outputs:
-            parts.append(out.text)
-            last = out
-    finally:
-        await outputs.aclose()
-    assert last is not None and last.finished  # a stream ends with its finished output, or raises
-    make = chat_object if chat else completion_object
-    return make(rid, created, model, "".join(parts), last.finish_reason, chunk=False, use=_usage(last))
-
-
-def _usage(out: TextOutput) -> dict[str, Any]:
-    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+    app = request.app
+    req = (parse_chat if chat else parse_completion)(await read_json(request), app[SERVED])
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.stream:
+        return await sse_response(request, chunks(app, req, rid, chat))
+    return json_response(await complete(app, req, rid, chat))
 
 
 @routes.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     served = request.app[SERVED]
-    return _json_response({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                                       "owned_by": "conveyor", "max_model_len": served.max_model_len}]})
+    return json_response({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
+                                                      "owned_by": "conveyor", "max_model_len": served.max_model_len}]})
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """200 only when the engine answers GET_STATS in time (EngineDead -> 503 via the error middleware)."""
-    await request.app[CLIENT].get_stats(timeout=request.app[CONFIG].health_timeout)
-    return _json_response({"status": "ok"})
+    """Liveness: this process serves HTTP. It does not ask the engine (see /ready): a gateway waiting for
+    its engine to come back is alive and must not be restarted for it."""
+    return json_response({"status": "ok", "engine_connected": request.app[CLIENT].connected})
+
+
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: the engine handshake is done and the engine answers GET_STATS in time; else 503."""
+    client = request.app[CLIENT]
+    if not client.connected:
+        raise EngineDead(f"the engine at {client.address} is not connected")
+    stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
+    return json_response({"status": "ready", "model": request.app[SERVED].name,
+                          "num_running": stats.get("num_running"), "num_waiting": stats.get("num_waiting")})
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    client, stats = request.app[CLIENT], None
+    if client.connected:
+        try:
+            stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
+        except ConveyorError:
+            pass  # exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
+    body = request.app[METRICS].render(stats)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
-    body, served = await _read_json(request), request.app[SERVED]
+    body, served = await read_json(request), request.app[SERVED]
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     if "messages" in body:
@@ -127,14 +102,14 @@ async def tokenize(request: web.Request) -> web.Response:
         ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
     else:
         raise InvalidRequest("give either 'prompt' (a string) or 'messages'", param="prompt")
-    return _json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len})
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len})
 
 
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
-    body, served = await _read_json(request), request.app[SERVED]
+    body, served = await read_json(request), request.app[SERVED]
     ids = body.get("tokens") if isinstance(body, dict) else None
     vocab = len(served.tokenizer)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
-    return _json_response({"prompt": decode(served.tokenizer, ids)})
+    return json_response({"prompt": decode(served.tokenizer, ids)})

@@ -1,35 +1,125 @@
-"""Server-sent events over a plain web.StreamResponse: `data: {json}\\n\\n` per chunk, then `data: [DONE]`.
+"""One request's way through the gateway, shared by every door (SSE, JSON, WebSocket), and SSE itself.
+
+run_request: engine connected? -> admission (429 before anything is queued) -> the engine -> metrics.
+chunks: the OpenAI stream chunks of one request, with --stream-interval applied.
+sse_response: `data: {json}\\n\\n` per chunk, then `data: [DONE]`, over a plain web.StreamResponse.
 
 A client that goes away must not keep the engine busy: a failed write, or the handler being cancelled
-(handler_cancellation=True), closes the event generator, whose `finally` aborts the request.
+(handler_cancellation=True), closes the generators, whose `finally` aborts the request in the engine.
+A client that reads slowly gets merged deltas: the SDK's stream keeps one pending output per request
+and joins what arrives meanwhile (shared/client.py), so nothing queues up behind a slow socket.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.openai_schema import error_body
-from shared.errors import ConveyorError
+from gateway.app import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
+from gateway.openai_schema import ParsedRequest, chat_object, completion_object, error_body, usage
+from shared.client import TextOutput
+from shared.errors import ConveyorError, EngineDead, Overloaded
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
+
+
+async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[TextOutput, None]:
+    """TextOutputs of one request. Raises Overloaded (429) or EngineDead (503) before anything is queued."""
+    client, admission, metrics = app[CLIENT], app[ADMISSION], app[METRICS]
+    if not client.connected:
+        raise EngineDead(f"the engine at {client.address} is not connected; the gateway reconnects when it is "
+                         "back, retry later")
+    try:
+        admission.admit(rid, len(req.prompt_token_ids))
+    except Overloaded as e:
+        metrics.reject(getattr(e, "reason", "overloaded"))
+        raise
+    metrics.begin(rid)
+    reason, last = "abort", None  # stays "abort" when the client goes away before the end
+    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid)
+    try:
+        async for out in outputs:
+            last = out
+            if out.finished:
+                reason = out.finish_reason or "stop"
+            yield out
+    except ConveyorError:
+        reason = "error"
+        raise
+    finally:
+        await outputs.aclose()  # aborts the request in the engine unless it finished
+        admission.release(rid)
+        metrics.finish(rid, reason, last.num_prompt_tokens if last else len(req.prompt_token_ids),
+                       last.num_cached_tokens if last else 0)
+
+
+async def chunks(app: web.Application, req: ParsedRequest, rid: str,
+                 chat: bool) -> AsyncGenerator[dict[str, Any], None]:
+    """OpenAI stream chunks of one request. Nothing is yielded before the engine's first output, so an
+    engine ERROR is raised before any byte is sent; the role travels in that first chunk. With
+    stream_interval N the first token goes out at once, then an event every N tokens (and the last)."""
+    model, interval = app[SERVED].name, app[CONFIG].stream_interval
+    created, first, last = int(time.time()), True, None
+    text, num_tokens = [], 0
+    outputs = run_request(app, req, rid)
+    try:
+        async for out in outputs:
+            last = out
+            text.append(out.text)
+            num_tokens += len(out.token_ids)
+            if not (first or out.finished or num_tokens >= interval):
+                continue
+            delta = "".join(text)
+            if not (delta or out.finished or first):
+                continue  # text held back (an unfinished character, a possible stop string)
+            reason = out.finish_reason if out.finished else None
+            if chat:
+                yield chat_object(rid, created, model, delta, reason, chunk=True, first=first)
+            else:
+                yield completion_object(rid, created, model, delta, reason, chunk=True)
+            first, text, num_tokens = False, [], 0
+        if req.include_usage and last is not None:
+            yield {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                   "model": model, "choices": [], "usage": text_usage(last)}
+    finally:
+        await outputs.aclose()
+
+
+async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: bool) -> dict[str, Any]:
+    """The whole (non-streaming) response object."""
+    created, parts, last = int(time.time()), [], None
+    outputs = run_request(app, req, rid)
+    try:
+        async for out in outputs:
+            parts.append(out.text)
+            last = out
+    finally:
+        await outputs.aclose()
+    assert last is not None and last.finished  # a stream ends with its finished output, or raises
+    make = chat_object if chat else completion_object
+    return make(rid, created, app[SERVED].name, "".join(parts), last.finish_reason, chunk=False, use=text_usage(last))
+
+
+def text_usage(out: TextOutput) -> dict[str, Any]:
+    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 
 def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
+async def sse_response(request: web.Request, events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
     """Stream `events` as SSE. The first event is awaited before the headers go out, so an error the
-    engine answers at once (an ERROR for the ADD) is still a proper 4xx with an OpenAI error body."""
+    engine answers at once (an ERROR for the ADD, a 429) is still a proper status with an OpenAI body."""
     try:
         first = await anext(events, None)
     except BaseException:
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -45,7 +135,7 @@ async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, An
     except ConveyorError as e:  # too late for a status code: the error travels as the last event
         await _write_quietly(resp, sse_event(error_body(e)) + DONE)
     finally:
-        await events.aclose()
+        await events.aclose()  # type: ignore[attr-defined]
     return resp
 
 

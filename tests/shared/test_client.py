@@ -32,8 +32,9 @@ def test_streams_deltas_until_finished() -> None:
             async with AsyncEngineClient(eng.address) as client:
                 stream = await client.add([1, 2, 3], SamplingParams(max_tokens=10), request_id="r1")
                 outs = [o async for o in stream]
-        assert [o.new_token_ids for o in outs] == [[5, 6], [7, 8], [9]]
-        assert [o.finished for o in outs] == [False, False, True]
+        # Deltas that arrive while the consumer is busy are merged, so only the joined tokens are fixed.
+        assert [t for o in outs for t in o.new_token_ids] == [5, 6, 7, 8, 9]
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == "stop" and outs[-1].num_prompt_tokens == 3
         assert eng.adds()[0].prompt_token_ids == [1, 2, 3]
     run(main())
@@ -182,3 +183,21 @@ def test_sync_client_text_calls() -> None:
         parts = list(client.stream_text("Say hi", SamplingParams(max_tokens=20)))
         assert "".join(p.text for p in parts) == "Bonjour 你好" and parts[-1].finish_reason == "stop"
         assert client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=["你"])).text == "Bonjour "
+
+
+def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
+    """A consumer that does not read for a while finds one merged delta, not one queued per step."""
+    async def main() -> None:
+        with FakeEngine(tokens=list(range(10, 40)), step_interval=0.002) as eng:
+            seen: list[int] = []
+            async with AsyncEngineClient(eng.address) as client:
+                client.on_output = lambda out: seen.append(len(out.new_token_ids))
+                stream = await client.add([1], SamplingParams(max_tokens=30))
+                first = await stream.__anext__()
+                await asyncio.sleep(0.3)  # the engine finishes meanwhile
+                rest = [o async for o in stream]
+        assert first.new_token_ids == [10]
+        assert len(rest) == 1 and rest[0].new_token_ids == list(range(11, 40)) and rest[0].finished
+        assert rest[0].finish_reason == "length"
+        assert seen == [1] * 30  # the on_output hook still saw every engine step
+    run(main())

@@ -1,0 +1,258 @@
+"""Prometheus metrics: the gateway's own per-request accounting plus the engine's STATS gauges.
+
+TTFT, queue time and end-to-end latency come from the engine's per-request timestamps, which its final
+output carries (`events`: queued, scheduled, first_token, finished; all on one engine clock, so a gateway
+on another machine measures the same thing). Inter-token latency comes from per-output step timestamps
+when the engine sends them, else from when each output reaches this process (before any merging for a
+slow reader). A request without engine timestamps (one the client abandoned) falls back to this
+process's clock; `conveyor_latency_source_engine` says which was used last.
+
+Several gateway workers (`--gateway-workers N`) share one port and so one /metrics: with
+PROMETHEUS_MULTIPROC_DIR set, counters and histograms of every worker are summed at scrape time
+(prometheus-client's multiprocess mode), and the engine's gauges are asked fresh of the engine.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.protocol import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+# Engine STATS gauge -> (metric name, help). Anything else the engine reports is exported as
+# conveyor_engine_<name>, so a new engine gauge shows up without a gateway change.
+ENGINE_GAUGES = {
+    "num_running": ("conveyor_num_requests_running", "Requests in the engine's running batch"),
+    "num_waiting": ("conveyor_num_requests_waiting", "Requests waiting in the engine's queue"),
+    "num_swapped": ("conveyor_num_requests_swapped", "Requests swapped out to the CPU block pool"),
+    "kv_usage": ("conveyor_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)"),
+}
+
+
+def num_preemptions(stats: dict[str, float]) -> float:
+    """The engine's preemption count: one total, or per mode (num_preemptions_swap, _recompute)."""
+    if "num_preemptions" in stats:
+        return stats["num_preemptions"]
+    return sum(v for k, v in stats.items() if k.startswith("num_preemptions_"))
+
+
+def prefix_hit_rate(stats: dict[str, float], fallback: float | None) -> float:
+    if "prefix_cache_hit_rate" in stats:
+        return stats["prefix_cache_hit_rate"]
+    queries = stats.get("total_prefix_queries_tokens", 0)
+    if queries:
+        return stats.get("total_prefix_hits_tokens", 0) / queries
+    return fallback or 0.0
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+@dataclass(slots=True)
+class _Live:
+    """One request in flight, on this process's monotonic clock."""
+
+    start: float  # when the request was admitted
+    first: float | None = None  # when its first token arrived
+    last: float | None = None  # when its latest token arrived (engine clock when engine_clock)
+    engine_clock: bool = False  # the engine stamps each output: inter-token gaps are the engine's
+    events: dict[str, float] | None = None  # the engine's per-request timestamps, with its final output
+
+
+class _LocalHistogram:
+    """Observations counted here (a bisect and two adds, no lock), added to a prometheus Histogram by
+    flush(): per-token observations are the gateway's hottest path at thousands of tokens per second."""
+
+    def __init__(self, hist: Histogram, buckets: tuple[float, ...]) -> None:
+        self.hist = hist
+        self.bounds = [*buckets, math.inf]
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += times
+        self.sum += value * times
+
+    def flush(self) -> None:
+        counts, self.counts = self.counts, [0] * len(self.bounds)
+        total, self.sum = self.sum, 0.0
+        for bucket, n in zip(self.hist._buckets, counts):  # noqa: SLF001 - per-bucket counts, as observe() keeps them
+            if n:
+                bucket.inc(n)
+        if total:
+            self.hist._sum.inc(total)  # noqa: SLF001
+
+
+class EngineCollector(Collector):
+    """Exports the engine's latest STATS; refreshed by the /metrics handler just before each scrape."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = {}
+        self.up = False
+        self.hit_rate_fallback: float | None = None
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("conveyor_engine_up", "1 when the engine answered the last STATS request",
+                                value=float(self.up))
+        stats = self.stats
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0.0)))
+        yield CounterMetricFamily("conveyor_num_preemptions", "Requests preempted by the engine (swap or recompute)",
+                                  value=float(num_preemptions(stats)))
+        yield GaugeMetricFamily("conveyor_prefix_cache_hit_rate",
+                                "Fraction of prompt tokens served from the prefix cache (engine's, else the "
+                                "gateway's)",
+                                value=float(prefix_hit_rate(stats, self.hit_rate_fallback)))
+        known = set(ENGINE_GAUGES) | {"num_preemptions", "prefix_cache_hit_rate"}
+        for key in sorted(set(stats) - known):
+            value = stats[key]
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                name = "conveyor_engine_" + "".join(c if c.isalnum() else "_" for c in key)
+                yield GaugeMetricFamily(name, f"engine STATS gauge {key!r}", value=float(value))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.finished = Counter("conveyor_requests", "Requests finished, by finish reason (stop, length, abort, "
+                                "error)", ["finish_reason"], registry=r)
+        self.rejected = Counter("conveyor_requests_rejected", "Requests refused before they were queued (429)",
+                                ["reason"], registry=r)
+        self.ttft = Histogram("conveyor_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("conveyor_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("conveyor_e2e_request_latency_seconds", "Arrival to last token", buckets=E2E_BUCKETS,
+                             registry=r)
+        self.queue = Histogram("conveyor_request_queue_time_seconds", "Arrival in the engine to first scheduled",
+                               buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens", registry=r)
+        self.cache_queries = Counter("conveyor_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     registry=r)
+        self.cache_hits = Counter("conveyor_prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                                  registry=r)
+        self.in_flight = Gauge("conveyor_requests_in_flight", "Requests this gateway is serving now", registry=r,
+                               multiprocess_mode="livesum")
+        self.latency_source = Gauge("conveyor_latency_source_engine", "1 when latencies come from the engine's "
+                                    "per-request timestamps, 0 when from the gateway's clock", registry=r,
+                                    multiprocess_mode="max")
+        self.engine = EngineCollector()
+        r.register(self.engine)
+        self._itl = _LocalHistogram(self.itl, ITL_BUCKETS)
+        self._generation_tokens = 0
+        self._live: dict[str, _Live] = {}
+        self._hits = self._queries = 0
+
+    # -- per request --------------------------------------------------------------------------------
+    def begin(self, request_id: str) -> None:
+        self._live[request_id] = _Live(time.monotonic())
+        self.in_flight.inc()
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Every engine output row of a live request, as it arrives (before any merging). The hot path:
+        per-token figures are counted locally here and reach prometheus in flush()."""
+        rec = self._live.get(out.request_id)
+        if rec is None:
+            return
+        if out.finished:
+            rec.events = getattr(out, "events", None) or None
+        n = len(out.new_token_ids)
+        if not n:
+            return
+        self._generation_tokens += n
+        stamp = getattr(out, "timestamp", None)  # the step's time, if the engine stamps each output
+        now = time.monotonic()
+        if rec.last is None:
+            rec.first, rec.engine_clock = now, stamp is not None
+            rec.last = stamp if stamp is not None else now
+            if n > 1:  # the first token's latency is TTFT; more tokens of the same step follow it at once
+                self._itl.observe(0.0, n - 1)
+            return
+        t = stamp if rec.engine_clock and stamp is not None else now
+        self._itl.observe((t - rec.last) / n, n)
+        rec.last = t
+
+    def flush(self) -> None:
+        """Move the locally counted figures into the prometheus metrics (before a scrape, and every second
+        with several workers, whose metrics any one of them may be asked for)."""
+        self._itl.flush()
+        if self._generation_tokens:
+            self.generation_tokens.inc(self._generation_tokens)
+            self._generation_tokens = 0
+
+    def finish(self, request_id: str, finish_reason: str, num_prompt: int, num_cached: int) -> None:
+        """TTFT, queue time and end-to-end latency: differences of the engine's own timestamps when its
+        final output carried them (one clock, wherever the gateway runs), else this process's clock."""
+        rec = self._live.pop(request_id, None)
+        if rec is None:
+            return
+        self.flush()  # a finished request is fully counted, whichever worker answers the next scrape
+        self.in_flight.dec()
+        self.finished.labels(finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt)
+        self.cache_queries.inc(num_prompt)
+        self.cache_hits.inc(num_cached)
+        self._queries += num_prompt
+        self._hits += num_cached
+        ev = rec.events or {}
+        queued = ev.get("queued")
+        if queued is not None and "finished" in ev:
+            self.latency_source.set(1)
+            if "scheduled" in ev:
+                self.queue.observe(max(0.0, ev["scheduled"] - queued))
+            if "first_token" in ev:
+                self.ttft.observe(max(0.0, ev["first_token"] - queued))
+            self.e2e.observe(max(0.0, ev["finished"] - queued))
+        elif rec.first is not None:
+            self.latency_source.set(0)
+            self.ttft.observe(rec.first - rec.start)
+            self.e2e.observe(time.monotonic() - rec.start)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    # -- exposition ---------------------------------------------------------------------------------
+    def render(self, engine_stats: dict[str, float] | None) -> bytes:
+        """The text exposition. engine_stats: the engine's fresh STATS, or None when it did not answer."""
+        self.engine.up = engine_stats is not None
+        if engine_stats is not None:
+            self.engine.stats = engine_stats
+        self.engine.hit_rate_fallback = self._hits / self._queries if self._queries else None
+        self.flush()
+        mp = multiprocess_dir()
+        if mp is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=mp)
+        registry.register(self.engine)
+        return generate_latest(registry)
+
+
+def parse(text: str) -> dict[str, Any]:
+    """name{labels} -> value, with prometheus-client's own parser (for tests and the benchmark)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out

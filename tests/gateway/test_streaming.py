@@ -1,0 +1,75 @@
+"""Streaming under load against a fake engine: --stream-interval, and merged deltas for a slow reader."""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import orjson
+
+from tests.fakes import FakeEngine, smollm2_tokenizer
+from tests.gateway.test_routes import gateway, run, sse_events
+
+
+def test_stream_interval_sends_first_token_at_once_then_every_n() -> None:
+    ids = smollm2_tokenizer().encode(" one two three four five six seven eight nine ten eleven twelve thirteen")
+    assert len(ids) == 13
+
+    async def main() -> None:
+        with FakeEngine(tokens=ids) as eng:
+            async with gateway(eng, stream_interval=4) as http:
+                resp = await http.post("/v1/completions", json={"prompt": "count", "max_tokens": 50, "stream": True})
+                events = sse_events(await resp.read())
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        texts = [c["choices"][0]["text"] for c in chunks]
+        assert texts == [" one", " two three four five", " six seven eight nine", " ten eleven twelve thirteen"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    run(main())
+
+
+def test_slow_reader_gets_merged_events_not_a_growing_queue() -> None:
+    """A client that stops reading: the gateway's writes block, the engine goes on, and when the client
+    reads again the deltas that piled up arrive merged into few events with all of the text."""
+    tok = smollm2_tokenizer()
+    ids = tok.encode(" lorem ipsum dolor sit amet" * 400)[:2000]
+
+    async def main() -> None:
+        with FakeEngine(tokens=ids, step_interval=0.0005, max_model_len=4096) as eng:
+            async with gateway(eng) as http:
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader with almost no buffer
+                sock.connect(("127.0.0.1", http.port))
+                body = orjson.dumps({"prompt": "go", "max_tokens": 2000, "stream": True})
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await asyncio.sleep(0.5)
+                assert await asyncio.to_thread(eng.wait_for, lambda: not eng._live, 20)  # noqa: SLF001 - engine done
+                raw = await asyncio.to_thread(_read_all, sock)
+        head, _, body_raw = raw.partition(b"\r\n\r\n")
+        assert b"200 OK" in head
+        data = _dechunk(body_raw)
+        events = sse_events(data)
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == tok.decode(ids) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(chunks) < len(ids) // 2, f"{len(chunks)} events for {len(ids)} tokens: nothing was merged"
+    run(main())
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    parts = []
+    while data := sock.recv(65536):
+        parts.append(data)
+    sock.close()
+    return b"".join(parts)
+
+
+def _dechunk(body: bytes) -> bytes:
+    """HTTP/1.1 chunked transfer encoding -> the bytes."""
+    out, i = [], 0
+    while True:
+        j = body.index(b"\r\n", i)
+        size = int(body[i:j], 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(body[j + 2:j + 2 + size])
+        i = j + 2 + size + 2

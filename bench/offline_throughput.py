@@ -41,8 +41,10 @@ def run_transformers(reqs, args) -> float:
     from shared.model_source import resolve_model
 
     src = resolve_model(args.model)
-    kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(src.folder, dtype=torch.float32, **kw).eval()
+    # A GGUF model loads from the HF folder Conveyor's loader derived from it (HF names, tied head):
+    # from_pretrained(gguf_file=...) leaves SmolLM2's tied lm_head randomly initialised.
+    folder = src.cache_dir / "weights" if src.gguf_file else src.folder
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(reqs), args.batch_size), desc="transformers", unit="batch"):
         batch = reqs[i : i + args.batch_size]

@@ -75,7 +75,8 @@ class EngineLoop:
     def _handle(self, client: bytes, msg: object) -> None:
         if isinstance(msg, Add):
             try:
-                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.arrival_time or None)
+                # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
+                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
             except ConveyorError as e:
                 self._send(client, Error(msg.request_id, str(e), e.status))
                 return

@@ -16,24 +16,11 @@ import signal
 import sys
 import tempfile
 
+from shared.engine_args import add_engine_args, engine_argv
+
 log = logging.getLogger("gateway")
 
 ENV_PREFIX = "CONVEYOR_"
-# Passed through to `python -m engine` only when given, so the engine's own defaults stay the defaults.
-ENGINE_FLAGS: list[tuple[str, type, dict[str, object]]] = [
-    ("--max-num-seqs", int, {"help": "sequences in one step"}),
-    ("--max-num-batched-tokens", int, {"help": "token budget of one step (prefill + decode)"}),
-    ("--kv-cache-memory", str, {"help": "KV cache size: bytes like 2GiB, or a fraction of free memory like 0.3"}),
-    ("--num-kv-blocks", int, {"help": "exact KV block count (overrides --kv-cache-memory)"}),
-    ("--block-size", int, {"help": "tokens per KV cache block (a power of two)"}),
-    ("--dtype", str, {"choices": ["float32", "bfloat16", "float16"]}),
-    ("--device", str, {"help": "cpu, cuda, cuda:1, ..."}),
-    ("--num-threads", int, {"help": "compute threads of the engine process"}),
-    ("--prefill-policy", str, {"choices": ["chunked", "prefill_first", "mixed"]}),
-    ("--attention-backend", str, {"choices": ["auto", "torch", "triton"]}),
-    ("--max-model-len", int, {"help": "context length; default: the model's own"}),
-    ("--seed", int, {"help": "the engine's base random seed"}),
-]
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
                 "max_body_size", "stream_interval", "log_level")
@@ -53,8 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
                             "process detokenizes and streams its own requests")
     group = serve.add_argument_group("engine", "passed to `python -m engine`")
-    for flag, typ, extra in ENGINE_FLAGS:
-        group.add_argument(flag, type=typ, default=None, **extra)  # type: ignore[arg-type]
+    add_engine_args(group, with_model=False)
     gateway = sub.add_parser("gateway", help="serve HTTP for an engine that runs elsewhere")
     gateway.add_argument("--engine-address", required=True, help="e.g. tcp://engine:5555")
     gateway.add_argument("--model", default=None, help="where to load the tokenizer from; default: the engine's model")
@@ -100,12 +86,7 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args(args: argparse.Namespace) -> list[str]:
-    out = ["--model", args.model, "--log-level", args.log_level]
-    for flag, _, _ in ENGINE_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            out += [flag, str(value)]
-    return out
+    return ["--model", args.model, "--log-level", args.log_level, *engine_argv(args)]
 
 
 def worker_argv(args: argparse.Namespace, address: str) -> list[str]:

@@ -13,11 +13,13 @@ from shared.config import (
 _NOT_CONFIG = {"address", "log_level", "model"}
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags; `conveyor serve` passes the same ones through. Help says what each trades."""
+def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_model: bool = True) -> None:
+    """Engine flags; `conveyor serve` offers the same ones and passes them through (engine_argv).
+    Defaults are None so only what the user gave reaches the config. Help says what each trades."""
     s, c = SchedulerConfig(), CacheConfig()
     a = p.add_argument
-    a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
+    if with_model:
+        a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
     a("--dtype", help="float32 (default) is fastest on CPUs without AMX; bfloat16 halves memory")
     a("--device", help="cpu (default) or cuda")
     a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, PyTorch on CPU")
@@ -51,3 +53,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     options = {k: v for k, v in vars(args).items() if k not in _NOT_CONFIG and v is not None}
     return build_config(args.model, **options)
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine flags the user gave, back as command-line words for `python -m engine`."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser, with_model=False)
+    argv: list[str] = []
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if value is None:
+            continue
+        if isinstance(action, argparse._StoreFalseAction):
+            argv += [action.option_strings[0]] if value is False else []
+        else:
+            argv += [action.option_strings[0], str(value)]
+    return argv

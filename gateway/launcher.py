@@ -77,15 +77,8 @@ class EngineProcess:
         on_exit.set()
 
     def stop(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("the engine ignored SIGTERM for %gs; killing it", self.stop_timeout)
-                proc.kill()
-                proc.wait()
+        if self.proc is not None:
+            terminate([self.proc], self.stop_timeout, "the engine")
         self._remove_ipc_file()
 
     def _remove_ipc_file(self) -> None:
@@ -144,13 +137,18 @@ class WorkerProcesses:
         on_exit.set()
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("gateway worker %d ignored SIGTERM; killing it", p.pid)
-                p.kill()
-                p.wait()
+        terminate(self.procs, self.stop_timeout, "gateway worker")
+
+
+def terminate(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+    """SIGTERM all (so they shut down in parallel), then wait; kill whoever ignores it past timeout."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s %d ignored SIGTERM for %gs; killing it", what, p.pid, timeout)
+            p.kill()
+            p.wait()

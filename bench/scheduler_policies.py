@@ -65,6 +65,9 @@ class Timed:
     def __init__(self, fn) -> None:
         self.fn, self.total = fn, 0.0
 
+    def __getattr__(self, name: str):  # the wrapped object's attributes (e.g. sampler.logprobs)
+        return getattr(self.fn, name)
+
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.fn(*args, **kwargs)
@@ -101,6 +104,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--overhead-only", action="store_true", help="skip part 1")
     args = ap.parse_args()
     pin_threads(args.threads)
     from engine.core import EngineCore
@@ -111,13 +115,16 @@ def main() -> None:
     print(f"workload: {len(reqs)} requests, Poisson {args.rate}/s, prompts 32..384, outputs 16..128 tokens, greedy")
     print(f"\n{'policy':15s}{'out tok/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'ITL p50':>9s}{'ITL p99':>9s}   (seconds)")
     core = None
-    for policy in PREFILL_POLICIES:
+    for policy in [] if args.overhead_only else PREFILL_POLICIES:
         core = EngineCore(build_config(args.model, prefill_policy=policy, num_threads=args.threads,
                                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
                                        kv_cache_memory="3GiB"))
         r = replay(core, reqs, args.rate)
         print(f"{policy:15s}{r['tok/s']:10.1f}{r['ttft50']:10.2f}{r['ttft99']:10.2f}{r['itl50']:9.3f}{r['itl99']:9.3f}",
               flush=True)
+    if core is None:
+        core = EngineCore(build_config(args.model, num_threads=args.threads, max_num_seqs=256, kv_cache_memory="3GiB",
+                                       max_num_batched_tokens=args.max_num_batched_tokens))
     print(f"\n{'running seqs':>12s}{'step ms':>10s}{'forward ms':>12s}{'sample ms':>11s}{'outside model':>15s}")
     for n in (64, 256):
         step, fwd, smp, share = overhead(core, n)

@@ -248,6 +248,12 @@ class AsyncEngineClient:
         if self._dead is None and self._ctx is not None:
             await self._send(P.Abort([request_id]))
 
+    async def reset_prefix_cache(self) -> None:
+        """Make every cached prefix block unreachable (e.g. after changing what prompts mean); blocks in
+        use by running requests stay theirs. The engine does not answer."""
+        await self.wait_ready()
+        await self._send(P.ResetPrefixCache())
+
     async def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
         await self.wait_ready(timeout)
         fut: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
@@ -434,6 +440,9 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))
+
+    def reset_prefix_cache(self) -> None:
+        self._call(self._client.reset_prefix_cache())
 
     def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
         return self._call(self._client.get_stats(timeout))

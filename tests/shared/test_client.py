@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from shared import protocol as P
 from shared.client import AsyncEngineClient, EngineClient
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling import SamplingParams
@@ -78,6 +79,15 @@ def test_abort_ends_stream_and_reaches_engine_and_is_idempotent() -> None:
         assert first.new_token_ids == [0]
         assert rest[-1].finished and rest[-1].finish_reason == "abort"
         assert eng.aborted == ["long"]  # the second abort was a no-op on the client side
+    run(main())
+
+
+def test_reset_prefix_cache_reaches_the_engine() -> None:
+    async def main() -> None:
+        with FakeEngine() as eng:
+            async with AsyncEngineClient(eng.address) as client:
+                await client.reset_prefix_cache()
+                assert eng.wait_for(lambda: any(isinstance(m, P.ResetPrefixCache) for m in eng.received))
     run(main())
 
 

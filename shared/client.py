@@ -9,7 +9,6 @@ hanging, and a restarted engine is greeted with HELLO again (basic reconnect).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time

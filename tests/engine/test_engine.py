@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from engine.core import EngineCore
 from engine.offline import LLM

@@ -30,15 +30,16 @@ def test_slow_reader_gets_merged_events_not_a_growing_queue() -> None:
     """A client that stops reading: the gateway's writes block, the engine goes on, and when the client
     reads again the deltas that piled up arrive merged into few events with all of the text."""
     tok = smollm2_tokenizer()
-    ids = tok.encode(" lorem ipsum dolor sit amet" * 400)[:2000]
+    # Enough tokens that the socket buffers (which absorb the first few hundred events) are a small part.
+    ids = tok.encode(" lorem ipsum dolor sit amet" * 800)[:4000]
 
     async def main() -> None:
-        with FakeEngine(tokens=ids, step_interval=0.0005, max_model_len=4096) as eng:
+        with FakeEngine(tokens=ids, step_interval=0.0005, max_model_len=8192) as eng:
             async with gateway(eng) as http:
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader with almost no buffer
                 sock.connect(("127.0.0.1", http.port))
-                body = orjson.dumps({"prompt": "go", "max_tokens": 2000, "stream": True})
+                body = orjson.dumps({"prompt": "go", "max_tokens": len(ids), "stream": True})
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 await asyncio.sleep(0.5)

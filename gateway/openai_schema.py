@@ -15,7 +15,7 @@ from shared.tokenizer import apply_chat_template, encode
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
 _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
                                         "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                        "logit_bias")}
+                                        "logit_bias", "speculative")}
 # Accepted only at their neutral value until the gateway implements them: never silently ignored.
 _NEUTRAL = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": None,
             "use_beam_search": False}

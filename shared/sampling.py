@@ -40,6 +40,9 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True | False | "never", as transformers
+    # Per-request opt-out of speculative decoding (when the engine runs it); the output distribution
+    # is the same either way, so this only trades the proposer's work against fewer steps.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
@@ -98,6 +101,7 @@ class SamplingParams:
         check(not self.use_beam_search or self.best_of is None, "best_of", "cannot be used with beam search")
         check(_is_num(self.length_penalty), "length_penalty", "must be a number")
         check(self.early_stopping in (True, False, "never"), "early_stopping", 'must be true, false or "never"')
+        check(isinstance(self.speculative, bool), "speculative", "must be true or false")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -57,11 +57,15 @@ class BlockPool:
 
     def release(self, block_ids: list[int]) -> None:
         # Reversed so a sequence's tail blocks are evicted first, keeping its head warm for sharing.
+        # A block without a hash holds nothing reusable: it goes to the head, to be taken before any
+        # cached block is evicted.
         for block_id in reversed(block_ids):
             self.ref_counts[block_id] -= 1
             assert self.ref_counts[block_id] >= 0
             if self.ref_counts[block_id] == 0:
                 self.free_blocks[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free_blocks.move_to_end(block_id, last=False)
 
     def set_hash(self, block_id: int, h: int) -> None:
         """Name a full block. A second block with the same content stays unnamed (no de-duplication:
@@ -175,6 +179,13 @@ class BlockManager:
             self._cpu_held.append(cpu_id)
             self.stats["evicted_to_cpu"] += 1
         return block_id
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release the blocks beyond req's first num_tokens tokens (slots of rejected drafts)."""
+        keep = self.blocks_for(num_tokens)
+        if len(req.block_table) > keep:
+            self.device.release(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def fork(self, parent: Request, child: Request) -> None:
         """child shares every block of parent (its table is already a copy of parent's)."""

@@ -17,6 +17,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import LogprobEntry
 from engine.scheduler import Delta, Scheduler, StepPlan
+from engine.spec import can_speculate, make_proposer
 from engine.weights import load_model
 from kernels import get_backend
 from shared.config import EngineConfig
@@ -57,9 +58,13 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
+        backend = get_backend(config.attention_backend, device)
+        self.proposer = make_proposer(config.speculative, mc, num_blocks, config.cache, dtype, device, backend)
+        if self.proposer is not None and self.proposer.max_model_len:  # a draft model's context
+            self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
-                                   self.block_manager)
-        self.runner = ModelRunner(model, kv, get_backend(config.attention_backend, device), device)
+                                   self.block_manager, self.proposer)
+        self.runner = ModelRunner(model, kv, backend, device, self.proposer)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -89,6 +94,7 @@ class EngineCore:
         req = Request(request_id, prompt_token_ids, params, priority,
                       time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
         req.events["queued"] = time.time()
+        req.speculate = self.proposer is not None and can_speculate(req)
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -112,7 +118,7 @@ class EngineCore:
         if not plan:
             return []
         sampled = self.runner.execute(plan)  # swap, copy, one forward, one sample
-        logprobs = self.runner.sampler.logprobs if sampled else None
+        logprobs = self.runner.logprobs if sampled else None
         deltas = self.scheduler.update(plan, sampled, self.max_model_len, logprobs)  # advance, stop, free
         self._record(plan)
         return [self._output(d) for d in deltas]
@@ -162,7 +168,19 @@ class EngineCore:
             "num_cached_cpu_blocks": len(bm.cpu.cached),
             **{f"total_{k}": v for k, v in self.totals.items()},
             **self.last_step,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict[str, float]:
+        """Speculative decoding: counters, the share of drafts accepted, and tokens per verification
+        (accepted drafts + the one the target adds: 1.0 means speculation bought nothing)."""
+        if self.proposer is None:
+            return {}
+        st = self.scheduler.spec_stats
+        drafts, accepted, steps = st["spec_draft_tokens"], st["spec_accepted_tokens"], st["spec_verifications"]
+        return {**{f"total_{k}": v for k, v in st.items()},
+                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
 def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list] | None:

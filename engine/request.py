@@ -45,6 +45,8 @@ class Request:
         "generator", "stop_ids", "swapped", "just_resumed", "events",
         # Sharing and sampling extras (prefix caching, n / best_of / beam search, logprobs).
         "block_hashes", "index", "group", "cumulative_logprob", "logprobs", "plain",
+        # Speculative decoding (engine/spec): drafts this step verifies, and how many were accepted.
+        "speculate", "num_spec", "spec_token_ids", "spec_probs", "num_accepted", "draft_computed",
     )
 
     def __init__(
@@ -87,6 +89,12 @@ class Request:
             and params.min_tokens == 0 and params.num_seqs == 1 and not params.use_beam_search
         if not (params.num_seqs == 1 and not params.use_beam_search):
             self.group = SequenceGroup(self)
+        self.speculate = False  # set by the engine when it runs a proposer and this request may use it
+        self.num_spec = 0  # drafts scheduled this step (0: a plain step)
+        self.spec_token_ids: list[int] = []
+        self.spec_probs: Any = None  # [num_spec, V] proposal probabilities; None = one-hot (or greedy)
+        self.num_accepted = 0
+        self.draft_computed = 0  # positions whose draft-model K/V this request has written
 
     def fork(self, index: int) -> Request:
         """A new sequence of the same request with the same tokens and counters; the caller shares the

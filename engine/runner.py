@@ -1,72 +1,136 @@
-"""ModelRunner: turns a StepPlan into one varlen forward pass and one sampling call."""
+"""ModelRunner: turns a StepPlan into one varlen forward pass, then one sampling call (and, for
+speculating sequences, one verification call)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.kv_cache import KVCache
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import LogprobEntry, Sampler
 from engine.scheduler import StepPlan
+from engine.spec.verify import verify
 from kernels.backend import AttentionBackend, BatchLayout
+
+if TYPE_CHECKING:
+    from engine.spec import Proposer
+
+
+class Batch:
+    """One forward's flattened inputs, built sequence by sequence (the target's step, or a draft's)."""
+
+    __slots__ = ("block_size", "input_ids", "positions", "slots", "query_lens", "context_lens", "tables",
+                 "logits_rows")
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_lens: list[int] = []
+        self.context_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logits_rows: list[int] = []
+
+    def add(self, ids: list[int], start: int, table: list[int], num_logits: int) -> None:
+        """ids go to positions start.. of the sequence with this block table; logits for its last
+        num_logits tokens."""
+        bs, n = self.block_size, len(ids)
+        self.input_ids += ids
+        if n == 1:
+            self.positions.append(start)
+            self.slots.append(table[start // bs] * bs + start % bs)
+        else:
+            span = range(start, start + n)
+            self.positions += span
+            self.slots += [table[p // bs] * bs + p % bs for p in span]
+        self.query_lens.append(n)
+        self.context_lens.append(start)
+        self.tables.append(table)
+        if num_logits:
+            end = len(self.input_ids)
+            self.logits_rows += range(end - num_logits, end)
+
+    def forward(self, model: torch.nn.Module, kv: torch.Tensor, backend: AttentionBackend,
+                device: torch.device) -> torch.Tensor:
+        """-> logits [len(logits_rows), V] float32."""
+        layout = BatchLayout(self.query_lens, self.context_lens, self.tables, self.block_size,
+                             torch.tensor(self.slots, dtype=torch.int64, device=device))
+        return model(
+            torch.tensor(self.input_ids, dtype=torch.int64, device=device),
+            torch.tensor(self.positions, dtype=torch.int64, device=device),
+            kv,
+            backend.plan(layout),
+            backend,
+            torch.tensor(self.logits_rows, dtype=torch.int64, device=device),
+        ).float()
 
 
 class ModelRunner:
-    def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
+                 proposer: Proposer | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.block_size = kv_cache.block_size
         self.device = device
         self.sampler = Sampler(device)
+        self.proposer = proposer
+        self.logprobs: list[LogprobEntry | None] | None = None  # per sampled token of the last step
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
-        """Compute every scheduled token; sample one token for each request that reaches its end."""
+        """Compute every scheduled token; -> one token per request that reaches its end, in plan order.
+        A speculating request computes its last token plus its drafts; its token is the one after the
+        drafts it accepted (req.num_accepted)."""
         self._swap(plan)
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_rows: list[int] = []
+        if plan.num_spec_requests and self.proposer is not None:
+            self.proposer.propose([r for r in plan.requests if r.num_spec])
+        batch = Batch(self.block_size)
         sampling: list[Request] = []
-        context_lens: list[int] = []
         for req, n in zip(plan.requests, plan.num_new_tokens):
             start = req.num_computed_tokens
-            end = start + n
-            table = req.block_table
-            input_ids.extend(req.token_ids[start:end])
-            if n == 1:
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                span = range(start, end)
-                positions.extend(span)
-                slots.extend([table[p // bs] * bs + p % bs for p in span])
-            context_lens.append(start)
-            if end == req.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
+            if req.num_spec:
+                batch.add([req.token_ids[-1], *req.spec_token_ids], start, req.block_table, n)
                 sampling.append(req)
-        layout = BatchLayout(
-            query_lens=plan.num_new_tokens,
-            context_lens=context_lens,
-            block_tables=[r.block_table for r in plan.requests],
-            block_size=bs,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-        )
-        meta = self.backend.plan(layout)
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            self.kv_cache.device,
-            meta,
-            self.backend,
-            torch.tensor(logits_rows, dtype=torch.int64, device=self.device),
-        )  # [B, V]
+            else:
+                end = start + n
+                last = end == req.num_tokens
+                batch.add(req.token_ids[start:end], start, req.block_table, 1 if last else 0)
+                if last:
+                    sampling.append(req)
+        logits = batch.forward(self.model, self.kv_cache.device, self.backend, self.device)  # [rows, V]
         if not sampling:
+            self.logprobs = None
             return []
-        return self.sampler(logits.float(), sampling)
+        if not plan.num_spec_requests:
+            tokens = self.sampler(logits, sampling)
+            self.logprobs = self.sampler.logprobs
+            return tokens
+        return self._sample_and_verify(logits, sampling)
+
+    def _sample_and_verify(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
+        """Rows of plain requests go to the sampler, rows of speculating ones to verification."""
+        plain_rows: list[int] = []
+        spec_rows: list[int] = []
+        row = 0
+        for req in sampling:
+            n = req.num_spec + 1 if req.num_spec else 1
+            (spec_rows if req.num_spec else plain_rows).extend(range(row, row + n))
+            row += n
+        plain = [r for r in sampling if not r.num_spec]
+        spec = [r for r in sampling if r.num_spec]
+        plain_tokens = iter(self.sampler(logits[plain_rows], plain) if plain else [])
+        plain_lps = iter(self.sampler.logprobs or [None] * len(plain) if plain else [])
+        spec_tokens = iter(verify(logits[spec_rows], spec))
+        tokens, self.logprobs = [], []
+        for req in sampling:
+            tokens.append(next(spec_tokens) if req.num_spec else next(plain_tokens))
+            self.logprobs.append(None if req.num_spec else next(plain_lps))
+        if all(lp is None for lp in self.logprobs):
+            self.logprobs = None
+        return tokens
 
     def _swap(self, plan: StepPlan) -> None:
         """Out before in: a block swapped out this step may be the very block another request swaps into."""

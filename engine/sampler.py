@@ -43,17 +43,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1).tolist()
-        probs = self._probs(logits, reqs)  # [B, V]
+        probs = probs_of(logits, reqs)  # [B, V]
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
-            if r.params.seed is not None:
-                if r.generator is None:
-                    # Each sequence of an n > 1 request draws its own stream, all from the one seed.
-                    seed = r.params.seed if r.index == 0 else hash((r.params.seed, r.index)) & (2**63 - 1)
-                    r.generator = torch.Generator(device=self.device).manual_seed(seed)
-                noise[i].exponential_(generator=r.generator)
-            else:
-                noise[i].exponential_()
+            noise[i].exponential_(generator=generator_of(r, self.device))
         tokens = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         if greedy.any():
@@ -99,32 +92,6 @@ class Sampler:
             out[i] = (sampled[j], list(zip(top_ids[j][:kj], top_vals[j][:kj])) if kj else [])
         return out
 
-    @staticmethod
-    def _probs(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=logits.dtype, device=logits.device)
-        logits = logits / temps[:, None]
-        top_ks = [r.params.top_k for r in reqs]
-        if any(k > 0 for k in top_ks):
-            vocab = logits.shape[-1]
-            ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])  # [B, 1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        top_ps = [r.params.top_p for r in reqs]
-        if any(p < 1.0 for p in top_ps):
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            # Drop a token when the mass before it already reaches top_p (the top token always stays).
-            before = sorted_p.cumsum(dim=-1) - sorted_p
-            ps = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)[:, None]
-            sorted_p = sorted_p.masked_fill(before >= ps, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
-        min_ps = [r.params.min_p for r in reqs]
-        if any(p > 0 for p in min_ps):
-            # transformers' MinPLogitsWarper: drop tokens below min_p times the top token's probability.
-            mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return probs
-
 
 def _top_k_wanted(req: Request) -> int:
     """Top logprobs a row reports: the request's own `logprobs`, or 2 * beam_width beam candidates."""
@@ -133,3 +100,41 @@ def _top_k_wanted(req: Request) -> int:
     if p.use_beam_search:
         k = max(k, 2 * p.beam_width)
     return k
+
+
+def probs_of(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p and min-p. -> [B, V]"""
+    temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=logits.dtype, device=logits.device)
+    logits = logits / temps[:, None]
+    top_ks = [r.params.top_k for r in reqs]
+    if any(k > 0 for k in top_ks):
+        vocab = logits.shape[-1]
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_ps = [r.params.top_p for r in reqs]
+    if any(p < 1.0 for p in top_ps):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        ps = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)[:, None]
+        sorted_p = sorted_p.masked_fill(before >= ps, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
+    min_ps = [r.params.min_p for r in reqs]
+    if any(p > 0 for p in min_ps):
+        # transformers' MinPLogitsWarper: drop tokens below min_p times the top token's probability.
+        mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def generator_of(req: Request, device: torch.device) -> torch.Generator | None:
+    """A seeded request's own RNG (created on first use), or None for the global one."""
+    if req.params.seed is None:
+        return None
+    if req.generator is None:
+        # Each sequence of an n > 1 request draws its own stream, all from the one seed.
+        seed = req.params.seed if req.index == 0 else hash((req.params.seed, req.index)) & (2**63 - 1)
+        req.generator = torch.Generator(device=device).manual_seed(seed)
+    return req.generator

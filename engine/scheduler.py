@@ -17,6 +17,12 @@ CPU pool has room. Outputs are identical either way.
 Sharing: a waiting request starts on the longest cached prefix of its tokens (prefix caching), so
 only its suffix is computed. A request that runs several sequences (n / best_of, beam search) is
 one sequence until its prompt is computed but for the last token, then forks (engine/groups.py).
+
+Speculative decoding: a decoding request that may speculate asks the proposer for up to k drafts
+(fewer near max_tokens, max_model_len or the end of the budget) and computes its last token plus
+the drafts: the budget counts every verified token. Drafts never cause a preemption: when the
+blocks for them are not free, the request decodes plainly. After verification the rejected
+drafts' blocks go back to the pool.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from engine import groups
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.sampler import LogprobEntry
+from engine.spec import Proposer
 from shared.config import SchedulerConfig
 
 # waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many steps.
@@ -46,13 +53,17 @@ class StepPlan:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
     num_decode_tokens: int = 0
+    num_spec_requests: int = 0  # requests verifying drafts this step
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
     def add(self, req: Request, n: int) -> None:
-        if n == 1 and req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
+        if req.num_spec:
+            self.num_decode_tokens += n
+            self.num_spec_requests += 1
+        elif n == 1 and req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
             self.num_decode_tokens += 1
         self.requests.append(req)
         self.num_new_tokens.append(n)
@@ -83,9 +94,12 @@ def _victim_order(req: Request) -> tuple[int, int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
         self.config = config
         self.bm = block_manager
+        self.proposer = proposer
+        # Speculative decoding counters: verification steps (a request with drafts), drafts, accepted.
+        self.spec_stats = {"spec_verifications": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
         self.waiting: list[Request] = []  # sorted by (priority, arrival_time)
         self.swapped: list[Request] = []  # sorted by (priority, arrival_time)
         self.running: list[Request] = []  # admission order
@@ -156,6 +170,8 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings (preempted) before the group can step
                 i += 1
                 continue
+            if req.speculate and n == 1 and self.proposer is not None:
+                n += self._plan_drafts(req, budget - 1)
             if not self._reserve(req, n, plan, first_candidate=i):
                 continue  # req itself was preempted; running[i] is now the next request
             plan.add(req, n)
@@ -172,6 +188,22 @@ class Scheduler:
             n = self.config.long_prefill_threshold
         return n
 
+    def _plan_drafts(self, req: Request, budget: int) -> int:
+        """Drafts req verifies this step, if it is decoding: at most k, never past max_tokens or
+        max_model_len, and none unless their blocks are free already."""
+        p = req.params
+        if req.num_computed_tokens != req.num_tokens - 1 or req.num_output_tokens < p.min_tokens:
+            return 0
+        k = min(self.proposer.k, budget, p.max_tokens - req.num_output_tokens - 1,
+                self.config.max_model_len - req.num_tokens - 1)
+        if k <= 0:
+            return 0
+        k = self.proposer.plan(req, k)
+        if k and not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_tokens + k)):
+            _drop_drafts(req)
+            return 0
+        return k
+
     def _reserve(self, req: Request, n: int, plan: StepPlan, first_candidate: int) -> bool:
         """Get blocks for req's next n tokens, preempting requests not yet served this step."""
         while not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
@@ -185,6 +217,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
+        _drop_drafts(req)
+        req.draft_computed = 0  # draft K/V is neither swapped nor kept
         mode = self.config.preemption_mode
         if mode == "auto":
             mode = "swap" if self.bm.can_swap_out(req) else "recompute"
@@ -266,6 +300,11 @@ class Scheduler:
         bs, caching = self.bm.block_size, self.bm.enable_prefix_caching
         j = 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
+            if req.num_spec:
+                self._update_spec(req, sampled[j], max_model_len)
+                j += 1
+                deltas.append(_delta(req))
+                continue
             before = req.num_computed_tokens
             req.num_computed_tokens += n
             if caching and req.num_computed_tokens // bs > before // bs:
@@ -286,16 +325,39 @@ class Scheduler:
                 self.running.remove(req)
                 self.bm.free(req)
             if req.group is None:
-                new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
-                lps = req.logprobs[req.num_sent_tokens:] if req.logprobs is not None else None
-                req.num_sent_tokens += len(new)
-                deltas.append(Delta(req, new, 0, req.status.finish_reason, req.status.finished, lps))
+                deltas.append(_delta(req))
             else:
                 deltas += groups.deltas_of(req)
         assert j == len(sampled)
         for cands in beams.values():
             deltas += groups.beam_step(cands, self, max_model_len)
         return deltas
+
+    def _update_spec(self, req: Request, token: int, max_model_len: int) -> None:
+        """A verified step: the accepted drafts and the token after them join the sequence (up to a
+        stop); the K/V of rejected drafts is dropped with the blocks that only they used."""
+        before, a = req.num_computed_tokens, req.num_accepted
+        st = self.spec_stats
+        st["spec_verifications"] += 1
+        st["spec_draft_tokens"] += req.num_spec
+        st["spec_accepted_tokens"] += a
+        tokens = req.spec_token_ids[:a] + [token]
+        _drop_drafts(req)
+        req.just_resumed = False
+        for t in tokens:
+            self._append(req, t, None, max_model_len)
+            if req.status.finished:
+                break
+        req.num_computed_tokens = min(before + 1 + a, req.num_tokens - 1)
+        req.draft_computed = min(req.draft_computed, req.num_computed_tokens)
+        if req.status.finished:
+            req.events["finished"] = time.time()
+            self.running.remove(req)
+            self.bm.free(req)
+            return
+        if self.bm.enable_prefix_caching:
+            self.bm.cache_blocks(req, before)
+        self.bm.trim(req, req.num_tokens)
 
     def _append(self, req: Request, token: int, entry: LogprobEntry | None, max_model_len: int) -> None:
         req.token_ids.append(token)
@@ -314,6 +376,20 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
+
+
+def _delta(req: Request) -> Delta:
+    """The tokens (and logprobs) of a single-sequence request not yet sent."""
+    new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
+    lps = req.logprobs[req.num_sent_tokens:] if req.logprobs is not None else None
+    req.num_sent_tokens += len(new)
+    return Delta(req, new, 0, req.status.finish_reason, req.status.finished, lps)
+
+
+def _drop_drafts(req: Request) -> None:
+    req.num_spec = 0
+    req.spec_token_ids = []
+    req.spec_probs = None
 
 
 def _remaining(req: Request, cached: int = 0) -> int:

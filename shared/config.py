@@ -80,6 +80,42 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses the next tokens, the model verifies them in one step.
+
+    Output is unchanged (greedy: identical; sampled: the same distribution, by rejection sampling);
+    what it trades is extra tokens per step (budget, FLOPs) for fewer steps per output token, which
+    pays when steps are bound by reading the weights (small batches) and the guesses are good.
+    """
+
+    # None: off; "ngram": prompt lookup (match the context's last n tokens earlier in it, propose what
+    # followed; free, good for edits, summaries and code); "draft:<model>": a smaller model with the
+    # same vocabulary (HF folder or .gguf) runs on its own paged cache.
+    speculative: str | None = None
+    # Tokens proposed per sequence and step: more = longer accepted runs on easy text, more wasted
+    # compute on rejections.
+    num_speculative_tokens: int = 4
+    # Prompt lookup tries the longest suffix first, down to ngram_min tokens.
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        s = self.speculative
+        _require(s is None or s == "ngram" or (s.startswith("draft:") and len(s) > 6),
+                 "speculative must be 'ngram' or 'draft:<model>'")
+        _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
+        _require(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def method(self) -> str | None:
+        return None if self.speculative is None else self.speculative.split(":", 1)[0]
+
+    @property
+    def draft_model(self) -> str | None:
+        return self.speculative[6:] if self.method == "draft" else None
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "float32"
@@ -91,6 +127,7 @@ class EngineConfig:
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
@@ -122,11 +159,12 @@ def parse_memory(text: str, total: int) -> int:
 def build_config(model: str, **options: Any) -> EngineConfig:
     """Flat options (as on the command line: max_num_seqs=..., block_size=...) -> the nested,
     validated EngineConfig. Unknown names are a TypeError, bad values a ValueError."""
-    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, EngineConfig: {}}
+    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, EngineConfig: {}}
     for key, value in options.items():
         owner = next((cls for cls in parts if key in {f.name for f in fields(cls)}), None)
-        if owner is None or key in ("scheduler", "cache", "model"):
+        if owner is None or key in ("scheduler", "cache", "model") or (owner is EngineConfig and key == "speculative"):
             raise TypeError(f"unknown engine option {key!r}")
         parts[owner][key] = value
     return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
-                        cache=CacheConfig(**parts[CacheConfig]), **parts[EngineConfig])
+                        cache=CacheConfig(**parts[CacheConfig]),
+                        speculative=SpeculativeConfig(**parts[SpeculativeConfig]), **parts[EngineConfig])

@@ -45,6 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--kv-cache-memory", help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default {c.kv_cache_memory})")
     a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int, help="exact KV block count (overrides --kv-cache-memory)")
     a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only")
+    a("--speculative", help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller "
+      "model, same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
+    a("--num-speculative-tokens", type=int, help="tokens proposed per sequence and step (default 4)")
+    a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 1)")
+    a("--ngram-max", type=int, help="longest suffix prompt lookup matches (default 4)")
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")

@@ -56,14 +56,15 @@ def test_freed_blocks_stay_cached_and_are_evicted_least_recently_freed_first():
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
     bm.free(a)
     bm.free(b)  # tails first: each request's last block is evicted before its head
-    assert list(bm.device.free_blocks) == [2, 1, 0, 5, 4, 3]
+    # Unhashed blocks (the partial tails 2 and 5) hold nothing reusable: they go first of all.
+    assert list(bm.device.free_blocks) == [5, 2, 1, 0, 4, 3]
     assert len(bm.device.cached) == 4
     again = make_request("a2", list(range(9)))
-    assert start(bm, again) == 8 and again.block_table == [0, 1, 2]  # hits 0, 1; takes free block 2
-    assert list(bm.device.free_blocks) == [5, 4, 3]
+    assert start(bm, again) == 8 and again.block_table == [0, 1, 5]  # hits 0, 1; takes unhashed 5
+    assert list(bm.device.free_blocks) == [2, 4, 3]
     other = make_request("x", list(range(200, 205)))
-    start(bm, other)  # takes 5 (unhashed) then 4, evicting b's second block; b's head (3) survives
-    assert other.block_table == [5, 4] and sorted(bm.device.cached.values()) == [0, 1, 3, 5]
+    start(bm, other)  # takes 2 (unhashed) then 4, evicting b's second block; b's head (3) survives
+    assert other.block_table == [2, 4] and sorted(bm.device.cached.values()) == [0, 1, 2, 3]
     assert bm.lookup(make_request("b2", list(range(50, 59)))).device == [3]
 
 

@@ -84,6 +84,6 @@ def test_swapped_request_resumes_into_other_blocks(tiny_llama_dir):
         core.step()
         for rid, req in core.requests.items():
             if not req.swapped and req.block_table:
-                tables[rid].add(tuple(req.block_table[:2]))
+                tables[rid].add(tuple(req.block_table[:3]))
     assert core.stats()["num_preemptions_swap"] > 0
     assert any(len(t) > 1 for t in tables.values()), "some request must have resumed into different blocks"

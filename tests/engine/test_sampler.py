@@ -10,7 +10,7 @@ from transformers import (
 
 from engine.core import EngineCore
 from engine.request import Request
-from engine.sampler import Sampler
+from engine.sampler import Sampler, probs_of
 from shared.config import build_config
 from shared.sampling import SamplingParams
 
@@ -74,7 +74,7 @@ def test_min_tokens_equals_transformers(logits, produced):
 def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
     req = make(PROMPT, OUTPUT, min_p=min_p)
     req.params = SamplingParams(temperature=1.0, min_p=min_p)
-    probs = Sampler._probs(logits.clone()[None], [req])[0]
+    probs = probs_of(logits.clone()[None], [req])[0]
     ref = MinPLogitsWarper(min_p)(None, logits.clone()[None])[0]
     assert torch.equal(probs > 0, ref > float("-inf"))
     torch.testing.assert_close(probs / probs.sum(), ref.softmax(-1))  # the exponential race needs no renormalising

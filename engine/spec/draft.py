@@ -1,0 +1,91 @@
+"""Draft-model proposals: a smaller model with the target's vocabulary guesses k tokens, one
+forward per token, batched over every speculating sequence.
+
+The draft runs on its own KV cache with the target's block ids: the same number of blocks, so a
+sequence's block table addresses both (the draft's blocks are smaller, having fewer layers and
+heads). Nothing else tracks it. Each request counts the positions whose draft K/V it wrote
+(draft_computed); the first forward catches up from there to the last token (a whole prompt the
+first time), then k - 1 one-token forwards extend the guess. After verification the count falls
+back to what was accepted, and preemption resets it to 0 (swaps do not carry draft K/V). Blocks
+shared through the prefix cache may be written twice by two requests, with the same values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.models import ModelConfig
+from engine.request import Request
+from engine.sampler import generator_of, probs_of
+from engine.weights import load_model
+from kernels.backend import AttentionBackend
+from shared.config import CacheConfig
+from shared.model_source import resolve_model
+
+log = logging.getLogger("conveyor.spec")
+
+
+class DraftProposer:
+    """Proposes inside the step, after scheduling: the scheduler reserves k drafts' worth of budget and
+    blocks, and propose() fills them in before the target's forward."""
+
+    def __init__(self, model_name: str, num_tokens: int, target: ModelConfig, num_blocks: int,
+                 cache: CacheConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> None:
+        from engine.runner import Batch  # the runner imports this package
+
+        self._batch = Batch
+        self.k = num_tokens
+        self.model, mc = load_model(resolve_model(model_name), dtype, device)
+        if mc.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model {model_name!r} has a vocabulary of {mc.vocab_size} tokens; the "
+                             f"target's has {target.vocab_size}: they must be the same")
+        self.max_model_len = mc.max_position_embeddings
+        self.kv = KVCache(dataclasses.replace(cache, num_blocks=num_blocks, num_cpu_blocks=0),
+                          mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        self.block_size = cache.block_size
+        self.device, self.backend = device, backend
+        log.info("draft model %s: %d layers, %d proposals per step", model_name, mc.num_layers, num_tokens)
+
+    def plan(self, req: Request, k: int) -> int:
+        req.num_spec = k
+        return k
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request]) -> None:
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        batch = self._batch(self.block_size)
+        for r in reqs:
+            batch.add(r.token_ids[r.draft_computed:], r.draft_computed, r.block_table, 1)
+        active = list(range(len(reqs)))
+        for step in range(max(r.num_spec for r in reqs)):
+            if step:
+                batch = self._batch(self.block_size)
+                active = [i for i in active if reqs[i].num_spec > step]
+                for i in active:
+                    r = reqs[i]
+                    batch.add(drafts[i][-1:], r.num_tokens + step - 1, r.block_table, 1)
+            logits = batch.forward(self.model, self.kv.device, self.backend, self.device)  # [len(active), V]
+            self._sample(logits, [reqs[i] for i in active], [drafts[i] for i in active], [probs[i] for i in active])
+        for r, d, q in zip(reqs, drafts, probs):
+            r.spec_token_ids = d
+            r.spec_probs = torch.stack(q) if q else None  # [k, V]; None for greedy
+            r.draft_computed = r.num_tokens + r.num_spec - 1
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+                probs: list[list[torch.Tensor]]) -> None:
+        """Greedy requests take the draft's argmax; the others sample from the draft's distribution
+        under their own sampling parameters, keeping it as q for verification."""
+        greedy = logits.argmax(dim=-1).tolist()
+        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        q = probs_of(logits[rand], [reqs[i] for i in rand]) if rand else None  # [R, V]
+        for i, r in enumerate(reqs):
+            if r.params.greedy:
+                drafts[i].append(greedy[i])
+        for j, i in enumerate(rand):
+            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(reqs[i], q.device))
+            drafts[i].append(int((q[j] / noise).argmax()))
+            probs[i].append(q[j])

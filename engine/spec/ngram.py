@@ -1,0 +1,49 @@
+"""Prompt lookup (n-gram) proposals: no model, just the sequence's own tokens.
+
+Edits, summaries, code and chat about a given text copy long runs of their context. If the last n
+tokens occurred earlier, what followed them then is a good guess for what follows now. The search
+runs over the token ids packed as 4-byte integers with bytes.rfind, so it is C speed even on long
+contexts; a hit that is not 4-byte aligned straddles two tokens and is skipped.
+"""
+from __future__ import annotations
+
+from array import array
+
+from engine.request import Request
+
+_WIDTH = array("i").itemsize  # 4
+
+
+def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the last n tokens, trying the
+    longest n first (n_max down to n_min). [] when nothing matches."""
+    L = len(token_ids)
+    if k <= 0 or L <= n_min:
+        return []
+    buf = array("i", token_ids).tobytes()
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = buf[(L - n) * _WIDTH:]
+        end = (L - 1) * _WIDTH  # a match must end before the last token: something has to follow it
+        while (pos := buf.rfind(suffix, 0, end)) >= 0:
+            if pos % _WIDTH == 0:
+                start = pos // _WIDTH + n
+                return token_ids[start:start + k]
+            end = pos + len(suffix) - 1  # misaligned: look further left
+    return []
+
+
+class NgramProposer:
+    """Proposes at schedule time (it is cheap), so the step's budget counts exactly the drafts found."""
+
+    def __init__(self, num_tokens: int, n_min: int, n_max: int) -> None:
+        self.k, self.n_min, self.n_max = num_tokens, n_min, n_max
+        self.max_model_len = None
+
+    def plan(self, req: Request, k: int) -> int:
+        req.spec_token_ids = propose_ngram(req.token_ids, k, self.n_min, self.n_max)
+        req.spec_probs = None  # a deterministic guess: q is one-hot on it
+        req.num_spec = len(req.spec_token_ids)
+        return req.num_spec
+
+    def propose(self, reqs: list[Request]) -> None:
+        """Nothing to do: plan() already proposed."""

@@ -14,9 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.client import AsyncEngineClient, EngineClient  # noqa: E402
+from shared.client import AsyncEngineClient  # noqa: E402
 from shared.errors import EngineDead, InvalidRequest  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
+from shared.sync_client import EngineClient  # noqa: E402
 
 
 async def async_examples(address: str, model: str | None) -> None:
@@ -36,6 +37,12 @@ async def async_examples(address: str, model: str | None) -> None:
         async for out in client.stream_text([{"role": "user", "content": "Say hello."}], params):
             print(out.text, end="", flush=True)
         print(f"  [{out.finish_reason}, {out.num_prompt_tokens} prompt + {out.num_output_tokens} output tokens]")
+
+        # 2b. Several choices (n): every TextOutput names its choice (`index`); generate_choices joins them.
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=2, logprobs=1)
+        for choice in await client.generate_choices("Once upon a time", params):
+            tokens = [f"{e.token!r}:{e.logprob:.2f}" for e in choice.logprobs or []]
+            print(f"  choice {choice.index}: {choice.text!r} ({choice.finish_reason}) {' '.join(tokens[:3])} ...")
 
         # 3. Abort: the stream ends with finish_reason "abort" and the engine frees the request's blocks.
         stream = await client.add([5, 6, 7], SamplingParams(max_tokens=1000, ignore_eos=True), request_id="long-one")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shared.choices import TokenLogprob
 from shared.errors import ConveyorError, InvalidRequest
 from shared.sampling import SamplingParams
 from shared.tokenizer import apply_chat_template, encode
@@ -16,17 +17,11 @@ from shared.tokenizer import apply_chat_template, encode
 _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
                                         "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                         "logit_bias", "speculative")}
-# Accepted only at their neutral value until the gateway implements them: never silently ignored.
-_NEUTRAL = {"n": 1, "best_of": 1, "logprobs": False, "top_logprobs": 0, "echo": False, "suffix": None,
-            "use_beam_search": False}
-_UNSUPPORTED = {
-    "n": "this server returns exactly one choice per request (parallel sampling needs engine support); "
-         "send n requests with different seeds instead",
-    "best_of": "this server samples exactly one sequence per request",
-    "logprobs": "this server does not return log probabilities yet",
-    "top_logprobs": "this server does not return log probabilities yet",
-    "use_beam_search": "this server samples exactly one sequence per request",
-}
+# Refused unless at their neutral values: never silently ignored.
+_REFUSED = {"echo": ((None, False), "echo is not supported: the response holds the completion only"),
+            "suffix": ((None, ""), "suffix (text after the insertion point) is not supported")}
+MAX_N = 64  # n, best_of and beam_width
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat; vLLM: 20)
 
 
 @dataclass(slots=True)
@@ -59,7 +54,7 @@ def parse_completion(body: Any, served: Served) -> ParsedRequest:
         raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
     else:
         raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-    return _finish(body, ids, served, "prompt", default_max_tokens=16)
+    return _finish(body, ids, served, "prompt", default_max_tokens=16, chat=False)
 
 
 def parse_chat(body: Any, served: Served) -> ParsedRequest:
@@ -68,7 +63,8 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
         body = {**body, "max_tokens": max_tokens}
-    return _finish(body, ids, served, "messages", default_max_tokens=max(1, served.max_model_len - len(ids)))
+    return _finish(body, ids, served, "messages", default_max_tokens=max(1, served.max_model_len - len(ids)),
+                   chat=True)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -97,21 +93,23 @@ def _check_common(body: Any, served: Served) -> dict[str, Any]:
     if model is not None and model != served.name:
         raise InvalidRequest(f"The model `{model}` does not exist. This server serves `{served.name}`.",
                              param="model", code="model_not_found")
-    for key, neutral in _NEUTRAL.items():
-        value = body.get(key)
-        # logprobs=0 asks for the sampled token's logprob (completions): only null / false mean "none".
-        if value not in (None, neutral) or (key == "logprobs" and value is not None and value is not False):
-            why = _UNSUPPORTED.get(key, "the engine does not implement it")
-            raise InvalidRequest(f"{key}={value!r} is not supported yet: {why}", param=key)
+    for key, (neutral, why) in _REFUSED.items():
+        if body.get(key) not in neutral:
+            raise InvalidRequest(f"{key}={body[key]!r}: {why}", param=key)
     return body
 
 
-def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, default_max_tokens: int) -> ParsedRequest:
+def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, default_max_tokens: int,
+            chat: bool) -> ParsedRequest:
     vocab = len(served.tokenizer)
     if not ids:
         raise InvalidRequest(f"the {what} is empty after tokenization", param=what)
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param=what)
+    opts = body.get("stream_options") or {}
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) or not isinstance(opts, dict):
+        raise InvalidRequest("stream must be a boolean and stream_options an object", param="stream")
     fields = {dst: body[src] for src, dst in _PASSTHROUGH.items() if body.get(src) is not None}
     if fields.get("top_k") == -1:
         fields["top_k"] = 0  # vLLM's spelling of "off"
@@ -121,17 +119,70 @@ def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, def
         raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    fields |= _sequence_fields(body, chat, stream)
     params = SamplingParams.from_dict({**fields, "max_tokens": max_tokens, "stop": stop})
     if len(ids) + max_tokens > served.max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {served.max_model_len} tokens. However, you requested "
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in the completion). "
             f"Please reduce the length of the {what} or completion.", param=what, code="context_length_exceeded")
-    opts = body.get("stream_options") or {}
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) or not isinstance(opts, dict):
-        raise InvalidRequest("stream must be a boolean and stream_options an object", param="stream")
     return ParsedRequest(ids, params, stream, bool(opts.get("include_usage")))
+
+
+def _sequence_fields(body: dict[str, Any], chat: bool, stream: bool) -> dict[str, Any]:
+    """n, best_of, logprobs and beam search, as OpenAI (and vLLM's extras) spell them -> SamplingParams
+    fields."""
+    n = _int_field(body, "n", 1, 1, MAX_N)
+    best_of = _int_field(body, "best_of", None, 1, MAX_N)
+    if chat and best_of is not None:
+        raise InvalidRequest("best_of is a /v1/completions parameter; chat completions take n", param="best_of")
+    if best_of is not None and best_of < n:
+        raise InvalidRequest(f"best_of must be >= n, got best_of={best_of} and n={n}", param="best_of")
+    out: dict[str, Any] = {"n": n, "logprobs": _logprobs_field(body, chat)}
+    beam = body.get("use_beam_search")
+    if beam is not None and not isinstance(beam, bool):
+        raise InvalidRequest(f"use_beam_search must be true or false, got {beam!r}", param="use_beam_search")
+    if beam:  # vLLM's spelling, where best_of was the beam width
+        if out["logprobs"] is not None:  # the engine returns beam search's tokens and finish reasons only
+            raise InvalidRequest("logprobs are not returned for beam search outputs", param="logprobs")
+        out |= {"use_beam_search": True, "beam_width": _int_field(body, "beam_width", best_of or n, 1, MAX_N)}
+        return out | {k: body[k] for k in ("length_penalty", "early_stopping") if body.get(k) is not None}
+    for key, neutral in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+        if body.get(key) not in (None, neutral):
+            raise InvalidRequest(f"{key} applies to beam search only: set use_beam_search=true", param=key)
+    if best_of is not None:
+        if stream and best_of > n:
+            raise InvalidRequest("best_of > n cannot stream: which sequences are best is known only at the end; "
+                                 "set stream=false or best_of=n", param="best_of")
+        out["best_of"] = best_of
+    return out
+
+
+def _logprobs_field(body: dict[str, Any], chat: bool) -> int | None:
+    """Completions take `logprobs: int`; chat takes `logprobs: bool` and `top_logprobs: int`. -> how many
+    alternatives per token the engine reports (None: no logprobs at all)."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise InvalidRequest("top_logprobs is a chat parameter; /v1/completions takes logprobs=<number of "
+                                 "alternatives>", param="top_logprobs")
+        return _int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidRequest(f"logprobs must be true or false, got {wanted!r} (top_logprobs sets how many "
+                             "alternatives)", param="logprobs")
+    top = _int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and wanted is not True:
+        raise InvalidRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _int_field(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidRequest(f"{key} must be an integer in [{lo}, {hi}], got {value!r}", param=key)
+    return value
 
 
 # -- responses ------------------------------------------------------------------------------------------
@@ -144,29 +195,58 @@ def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict[str, An
     return u
 
 
-def completion_object(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                      chunk: bool, use: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A whole completion (chunk=False, with usage) or one stream chunk of it: the same shape."""
-    obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+def response_object(rid: str, created: int, model: str, chat: bool, chunk: bool, choices: list[dict[str, Any]],
+                    use: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole response (chunk=False, with usage) or one stream chunk (usage only when given)."""
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+    obj: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
     if not chunk or use is not None:
         obj["usage"] = use
     return obj
 
 
-def chat_object(rid: str, created: int, model: str, text: str | None, finish_reason: str | None, chunk: bool,
-                use: dict[str, Any] | None = None, first: bool = False) -> dict[str, Any]:
-    if chunk:
-        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [choice]}
-        if use is not None:
-            obj["usage"] = use
-        return obj
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}], "usage": use}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+                      ) -> dict[str, Any]:
+    """The same in a whole completion and in a stream chunk."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A whole message, or a stream chunk's delta (the role travels in each choice's first chunk)."""
+    if not chunk:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+    delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _lp(value: float | None) -> float | None:
+    """JSON has no -inf (a token a logit_bias or the mask ruled out): report it as vLLM does."""
+    return None if value is None else max(value, -9999.0)
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
+    """OpenAI's legacy shape. text_offset: where the first token starts in the choice's text so far.
+    top_logprobs holds the k most likely tokens and always the sampled one (so up to k + 1, as OpenAI)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for e in entries:
+        tokens.append(e.token)
+        token_logprobs.append(_lp(e.logprob))
+        offsets.append(text_offset)
+        text_offset += len(e.token)
+        top = {s: _lp(v) for _, s, v in e.top}
+        if all(t != e.token_id for t, _, _ in e.top):
+            top.setdefault(e.token, _lp(e.logprob))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat shape: per token its string, logprob, UTF-8 bytes and the top_logprobs alternatives."""
+    return {"content": [{"token": e.token, "logprob": _lp(e.logprob), "bytes": list(e.token.encode()),
+                         "top_logprobs": [{"token": s, "logprob": _lp(v), "bytes": list(s.encode())}
+                                          for _, s, v in e.top]} for e in entries]}
 
 
 def error_body(err: ConveyorError) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """One request's way through the gateway, shared by every door (SSE, JSON, WebSocket), and SSE itself.
 
 run_request: engine connected? -> admission (429 before anything is queued) -> the engine -> metrics.
-chunks: the OpenAI stream chunks of one request, with --stream-interval applied.
+chunks: the OpenAI stream chunks of one request (one choice per chunk), with --stream-interval applied.
+complete: the whole response, every choice (n) in index order.
 sse_response: `data: {json}\\n\\n` per chunk, then `data: [DONE]`, over a plain web.StreamResponse.
 
 A client that goes away must not keep the engine busy: a failed write, or the handler being cancelled
@@ -20,8 +21,9 @@ import orjson
 from aiohttp import web
 
 from gateway.app import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
-from gateway.openai_schema import ParsedRequest, chat_object, completion_object, error_body, usage
-from shared.client import TextOutput
+from gateway.openai_schema import (ParsedRequest, chat_choice, chat_logprobs, completion_choice, completion_logprobs,
+                                   error_body, response_object, usage)
+from shared.choices import TextOutput, TokenLogprob
 from shared.errors import ConveyorError, EngineDead, Overloaded
 
 log = logging.getLogger(__name__)
@@ -58,54 +60,97 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
                        last.num_cached_tokens if last else 0)
 
 
+class _Choice:
+    """What one choice has received and not sent yet (--stream-interval), and what a response needs."""
+
+    __slots__ = ("text", "logprobs", "num_tokens", "first", "ended", "text_offset", "finish_reason")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.num_tokens = 0  # since the last event
+        self.first, self.ended = True, False
+        self.text_offset = 0  # completions' text_offset of the next token
+        self.finish_reason: str | None = None
+
+    def add(self, out: TextOutput) -> None:
+        self.text.append(out.text)
+        self.num_tokens += len(out.token_ids)
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+    def take(self, chat: bool, want_logprobs: bool) -> tuple[str, dict[str, Any] | None]:
+        """-> the text and logprobs object gathered since the last take."""
+        text, entries = "".join(self.text), self.logprobs
+        self.text, self.logprobs, self.num_tokens = [], [], 0
+        if not want_logprobs:
+            return text, None
+        if chat:
+            return text, chat_logprobs(entries)
+        lps = completion_logprobs(entries, self.text_offset)
+        self.text_offset += sum(len(e.token) for e in entries)
+        return text, lps
+
+
 async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
-    """OpenAI stream chunks of one request. Nothing is yielded before the engine's first output, so an
-    engine ERROR is raised before any byte is sent; the role travels in that first chunk. With
-    stream_interval N the first token goes out at once, then an event every N tokens (and the last)."""
+    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is yielded before
+    the engine's first output, so an engine ERROR is raised before any byte is sent; the role travels in
+    each choice's first chunk. With stream_interval N a choice's first token goes out at once, then an
+    event every N of its tokens (and its last). Logprobs travel with the text they belong to."""
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
-    created, first, last = int(time.time()), True, None
-    text, num_tokens = [], 0
+    created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
+    choices: dict[int, _Choice] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
             last = out
-            text.append(out.text)
-            num_tokens += len(out.token_ids)
-            if not (first or out.finished or num_tokens >= interval):
+            c = choices.setdefault(out.index, _Choice())
+            if c.ended:
                 continue
-            delta = "".join(text)
-            if not (delta or out.finished or first):
+            c.add(out)
+            c.ended = out.finish_reason is not None
+            if not (c.first or c.ended or c.num_tokens >= interval):
+                continue
+            if not (any(c.text) or c.logprobs or c.ended or c.first):
                 continue  # text held back (an unfinished character, a possible stop string)
-            reason = out.finish_reason if out.finished else None
-            if chat:
-                yield chat_object(rid, created, model, delta, reason, chunk=True, first=first)
-            else:
-                yield completion_object(rid, created, model, delta, reason, chunk=True)
-            first, text, num_tokens = False, [], 0
+            text, lps = c.take(chat, want_lps)
+            reason = out.finish_reason
+            choice = (chat_choice(out.index, text, reason, chunk=True, first=c.first, logprobs=lps) if chat
+                      else completion_choice(out.index, text, reason, lps))
+            c.first = False
+            yield response_object(rid, created, model, chat, True, [choice])
         if req.include_usage and last is not None:
-            yield {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                   "model": model, "choices": [], "usage": text_usage(last)}
+            yield response_object(rid, created, model, chat, True, [], text_usage(last))
     finally:
         await outputs.aclose()
 
 
 async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: bool) -> dict[str, Any]:
-    """The whole (non-streaming) response object."""
-    created, parts, last = int(time.time()), [], None
+    """The whole (non-streaming) response object, its choices in index order."""
+    created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
+    choices: dict[int, _Choice] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
-            parts.append(out.text)
+            choices.setdefault(out.index, _Choice()).add(out)
             last = out
     finally:
         await outputs.aclose()
     assert last is not None and last.finished  # a stream ends with its finished output, or raises
-    make = chat_object if chat else completion_object
-    return make(rid, created, app[SERVED].name, "".join(parts), last.finish_reason, chunk=False, use=text_usage(last))
+    body = []
+    for index in sorted(choices):
+        c = choices[index]
+        text, lps = c.take(chat, want_lps)
+        body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps) if chat
+                    else completion_choice(index, text, c.finish_reason, lps))
+    return response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last))
 
 
 def text_usage(out: TextOutput) -> dict[str, Any]:
+    """Over all choices: the last output's count is the request's."""
     return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
 
 

@@ -10,39 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
+from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
+from shared.detokenizer import FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 Prompt = str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
-
-
-@dataclass(slots=True)
-class TextOutput:
-    """One step of a text-level request: the new text and ids, plus counts for `usage`."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int  # so far, including this step
-    num_cached_tokens: int = 0
 
 
 class RequestStream:
@@ -106,35 +91,6 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
     return old
 
 
-class FastDecoder:
-    """The tokenizer's `decode` without transformers' per-call wrapping (about 4x less time per call; the
-    gateway decodes once or twice per request per step). Used only where it gives the very same text."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._backend = tokenizer._tokenizer
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True,
-               clean_up_tokenization_spaces: bool = False) -> str:
-        assert not clean_up_tokenization_spaces
-        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    @staticmethod
-    def wrap(tokenizer: Any) -> Any:
-        """FastDecoder(tokenizer) when it decodes a probe of ids exactly as tokenizer.decode does."""
-        backend = getattr(tokenizer, "_tokenizer", None)
-        if backend is None or not hasattr(backend, "decode") or not getattr(tokenizer, "is_fast", False):
-            return tokenizer
-        fast = FastDecoder(tokenizer)
-        specials = list(getattr(tokenizer, "all_special_ids", []))[:8]
-        probe = [list(range(0, 300, 7)) + specials, specials + list(range(1000, 1300, 11)), [0], []]
-        for ids in probe:
-            for skip in (True, False):
-                want = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
-                if fast.decode(ids, skip_special_tokens=skip) != want:
-                    return tokenizer
-        return fast
-
-
 def _error_from_wire(msg: P.Error) -> ConveyorError:
     cls = {400: InvalidRequest, 429: Overloaded, 503: EngineDead}.get(msg.status, ConveyorError)
     return cls(msg.message)
@@ -163,6 +119,7 @@ class AsyncEngineClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._tok_lock = asyncio.Lock()
         self._fast_decoder: Any = None
+        self._token_strings: TokenStrings | None = None  # logprobs' token strings, memoized per client
 
     # -- lifecycle ---------------------------------------------------------------------------------
     async def start(self, timeout: float | None = None) -> P.Ready:
@@ -301,36 +258,42 @@ class AsyncEngineClient:
 
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                           priority: int = 0) -> AsyncIterator[TextOutput]:
-        """Text deltas of one request. A stop string ends it (finish_reason "stop") and aborts it in the
-        engine; so does leaving the loop early or being cancelled (a client that went away)."""
-        from shared.detokenizer import IncrementalDetokenizer
-
+        """Text deltas of one request, each for one choice (`index`, 0..n-1; see shared/choices.py). A stop
+        string ends its choice; when every choice has ended the stream ends (the last output has `finished`)
+        and the request is aborted in the engine if it still runs. Leaving the loop early or being cancelled
+        (a client that went away) aborts it too."""
         ids = await self.encode_prompt(prompt)
-        detok = IncrementalDetokenizer(await self._decoder(), params.stop)
+        decoder = await self._decoder()
+        if self._token_strings is None:
+            self._token_strings = TokenStrings(decoder)
         stream = await self.add(ids, params, request_id, priority)
-        num_out = 0
+        choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings)
         try:
             async for out in stream:
-                num_out += len(out.new_token_ids)
-                text = detok.step(out.new_token_ids, final=out.finished)
-                finished, reason = out.finished, out.finish_reason
-                if detok.stopped:
-                    finished, reason = True, "stop"
-                    await self.abort(stream.request_id)
-                yield TextOutput(stream.request_id, text, out.new_token_ids, finished, reason,
-                                 out.num_prompt_tokens or len(ids), num_out, out.num_cached_tokens)
-                if finished:
-                    return
+                for text_out in choices.feed(out):
+                    if text_out.finished and not stream.done:
+                        await self.abort(stream.request_id)  # stop strings ended every choice first
+                    yield text_out
+                    if text_out.finished:
+                        return
         finally:
             if not stream.done:
                 await self.abort(stream.request_id)
 
+    async def generate_choices(self, prompt: Prompt, params: SamplingParams,
+                               request_id: str | None = None) -> list[TextOutput]:
+        """Every choice whole, in index order: the text, ids and logprobs of each choice's outputs joined."""
+        parts: dict[int, list[TextOutput]] = {}
+        async for out in self.stream_text(prompt, params, request_id):
+            parts.setdefault(out.index, []).append(out)
+        return [join_outputs(parts[i], out) for i in sorted(parts)]
+
     async def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
-        """The whole completion at once: text and token ids of every step joined."""
-        parts: list[TextOutput] = [out async for out in self.stream_text(prompt, params, request_id)]
-        last = parts[-1]
-        return TextOutput(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids],
-                          True, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        """The whole completion of a one-choice request (n == 1; use generate_choices for more)."""
+        if params.n != 1:
+            raise InvalidRequest(f"generate_text returns one choice and n={params.n}: use generate_choices",
+                                 param="n")
+        return (await self.generate_choices(prompt, params, request_id))[0]
 
     # -- the socket --------------------------------------------------------------------------------------
     async def _send(self, msg: P.Message) -> None:
@@ -409,58 +372,10 @@ class AsyncEngineClient:
             self._ready_evt.set()  # wake wait_ready() callers so that they raise _dead
 
 
-class EngineClient:
-    """Blocking wrapper: the async client runs on its own event loop in a daemon thread."""
+def __getattr__(name: str) -> Any:
+    """`from shared.client import EngineClient` keeps working; the blocking client lives in sync_client.py."""
+    if name == "EngineClient":
+        from shared.sync_client import EngineClient
 
-    def __init__(self, address: str, **kwargs: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="conveyor-client", daemon=True)
-        self._thread.start()
-        self._client = AsyncEngineClient(address, **kwargs)
-        self.ready = self._call(self._client.start())
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def _iterate(self, it: AsyncIterator[T]) -> Iterator[T]:
-        try:
-            while True:
-                try:
-                    yield self._call(it.__anext__())  # type: ignore[arg-type]
-                except StopAsyncIteration:
-                    return
-        finally:
-            if hasattr(it, "aclose"):
-                self._call(it.aclose())
-
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-            priority: int = 0) -> Iterator[P.RequestOutput]:
-        return self._iterate(self._call(self._client.add(prompt_token_ids, params, request_id, priority)))
-
-    def abort(self, request_id: str) -> None:
-        self._call(self._client.abort(request_id))
-
-    def reset_prefix_cache(self) -> None:
-        self._call(self._client.reset_prefix_cache())
-
-    def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
-        return self._call(self._client.get_stats(timeout))
-
-    def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[TextOutput]:
-        return self._iterate(self._client.stream_text(prompt, params, request_id))
-
-    def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
-        return self._call(self._client.generate_text(prompt, params, request_id))
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._call(self._client.close())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-
-    def __enter__(self) -> EngineClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return EngineClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -39,20 +39,32 @@ def smollm2_tokenizer() -> Any:
     return load_tokenizer(source, cache_dir=cache_root() / source.cache_dir.name)
 
 
+def fake_logprobs(token_id: int, position: int, k: int) -> list[Any]:
+    """The logprobs entry FakeEngine sends for the token at `position` of a choice: the sampled token is the
+    most likely, then k - 1 made-up neighbours, each one nat less likely."""
+    lp = -0.25 * (position + 1)
+    return [lp, [[token_id + j, lp - j] for j in range(k)]]
+
+
 class FakeEngine:
     """A ROUTER in a thread. Every request emits `tokens` (or `script(add)`), `tokens_per_step` per step,
-    finishing with "length" at max_tokens or "stop" when the script runs out. `reject(add)` returning a
-    message makes the engine answer ERROR instead. Everything received is kept in `received`."""
+    finishing with "length" at max_tokens or "stop" when the script runs out. With n > 1, choice i emits
+    `choices(add)[i]` (default: the script's tokens for every choice), in lockstep, the row that ends the
+    last one finishing the request. Rows carry fake_logprobs() when the request asks for logprobs.
+    `reject(add)` returning a message makes the engine answer ERROR instead. Everything received is kept in
+    `received`."""
 
     def __init__(self, tokens: list[int] | None = None, *, address: str | None = None, answer_hello: bool = True,
                  model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (2,),
                  step_interval: float = 0.002, tokens_per_step: int = 1,
                  script: Callable[[P.Add], list[int]] | None = None,
+                 choices: Callable[[P.Add], list[list[int]]] | None = None,
                  reject: Callable[[P.Add], str | None] | None = None) -> None:
         self.tokens = tokens if tokens is not None else [100, 200, 300]
         self.answer_hello, self.step_interval, self.tokens_per_step = answer_hello, step_interval, tokens_per_step
         self.ready = P.Ready(P.PROTOCOL_VERSION, model_name, max_model_len, list(eos_token_ids))
         self.script = script or (lambda add: list(self.tokens))
+        self.choices = choices or (lambda add: [self.script(add) for _ in range(add.params.n)])
         self.reject = reject or (lambda add: None)
         self.received: list[P.Message] = []
         self.aborted: list[str] = []
@@ -65,7 +77,7 @@ class FakeEngine:
         else:
             self._sock.bind(address)
         self.address = address
-        # request_id -> [client identity, Add, remaining tokens, emitted count]
+        # request_id -> [client identity, Add, remaining tokens per choice, emitted count per choice]
         self._live: dict[str, list[Any]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -122,7 +134,8 @@ class FakeEngine:
             if why is not None:
                 self._send(ident, P.Error(msg.request_id, why, 400))
             else:
-                self._live[msg.request_id] = [ident, msg, self.script(msg), 0]
+                script = self.choices(msg)[:msg.params.n] if msg.params.n > 1 else [self.script(msg)]
+                self._live[msg.request_id] = [ident, msg, [list(t) for t in script], [0] * len(script)]
         elif isinstance(msg, P.Abort):
             for rid in msg.request_ids:
                 self.aborted.append(rid)
@@ -132,15 +145,22 @@ class FakeEngine:
 
     def _step(self) -> None:
         per_client: dict[bytes, list[P.RequestOutput]] = {}
-        for rid, entry in list(self._live.items()):
-            ident, add, remaining, emitted = entry
-            room = add.params.max_tokens - emitted
-            new, entry[2] = remaining[: min(self.tokens_per_step, room)], remaining[min(self.tokens_per_step, room):]
-            entry[3] += len(new)
-            reason = "length" if entry[3] >= add.params.max_tokens else ("stop" if not entry[2] else None)
-            per_client.setdefault(ident, []).append(
-                P.RequestOutput(rid, new, reason is not None, reason, len(add.prompt_token_ids)))
-            if reason is not None:
+        for rid, (ident, add, remaining, emitted) in list(self._live.items()):
+            rows = per_client.setdefault(ident, [])
+            k = add.params.logprobs
+            for i, left in enumerate(remaining):
+                if left is None:
+                    continue  # this choice has ended
+                room = add.params.max_tokens - emitted[i]
+                new, remaining[i] = left[: min(self.tokens_per_step, room)], left[min(self.tokens_per_step, room):]
+                lps = None if k is None else [fake_logprobs(t, emitted[i] + j, k) for j, t in enumerate(new)]
+                emitted[i] += len(new)
+                reason = "length" if emitted[i] >= add.params.max_tokens else ("stop" if not remaining[i] else None)
+                if reason is not None:
+                    remaining[i] = None
+                done = all(r is None for r in remaining)
+                rows.append(P.RequestOutput(rid, new, done, reason, len(add.prompt_token_ids), logprobs=lps, index=i))
+            if all(r is None for r in remaining):
                 del self._live[rid]
         for ident, outs in per_client.items():  # one OUTPUTS message per client per step, as the engine does
             self._send(ident, P.Outputs(outs))

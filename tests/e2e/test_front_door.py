@@ -165,7 +165,7 @@ def test_examples_and_load_generator_run(server: Server, engine_address: str, ti
 
     out = run_script("examples/sdk_client.py", "--engine-address", engine_address, "--model", str(tiny_chat_model))
     for needle in ("connected: tiny-chat", "finished=True reason=length", "aborted after", "refused (400)",
-                   "sync:", "no engine there (503)"):
+                   "sync:", "choice 1:", "no engine there (503)"):
         assert needle in out, out
     out = run_script("examples/websocket_client.py", "--url", server.url.replace("http", "ws") + "/v1/ws")
     assert "[b] cancelled" in out and "[a] done" in out and "[c] done" in out, out

@@ -105,16 +105,16 @@ def test_async_client_streams_concurrently(server: Server) -> None:
 
 
 @pytest.mark.parametrize("call, param, needle", [
-    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", n=2), "n", "not supported yet"),
-    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, n=3), "n", "one choice per request"),
-    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", logprobs=2), "logprobs", "log probabilities"),
-    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, logprobs=True, top_logprobs=2),
-     "logprobs", "log probabilities"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", echo=True), "echo", "not supported"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", suffix="end"), "suffix", "not supported"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", logprobs=21), "logprobs", "[0, 20]"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, top_logprobs=2),
+     "top_logprobs", "logprobs=true"),
     (lambda c: c.completions.create(model="gpt-4", prompt="hi"), "model", "does not exist"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", max_tokens=-1), "max_tokens", ">= 1"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, temperature=-1), "temperature", ">= 0"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi " * 1100), "prompt", "maximum context length"),
-], ids=["n-completions", "n-chat", "logprobs-completions", "logprobs-chat", "unknown-model", "max-tokens",
+], ids=["echo", "suffix", "logprobs-range", "top_logprobs-alone", "unknown-model", "max-tokens",
         "temperature", "too-long"])
 def test_refusals_are_openai_bad_request_errors(client: openai.OpenAI, call: Callable[[openai.OpenAI], object],
                                                 param: str, needle: str) -> None:

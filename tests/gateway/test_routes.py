@@ -137,7 +137,7 @@ LONG_PROMPT = "word " * 80
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
     ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 10}, "prompt", "maximum context length is 64"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "maximum context"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
     ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "token ids"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
 ])

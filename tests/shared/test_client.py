@@ -7,11 +7,12 @@ import time
 import pytest
 
 from shared import protocol as P
-from shared.client import AsyncEngineClient, EngineClient
+from shared.client import AsyncEngineClient
+from shared.sync_client import EngineClient
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling import SamplingParams
 from shared.tokenizer import apply_chat_template
-from tests.fakes import FakeEngine, smollm2_tokenizer
+from tests.fakes import FakeEngine, fake_logprobs, smollm2_tokenizer
 
 
 def run(coro):  # noqa: ANN001, ANN201 - tiny helper, no pytest-asyncio needed
@@ -211,3 +212,39 @@ def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
         assert rest[0].finish_reason == "length"
         assert seen == [1] * 30  # the on_output hook still saw every engine step
     run(main())
+
+
+def test_text_calls_with_n_choices_stop_strings_and_logprobs() -> None:
+    """One detokenizer per choice: each TextOutput belongs to one `index`, a stop string ends its own choice,
+    and logprobs come with the text they make up."""
+    tok = smollm2_tokenizer()
+    texts = ["The capital of France is Paris.", "Once upon a time there was a cat"]
+    choices = [tok.encode(t) for t in texts]
+
+    async def main() -> None:
+        with FakeEngine(choices=lambda add: choices) as eng:
+            async with AsyncEngineClient(eng.address, tokenizer=tok) as client:
+                params = SamplingParams(max_tokens=50, n=2, stop=["Paris"], logprobs=1)
+                outs = [o async for o in client.stream_text("hi", params)]
+                whole = await client.generate_choices("hi", params)
+                with pytest.raises(InvalidRequest, match="generate_choices"):
+                    await client.generate_text("hi", params)
+        assert {o.index for o in outs} == {0, 1} and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert [o.finish_reason for o in outs if o.finish_reason] == ["stop", "stop"]
+        assert outs[-1].num_output_tokens == len(choices[1]) + 6  # choice 0 counts up to its stop string
+        assert [(w.index, w.text, w.finish_reason) for w in whole] == [(0, "The capital of France is ", "stop"),
+                                                                       (1, texts[1], "stop")]
+        assert [e.token for e in whole[0].logprobs] == ["The", " capital", " of", " France", " is"]
+        assert [e.token_id for e in whole[1].logprobs] == choices[1]
+        assert [e.logprob for e in whole[1].logprobs] == [fake_logprobs(t, i, 1)[0] for i, t in enumerate(choices[1])]
+        assert all(e.top == [(e.token_id, e.token, e.logprob)] for w in whole for e in w.logprobs)
+    run(main())
+
+
+def test_sync_client_generate_choices() -> None:
+    tok = smollm2_tokenizer()
+    with FakeEngine(choices=lambda add: [tok.encode(" a b"), tok.encode(" c")]) as eng, \
+            EngineClient(eng.address, tokenizer=tok) as client:
+        outs = client.generate_choices("hi", SamplingParams(max_tokens=20, n=2))
+        assert [(o.index, o.text, o.logprobs) for o in outs] == [(0, " a b", None), (1, " c", None)]
+        assert outs[0].num_output_tokens == 3

@@ -40,6 +40,20 @@ ENGINE_GAUGES = {
     "num_swapped": ("conveyor_num_requests_swapped", "Requests swapped out to the CPU block pool"),
     "kv_usage": ("conveyor_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1)"),
 }
+# Speculative decoding, exported only when the engine runs it (STATS key -> (metric, help)).
+SPEC_GAUGES = {
+    "spec_acceptance_rate": ("conveyor_spec_decode_acceptance_rate",
+                             "Speculative decoding: share of proposed tokens the model accepted (0..1)"),
+    "spec_mean_accepted_length": ("conveyor_spec_decode_mean_accepted_length",
+                                  "Speculative decoding: tokens per verification step (accepted drafts + 1)"),
+}
+SPEC_COUNTERS = {
+    "total_spec_verifications": ("conveyor_spec_decode_num_drafts",
+                                 "Speculative decoding: verification steps (a sequence with proposals)"),
+    "total_spec_draft_tokens": ("conveyor_spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens"),
+    "total_spec_accepted_tokens": ("conveyor_spec_decode_num_accepted_tokens",
+                                   "Speculative decoding: proposed tokens the model accepted"),
+}
 
 
 def num_preemptions(stats: dict[str, float]) -> float:
@@ -117,7 +131,11 @@ class EngineCollector(Collector):
                                 "Fraction of prompt tokens served from the prefix cache (engine's, else the "
                                 "gateway's)",
                                 value=float(prefix_hit_rate(stats, self.hit_rate_fallback)))
-        known = set(ENGINE_GAUGES) | {"num_preemptions", "prefix_cache_hit_rate"}
+        for family, table in ((GaugeMetricFamily, SPEC_GAUGES), (CounterMetricFamily, SPEC_COUNTERS)):
+            for key, (name, doc) in table.items():
+                if key in stats:
+                    yield family(name, doc, value=float(stats[key]))
+        known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS) | {"num_preemptions", "prefix_cache_hit_rate"}
         for key in sorted(set(stats) - known):
             value = stats[key]
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

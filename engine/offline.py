@@ -16,12 +16,33 @@ from shared.sampling import SamplingParams
 
 
 @dataclass
-class CompletionOutput:
-    request_id: str
-    prompt_token_ids: list[int]
+class SequenceOutput:
+    """One of a request's sequences (n > 1 or beam search return several, by index)."""
+
+    index: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[SequenceOutput] = field(default_factory=list)  # in index order
+
+    # The first sequence's fields: the whole answer of an n = 1 request.
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str | None:
+        return self.outputs[0].text
 
 
 class LLM:
@@ -56,16 +77,19 @@ class LLM:
             self.core.add(rid, ids, p)
             outputs[rid] = CompletionOutput(rid, ids)
             order.append(rid)
+        seqs: dict[str, dict[int, SequenceOutput]] = {rid: {} for rid in order}
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.core.has_work():
                 for out in self.core.step():
-                    o = outputs[out.request_id]
-                    o.token_ids.extend(out.new_token_ids)
+                    seq = seqs[out.request_id].setdefault(out.index, SequenceOutput(out.index))
+                    seq.token_ids.extend(out.new_token_ids)
+                    seq.finish_reason = out.finish_reason or seq.finish_reason
                     if out.finished:
-                        o.finish_reason = out.finish_reason
                         bar.update(1)
         results = [outputs[rid] for rid in order]
+        for o in results:
+            o.outputs = [seqs[o.request_id][i] for i in sorted(seqs[o.request_id])]
         if any(isinstance(p, str) for p in prompts):
-            for o in results:
-                o.text = self.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+            for seq in (s for o in results for s in o.outputs):
+                seq.text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
         return results

@@ -88,3 +88,17 @@ def test_prompt_of_one_token_forks_at_once(tiny_llama_dir, n):
     out = collect(core)
     assert len(out) == n and len({tuple(v) for v in out.values()}) == 1
     assert core.block_manager.num_free_blocks == 16
+
+
+def test_offline_api_returns_each_sequence_by_index(tiny_llama_dir):
+    from engine.offline import LLM
+
+    params = SamplingParams(temperature=0.8, seed=9, n=3, max_tokens=5, ignore_eos=True)
+    prompt = [3, 4, 5, 6, 7]
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=BS))
+    core.add("a", prompt, params)
+    expected = collect(core)
+    [out] = LLM(str(tiny_llama_dir), num_blocks=64, block_size=BS).generate([prompt], params, use_tqdm=False)
+    assert [s.index for s in out.outputs] == [0, 1, 2]
+    assert [s.token_ids for s in out.outputs] == [expected[("a", i)] for i in range(3)]
+    assert all(s.finish_reason == "length" for s in out.outputs) and out.token_ids == out.outputs[0].token_ids

@@ -1,11 +1,13 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
-Decode tokens (query length 1) of all sequences go through one batched SDPA per layer: the
-per-step plan turns block tables into one padded list of block ids, so each layer gathers whole
-blocks (contiguous block_size * Hkv * D runs, 3x faster than gathering slot by slot) and makes one
-attention call instead of a Python loop over sequences. Grouped-query heads ride in SDPA's query
-length: q [B, Hkv, G, D] against k [B, Hkv, L, D], so K/V are never expanded to all heads.
-Prefill chunks are few per step and run one SDPA each.
+Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
+queries of 2..SHORT_QUERY tokens over a cached context (speculative verification, the tail of a
+chunked prompt) in another, padded to the longest. The per-step plan turns block tables into one
+padded list of block ids, so each layer gathers whole blocks (contiguous block_size * Hkv * D runs,
+3x faster than gathering slot by slot) and makes one attention call instead of a Python loop over
+sequences. Grouped-query heads ride in SDPA's query length: q [B, Hkv, Q * G, D] against
+k [B, Hkv, L, D], so K/V are never expanded to all heads. Longer prompt chunks are few per step and
+run one SDPA each.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ import torch.nn.functional as F
 
 from kernels.backend import BatchLayout
 
+# Queries up to this long over a cached context are batched (padded) instead of run one by one.
+SHORT_QUERY = 16
+
 
 @dataclass
 class _Prefill:
@@ -25,12 +30,21 @@ class _Prefill:
 
 
 @dataclass
+class _Batched:
+    """B sequences with queries of at most q_len tokens, attended in one padded SDPA call."""
+
+    q_len: int
+    rows: torch.Tensor  # [B * q_len] rows of the flattened batch; padding repeats a sequence's last row
+    blocks: torch.Tensor  # [B * nblk] int64 block ids, padded with block 0
+    mask: torch.Tensor  # [B, 1, q_len, 1, nblk * block_size] bool, True where query j may see key p
+    keep: torch.Tensor | None  # [n] positions in rows that are real queries; None when all are
+
+
+@dataclass
 class TorchMeta:
     slot_mapping: torch.Tensor  # [T]
-    decode_rows: torch.Tensor | None  # [Bd] rows of decode tokens in the flattened batch
-    decode_blocks: torch.Tensor | None  # [Bd * nblk] int64 block ids, padded with block 0
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nblk * block_size] bool, True where a key is valid
-    all_decode: bool
+    batched: list[_Batched]
+    all_decode: bool  # every row is a decode token, in order: one batched call covers the step
     prefills: list[_Prefill]
 
 
@@ -47,10 +61,12 @@ class TorchBackend:
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         bs = layout.block_size
-        decode_idx, prefills, start = [], [], 0
+        decode, short, prefills, start = [], [], [], 0
         for i, (q, ctx) in enumerate(zip(layout.query_lens, layout.context_lens)):
             if q == 1:
-                decode_idx.append(i)
+                decode.append((i, start))
+            elif q <= SHORT_QUERY and ctx > 0:
+                short.append((i, start))
             else:
                 L = ctx + q
                 mask = None
@@ -60,28 +76,37 @@ class TorchBackend:
                     mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
             start += q
-        rows = blocks = mask = None
-        if decode_idx:
-            lens = [layout.context_lens[i] + 1 for i in decode_idx]
-            nblk = (max(lens) + bs - 1) // bs
-            flat: list[int] = []
-            for i in decode_idx:
-                bt = layout.block_tables[i][:nblk]
-                flat += bt
-                flat += [0] * (nblk - len(bt))
-            blocks = torch.tensor(flat, dtype=torch.int64)
-            mask = (torch.arange(nblk * bs)[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]
-            qstarts = torch.tensor(layout.query_lens).cumsum(0) - 1
-            rows = qstarts[torch.tensor(decode_idx)]
-            rows, blocks, mask = rows.to(self.device), blocks.to(self.device), mask.to(self.device)
+        batched = [self._batched(layout, group) for group in (decode, short) if group]
         return TorchMeta(
             slot_mapping=layout.slot_mapping.to(self.device),
-            decode_rows=rows,
-            decode_blocks=blocks,
-            decode_mask=mask,
-            all_decode=not prefills,
+            batched=batched,
+            all_decode=not prefills and not short,
             prefills=prefills,
         )
+
+    def _batched(self, layout: BatchLayout, group: list[tuple[int, int]]) -> _Batched:
+        """group: (sequence index, its first row). Pads every query to the longest and every context
+        to the longest in blocks."""
+        bs = layout.block_size
+        q_lens = [layout.query_lens[i] for i, _ in group]
+        ctxs = [layout.context_lens[i] for i, _ in group]
+        q_len = max(q_lens)
+        nblk = (max(c + q for c, q in zip(ctxs, q_lens)) + bs - 1) // bs
+        flat: list[int] = []
+        rows: list[int] = []
+        for (i, first), q in zip(group, q_lens):
+            bt = layout.block_tables[i][:nblk]
+            flat += bt
+            flat += [0] * (nblk - len(bt))
+            rows += [first + min(j, q - 1) for j in range(q_len)]
+        pos = torch.tensor(ctxs)[:, None] + torch.arange(q_len)[None, :]  # [B, q_len] query positions
+        mask = torch.arange(nblk * bs)[None, None, :] <= pos[:, :, None]  # [B, q_len, L]
+        keep = None
+        if q_len > 1:
+            keep = (torch.arange(q_len)[None, :] < torch.tensor(q_lens)[:, None]).flatten().nonzero()[:, 0]
+            keep = keep.to(self.device)
+        return _Batched(q_len, torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device),
+                        mask[:, None, :, None, :].to(self.device), keep)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
         num_blocks, block_size, hkv, d = k_cache.shape
@@ -89,19 +114,16 @@ class TorchBackend:
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
+        if meta.all_decode:
+            return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, in_order=True)
+        out = q.new_empty(q.shape)
+        for b in meta.batched:
+            o = self._attend_batched(q, k_cache, v_cache, b, scale, in_order=False)  # [B * q_len, H, D]
+            if b.keep is None:
+                out[b.rows] = o
+            else:
+                out[b.rows[b.keep]] = o[b.keep]
         gqa = q.shape[1] != hkv
-        out = q.new_empty(q.shape) if not meta.all_decode else None
-        if meta.decode_rows is not None:
-            qd = q if meta.all_decode else q[meta.decode_rows]  # [Bd, H, D]
-            bd, h = qd.shape[0], qd.shape[1]
-            qd = qd.reshape(bd, hkv, h // hkv, d)  # [Bd, Hkv, G, D]: query heads grouped by their KV head
-            kd = k_cache.index_select(0, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)  # [Bd, Hkv, L, D]
-            vd = v_cache.index_select(0, meta.decode_blocks).view(bd, -1, hkv, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            od = od.reshape(bd, h, d)  # [Bd, H, D]
-            if meta.all_decode:
-                return od
-            out[meta.decode_rows] = od
         for p in meta.prefills:
             # 4-D [1, H, L, D]: 3-D inputs take SDPA's slow fallback on CPU (4-5x slower at 512 tokens).
             qp = q[p.token_slice].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -112,6 +134,24 @@ class TorchBackend:
             )
             out[p.token_slice] = op[0].transpose(0, 1)
         return out
+
+    @staticmethod
+    def _attend_batched(q, k_cache, v_cache, b: _Batched, scale: float, in_order: bool) -> torch.Tensor:
+        """-> [B * q_len, H, D], row r answering query b.rows[r]. in_order: the rows are all of q."""
+        _, _, hkv, d = k_cache.shape
+        h = q.shape[1]
+        g, n = h // hkv, b.q_len
+        qb = q if in_order else q.index_select(0, b.rows)  # [B * n, H, D]
+        bsz = qb.shape[0] // n
+        # Query heads grouped by their KV head, queries and groups together in SDPA's query length.
+        qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d)  # [B, Hkv, n * G, D]
+        kb = k_cache.index_select(0, b.blocks).view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        vb = v_cache.index_select(0, b.blocks).view(bsz, -1, hkv, d).transpose(1, 2)
+        mask = b.mask if n == 1 else b.mask.expand(-1, -1, -1, g, -1).reshape(bsz, 1, n * g, -1)
+        if n == 1:
+            mask = mask.view(bsz, 1, 1, -1)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, n * G, D]
+        return o.view(bsz, hkv, n, g, d).transpose(1, 2).reshape(bsz * n, h, d)
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv[:, :, dst] = kv[:, :, src]

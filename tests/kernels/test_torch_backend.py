@@ -1,0 +1,57 @@
+"""The PyTorch backend (the CPU path, and the Triton kernels' oracle) against attention written out
+by hand: softmax(q k^T * scale + causal mask) v per sequence, with K/V read position by position
+from the block table. Batches mix every path: decodes, short queries over a context (speculative
+verification), prompts without context and long chunks over a context."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.torch_backend import SHORT_QUERY, TorchBackend
+from tests.kernels.paged_batch import random_batch
+
+
+def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
+    """k_cache / v_cache: after the new tokens were stored. -> [T, H, D] in float64."""
+    lay = batch.layout
+    bs, (_, h, d) = lay.block_size, batch.q.shape
+    group = h // k_cache.shape[2]
+    out, row = [], 0
+    for q_len, ctx, table in zip(lay.query_lens, lay.context_lens, lay.block_tables):
+        L = ctx + q_len
+        keys = torch.stack([k_cache[table[p // bs], p % bs] for p in range(L)]).double()  # [L, Hkv, D]
+        vals = torch.stack([v_cache[table[p // bs], p % bs] for p in range(L)]).double()
+        keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)  # [L, H, D]
+        q = batch.q[row:row + q_len].double()  # [q, H, D]
+        scores = torch.einsum("qhd,lhd->hql", q, keys) * batch.scale
+        visible = torch.arange(L)[None, :] <= torch.arange(ctx, L)[:, None]  # [q, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), vals))
+        row += q_len
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch_equals_attention_by_hand(group, block_size):
+    query_lens = [1, 5, 1, 3, SHORT_QUERY, 7, 40, 2, 1]
+    context_lens = [9, 30, 0, 13, 20, 0, 25, 1, 61]
+    batch = random_batch(query_lens, context_lens, block_size=block_size, num_kv_heads=2, group=group,
+                         head_dim=16, seed=block_size + group)
+    k_cache, v_cache = batch.clean_caches()
+    backend = TorchBackend("cpu")
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
+    stored_k, stored_v = batch.stored_caches()
+    torch.testing.assert_close(k_cache, torch.nan_to_num(stored_k, nan=0.0))
+    want = naive_attention(batch, k_cache, v_cache)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 2]), ([4, 2], [8, 30]), ([3], [0])])
+def test_single_path_batches(query_lens, context_lens):
+    """All decodes (the fast path), all short queries, one prompt alone."""
+    batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=2, head_dim=8, seed=1)
+    k_cache, v_cache = batch.clean_caches()
+    backend = TorchBackend("cpu")
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
+    torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=1e-5, rtol=1e-5)

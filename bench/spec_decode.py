@@ -1,0 +1,113 @@
+"""Speculative decoding against plain decoding, in one run, on input-grounded prompts (edit, fix or
+summarise a given text or code: the output copies long runs of the input, which prompt lookup finds).
+
+For each of 1 stream (the requests one after another) and 8 streams (all at once) it prints output
+tokens/s without and with speculation, the ratio, the acceptance rate and the mean accepted length,
+and checks that the greedy outputs are identical. Target: >= 1.8x single-stream with n-gram.
+
+    python bench/spec_decode.py [--model SmolLM2-135M-Instruct] [--speculative ngram] [-k 4]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import machine, pin_threads  # noqa: E402
+
+CODE = '''def load_users(path):
+    users = []
+    with open(path) as f:
+        for line in f:
+            name, age, city = line.strip().split(",")
+            users.append({"name": name, "age": int(age), "city": city})
+    return users
+
+
+def oldest_user(users):
+    best = None
+    for user in users:
+        if best is None or user["age"] > best["age"]:
+            best = user
+    return best
+'''
+
+TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Several "
+        "shop owners said the lanes had reduced parking and hurt their business, while cyclists said "
+        "the lanes had made the street much safer. The council agreed to collect traffic data for "
+        "three more months before deciding whether to keep the lanes, move them, or remove them.")
+
+TASKS = [
+    f"Rename the function load_users to read_users everywhere in this code. Reply with the full code only.\n\n{CODE}",
+    f"Add a docstring to each function in this code. Reply with the full code only.\n\n{CODE}",
+    f"Rewrite this code to use the variable name person instead of user. Reply with the full code only.\n\n{CODE}",
+    f"Copy this text and replace 'Main Street' with 'Oak Avenue':\n\n{TEXT}",
+    f"Summarise this text in two sentences, reusing its own words:\n\n{TEXT}",
+    f"Fix the indentation of this code and reply with the full code only.\n\n{CODE.replace('    ', '  ')}",
+    f"Repeat the following text exactly, then say DONE:\n\n{TEXT}",
+    f"Convert this code's comments and names to snake_case where they are not. Reply with the code.\n\n{CODE}",
+]
+
+
+def run(core, prompts: list[list[int]], max_tokens: int, concurrent: bool) -> tuple[float, list[list[int]]]:
+    """-> (output tokens per second, outputs). concurrent: all at once; else one after another."""
+    from shared.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs = {f"s{i}": [] for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    batches = [list(range(len(prompts)))] if concurrent else [[i] for i in range(len(prompts))]
+    for batch in batches:
+        for i in batch:
+            core.add(f"s{i}", prompts[i], params)
+        while core.has_work():
+            for o in core.step():
+                outs[o.request_id] += o.new_token_ids
+    elapsed = time.perf_counter() - t0
+    # Ids are reused across runs: the engine forgets finished requests.
+    return sum(map(len, outs.values())) / elapsed, [outs[f"s{i}"] for i in range(len(prompts))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--speculative", default="ngram", help="ngram or draft:<model>")
+    ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    pin_threads(args.threads)
+
+    from engine.core import EngineCore
+    from shared.config import build_config
+    from shared.tokenizer import apply_chat_template, load_tokenizer
+
+    common = dict(kv_cache_memory="512MiB", max_num_batched_tokens=2048, enable_prefix_caching=False)
+    plain = EngineCore(build_config(args.model, **common))
+    spec = EngineCore(build_config(args.model, speculative=args.speculative,
+                                   num_speculative_tokens=args.num_speculative_tokens, **common))
+    tok = load_tokenizer(plain.source)
+    prompts = [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in TASKS]
+    print(f"machine: {machine()}")
+    print(f"model: {args.model}; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+          f"tokens; greedy, up to {args.max_tokens} output tokens; speculative={args.speculative}, "
+          f"k={args.num_speculative_tokens}")
+    for core in (plain, spec):  # warm up allocators and thread pools
+        run(core, prompts[:1], 8, concurrent=False)
+
+    print(f"{'streams':>8} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'accept':>7} {'mean len':>9} identical")
+    for streams, concurrent in ((1, False), (8, True)):
+        before = dict(spec.scheduler.spec_stats)
+        base_tps, base_out = run(plain, prompts, args.max_tokens, concurrent)
+        spec_tps, spec_out = run(spec, prompts, args.max_tokens, concurrent)
+        st = {k: v - before[k] for k, v in spec.scheduler.spec_stats.items()}
+        accept = st["spec_accepted_tokens"] / max(st["spec_draft_tokens"], 1)
+        mean_len = 1 + st["spec_accepted_tokens"] / max(st["spec_verifications"], 1)
+        print(f"{streams:>8} {base_tps:>12.1f} {spec_tps:>11.1f} {spec_tps / base_tps:>5.2f}x {accept:>7.1%} "
+              f"{mean_len:>9.2f} {'yes' if spec_out == base_out else 'NO'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

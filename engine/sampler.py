@@ -2,8 +2,8 @@
 
 Greedy rows take the argmax. Random rows are processed together (temperature, top-k, top-p,
 min-p) and drawn by the exponential race argmax(p / E), E ~ Exp(1), which equals sampling from p.
-A seeded row draws its E from its own generator, so its tokens do not depend on what else is in
-the batch.
+A seeded row draws its E from a generator seeded by (seed, position), so its tokens do not depend
+on what else is in the batch (nor on speculative decoding, see engine/spec/verify.py).
 
 Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
 that order, in place on the logits. Logprobs (and the candidates of beam search, and the cumulative
@@ -46,7 +46,7 @@ class Sampler:
         probs = probs_of(logits, reqs)  # [B, V]
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
-            noise[i].exponential_(generator=generator_of(r, self.device))
+            noise[i].exponential_(generator=generator_of(r, r.num_tokens, self.device))
         tokens = (probs / noise).argmax(dim=-1)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         if greedy.any():
@@ -129,12 +129,15 @@ def probs_of(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return probs
 
 
-def generator_of(req: Request, device: torch.device) -> torch.Generator | None:
-    """A seeded request's own RNG (created on first use), or None for the global one."""
+def generator_of(req: Request, position: int, device: torch.device, stream: int = 0) -> torch.Generator | None:
+    """The RNG for the token at `position` of a seeded request (None: the global one, unseeded).
+
+    Seeded from (seed, sequence index, position, stream) afresh for each token, so a seeded token's
+    randomness depends on nothing but where it is: not on the batch, not on preemption, and not on
+    how many draws speculative decoding made before it. `stream` separates the draws of different
+    purposes at one position (sampling, accepting a draft, the draft model's own sampling)."""
     if req.params.seed is None:
         return None
     if req.generator is None:
-        # Each sequence of an n > 1 request draws its own stream, all from the one seed.
-        seed = req.params.seed if req.index == 0 else hash((req.params.seed, req.index)) & (2**63 - 1)
-        req.generator = torch.Generator(device=device).manual_seed(seed)
-    return req.generator
+        req.generator = torch.Generator(device=device)
+    return req.generator.manual_seed(hash((req.params.seed, req.index, position, stream)) & (2**63 - 1))

@@ -86,6 +86,7 @@ class DraftProposer:
             if r.params.greedy:
                 drafts[i].append(greedy[i])
         for j, i in enumerate(rand):
-            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(reqs[i], q.device))
+            position = reqs[i].num_tokens + len(drafts[i])
+            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(reqs[i], position, q.device, stream=2))
             drafts[i].append(int((q[j] / noise).argmax()))
             probs[i].append(q[j])

@@ -7,9 +7,11 @@ disagreement (or after the last draft). Sampled (Leviathan et al. 2023, Chen et 
 draft x with probability min(1, p(x) / q(x)), where p is the target's distribution (temperature,
 top-k/p, min-p applied) and q the proposer's; at the first rejection sample from the residual
 max(0, p - q), normalised; when every draft is accepted, sample the bonus token from p at the last
-row. Prompt lookup proposes deterministically, so its q is one-hot: accept with probability p(x),
-and the residual is p without x. A seeded request draws every random number from its own
-generator, so its output does not depend on the rest of the batch.
+row. Prompt lookup proposes deterministically (q one-hot), where that rule is the same as sampling
+each position and keeping drafts while they match the samples; done that way with the sampler's
+own per-position noise, a seeded request's output is token for token what it is without
+speculation. Seeded requests draw every random number from generators seeded by position
+(engine/sampler.py: generator_of), so their output does not depend on the rest of the batch.
 """
 from __future__ import annotations
 
@@ -34,35 +36,58 @@ def verify(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     for req, s in zip(reqs, starts):
         drafts = req.spec_token_ids
         if req.params.greedy:
-            a = 0
-            while a < len(drafts) and drafts[a] == argmax[s + a]:
-                a += 1
-            req.num_accepted = a
-            out.append(argmax[s + a])
+            a = _matching(drafts, argmax[s:s + len(drafts) + 1])
+            token = argmax[s + a]
         else:
             p = probs[prow[s]:prow[s] + len(drafts) + 1]  # [k + 1, V]
-            req.num_accepted, token = _rejection_sample(p, drafts, req.spec_probs, generator_of(req, p.device))
-            out.append(token)
+            accept = _sample_and_match if req.spec_probs is None else _rejection_sample
+            a, token = accept(p, drafts, req.spec_probs, req)
+        req.num_accepted = a
+        out.append(token)
     return out
 
 
-def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-                      gen: torch.Generator | None) -> tuple[int, int]:
-    """p: [k + 1, V] target probabilities; q: [k, V] proposal probabilities, None for one-hot.
-    -> (accepted drafts, next token)."""
-    k = len(drafts)
-    u = torch.rand(k, generator=gen, device=p.device, dtype=p.dtype).tolist()
-    idx = torch.tensor(drafts, device=p.device)
+def _matching(drafts: list[int], targets: list[int]) -> int:
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
+
+
+def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, req: Request) -> tuple[int, int]:
+    """Deterministic proposals (q one-hot): sample every position from p with the noise plain decoding
+    would use there, keep the drafts while they equal the samples. P(accept x) = p(x), and after a
+    mismatch the sample is p conditioned on not x, which is rejection sampling's residual: the same
+    rule, and a seeded request gets exactly the tokens it gets without speculation."""
+    noise = torch.empty_like(p)
+    if req.params.seed is None:
+        noise.exponential_()
+    else:
+        for i in range(len(noise)):
+            noise[i].exponential_(generator=generator_of(req, req.num_tokens + i, p.device))
+    samples = (p / noise).argmax(dim=-1).tolist()
+    a = _matching(drafts, samples)
+    return a, samples[a]
+
+
+def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor, req: Request) -> tuple[int, int]:
+    """p: [k + 1, V] target probabilities; q: [k, V] the draft's. -> (accepted drafts, next token)."""
+    k, pos, dev = len(drafts), req.num_tokens, p.device
+    if req.params.seed is None:
+        u = torch.rand(k, device=dev, dtype=p.dtype).tolist()
+    else:
+        u = [float(torch.rand(1, generator=generator_of(req, pos + i, dev, stream=1), device=dev)) for i in range(k)]
+    idx = torch.tensor(drafts, device=dev)
     p_x = p[:k].gather(1, idx[:, None])[:, 0].tolist()
-    q_x = [1.0] * k if q is None else q.gather(1, idx[:, None])[:, 0].tolist()
+    q_x = q.gather(1, idx[:, None])[:, 0].tolist()
     for i in range(k):
         if u[i] * q_x[i] < p_x[i]:  # u < p(x) / q(x), without dividing by a zero q(x)
             continue
-        residual = (p[i] - q[i]).clamp_(min=0) if q is not None else p[i].clone().index_fill_(0, idx[i:i + 1], 0.0)
+        residual = (p[i] - q[i]).clamp_(min=0)
         if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
             residual = p[i]
-        return i, _draw(residual, gen)
-    return k, _draw(p[k], gen)
+        return i, _draw(residual, generator_of(req, pos + i, dev))
+    return k, _draw(p[k], generator_of(req, pos + k, dev))
 
 
 def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:

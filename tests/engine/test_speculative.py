@@ -102,6 +102,19 @@ def test_greedy_output_identical_with_speculation(tiny_llama_dir, tiny_draft_dir
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
+def test_seeded_sampling_gives_the_same_tokens_with_prompt_lookup(tiny_llama_dir):
+    """Prompt lookup verifies by sampling each position with the noise plain decoding uses there, so a
+    seeded request's tokens are the same with and without speculation, alone or in a batch."""
+    reqs = [(p, SamplingParams(temperature=0.3, top_p=0.9, seed=100 + i, max_tokens=32, ignore_eos=True))
+            for i, p in enumerate(repetitive_prompts(12, 512, seed=4))]
+    _, expected = run(tiny_llama_dir, reqs)
+    core, out = run(tiny_llama_dir, reqs, speculative="ngram", num_speculative_tokens=3)
+    assert out == expected
+    assert core.stats()["total_spec_accepted_tokens"] > 0
+    _, alone = run(tiny_llama_dir, reqs[3:4], speculative="ngram", num_speculative_tokens=5)
+    assert alone["r0"] == expected["r3"]
+
+
 @pytest.mark.parametrize("mode,cpu_blocks", [("swap", 200), ("recompute", 0)])
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_speculating_requests_survive_preemption(tiny_llama_dir, tiny_draft_dir, proposer, mode, cpu_blocks):
@@ -218,19 +231,19 @@ def max_excess(samples: list[list[int]], marginals: list[torch.Tensor]) -> float
     return worst
 
 
-def accept_all(p, drafts, q, gen):
+def accept_all(p, drafts, q, req):
     """Broken: keeps every draft."""
-    return len(drafts), verify_module._draw(p[len(drafts)], gen)
+    return len(drafts), verify_module._draw(p[len(drafts)], None)
 
 
-def resample_from_p(p, drafts, q, gen):
-    """Broken: on rejection, samples from p instead of the residual max(0, p - q)."""
+def resample_from_p(p, drafts, q, req):
+    """Broken: at a rejection, samples from p instead of the residual (p without the rejected draft)."""
     k = len(drafts)
     for i in range(k):
         qx = 1.0 if q is None else float(q[i, drafts[i]])
-        if float(torch.rand(1, generator=gen)) * qx >= float(p[i, drafts[i]]):
-            return i, verify_module._draw(p[i], gen)
-    return k, verify_module._draw(p[k], gen)
+        if float(torch.rand(1)) * qx >= float(p[i, drafts[i]]):
+            return i, verify_module._draw(p[i], None)
+    return k, verify_module._draw(p[k], None)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
@@ -245,6 +258,7 @@ def test_sampling_distribution_unchanged(small_vocab_dirs, proposer, monkeypatch
     # The plain sampler passes the same test: it measures the method, not the noise ...
     assert max_excess(sample(target)[0], marginals) < 1.0
     # ... and broken acceptance rules fail it.
+    rule = "_sample_and_match" if proposer == "ngram" else "_rejection_sample"
     for broken in (accept_all, resample_from_p):
-        monkeypatch.setattr(verify_module, "_rejection_sample", broken)
+        monkeypatch.setattr(verify_module, rule, broken)
         assert max_excess(sample(target, **options)[0], marginals) > 1.0, broken.__name__

@@ -68,6 +68,7 @@ class EngineCore:
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0}
         self.last_step: dict[str, int] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
@@ -114,14 +115,16 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
         sampled = self.runner.execute(plan)  # swap, copy, one forward, one sample
         logprobs = self.runner.logprobs if sampled else None
         deltas = self.scheduler.update(plan, sampled, self.max_model_len, logprobs)  # advance, stop, free
-        self._record(plan)
-        return [self._output(d) for d in deltas]
+        outputs = [self._output(d) for d in deltas]
+        self._record(plan, time.perf_counter() - t0)
+        return outputs
 
     def _output(self, d: Delta) -> RequestOutput:
         req = d.request
@@ -135,8 +138,9 @@ class EngineCore:
         """Forget every cached prefix (benchmarks, or after swapping weights); running requests go on."""
         self.block_manager.reset_prefix_cache()
 
-    def _record(self, plan: StepPlan) -> None:
+    def _record(self, plan: StepPlan, seconds: float) -> None:
         self.num_steps += 1
+        self.step_seconds += seconds
         self.totals["prefill_tokens"] += plan.num_tokens - plan.num_decode_tokens
         self.totals["decode_tokens"] += plan.num_decode_tokens
         self.last_step = {"step_prefill_tokens": plan.num_tokens - plan.num_decode_tokens,
@@ -163,6 +167,7 @@ class EngineCore:
             "num_preemptions_swap": s.num_preemptions["swap"],
             "num_preemptions_recompute": s.num_preemptions["recompute"],
             "num_steps": self.num_steps,
+            "total_step_seconds": self.step_seconds,
             **{f"total_{k}_tokens" if k.startswith("prefix") else f"total_{k}": v for k, v in bm.stats.items()},
             "num_cached_device_blocks": len(bm.device.cached),
             "num_cached_cpu_blocks": len(bm.cpu.cached),

@@ -31,7 +31,7 @@ class Sampler:
         """logits: [B, V] float32, one row per request that samples. -> B token ids."""
         self.logprobs = None
         if all(r.plain for r in reqs):
-            return logits.argmax(dim=-1).tolist()
+            return argmax(logits)
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None or r.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
         self._process(logits, reqs)
@@ -42,16 +42,16 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1).tolist()
+            return argmax(logits)
         probs = probs_of(logits, reqs)  # [B, V]
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             noise[i].exponential_(generator=generator_of(r, r.num_tokens, self.device))
-        tokens = (probs / noise).argmax(dim=-1)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        if greedy.any():
-            tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        return tokens.tolist()
+        tokens = argmax(probs / noise)
+        if any(r.params.greedy for r in reqs):
+            best = argmax(logits)
+            tokens = [b if r.params.greedy else t for r, t, b in zip(reqs, tokens, best)]
+        return tokens
 
     @staticmethod
     def _process(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -91,6 +91,15 @@ class Sampler:
             kj = ks[j]
             out[i] = (sampled[j], list(zip(top_ids[j][:kj], top_vals[j][:kj])) if kj else [])
         return out
+
+
+def argmax(logits: torch.Tensor) -> list[int]:
+    """Row-wise argmax [B, V] -> B ids, the first of equal maxima (as torch's). On the CPU through numpy,
+    whose vectorised argmax is 5-12x faster than torch's: at 256 rows of a 4k-49k vocabulary torch's
+    took 3-30 ms, most of a small model's decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.contiguous().numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _top_k_wanted(req: Request) -> int:

@@ -63,8 +63,8 @@ class StepPlan:
         if req.num_spec:
             self.num_decode_tokens += n
             self.num_spec_requests += 1
-        elif n == 1 and req.num_output_tokens and req.num_computed_tokens == req.num_tokens - 1:
-            self.num_decode_tokens += 1
+        elif n == 1 and req.num_prompt_tokens < len(req.token_ids) == req.num_computed_tokens + 1:
+            self.num_decode_tokens += 1  # the next token of a request that has output already
         self.requests.append(req)
         self.num_new_tokens.append(n)
 
@@ -72,7 +72,7 @@ class StepPlan:
         return bool(self.requests)
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """New tokens of one sequence. finish_reason: this sequence's; finished: the whole request's."""
 
@@ -163,10 +163,10 @@ class Scheduler:
         return budget > 0 and len(self.running) < self.config.max_num_seqs
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
-        i = 0
+        i, others_waiting = 0, bool(self.waiting)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(_remaining(req), budget, others_waiting=bool(self.waiting))
+            n = self._chunk(_remaining(req), budget, others_waiting)
             if n == 0:  # a beam waiting for its siblings (preempted) before the group can step
                 i += 1
                 continue
@@ -206,14 +206,17 @@ class Scheduler:
 
     def _reserve(self, req: Request, n: int, plan: StepPlan, first_candidate: int) -> bool:
         """Get blocks for req's next n tokens, preempting requests not yet served this step."""
-        while not self.bm.can_allocate(self.bm.num_new_blocks(req, req.num_computed_tokens + n)):
+        num_tokens = req.num_computed_tokens + n
+        while need := self.bm.num_new_blocks(req, num_tokens):
+            if self.bm.can_allocate(need):
+                self.bm.allocate(req, num_tokens)
+                return True
             candidates = self.running[first_candidate:]
             victim = max([r for r in candidates if not r.just_resumed] or candidates, key=_victim_order)
             self._preempt(victim, plan)
             if victim is req:
                 return False
-        self.bm.allocate(req, req.num_computed_tokens + n)
-        return True
+        return True  # its slots are there and its own already: most decode steps
 
     def _preempt(self, req: Request, plan: StepPlan) -> None:
         self.running.remove(req)
@@ -306,10 +309,10 @@ class Scheduler:
                 deltas.append(_delta(req))
                 continue
             before = req.num_computed_tokens
-            req.num_computed_tokens += n
-            if caching and req.num_computed_tokens // bs > before // bs:
+            req.num_computed_tokens = computed = before + n
+            if caching and computed // bs > before // bs:
                 self.bm.cache_blocks(req, before)
-            if req.num_computed_tokens < req.num_tokens:
+            if computed < len(req.token_ids):
                 if groups.ready_to_fork(req):  # a chunk that ends one short of the prompt
                     self.running += groups.fork(req, self.bm)
                 continue  # a prompt chunk that does not reach the end samples nothing
@@ -371,10 +374,11 @@ class Scheduler:
 
     @staticmethod
     def _check_stop(req: Request, token: int, max_model_len: int) -> None:
-        p = req.params
-        if token in req.stop_ids and req.num_output_tokens > p.min_tokens:
+        p, num_tokens = req.params, len(req.token_ids)
+        num_output = num_tokens - req.num_prompt_tokens
+        if token in req.stop_ids and num_output > p.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= max_model_len:
+        elif num_output >= p.max_tokens or num_tokens >= max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
 
 
@@ -383,7 +387,8 @@ def _delta(req: Request) -> Delta:
     new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
     lps = req.logprobs[req.num_sent_tokens:] if req.logprobs is not None else None
     req.num_sent_tokens += len(new)
-    return Delta(req, new, 0, req.status.finish_reason, req.status.finished, lps)
+    status = req.status
+    return Delta(req, new, 0, status.finish_reason, status.finished, lps)
 
 
 def _drop_drafts(req: Request) -> None:

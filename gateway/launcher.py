@@ -86,6 +86,31 @@ class EngineProcess:
             Path(self.address[len("ipc://"):]).unlink(missing_ok=True)
 
 
+def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
+    """Bind every thread of `pids` to the CPUs no thread of the engine is bound to, when there are such CPUs:
+    an engine with fewer compute threads than cores (--num-threads) has its OpenMP threads bound one per
+    core, and HTTP work on those cores would slow its steps. -> the CPUs used, None when nothing changed
+    (the engine uses every core, or this is not Linux)."""
+    try:
+        engine = set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{engine_pid}/task")))
+        rest = os.sched_getaffinity(0) - engine
+    except (AttributeError, OSError):
+        return None
+    if not rest:
+        return None
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # the process ended meanwhile: the watcher of workers reports it
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), rest)  # later threads inherit it from the one that starts them
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+    return rest
+
+
 class WorkerProcesses:
     """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own DEALER to
     the engine and binds the same port with SO_REUSEPORT, so the kernel spreads connections over them."""

@@ -107,7 +107,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
     try:
         async for out in outputs:
             last = out
-            c = choices.setdefault(out.index, _Choice())
+            c = choices.get(out.index) or choices.setdefault(out.index, _Choice())
             if c.ended:
                 continue
             c.add(out)

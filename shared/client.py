@@ -38,27 +38,29 @@ class RequestStream:
     ever-growing queue. A merged delta moves behind the others, so the request's finished one stays last.
     """
 
-    __slots__ = ("request_id", "done", "_pending", "_error", "_wakeup")
+    __slots__ = ("request_id", "done", "_pending", "_error", "_waiter")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.done = False
         self._pending: list[P.RequestOutput] = []
         self._error: ConveyorError | None = None
-        self._wakeup = asyncio.Event()
+        # The consumer's wake-up, while it waits: a bare future costs less than an asyncio.Event, and this
+        # runs once per request per engine step.
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: P.RequestOutput | ConveyorError) -> None:
         if isinstance(item, ConveyorError):
             self._error = self._error or item
         else:
-            index = getattr(item, "index", 0)
-            for i, old in enumerate(self._pending):
-                if getattr(old, "index", 0) == index:
+            for i, old in enumerate(self._pending):  # usually empty: the consumer keeps up
+                if old.index == item.index:
                     del self._pending[i]
                     item = merge_outputs(old, item)
                     break
             self._pending.append(item)
-        self._wakeup.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -67,8 +69,8 @@ class RequestStream:
         if self.done:
             raise StopAsyncIteration
         while not self._pending and self._error is None:
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         if self._pending:  # outputs that arrived before an error are still delivered
             out = self._pending.pop(0)
             self.done = out.finished
@@ -82,12 +84,10 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
     tokens (and logprobs) joined, the fields that change from delta to delta taken from the newer one."""
     old.new_token_ids += new.new_token_ids
     old.finished, old.finish_reason, old.num_cached_tokens = new.finished, new.finish_reason, new.num_cached_tokens
-    if getattr(new, "events", None) is not None:
-        old.events = new.events  # type: ignore[attr-defined]
-    new_lp = getattr(new, "logprobs", None)
-    if new_lp is not None:
-        old_lp = getattr(old, "logprobs", None)
-        old.logprobs = new_lp if old_lp is None else old_lp + new_lp  # type: ignore[attr-defined]
+    if new.events is not None:
+        old.events = new.events
+    if new.logprobs is not None:
+        old.logprobs = new.logprobs if old.logprobs is None else old.logprobs + new.logprobs
     return old
 
 
@@ -317,14 +317,15 @@ class AsyncEngineClient:
 
     def _dispatch(self, msg: P.Message) -> None:
         if isinstance(msg, P.Outputs):
+            streams, on_output = self._streams, self.on_output
             for out in msg.outputs:
-                stream = self._streams.get(out.request_id)
+                stream = streams.get(out.request_id)
                 if stream is not None:  # None: aborted here already; the engine's final row is late
-                    if self.on_output is not None:
-                        self.on_output(out)
+                    if on_output is not None:
+                        on_output(out)
                     stream.put(out)
                     if out.finished:
-                        del self._streams[out.request_id]
+                        del streams[out.request_id]
         elif isinstance(msg, P.Error):
             stream = self._streams.pop(msg.request_id, None) if msg.request_id else None
             if stream is not None:

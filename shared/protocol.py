@@ -183,13 +183,19 @@ def _decode_add(d: dict[str, Any]) -> Add:
 
 _NUM_OUTPUT_FIELDS = len(RequestOutput.__dataclass_fields__)
 
+
+def _output_row(row: list[Any]) -> RequestOutput:
+    """Rows may carry fields this reader does not know yet (appended at the end): ignore them. Slicing
+    only then saves a third of the time per row (a few hundred rows per engine step)."""
+    return RequestOutput(*row) if len(row) == _NUM_OUTPUT_FIELDS else RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
+
+
 _DECODERS = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,
     MsgType.ABORT: lambda d: Abort(request_ids=[str(r) for r in d["request_ids"]]),
-    # Rows may carry fields this reader does not know yet (appended at the end): ignore them.
-    MsgType.OUTPUTS: lambda rows: Outputs([RequestOutput(*row[:_NUM_OUTPUT_FIELDS]) for row in rows]),
+    MsgType.OUTPUTS: lambda rows: Outputs([_output_row(row) for row in rows]),
     MsgType.ERROR: lambda d: Error(**d),
     MsgType.GET_STATS: lambda d: GetStats(),
     MsgType.STATS: lambda d: Stats(gauges=dict(d["gauges"])),

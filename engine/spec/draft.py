@@ -16,10 +16,11 @@ import logging
 
 import torch
 
+from engine.batch import Batch
 from engine.kv_cache import KVCache
 from engine.models import ModelConfig
 from engine.request import Request
-from engine.sampler import generator_of, probs_of
+from engine.sampler import argmax, generator_of, probs_of
 from engine.weights import load_model
 from kernels.backend import AttentionBackend
 from shared.config import CacheConfig
@@ -34,9 +35,6 @@ class DraftProposer:
 
     def __init__(self, model_name: str, num_tokens: int, target: ModelConfig, num_blocks: int,
                  cache: CacheConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> None:
-        from engine.runner import Batch  # the runner imports this package
-
-        self._batch = Batch
         self.k = num_tokens
         self.model, mc = load_model(resolve_model(model_name), dtype, device)
         if mc.vocab_size != target.vocab_size:
@@ -57,13 +55,13 @@ class DraftProposer:
     def propose(self, reqs: list[Request]) -> None:
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        batch = self._batch(self.block_size)
+        batch = Batch(self.block_size)
         for r in reqs:
             batch.add(r.token_ids[r.draft_computed:], r.draft_computed, r.block_table, 1)
         active = list(range(len(reqs)))
         for step in range(max(r.num_spec for r in reqs)):
             if step:
-                batch = self._batch(self.block_size)
+                batch = Batch(self.block_size)
                 active = [i for i in active if reqs[i].num_spec > step]
                 for i in active:
                     r = reqs[i]
@@ -79,7 +77,7 @@ class DraftProposer:
                 probs: list[list[torch.Tensor]]) -> None:
         """Greedy requests take the draft's argmax; the others sample from the draft's distribution
         under their own sampling parameters, keeping it as q for verification."""
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = argmax(logits)
         rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
         q = probs_of(logits[rand], [reqs[i] for i in rand]) if rand else None  # [R, V]
         for i, r in enumerate(reqs):

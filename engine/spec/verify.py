@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.sampler import generator_of, probs_of
+from engine.sampler import argmax, generator_of, probs_of
 
 
 def verify(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
@@ -28,7 +28,7 @@ def verify(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     for r in reqs:
         starts.append(len(rows))
         rows += [r] * (r.num_spec + 1)
-    argmax = logits.argmax(dim=-1).tolist()
+    best = argmax(logits)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = probs_of(logits[sampled], [rows[i] for i in sampled]) if sampled else None  # [S, V]
     prow = {row: j for j, row in enumerate(sampled)}
@@ -36,8 +36,8 @@ def verify(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     for req, s in zip(reqs, starts):
         drafts = req.spec_token_ids
         if req.params.greedy:
-            a = _matching(drafts, argmax[s:s + len(drafts) + 1])
-            token = argmax[s + a]
+            a = _matching(drafts, best[s:s + len(drafts) + 1])
+            token = best[s + a]
         else:
             p = probs[prow[s]:prow[s] + len(drafts) + 1]  # [k + 1, V]
             accept = _sample_and_match if req.spec_probs is None else _rejection_sample
@@ -65,7 +65,7 @@ def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, req: Request)
     else:
         for i in range(len(noise)):
             noise[i].exponential_(generator=generator_of(req, req.num_tokens + i, p.device))
-    samples = (p / noise).argmax(dim=-1).tolist()
+    samples = argmax(p / noise)
     a = _matching(drafts, samples)
     return a, samples[a]
 

@@ -10,7 +10,7 @@ from transformers import (
 
 from engine.core import EngineCore
 from engine.request import Request
-from engine.sampler import Sampler, probs_of
+from engine.sampler import Sampler, argmax, probs_of
 from shared.config import build_config
 from shared.sampling import SamplingParams
 
@@ -85,6 +85,17 @@ def test_all_greedy_plain_batch_takes_the_fast_path(logits):
     s = Sampler()
     assert all(r.plain for r in reqs)
     assert s(logits.repeat(3, 1), reqs) == [int(logits.argmax())] * 3 and s.logprobs is None
+
+
+def test_numpy_argmax_equals_torch_including_ties_and_strided_rows():
+    torch.manual_seed(1)
+    logits = torch.randn(9, 4096)
+    logits[3, [7, 70, 700]] = 50.0  # equal maxima: the first one wins, as in torch
+    logits[5] = 0.0
+    wide = torch.randn(9, 8192)[:, ::2]  # a non-contiguous view, as a slice of a bigger buffer
+    for x in (logits, wide, logits.double()):
+        assert argmax(x) == x.argmax(dim=-1).tolist()
+    assert argmax(logits)[3] == 7 and argmax(logits)[5] == 0
 
 
 def test_logprobs_equal_log_softmax_of_the_model_logits(tiny_llama_dir):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.launcher import EngineProcess
+from gateway.launcher import EngineProcess, keep_off_engine_cpus
 from shared.client import AsyncEngineClient
 from shared.errors import EngineDead
 from tests.fakes import FakeEngine, cache_root, smollm2_tokenizer
@@ -87,7 +87,7 @@ def test_engine_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
 def test_engine_dies_with_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL gives the gateway no chance to clean up; the kernel still takes the engine down."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from gateway.launcher import EngineProcess; "
+        [sys.executable, "-c", "import sys, time; from gateway.launcher import EngineProcess, keep_off_engine_cpus; "
          "p = EngineProcess('ipc://x', []); p.argv = [sys.executable, '-c', 'import time; time.sleep(60)']; "
          "p.start(); print(p.proc.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, cwd=ROOT)
@@ -125,3 +125,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_gateway_processes_move_off_the_cores_the_engine_is_bound_to() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    engine, gateway = subprocess.Popen(sleep), subprocess.Popen(sleep)
+    try:
+        assert keep_off_engine_cpus(engine.pid, [gateway.pid]) is None  # an engine on every core: nothing moves
+        assert os.sched_getaffinity(gateway.pid) == set(cpus)
+        os.sched_setaffinity(engine.pid, {cpus[0]})  # as OpenMP binds a one-thread engine
+        assert keep_off_engine_cpus(engine.pid, [gateway.pid]) == set(cpus[1:])
+        assert os.sched_getaffinity(gateway.pid) == set(cpus[1:])
+        assert os.sched_getaffinity(engine.pid) == {cpus[0]}
+    finally:
+        for proc in (engine, gateway):
+            proc.kill()
+            proc.wait()

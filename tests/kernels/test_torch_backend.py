@@ -14,7 +14,7 @@ from tests.kernels.paged_batch import random_batch
 def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
     """k_cache / v_cache: after the new tokens were stored. -> [T, H, D] in float64."""
     lay = batch.layout
-    bs, (_, h, d) = lay.block_size, batch.q.shape
+    bs, h = lay.block_size, batch.q.shape[1]
     group = h // k_cache.shape[2]
     out, row = [], 0
     for q_len, ctx, table in zip(lay.query_lens, lay.context_lens, lay.block_tables):

@@ -5,12 +5,16 @@ queries of 2..SHORT_QUERY tokens over a cached context (speculative verification
 chunked prompt) in another, padded to the longest. The per-step plan turns block tables into one
 padded list of block ids, so each layer gathers whole blocks (contiguous block_size * Hkv * D runs,
 3x faster than gathering slot by slot) and makes one attention call instead of a Python loop over
-sequences. Grouped-query heads ride in SDPA's query length: q [B, Hkv, Q * G, D] against
-k [B, Hkv, L, D], so K/V are never expanded to all heads. Longer prompt chunks are few per step and
+sequences. Sequences whose contexts differ a lot go into separate calls (buckets by length), since
+padding every context to the longest one gathers and attends blocks no query sees. Gathers land in
+a workspace reused across layers and steps: a fresh tensor of tens of MB per layer is page-faulted
+in on every call, which made the gather 5x slower. Grouped-query heads ride in SDPA's query length:
+q [B, Hkv, Q * G, D] against k [B, Hkv, L, D], so K/V are never expanded to all heads. Longer prompt chunks are few per step and
 run one SDPA each.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +24,15 @@ from kernels.backend import BatchLayout
 
 # Queries up to this long over a cached context are batched (padded) instead of run one by one.
 SHORT_QUERY = 16
+# Padded blocks a separate attention call must save before a batch is split by context length: one more
+# call per layer (gathers, SDPA, scatter) costs about as much as gathering and attending this many K/V
+# blocks of SmolLM2-135M (bench: python bench/cpu_attention.py).
+SPLIT_COST_BLOCKS = 16
+# A new call starts at a context this much shorter than the current call's longest, so no sequence is
+# padded by more than 1 / SPLIT_RATIO and the calls' lengths fall geometrically.
+SPLIT_RATIO = 0.7
+# At most this many calls per group and layer, however spread the contexts are.
+MAX_BUCKETS = 8
 
 
 @dataclass
@@ -55,9 +68,27 @@ def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tens
     return slots[:length]
 
 
+def buckets(num_blocks: list[int]) -> list[list[int]]:
+    """Split sequences needing num_blocks[i] blocks into groups attended in one padded call each: walking
+    from the longest, start a new group at a sequence SPLIT_RATIO times the group's longest or shorter,
+    where padding it and the rest to that longest would waste at least SPLIT_COST_BLOCKS.
+    -> groups of indices, each in ascending order."""
+    order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__, reverse=True)
+    groups, longest = [[order[0]]], num_blocks[order[0]]
+    for pos in range(1, len(order)):
+        i = order[pos]
+        saved = (longest - num_blocks[i]) * (len(order) - pos)
+        if num_blocks[i] <= SPLIT_RATIO * longest and saved >= SPLIT_COST_BLOCKS and len(groups) < MAX_BUCKETS:
+            groups.append([])
+            longest = num_blocks[i]
+        groups[-1].append(i)
+    return [sorted(g) for g in groups]
+
+
 class TorchBackend:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
+        self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         bs = layout.block_size
@@ -76,11 +107,15 @@ class TorchBackend:
                     mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
             start += q
-        batched = [self._batched(layout, group) for group in (decode, short) if group]
+        batched = []
+        for group in (decode, short):
+            if group:
+                need = [(layout.context_lens[i] + layout.query_lens[i] + bs - 1) // bs for i, _ in group]
+                batched += [self._batched(layout, [group[j] for j in b]) for b in buckets(need)]
         return TorchMeta(
             slot_mapping=layout.slot_mapping.to(self.device),
             batched=batched,
-            all_decode=not prefills and not short,
+            all_decode=not prefills and not short and len(batched) == 1,
             prefills=prefills,
         )
 
@@ -135,8 +170,17 @@ class TorchBackend:
             out[p.token_slice] = op[0].transpose(0, 1)
         return out
 
-    @staticmethod
-    def _attend_batched(q, k_cache, v_cache, b: _Batched, scale: float, in_order: bool) -> torch.Tensor:
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V blocks [n, block_size, Hkv, D] each, copied into the reused workspace."""
+        shape = (blocks.numel(), *k_cache.shape[1:])
+        numel = math.prod(shape)
+        if self._workspace.numel() < 2 * numel or self._workspace.dtype != k_cache.dtype:
+            self._workspace = torch.empty(2 * numel, dtype=k_cache.dtype, device=k_cache.device)
+        kb = torch.index_select(k_cache, 0, blocks, out=self._workspace[:numel].view(shape))
+        vb = torch.index_select(v_cache, 0, blocks, out=self._workspace[numel:2 * numel].view(shape))
+        return kb, vb
+
+    def _attend_batched(self, q, k_cache, v_cache, b: _Batched, scale: float, in_order: bool) -> torch.Tensor:
         """-> [B * q_len, H, D], row r answering query b.rows[r]. in_order: the rows are all of q."""
         _, _, hkv, d = k_cache.shape
         h = q.shape[1]
@@ -145,8 +189,9 @@ class TorchBackend:
         bsz = qb.shape[0] // n
         # Query heads grouped by their KV head, queries and groups together in SDPA's query length.
         qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d)  # [B, Hkv, n * G, D]
-        kb = k_cache.index_select(0, b.blocks).view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
-        vb = v_cache.index_select(0, b.blocks).view(bsz, -1, hkv, d).transpose(1, 2)
+        kb, vb = self._gather(k_cache, v_cache, b.blocks)
+        kb = kb.view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+        vb = vb.view(bsz, -1, hkv, d).transpose(1, 2)
         mask = b.mask if n == 1 else b.mask.expand(-1, -1, -1, g, -1).reshape(bsz, 1, n * g, -1)
         if n == 1:
             mask = mask.view(bsz, 1, 1, -1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.torch_backend import SHORT_QUERY, TorchBackend
+from kernels.torch_backend import MAX_BUCKETS, SHORT_QUERY, SPLIT_COST_BLOCKS, SPLIT_RATIO, TorchBackend, buckets
 from tests.kernels.paged_batch import random_batch
 
 
@@ -55,3 +55,46 @@ def test_single_path_batches(query_lens, context_lens):
     backend = TorchBackend("cpu")
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
     torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=1e-5, rtol=1e-5)
+
+
+def test_spread_contexts_split_into_buckets_and_match_attention_by_hand():
+    """Decodes and short queries over contexts from 1 to 300 tokens run as several padded calls; the
+    workspace the gathers share is reused across calls, layers and steps without leaking between them."""
+    context_lens = [1, 300, 7, 150, 33, 290, 2, 80, 64, 200, 5, 120]
+    query_lens = [1] * 8 + [3, 4, 2, 5]
+    batch = random_batch(query_lens, context_lens, block_size=4, num_kv_heads=2, group=3, head_dim=16, seed=7)
+    k_cache, v_cache = batch.clean_caches()
+    backend = TorchBackend("cpu")
+    meta = backend.plan(batch.layout)
+    assert len(meta.batched) > 2  # the decodes alone span 1..75 blocks
+    want = None
+    for _ in range(2):  # the second pass runs on a workspace the first one filled
+        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, meta, batch.scale)
+        want = naive_attention(batch, k_cache, v_cache) if want is None else want
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_buckets_partition_the_batch_and_only_split_when_padding_costs_more_than_a_call():
+    assert buckets([5, 5, 5, 5]) == [[0, 1, 2, 3]]
+    # 4 short sequences padded to 40 blocks would read 4 * 38 padded blocks: worth a second call.
+    assert buckets([2, 40, 2, 2, 2]) == [[1], [0, 2, 3, 4]]
+    # One sequence one block shorter saves less than a call costs.
+    assert buckets([10, 9]) == [[0, 1]]
+    spread = list(range(1, 200))
+    groups = buckets(spread)
+    assert len(groups) == MAX_BUCKETS
+    assert sorted(i for g in groups for i in g) == list(range(len(spread)))
+    for g in groups:
+        assert g == sorted(g)
+    # Buckets are runs of lengths, longest first: none pads a sequence up to another bucket's lengths.
+    for longer, shorter in zip(groups, groups[1:]):
+        assert min(spread[i] for i in longer) >= max(spread[i] for i in shorter)
+    # While calls are left, no sequence is padded by more than 1 / SPLIT_RATIO.
+    lengths = list(range(10, 60))
+    groups = buckets(lengths)
+    assert len(groups) < MAX_BUCKETS
+    for g in groups:
+        assert min(lengths[i] for i in g) > SPLIT_RATIO * max(lengths[i] for i in g)
+    # Splitting right at the cost: padding 1 sequence by SPLIT_COST_BLOCKS blocks is worth one call.
+    assert len(buckets([SPLIT_COST_BLOCKS + 1, 1])) == 2
+    assert len(buckets([SPLIT_COST_BLOCKS, 1])) == 1

@@ -1,0 +1,106 @@
+"""The CPU attention path (TorchBackend) at SmolLM2-135M's shape, as it was and as it is.
+
+One layer's store + attention for batches of decodes and speculative-verification queries, timed
+three ways in the same run on the same batch:
+
+  padded, fresh    every sequence padded to the longest context in one call, gathers into new tensors
+                   (the backend before context-length buckets and the gather workspace)
+  padded, reused   one call, gathers into the reused workspace
+  bucketed         the backend as it is: calls split by context length, reused workspace
+
+and the least bytes the layer must read (every cached K/V row once) over the time, against this
+machine's copy bandwidth measured first. Uniform contexts are the control: there, bucketing must
+cost nothing.
+
+    python bench/cpu_attention.py
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine, pin_threads  # noqa: E402
+from bench.kernels import Case, Shape, attention_traffic, build_batch  # noqa: E402
+
+# SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64; the engine's default block size.
+SMOLLM2 = Shape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+
+
+def cases() -> list[Case]:
+    spread = [32 + (736 * i) // 63 for i in range(64)]  # 32..768, like a mixed serving batch
+    return [
+        Case("64 decodes, L=256 (uniform)", [1] * 64, [255] * 64),
+        Case("64 decodes, L 32..768", [1] * 64, spread),
+        Case("256 decodes, L 32..768", [1] * 256, spread * 4),
+        Case("32 verifies q=4, L 32..768", [4] * 32, spread[::2]),
+    ]
+
+
+def median_ms(fn, runs: int) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args()
+    pin_threads(args.threads)
+    import torch
+
+    import kernels.torch_backend as tb
+
+    torch.set_num_threads(args.threads)
+    print(f"machine: {machine()}")
+    src = torch.empty(1 << 26)  # 256 MiB
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 4 / median_ms(lambda: dst.copy_(src), 5) / 1e6
+    print(f"copy bandwidth: {copy_bw:.1f} GB/s (read + write)")
+    print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
+          f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size} float32, median of {args.runs}")
+    print(f"{'case':30s} {'padded, fresh':>14s} {'padded, reused':>15s} {'bucketed':>9s} {'speedup':>8s} "
+          f"{'calls':>6s} {'GB/s':>6s} {'% copy':>7s}")
+    gen = torch.Generator().manual_seed(0)
+
+    def fresh_gather(k_cache, v_cache, blocks):
+        return k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+
+    for case in cases():
+        layout, q, k, v, kc, vc = build_batch(case, SMOLLM2, torch.float32, torch.device("cpu"), gen)
+        scale = SMOLLM2.head_dim ** -0.5
+        backend = tb.TorchBackend("cpu")
+        meta = backend.plan(layout)
+        default_buckets = tb.MAX_BUCKETS
+        tb.MAX_BUCKETS = 1
+        try:
+            padded_meta = backend.plan(layout)
+        finally:
+            tb.MAX_BUCKETS = default_buckets
+
+        def run(m):
+            return lambda: backend.forward(q, k, v, kc, vc, m, scale)
+
+        torch.testing.assert_close(run(meta)(), run(padded_meta)(), atol=1e-4, rtol=1e-4)
+        reused = median_ms(run(padded_meta), args.runs)
+        bucketed = median_ms(run(meta), args.runs)
+        backend._gather = fresh_gather  # the gather as it was: a new tensor per call
+        fresh = median_ms(run(padded_meta), args.runs)
+        nbytes, _ = attention_traffic(case, SMOLLM2, 4)
+        gbs = nbytes / bucketed / 1e6
+        print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms {fresh / bucketed:7.2f}x "
+              f"{len(meta.batched):6d} {gbs:6.1f} {100 * gbs / copy_bw:6.0f}%")
+
+
+if __name__ == "__main__":
+    main()

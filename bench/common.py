@@ -26,13 +26,14 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")
 
 
-def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0) -> float:
-    """Measured fp32 GEMM speed at a shape of this model: the yardstick for the arithmetic ceiling."""
+def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0, dtype: str = "float32") -> float:
+    """Measured GEMM speed at a shape of this model, in the model's dtype: the yardstick for the
+    arithmetic ceiling."""
     import time
 
     import torch
 
-    a, b = torch.randn(n_tokens, k), torch.randn(k, n)
+    a, b = torch.randn(n_tokens, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
     for _ in range(3):
         a @ b
     reps, t0 = 0, time.perf_counter()

@@ -1,11 +1,12 @@
 """Offline throughput: Conveyor's offline API against transformers `generate` with static batches.
 
 One seeded workload (default 64 requests, prompts 32..512 tokens, outputs 8..256, ignore_eos) on
-SmolLM2-135M-Instruct, both sides in this run, both fp32 with the same pinned threads. Output
+SmolLM2-135M-Instruct, both sides in this run, in the same dtype (--dtype, float32 by default)
+with the same pinned threads. Output
 tokens/s counts only the tokens each request asked for. Also prints the arithmetic ceiling: the
 workload's model FLOPs at the measured GEMM speed of this machine.
 
-    python bench/offline_throughput.py [--num-requests 64] [--batch-size 64] [--threads 2]
+    python bench/offline_throughput.py [--num-requests 64] [--batch-size 64] [--threads 2] [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def run_conveyor(reqs, args) -> float:
     from shared.sampling import SamplingParams
 
     llm = LLM(args.model, num_threads=args.threads, max_num_seqs=args.batch_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB")
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB", dtype=args.dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()
@@ -44,7 +45,7 @@ def run_transformers(reqs, args) -> float:
     # A GGUF model loads from the HF folder Conveyor's loader derived from it (HF names, tied head):
     # from_pretrained(gguf_file=...) leaves SmolLM2's tied lm_head randomly initialised.
     folder = src.cache_dir / "weights" if src.gguf_file else src.folder
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(reqs), args.batch_size), desc="transformers", unit="batch"):
         batch = reqs[i : i + args.batch_size]
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64, help="static batch size of the baseline = Conveyor's max_num_seqs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="weights, activations and KV cache of both sides (bfloat16 uses AMX/AVX512-BF16 where the CPU has it)")
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args()
     pin_threads(args.threads)
@@ -89,7 +92,7 @@ def main() -> None:
     out_tokens = sum(n for _, n in reqs)
     print(f"machine: {machine()}")
     print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {out_tokens} output tokens")
-    gflops = gemm_gflops()
+    gflops = gemm_gflops(dtype=args.dtype)
     ceiling = model_flops(reqs) / (gflops * 1e9)
     conveyor = run_conveyor(reqs, args)
     baseline = None if args.skip_baseline else run_transformers(reqs, args)
@@ -99,7 +102,7 @@ def main() -> None:
     print(f"{'conveyor':28s}{conveyor:10.1f}{out_tokens / conveyor:14.1f}{ratio}")
     ratio = f"{baseline / ceiling:12.2f}x" if baseline else ""
     print(f"{'arithmetic ceiling':28s}{ceiling:10.1f}{out_tokens / ceiling:14.1f}{ratio}"
-          f"   (model FLOPs at the measured {gflops:.0f} GFLOP/s fp32 GEMM)")
+          f"   (model FLOPs at the measured {gflops:.0f} GFLOP/s {args.dtype} GEMM)")
     print(f"conveyor reaches {ceiling / conveyor:.0%} of the ceiling")
 
 

@@ -47,6 +47,18 @@ def test_mixed_batch_equals_attention_by_hand(group, block_size):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_bfloat16_batch_close_to_attention_by_hand():
+    """--dtype bfloat16 on a CPU: the cache, gathers, workspace and SDPA all in bfloat16."""
+    query_lens, context_lens = [1, 1, 4, 1, 9, 30], [3, 70, 12, 0, 40, 0]
+    batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=2, head_dim=32,
+                         dtype=torch.bfloat16, seed=3)
+    k_cache, v_cache = batch.clean_caches()
+    backend = TorchBackend("cpu")
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 2]), ([4, 2], [8, 30]), ([3], [0])])
 def test_single_path_batches(query_lens, context_lens):
     """All decodes (the fast path), all short queries, one prompt alone."""

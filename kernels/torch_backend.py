@@ -7,10 +7,10 @@ padded list of block ids, so each layer gathers whole blocks (contiguous block_s
 3x faster than gathering slot by slot) and makes one attention call instead of a Python loop over
 sequences. Sequences whose contexts differ a lot go into separate calls (buckets by length), since
 padding every context to the longest one gathers and attends blocks no query sees. Gathers land in
-a workspace reused across layers and steps: a fresh tensor of tens of MB per layer is page-faulted
-in on every call, which made the gather 5x slower. Grouped-query heads ride in SDPA's query length:
-q [B, Hkv, Q * G, D] against k [B, Hkv, L, D], so K/V are never expanded to all heads. Longer prompt chunks are few per step and
-run one SDPA each.
+a workspace reused across layers and steps: a fresh tensor of tens of MB is mapped and page-faulted
+in on every call (2.5 to 3x slower per layer in bench/cpu_attention.py). Grouped-query heads ride
+in SDPA's query length: q [B, Hkv, Q * G, D] against k [B, Hkv, L, D], so K/V are never expanded to
+all heads. Longer prompt chunks are few per step and run one SDPA each.
 """
 from __future__ import annotations
 

@@ -99,8 +99,12 @@ class EngineCore:
         self.requests[request_id] = req
         self.scheduler.add(req)
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        """Idempotent: unknown or finished ids are ignored. -> one final output per live request."""
+    def abort(self, request_ids: list[str], index: int | None = None) -> list[RequestOutput]:
+        """Idempotent: unknown or finished ids are ignored. -> one final output per live request.
+        index: end only that choice of each request (a stop string the gateway found), freeing its blocks;
+        -> its "stop" row, which ends the request when it was the last choice running."""
+        if index is not None:
+            return [self._output(d) for rid in request_ids for d in self._stop_choice(rid, index)]
         outs = []
         for rid in request_ids:
             req = self.requests.pop(rid, None)
@@ -109,6 +113,14 @@ class EngineCore:
             self.scheduler.abort(req)
             outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
         return outs
+
+    def _stop_choice(self, request_id: str, index: int) -> list[Delta]:
+        req = self.requests.get(request_id)
+        g = req.group if req is not None else None
+        if g is None or not g.streams:  # one choice, or choices the client has not seen yet: nothing to end
+            return []
+        seq = next((s for s in g.seqs if s.index == index), None)
+        return self.scheduler.stop_sequence(seq) if seq is not None else []
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -51,6 +51,8 @@ def deltas_of(req: Request) -> list[Delta]:
     if req.status.finished:
         g.seqs.remove(req)
         g.finished.append(req)
+        if g.done:  # the request's timestamps are the root's, whichever sequence ended last
+            g.root.events["finished"] = time.time()
     if g.streams:
         new = req.token_ids[req.num_prompt_tokens + req.num_sent_tokens:]
         lps = req.logprobs[req.num_sent_tokens:] if req.logprobs is not None else None

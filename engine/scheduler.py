@@ -125,6 +125,16 @@ class Scheduler:
         if req.group:
             req.group.seqs = []
 
+    def stop_sequence(self, seq: Request) -> list[Delta]:
+        """One streaming choice of a request ends early (a stop string in its text); the others go on."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.bm.free(seq)
+        seq.status = RequestStatus.FINISHED_STOPPED
+        return groups.deltas_of(seq)
+
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         self.num_steps += 1

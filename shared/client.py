@@ -195,8 +195,14 @@ class AsyncEngineClient:
         await self._send(P.Add(rid, list(prompt_token_ids), params, priority, time.time()))
         return stream
 
-    async def abort(self, request_id: str) -> None:
-        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request."""
+    async def abort(self, request_id: str, index: int | None = None) -> None:
+        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request.
+        index: end only that choice of an n > 1 request in the engine, which answers with a "stop" row for
+        it; the stream goes on with the others."""
+        if index is not None:
+            if request_id in self._streams and self._dead is None:
+                await self._send(P.Abort([request_id], index))
+            return
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
@@ -259,9 +265,9 @@ class AsyncEngineClient:
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                           priority: int = 0) -> AsyncIterator[TextOutput]:
         """Text deltas of one request, each for one choice (`index`, 0..n-1; see shared/choices.py). A stop
-        string ends its choice; when every choice has ended the stream ends (the last output has `finished`)
-        and the request is aborted in the engine if it still runs. Leaving the loop early or being cancelled
-        (a client that went away) aborts it too."""
+        string ends its choice, in the engine too; when every choice has ended the stream ends (the last
+        output has `finished`) and the request is aborted in the engine if it still runs. Leaving the loop
+        early or being cancelled (a client that went away) aborts it too."""
         ids = await self.encode_prompt(prompt)
         decoder = await self._decoder()
         if self._token_strings is None:
@@ -273,6 +279,8 @@ class AsyncEngineClient:
                 for text_out in choices.feed(out):
                     if text_out.finished and not stream.done:
                         await self.abort(stream.request_id)  # stop strings ended every choice first
+                    elif text_out.finish_reason is not None and out.finish_reason is None and not text_out.finished:
+                        await self.abort(stream.request_id, text_out.index)  # a stop string ended this choice
                     yield text_out
                     if text_out.finished:
                         return

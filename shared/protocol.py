@@ -15,7 +15,7 @@ import orjson
 from shared.errors import ConveyorError, ProtocolError
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: ABORT may name one choice (index)
 
 
 class MsgType(bytes, enum.Enum):
@@ -60,6 +60,9 @@ class Add:
 @dataclass(slots=True)
 class Abort:
     request_ids: list[str]
+    # Only this choice (sequence) of each request: a stop string ended it in the gateway while the other
+    # choices go on. None: the whole request.
+    index: int | None = None
 
 
 @dataclass(slots=True)
@@ -190,11 +193,17 @@ def _output_row(row: list[Any]) -> RequestOutput:
     return RequestOutput(*row) if len(row) == _NUM_OUTPUT_FIELDS else RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
 
 
+def _optional_index(index: Any) -> int | None:
+    if index is None or (type(index) is int and index >= 0):
+        return index
+    raise ProtocolError(f"abort index must be a non-negative integer or null, not {index!r}")
+
+
 _DECODERS = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,
-    MsgType.ABORT: lambda d: Abort(request_ids=[str(r) for r in d["request_ids"]]),
+    MsgType.ABORT: lambda d: Abort([str(r) for r in d["request_ids"]], _optional_index(d.get("index"))),
     MsgType.OUTPUTS: lambda rows: Outputs([_output_row(row) for row in rows]),
     MsgType.ERROR: lambda d: Error(**d),
     MsgType.GET_STATS: lambda d: GetStats(),

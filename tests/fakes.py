@@ -68,6 +68,7 @@ class FakeEngine:
         self.reject = reject or (lambda add: None)
         self.received: list[P.Message] = []
         self.aborted: list[str] = []
+        self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of per-choice aborts
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -136,12 +137,28 @@ class FakeEngine:
             else:
                 script = self.choices(msg)[:msg.params.n] if msg.params.n > 1 else [self.script(msg)]
                 self._live[msg.request_id] = [ident, msg, [list(t) for t in script], [0] * len(script)]
+        elif isinstance(msg, P.Abort) and msg.index is not None:
+            for rid in msg.request_ids:
+                self._stop_choice(rid, msg.index)
         elif isinstance(msg, P.Abort):
             for rid in msg.request_ids:
                 self.aborted.append(rid)
                 entry = self._live.pop(rid, None)
                 if entry is not None:
                     self._send(entry[0], P.Outputs([P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))]))
+
+    def _stop_choice(self, rid: str, index: int) -> None:
+        """As the engine: the choice ends with a "stop" row, which ends the request if it was the last."""
+        self.stopped_choices.append((rid, index))
+        entry = self._live.get(rid)
+        if entry is None or index >= len(entry[2]) or entry[2][index] is None:
+            return
+        entry[2][index] = None
+        done = all(r is None for r in entry[2])
+        if done:
+            del self._live[rid]
+        self._send(entry[0], P.Outputs([P.RequestOutput(rid, [], done, "stop", len(entry[1].prompt_token_ids),
+                                                        index=index)]))
 
     def _step(self) -> None:
         per_client: dict[bytes, list[P.RequestOutput]] = {}

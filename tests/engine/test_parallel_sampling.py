@@ -102,3 +102,74 @@ def test_offline_api_returns_each_sequence_by_index(tiny_llama_dir):
     assert [s.index for s in out.outputs] == [0, 1, 2]
     assert [s.token_ids for s in out.outputs] == [expected[("a", i)] for i in range(3)]
     assert all(s.finish_reason == "length" for s in out.outputs) and out.token_ids == out.outputs[0].token_ids
+
+
+def test_a_choice_ended_by_a_stop_string_frees_its_blocks_and_leaves_the_others_unchanged(tiny_llama_dir):
+    """The gateway finds stop strings; ABORT with an index ends that one sequence in the engine."""
+    params = SamplingParams(temperature=1.0, seed=4, n=3, max_tokens=12, ignore_eos=True)
+    prompt = list(range(3, 40))  # 37 tokens: each sample's own partial block from the first decode on
+    plain = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=4, enable_prefix_caching=False))
+    plain.add("r", prompt, params)
+    want = collect(plain)
+
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=4, enable_prefix_caching=False))
+    bm = core.block_manager
+    core.add("r", prompt, params)
+    core.add("solo", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    got: dict[tuple[str, int], list[int]] = {}
+    rows = []
+    for _ in range(6):
+        rows += core.step()
+    free = bm.num_free_blocks
+    stopped = core.abort(["r"], index=1)
+    assert [(o.request_id, o.index, o.new_token_ids, o.finished, o.finish_reason) for o in stopped] == [
+        ("r", 1, [], False, "stop")]
+    assert bm.num_free_blocks > free  # its own blocks went back at once
+    assert core.abort(["r"], index=1) == [] and core.abort(["r"], index=7) == [] and core.abort(["solo"], index=0) == []
+    for _ in range(2):
+        rows += core.step()
+    rows += core.abort(["r"], index=0)  # the root sequence may end first too
+    while core.has_work():
+        rows += core.step()
+    for o in rows:
+        got.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    assert got[("r", 2)] == want[("r", 2)]  # the others are exactly what they would have been
+    for i in (0, 1):
+        assert got[("r", i)] == want[("r", i)][:len(got[("r", i)])] and len(got[("r", i)]) < 12
+    last = [o for o in rows if o.request_id == "r"][-1]
+    assert (last.index, last.finished, last.finish_reason) == (2, True, "length")
+    assert "r" not in core.requests and bm.num_free_blocks == 64
+
+
+def test_stopping_the_last_running_choice_ends_the_request(tiny_llama_dir):
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=4))
+    core.add("r", list(range(3, 20)), SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    assert [(o.index, o.finished) for o in core.abort(["r"], index=0)] == [(0, False)]
+    last = core.abort(["r"], index=1)
+    assert [(o.index, o.finished, o.finish_reason) for o in last] == [(1, True, "stop")]
+    assert "finished" in last[0].events and not core.has_work()
+    assert core.block_manager.num_free_blocks == 64 and core.abort(["r"]) == []
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_a_choice_stopped_while_preempted_frees_every_block(tiny_llama_dir, mode):
+    """A stop string found while that sequence sits swapped out (or waiting to recompute)."""
+    core = EngineCore(build_config(str(tiny_llama_dir), block_size=4, num_blocks=14, num_cpu_blocks=64,
+                                   preemption_mode=mode, enable_prefix_caching=False))
+    for r in ("a", "b"):
+        core.add(r, list(range(3, 12)), SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=24, ignore_eos=True))
+    stopped = None
+    while core.has_work() and stopped is None:
+        core.step()
+        queue = core.scheduler.swapped if mode == "swap" else core.scheduler.waiting
+        stopped = next((s for s in queue if s.group is not None and s.group.forked), None)
+    assert stopped is not None, "the pool must be small enough to preempt a forked sequence"
+    rows = core.abort([stopped.request_id], index=stopped.index)
+    assert [(o.index, o.finish_reason) for o in rows] == [(stopped.index, "stop")]
+    assert stopped not in core.scheduler.swapped and stopped not in core.scheduler.waiting
+    while core.has_work():
+        rows += core.step()
+    assert not core.requests
+    assert core.block_manager.num_free_blocks == 14 and core.block_manager.cpu.num_free == 64

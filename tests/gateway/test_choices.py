@@ -87,7 +87,8 @@ def test_n2_stream_has_chunks_for_both_indices(chat: bool) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_apply_per_choice(stream: bool) -> None:
     """Choice 0 meets "Paris" in the middle, choice 2 at once, choice 1 never (and runs longest): nobody sees
-    "Paris", and the request is aborted in the engine only when stop strings end every choice."""
+    "Paris"; each choice a stop string ends is ended in the engine at once (its blocks free while the others
+    run), and the whole request is aborted there only when stop strings end every choice."""
     long = [ids(" The capital of France is Paris.") * 6, ids(TEXTS[1]) * 6, ids(" Paris is nice") * 8]
 
     async def main() -> None:
@@ -104,11 +105,15 @@ def test_stop_strings_apply_per_choice(stream: bool) -> None:
                 assert texts == {0: " The capital of France is ", 1: TEXTS[1] * 6, 2: " "}
                 assert reasons == {0: "stop", 1: "stop", 2: "stop"}
                 await asyncio.sleep(0.05)
+                first = eng.adds()[0].request_id
+                assert sorted(eng.stopped_choices) == [(first, 0), (first, 2)]
                 assert eng.aborted == []  # choice 1 ran to its end: the engine finished the request itself
                 got = await post(http, "/v1/completions", {"prompt": "Capital?", "n": 2, "max_tokens": 100,
                                                             "stop": ["Paris", "there"], "stream": stream})
                 assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.aborted) == 1)
-                assert eng.aborted == [eng.adds()[1].request_id]  # both choices stopped: the engine stops too
+                second = eng.adds()[1].request_id
+                assert eng.aborted == [second]  # both choices stopped: the engine stops too
+                assert [c for c in eng.stopped_choices if c[0] == second] in ([(second, 0)], [(second, 1)])
     run(main())
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, get_port_socket
 
 from gateway.app import GatewayConfig, build_app
 from shared.client import AsyncEngineClient
@@ -30,10 +30,11 @@ class NoCancelServer(TestServer):
 
 
 @contextlib.asynccontextmanager
-async def gateway(eng: FakeEngine, cancel: bool = True, **config: Any) -> AsyncIterator[TestClient]:
+async def gateway(eng: FakeEngine, cancel: bool = True, socket_factory: Any = get_port_socket,
+                  **config: Any) -> AsyncIterator[TestClient]:
     client = AsyncEngineClient(eng.address, tokenizer=smollm2_tokenizer(), ready_timeout=3)
     app = build_app(GatewayConfig(**config), client)
-    async with TestClient((TestServer if cancel else NoCancelServer)(app)) as http:
+    async with TestClient((TestServer if cancel else NoCancelServer)(app, socket_factory=socket_factory)) as http:
         yield http
 
 

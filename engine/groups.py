@@ -114,7 +114,7 @@ def _advance(g: SequenceGroup, running: list[tuple[float, Request, int]], sched:
     for req in g.seqs:
         picks = chosen.get(id(req))
         if not picks:
-            _drop(req, sched)
+            sched.drop(req, RequestStatus.FINISHED_STOPPED)
             continue
         for score, tok in picks[1:]:  # fork before the parent appends its own token
             child = req.fork(g.beam.next_index)
@@ -130,17 +130,11 @@ def _advance(g: SequenceGroup, running: list[tuple[float, Request, int]], sched:
     g.seqs = beams
 
 
-def _drop(req: Request, sched: Scheduler) -> None:
-    sched.running.remove(req)
-    sched.bm.free(req)
-    req.status = RequestStatus.FINISHED_STOPPED
-
-
 def _finish(g: SequenceGroup, sched: Scheduler) -> list[Delta]:
     from engine.scheduler import Delta
 
     for req in g.seqs:
-        _drop(req, sched)
+        sched.drop(req, RequestStatus.FINISHED_STOPPED)
     g.seqs = []
     root = g.root
     root.events["finished"] = time.time()

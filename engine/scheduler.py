@@ -115,25 +115,24 @@ class Scheduler:
 
     def abort(self, req: Request) -> None:
         for seq in (req.group.seqs if req.group else [req]):
-            for queue in (self.running, self.waiting, self.swapped):
-                if seq in queue:
-                    queue.remove(seq)
-                    break
-            self.bm.free(seq)
-            seq.status = RequestStatus.FINISHED_ABORTED
+            self.drop(seq, RequestStatus.FINISHED_ABORTED)
         req.status = RequestStatus.FINISHED_ABORTED
         if req.group:
             req.group.seqs = []
 
     def stop_sequence(self, seq: Request) -> list[Delta]:
         """One streaming choice of a request ends early (a stop string in its text); the others go on."""
+        self.drop(seq, RequestStatus.FINISHED_STOPPED)
+        return groups.deltas_of(seq)
+
+    def drop(self, seq: Request, status: RequestStatus) -> None:
+        """Out of whichever queue holds it, its blocks (device or swapped) freed."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
                 break
         self.bm.free(seq)
-        seq.status = RequestStatus.FINISHED_STOPPED
-        return groups.deltas_of(seq)
+        seq.status = status
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:

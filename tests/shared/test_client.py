@@ -199,17 +199,19 @@ def test_sync_client_text_calls() -> None:
 def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
     """A consumer that does not read for a while finds one merged delta, not one queued per step."""
     async def main() -> None:
-        with FakeEngine(tokens=list(range(10, 40)), step_interval=0.002) as eng:
+        with FakeEngine(tokens=list(range(10, 40)), step_interval=0.005) as eng:
             seen: list[int] = []
             async with AsyncEngineClient(eng.address) as client:
                 client.on_output = lambda out: seen.append(len(out.new_token_ids))
                 stream = await client.add([1], SamplingParams(max_tokens=30))
                 first = await stream.__anext__()
-                await asyncio.sleep(0.3)  # the engine finishes meanwhile
+                await asyncio.sleep(0.6)  # the engine finishes meanwhile
                 rest = [o async for o in stream]
-        assert first.new_token_ids == [10]
-        assert len(rest) == 1 and rest[0].new_token_ids == list(range(11, 40)) and rest[0].finished
-        assert rest[0].finish_reason == "length"
+        # On a busy machine the first read may already find two steps merged; either way the rest
+        # of the request comes as one delta, in order, with nothing lost or repeated.
+        assert 1 <= len(first.new_token_ids) < 30 and not first.finished
+        assert len(rest) == 1 and rest[0].finished and rest[0].finish_reason == "length"
+        assert first.new_token_ids + rest[0].new_token_ids == list(range(10, 40))
         assert seen == [1] * 30  # the on_output hook still saw every engine step
     run(main())
 

@@ -104,8 +104,8 @@ def test_stop_strings_apply_per_choice(stream: bool) -> None:
                     reasons = {c["index"]: c["finish_reason"] for c in got["choices"]}
                 assert texts == {0: " The capital of France is ", 1: TEXTS[1] * 6, 2: " "}
                 assert reasons == {0: "stop", 1: "stop", 2: "stop"}
-                await asyncio.sleep(0.05)
                 first = eng.adds()[0].request_id
+                assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.stopped_choices) >= 2)
                 assert sorted(eng.stopped_choices) == [(first, 0), (first, 2)]
                 assert eng.aborted == []  # choice 1 ran to its end: the engine finished the request itself
                 got = await post(http, "/v1/completions", {"prompt": "Capital?", "n": 2, "max_tokens": 100,

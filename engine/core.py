@@ -47,10 +47,10 @@ class EngineCore:
         random.seed(config.seed)
         device = torch.device(config.device)
         self.source = resolve_model(config.model)
-        dtype = getattr(torch, config.dtype)
         t0 = time.perf_counter()
-        model, self.model_config = load_model(self.source, dtype, device)
+        model, self.model_config = load_model(self.source, config.dtype, device)
         mc = self.model_config
+        dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size

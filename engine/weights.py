@@ -5,12 +5,13 @@ The model is built on the meta device and takes the loaded tensors as its parame
 
 A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata),
 then written as a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row
-order) under source.cache_dir / "weights". Every later start reads that folder like any HF model,
+order; config.json's torch_dtype says what precision the file carried, for --dtype auto) under source.cache_dir / "weights". Every later start reads that folder like any HF model,
 in well under a second. The folder appears atomically (written beside it, then renamed), so a
 crash or a concurrent start never leaves a half-written cache that looks complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
+from engine.dtype import resolve_dtype
 from engine.models import ModelConfig, get_model_class
 from shared.model_source import ModelSource
 
@@ -50,9 +52,10 @@ _GGUF_LAYER = {
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
-    """-> (model in eval mode without grads, its config). GGUF sources load from the dequantized
-    cache when it exists, and create it otherwise."""
+def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
+    """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it was built in).
+    dtype: a torch dtype, or a --dtype name ("auto" resolves against the checkpoint, engine/dtype.py).
+    GGUF sources load from the dequantized cache when it exists, and create it otherwise."""
     t0 = time.perf_counter()
     device = torch.device(device)
     if source.gguf_file is None:
@@ -64,19 +67,21 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device | s
             if _try_write_cache(folder, config, tensors):
                 log.info("dequantized %s into %s", source.gguf_file, folder)
             model, cfg = _build(config, None, _drain(tensors), dtype, device)
-            _log_loaded(source, model, dtype, source.folder / source.gguf_file, t0)
+            _log_loaded(source, model, cfg.dtype, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device)
-    _log_loaded(source, model, dtype, folder, t0)
+    _log_loaded(source, model, cfg.dtype, folder, t0)
     return model, cfg
 
 
-def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype,
+def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
            device: torch.device) -> tuple[nn.Module, ModelConfig]:
-    cfg = ModelConfig.from_hf(config, gen)
+    if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
+        dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
+    cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."))
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg)
     cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
@@ -113,10 +118,10 @@ def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor
         yield name, tensors.pop(name)
 
 
-def _log_loaded(source: ModelSource, model: nn.Module, dtype: torch.dtype, origin: Path, t0: float) -> None:
+def _log_loaded(source: ModelSource, model: nn.Module, dtype: str, origin: Path, t0: float) -> None:
     n = sum(p.numel() for p in model.parameters())
-    log.info("loaded %s (%.1fM params, %s) from %s in %.2f s", source.name, n / 1e6,
-             str(dtype).removeprefix("torch."), origin, time.perf_counter() - t0)
+    log.info("loaded %s (%.1fM params, %s) from %s in %.2f s", source.name, n / 1e6, dtype, origin,
+             time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -145,7 +150,19 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
             w = from_interleaved(w, unpermute[module])
         tensors[name] = w
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
+    config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
     return config, tensors
+
+
+def _gguf_dtype(matrix_types: set[Any]) -> str:
+    """The precision the file's matrices carry (norms are F32 in every file, so only matrices count):
+    float32 only when they are F32. Quantized codes (4 to 8 bits times fp16 scales) lose far less to
+    bfloat16 rounding than to their own quantization, so they read as bfloat16."""
+    from gguf import GGMLQuantizationType as Q
+
+    if matrix_types <= {Q.F32}:
+        return "float32"
+    return "float16" if matrix_types <= {Q.F32, Q.F16} else "bfloat16"
 
 
 def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -211,7 +228,6 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
         "hidden_act": "silu",
         "bos_token_id": get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
-        "torch_dtype": "float32",
     }
 
 

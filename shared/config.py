@@ -9,6 +9,7 @@ from typing import Any
 
 PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -118,7 +119,7 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"  # engine/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
     device: str = "cpu"
     attention_backend: str = "auto"
     # Compute threads of the engine process; None = one per physical core.
@@ -130,7 +131,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "bfloat16", "float16"), "dtype must be float32, bfloat16 or float16")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 

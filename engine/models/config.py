@@ -35,6 +35,7 @@ class ModelConfig:
     o_proj_bias: bool  # bias on o_proj (only Llama's attention_bias flag sets it)
     eos_token_ids: list[int]
     bos_token_id: int | None
+    dtype: str = "float32"  # what the model was built in: engine/weights.py resolves --dtype auto
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:

@@ -36,7 +36,9 @@ def messages(i: int) -> list[dict[str, str]]:
 def server(tmp_path_factory: pytest.TempPathFactory):
     smollm2_tokenizer()  # parse the GGUF tokenizer once into the session cache; the gateway then reuses it
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = Server(["serve", "--kv-cache-memory", "512MiB", "--num-threads", "1", "--log-level", "info"], log_path=log)
+    # float32 pinned on both sides (auto is bfloat16 on AMX CPUs): greedy texts are compared exactly.
+    srv = Server(["serve", "--dtype", "float32", "--kv-cache-memory", "512MiB", "--num-threads", "1",
+                  "--log-level", "info"], log_path=log)
     with srv:
         yield srv
     # Teardown is part of the contract: SIGTERM exits 0 (Server.stop raised already if any process outlived
@@ -60,7 +62,7 @@ def offline_reference(server: Server) -> dict[int, str]:
 
     torch.set_num_threads(1)
     tok = smollm2_tokenizer()
-    llm = LLM(MODEL, num_threads=1, kv_cache_memory="128MiB")
+    llm = LLM(MODEL, dtype="float32", num_threads=1, kv_cache_memory="128MiB")
     prompts = [apply_chat_template(tok, messages(i)) for i in sorted(GREEDY)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
     ref = {i: tok.decode(o.token_ids, skip_special_tokens=True) for i, o in zip(sorted(GREEDY), outs)}

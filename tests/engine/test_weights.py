@@ -2,6 +2,7 @@
 weights equal to what transformers' own GGUF loader produces."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -147,6 +148,8 @@ def test_smollm2_second_load_comes_from_cache(smollm2_source, smollm2_loads, cap
     assert not any("GGUF" in m or m.startswith("dequantized") for m in messages), messages
     assert any(m.startswith("loaded") and f"from {cache} in" in m for m in messages), messages
     assert cfg == smollm2_loads[1]
+    # The file's matrices are 4-bit (Q4_1): the cache says so, for --dtype auto (engine/dtype.py).
+    assert json.loads((cache / "config.json").read_text())["torch_dtype"] == "bfloat16"
     theirs = first.state_dict()
     for name, t in model.state_dict().items():
         assert torch.equal(t, theirs[name]), name

@@ -1,0 +1,74 @@
+"""--dtype auto: bfloat16 only where the CPU runs it natively and the checkpoint is 16-bit or quantized;
+the engine's model, KV cache and sampling all follow what it resolved to."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from engine import dtype as engine_dtype
+from engine.core import EngineCore
+from engine.dtype import resolve_dtype
+from engine.weights import _gguf_dtype
+from shared.config import build_config
+from shared.sampling import SamplingParams
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("declared, native, device, expected", [
+    (None, True, CPU, torch.float32),  # a config that says nothing is read as float32
+    ("float32", True, CPU, torch.float32),  # a float32 checkpoint stays float32, as with transformers
+    ("bfloat16", True, CPU, torch.bfloat16),
+    ("float16", True, CPU, torch.bfloat16),  # CPUs have no fast float16 GEMM; bfloat16 has float32's range
+    ("bfloat16", False, CPU, torch.float32),  # emulated bfloat16 would be ~100x slower
+    ("float16", False, CPU, torch.float32),
+    ("float16", False, CUDA, torch.float16),
+    ("bfloat16", False, CUDA, torch.bfloat16),
+    ("float32", False, CUDA, torch.float32),
+])
+def test_auto_follows_checkpoint_and_hardware(declared, native, device, expected) -> None:
+    assert resolve_dtype("auto", declared, device, native_bf16=native) == expected
+
+
+def test_explicit_dtype_is_kept_and_warned_about_where_emulated(caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="conveyor.dtype"):
+        assert resolve_dtype("bfloat16", "float32", CPU, native_bf16=False) == torch.bfloat16
+    assert "about 100x" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="conveyor.dtype"):
+        assert resolve_dtype("bfloat16", "float32", CPU, native_bf16=True) == torch.bfloat16
+        assert resolve_dtype("float32", "bfloat16", CPU, native_bf16=False) == torch.float32
+    assert caplog.text == ""
+
+
+def test_gguf_precision_comes_from_its_matrices() -> None:
+    assert _gguf_dtype({Q.F32}) == "float32"
+    assert _gguf_dtype({Q.F32, Q.F16}) == "float16"
+    assert _gguf_dtype({Q.F32, Q.BF16}) == "bfloat16"
+    assert _gguf_dtype({Q.Q4_1, Q.Q8_0, Q.F32}) == "bfloat16"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp_path, monkeypatch, native) -> None:
+    folder = tmp_path / "bf16-checkpoint"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    config["dtype"] = "bfloat16"  # as transformers v5 saves a bfloat16 model
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(engine_dtype, "cpu_has_native_bf16", lambda: native)
+    core = EngineCore(build_config(str(folder), num_blocks=32, block_size=8))
+    want = torch.bfloat16 if native else torch.float32
+    assert core.model_config.dtype == str(want).removeprefix("torch.")
+    assert {p.dtype for p in core.runner.model.parameters()} == {want}
+    assert core.runner.kv_cache.device.dtype == core.runner.kv_cache.cpu.dtype == want
+    core.add("r", [1, 5, 9, 13], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    out = []
+    while core.has_work():
+        out += [t for o in core.step() for t in o.new_token_ids]
+    assert len(out) == 6 and all(0 <= t < 512 for t in out)

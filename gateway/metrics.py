@@ -18,7 +18,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -82,7 +82,9 @@ class _Live:
 
     start: float  # when the request was admitted
     first: float | None = None  # when its first token arrived
-    last: float | None = None  # when its latest token arrived (engine clock when engine_clock)
+    # When each choice's latest token arrived (engine clock when engine_clock): with n > 1 the choices
+    # step side by side, and a gap is only inter-token between tokens of the same choice.
+    last: dict[int, float] = field(default_factory=dict)
     engine_clock: bool = False  # the engine stamps each output: inter-token gaps are the engine's
     events: dict[str, float] | None = None  # the engine's per-request timestamps, with its final output
 
@@ -196,15 +198,16 @@ class Metrics:
         self._generation_tokens += n
         stamp = getattr(out, "timestamp", None)  # the step's time, if the engine stamps each output
         now = time.monotonic()
-        if rec.last is None:
+        if rec.first is None:
             rec.first, rec.engine_clock = now, stamp is not None
-            rec.last = stamp if stamp is not None else now
-            if n > 1:  # the first token's latency is TTFT; more tokens of the same step follow it at once
+        t = stamp if rec.engine_clock and stamp is not None else now
+        last = rec.last.get(out.index)
+        rec.last[out.index] = t
+        if last is None:  # a choice's first token is its time to first token, not an inter-token gap;
+            if n > 1:  # more tokens of the same step follow it at once
                 self._itl.observe(0.0, n - 1)
             return
-        t = stamp if rec.engine_clock and stamp is not None else now
-        self._itl.observe((t - rec.last) / n, n)
-        rec.last = t
+        self._itl.observe((t - last) / n, n)
 
     def flush(self) -> None:
         """Move the locally counted figures into the prometheus metrics (before a scrape, and every second

@@ -58,6 +58,22 @@ def test_engine_stats_and_engine_timestamps() -> None:
     assert parse(m.render(None).decode())["conveyor_engine_up"] == 0
 
 
+def test_inter_token_latency_is_per_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """n=2: both choices step together, so a gap is only inter-token between tokens of one choice; a
+    choice's first token is not a gap at all."""
+    clock = iter([0.0, 1.0, 1.0, 1.5, 1.5, 2.5])
+    monkeypatch.setattr("gateway.metrics.time.monotonic", lambda: next(clock))
+    m = Metrics()
+    m.begin("r")
+    for index, toks in ((0, [5]), (1, [6]), (0, [7]), (1, [8]), (1, [9, 10])):
+        m.on_output(RequestOutput("r", toks, index=index))
+    m.flush()
+    got = parse(m.render(None).decode())
+    # choice 0: one gap of 0.5 s; choice 1: 0.5 s, then two tokens 1.0 s later (0.5 s each)
+    assert got["conveyor_inter_token_latency_seconds_count"] == 4
+    assert got["conveyor_inter_token_latency_seconds_sum"] == pytest.approx(2.0)
+
+
 def test_fast_decoder_matches_tokenizer_decode() -> None:
     tok = smollm2_tokenizer()
     fast = FastDecoder.wrap(tok)

@@ -10,7 +10,8 @@ three ways in the same run on the same batch:
 
 and the least bytes the layer must read (every cached K/V row once) over the time, against this
 machine's copy bandwidth measured first. Uniform contexts are the control: there, bucketing must
-cost nothing.
+cost nothing. Last, the backend as it is over a bfloat16 cache under float32 queries
+(--kv-cache-dtype bfloat16), against the float32 cache.
 
     python bench/cpu_attention.py
 """
@@ -70,7 +71,7 @@ def main() -> None:
     print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
           f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size} float32, median of {args.runs}")
     print(f"{'case':30s} {'padded, fresh':>14s} {'padded, reused':>15s} {'bucketed':>9s} {'speedup':>8s} "
-          f"{'calls':>6s} {'GB/s':>6s} {'% copy':>7s}")
+          f"{'calls':>6s} {'GB/s':>6s} {'% copy':>7s} {'bf16 cache':>11s} {'vs fp32':>8s}")
     gen = torch.Generator().manual_seed(0)
 
     def fresh_gather(k_cache, v_cache, blocks):
@@ -94,12 +95,14 @@ def main() -> None:
         torch.testing.assert_close(run(meta)(), run(padded_meta)(), atol=1e-4, rtol=1e-4)
         reused = median_ms(run(padded_meta), args.runs)
         bucketed = median_ms(run(meta), args.runs)
+        kc16, vc16 = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+        half = median_ms(lambda: backend.forward(q, k, v, kc16, vc16, meta, scale), args.runs)
         backend._gather = fresh_gather  # the gather as it was: a new tensor per call
         fresh = median_ms(run(padded_meta), args.runs)
         nbytes, _ = attention_traffic(case, SMOLLM2, 4)
         gbs = nbytes / bucketed / 1e6
         print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms {fresh / bucketed:7.2f}x "
-              f"{len(meta.batched):6d} {gbs:6.1f} {100 * gbs / copy_bw:6.0f}%")
+              f"{len(meta.batched):6d} {gbs:6.1f} {100 * gbs / copy_bw:6.0f}% {half:8.2f} ms {bucketed / half:7.2f}x")
 
 
 if __name__ == "__main__":

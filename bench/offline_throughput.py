@@ -7,6 +7,10 @@ tokens/s counts only the tokens each request asked for. Also prints the arithmet
 workload's model FLOPs at the measured GEMM speed of this machine.
 
     python bench/offline_throughput.py [--num-requests 64] [--batch-size 64] [--threads 2] [--dtype bfloat16]
+                                       [--kv-cache-dtype bfloat16] [--skip-baseline]
+
+--kv-cache-dtype adds a second Conveyor run in this one with K/V stored in that dtype (the model in
+--dtype), its time set against the first.
 """
 from __future__ import annotations
 
@@ -19,12 +23,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import gemm_gflops, machine, pin_threads, workload  # noqa: E402
 
 
-def run_conveyor(reqs, args) -> float:
+def run_conveyor(reqs, args, kv_cache_dtype: str = "auto") -> float:
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
     llm = LLM(args.model, num_threads=args.threads, max_num_seqs=args.batch_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB", dtype=args.dtype)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB", dtype=args.dtype,
+              kv_cache_dtype=kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()
@@ -82,6 +87,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="weights, activations and KV cache of both sides (bfloat16 uses AMX/AVX512-BF16 where the CPU has it)")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                    help="also run Conveyor with K/V stored in this dtype")
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args()
     pin_threads(args.threads)
@@ -95,11 +102,16 @@ def main() -> None:
     gflops = gemm_gflops(dtype=args.dtype)
     ceiling = model_flops(reqs) / (gflops * 1e9)
     conveyor = run_conveyor(reqs, args)
+    kv_run = None if args.kv_cache_dtype == "auto" else run_conveyor(reqs, args, args.kv_cache_dtype)
     baseline = None if args.skip_baseline else run_transformers(reqs, args)
     print(f"\n{'':28s}{'seconds':>10s}{'output tok/s':>14s}{'vs baseline':>13s}")
     print(f"{'transformers static batch':28s}" + (f"{baseline:10.1f}{out_tokens / baseline:14.1f}{1.0:12.2f}x" if baseline else "   skipped"))
     ratio = f"{baseline / conveyor:12.2f}x" if baseline else ""
     print(f"{'conveyor':28s}{conveyor:10.1f}{out_tokens / conveyor:14.1f}{ratio}")
+    if kv_run is not None:
+        ratio = f"{baseline / kv_run:12.2f}x" if baseline else f"{'':13s}"
+        print(f"{'conveyor, kv ' + args.kv_cache_dtype:28s}{kv_run:10.1f}{out_tokens / kv_run:14.1f}{ratio}"
+              f"   ({conveyor / kv_run:.2f}x the speed of conveyor)")
     ratio = f"{baseline / ceiling:12.2f}x" if baseline else ""
     print(f"{'arithmetic ceiling':28s}{ceiling:10.1f}{out_tokens / ceiling:14.1f}{ratio}"
           f"   (model FLOPs at the measured {gflops:.0f} GFLOP/s {args.dtype} GEMM)")

@@ -24,7 +24,7 @@ def available_memory(device: torch.device) -> int:
 
 class KVCache:
     """device: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; cpu: the same
-    with num_cpu_blocks.
+    with num_cpu_blocks. In config.kv_cache_dtype, or the model's dtype when that is auto.
 
     Zero-filled: padded decode gathers read slots beyond a sequence's length; their attention
     weight is 0, but 0 * NaN from uninitialised memory would still poison the output.
@@ -32,6 +32,8 @@ class KVCache:
 
     def __init__(self, config: CacheConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        if config.kv_cache_dtype != "auto":
+            dtype = getattr(torch, config.kv_cache_dtype)
         shape = (num_layers, 2, config.block_size, num_kv_heads, head_dim)
         per_block = num_layers * 2 * config.block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
         num_blocks = config.num_blocks
@@ -47,8 +49,8 @@ class KVCache:
         # Pinned on CUDA so swaps are DMA copies; plain memory on a CPU-only machine.
         pin = device.type == "cuda"
         self.cpu = torch.zeros(*shape[:2], num_cpu, *shape[2:], dtype=dtype, pin_memory=pin)
-        log.info("kv cache: %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens (%.0f MiB)",
-                 num_blocks, num_blocks * self.block_size, num_blocks * per_block / 2**20,
+        log.info("kv cache (%s): %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens (%.0f MiB)",
+                 str(dtype).removeprefix("torch."), num_blocks, num_blocks * self.block_size, num_blocks * per_block / 2**20,
                  num_cpu, num_cpu * self.block_size, num_cpu * per_block / 2**20)
 
     @property

@@ -31,6 +31,10 @@ class BatchLayout:
 
 
 class AttentionBackend(Protocol):
+    # Whether the cache may hold K/V in another dtype than q (--kv-cache-dtype): the torch backend casts;
+    # the Triton kernels take one dtype.
+    casts_kv: bool
+
     def plan(self, layout: BatchLayout) -> Any:
         """Build per-step metadata; called once per step, shared by all layers."""
         ...

@@ -86,6 +86,10 @@ def buckets(num_blocks: list[int]) -> list[list[int]]:
 
 
 class TorchBackend:
+    # K/V may be stored in bfloat16 under a float32 model: stores cast down; decode and short queries attend
+    # in the cache's dtype (half the bytes to gather and read); prompt chunks, bound by arithmetic, upcast.
+    casts_kv = True
+
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
@@ -147,8 +151,8 @@ class TorchBackend:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
+        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if meta.all_decode:
             return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, in_order=True)
         out = q.new_empty(q.shape)
@@ -162,8 +166,8 @@ class TorchBackend:
         for p in meta.prefills:
             # 4-D [1, H, L, D]: 3-D inputs take SDPA's slow fallback on CPU (4-5x slower at 512 tokens).
             qp = q[p.token_slice].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            kp = k_flat.index_select(0, p.key_slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vp = v_flat.index_select(0, p.key_slots).transpose(0, 1).unsqueeze(0)
+            kp = k_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vp = v_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
             )
@@ -188,7 +192,7 @@ class TorchBackend:
         qb = q if in_order else q.index_select(0, b.rows)  # [B * n, H, D]
         bsz = qb.shape[0] // n
         # Query heads grouped by their KV head, queries and groups together in SDPA's query length.
-        qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d)  # [B, Hkv, n * G, D]
+        qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d).to(k_cache.dtype)  # [B, Hkv, n * G, D]
         kb, vb = self._gather(k_cache, v_cache, b.blocks)
         kb = kb.view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
         vb = vb.view(bsz, -1, hkv, d).transpose(1, 2)
@@ -196,7 +200,7 @@ class TorchBackend:
         if n == 1:
             mask = mask.view(bsz, 1, 1, -1)
         o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, n * G, D]
-        return o.view(bsz, hkv, n, g, d).transpose(1, 2).reshape(bsz * n, h, d)
+        return o.view(bsz, hkv, n, g, d).transpose(1, 2).reshape(bsz * n, h, d).to(q.dtype)
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         kv[:, :, dst] = kv[:, :, src]

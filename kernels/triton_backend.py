@@ -71,6 +71,8 @@ class TritonBackend:
     (default two per streaming multiprocessor), and never into partitions under min_partition keys.
     """
 
+    casts_kv = False
+
     def __init__(
         self, device: torch.device | str, min_partition: int = 256, target_programs: int | None = None
     ) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -72,8 +73,13 @@ class CacheConfig:
     # recently used first, then in the CPU pool): much lower time to first token for shared prefixes,
     # under 1% throughput cost without hits.
     enable_prefix_caching: bool = True
+    # What K/V are stored in: auto = the model's dtype. bfloat16 under a float32 model halves the pool's
+    # bytes per token (twice the blocks) and the bytes decode attention reads, at bfloat16's precision
+    # for attention (docs/performance.md); only the torch attention backend casts between the two.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
         parse_memory(self.kv_cache_memory, total=1)  # raises ValueError when malformed

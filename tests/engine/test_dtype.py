@@ -72,3 +72,43 @@ def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp
     while core.has_work():
         out += [t for o in core.step() for t in o.new_token_ids]
     assert len(out) == 6 and all(0 <= t < 512 for t in out)
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, list]]]:
+    """-> per prompt, (token, [its logprob, top-5 [[id, logprob], ...]]) per generated token."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    for i, p in enumerate(prompts):
+        core.add(f"r{i}", p, params)
+    out: dict[str, list[tuple[int, list]]] = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_work():
+        for o in core.step():
+            out[o.request_id] += list(zip(o.new_token_ids, o.logprobs))
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama_dir) -> None:
+    """--kv-cache-dtype bfloat16: twice the blocks in the same memory, K/V stored in bfloat16 (the swap pool
+    too), the model in float32. Greedy output follows the float32 cache's token for token, with logprobs
+    within bfloat16's rounding, up to a point where float32 itself nearly tied (if any)."""
+    options = dict(kv_cache_memory="256KiB", swap_space="256KiB", block_size=8)
+    plain = EngineCore(build_config(str(tiny_llama_dir), **options))
+    half = EngineCore(build_config(str(tiny_llama_dir), kv_cache_dtype="bfloat16", **options))
+    assert half.block_manager.num_blocks == 2 * plain.block_manager.num_blocks
+    assert half.runner.kv_cache.device.dtype == half.runner.kv_cache.cpu.dtype == torch.bfloat16
+    assert {p.dtype for p in half.runner.model.parameters()} == {torch.float32}
+    prompts = [[1 + (7 * i + 3 * j) % 500 for j in range(5 + 9 * i)] for i in range(6)]
+    same = 0
+    for got, want in zip(_greedy(half, prompts, 24), _greedy(plain, prompts, 24)):
+        for (tok, (lp, _)), (ref_tok, (ref_lp, ref_top)) in zip(got, want):
+            if tok != ref_tok:  # a near tie in float32: the token taken is float32's runner-up, by a hair
+                assert ref_top[1][0] == tok and ref_top[0][1] - ref_top[1][1] < 0.05, (ref_top, tok)
+                break
+            assert abs(lp - ref_lp) < 0.05
+            same += 1
+    assert same >= 0.8 * 6 * 24
+
+
+def test_kv_cache_dtype_other_than_the_model_needs_the_torch_backend(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="only the torch attention backend"):
+        EngineCore(build_config(str(tiny_llama_dir), kv_cache_dtype="bfloat16", attention_backend="triton",
+                                num_blocks=16))

@@ -59,6 +59,24 @@ def test_bfloat16_batch_close_to_attention_by_hand():
     torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=2e-2, rtol=2e-2)
 
 
+def test_bfloat16_cache_under_float32_queries():
+    """--kv-cache-dtype bfloat16 with a float32 model: new K/V are rounded into the cache, every path
+    reads them from it, and the output is float32, close to exact attention over the rounded K/V."""
+    query_lens, context_lens = [1, 1, 4, 1, 9, 30, 1], [3, 70, 12, 0, 40, 0, 200]
+    batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=3, head_dim=32, seed=5)
+    k_cache, v_cache = (c.to(torch.bfloat16) for c in batch.clean_caches())
+    backend = TorchBackend("cpu")
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
+    assert out.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
+    stored_k, _ = batch.stored_caches()
+    torch.testing.assert_close(k_cache, torch.nan_to_num(stored_k, nan=0.0).to(torch.bfloat16), atol=0, rtol=0)
+    want = naive_attention(batch, k_cache, v_cache)  # exact, over the K/V the cache holds
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+    # Decodes and short queries attend in bfloat16; prompt chunks upcast and stay float32-exact.
+    prompt_rows = slice(sum(query_lens[:5]), sum(query_lens[:6]))
+    torch.testing.assert_close(out[prompt_rows].double(), want[prompt_rows], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 2]), ([4, 2], [8, 30]), ([3], [0])])
 def test_single_path_batches(query_lens, context_lens):
     """All decodes (the fast path), all short queries, one prompt alone."""

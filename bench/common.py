@@ -22,7 +22,11 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+    from engine.dtype import cpu_has_native_bf16
+
+    # What --dtype auto makes of a 16-bit or quantized model here (float32 checkpoints stay float32).
+    bf16 = "native bfloat16 (auto: bfloat16)" if cpu_has_native_bf16() else "no native bfloat16 (auto: float32)"
+    return (f"{cpu}, {os.cpu_count()} logical cores, {bf16}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")
 
 

@@ -49,9 +49,9 @@ class KVCache:
         # Pinned on CUDA so swaps are DMA copies; plain memory on a CPU-only machine.
         pin = device.type == "cuda"
         self.cpu = torch.zeros(*shape[:2], num_cpu, *shape[2:], dtype=dtype, pin_memory=pin)
-        log.info("kv cache (%s): %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens (%.0f MiB)",
-                 str(dtype).removeprefix("torch."), num_blocks, num_blocks * self.block_size, num_blocks * per_block / 2**20,
-                 num_cpu, num_cpu * self.block_size, num_cpu * per_block / 2**20)
+        log.info("kv cache (%s): %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens "
+                 "(%.0f MiB)", str(dtype).removeprefix("torch."), num_blocks, num_blocks * self.block_size,
+                 num_blocks * per_block / 2**20, num_cpu, num_cpu * self.block_size, num_cpu * per_block / 2**20)
 
     @property
     def num_blocks(self) -> int:

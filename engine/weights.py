@@ -5,8 +5,9 @@ The model is built on the meta device and takes the loaded tensors as its parame
 
 A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata),
 then written as a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row
-order; config.json's torch_dtype says what precision the file carried, for --dtype auto) under source.cache_dir / "weights". Every later start reads that folder like any HF model,
-in well under a second. The folder appears atomically (written beside it, then renamed), so a
+order) under source.cache_dir / "weights"; config.json's torch_dtype says what precision the file's
+matrices carried, for --dtype auto. Every later start reads that folder like any HF model, in well
+under a second. The folder appears atomically (written beside it, then renamed), so a
 crash or a concurrent start never leaves a half-written cache that looks complete.
 """
 from __future__ import annotations
@@ -52,7 +53,8 @@ _GGUF_LAYER = {
 Weights = Iterable[tuple[str, torch.Tensor]]
 
 
-def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
+def load_model(source: ModelSource, dtype: torch.dtype | str,
+               device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it was built in).
     dtype: a torch dtype, or a --dtype name ("auto" resolves against the checkpoint, engine/dtype.py).
     GGUF sources load from the dequantized cache when it exists, and create it otherwise."""

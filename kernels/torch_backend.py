@@ -192,7 +192,8 @@ class TorchBackend:
         qb = q if in_order else q.index_select(0, b.rows)  # [B * n, H, D]
         bsz = qb.shape[0] // n
         # Query heads grouped by their KV head, queries and groups together in SDPA's query length.
-        qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d).to(k_cache.dtype)  # [B, Hkv, n * G, D]
+        qb = qb.view(bsz, n, hkv, g, d).transpose(1, 2).reshape(bsz, hkv, n * g, d)  # [B, Hkv, n * G, D]
+        qb = qb.to(k_cache.dtype)  # a bfloat16 cache under a float32 model: attend in the cache's dtype
         kb, vb = self._gather(k_cache, v_cache, b.blocks)
         kb = kb.view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
         vb = vb.view(bsz, -1, hkv, d).transpose(1, 2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from shared.config import (
-    ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, PREFILL_POLICIES, CacheConfig, EngineConfig,
-    SchedulerConfig, build_config,
+    ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, PREFILL_POLICIES, CacheConfig,
+    EngineConfig, SchedulerConfig, build_config,
 )
 
 # Flags whose value is None are left out, so the config's own defaults apply.

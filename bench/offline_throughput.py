@@ -44,12 +44,13 @@ def run_transformers(reqs, args) -> float:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
+    from engine.weights import dequantized_folder
     from shared.model_source import resolve_model
 
     src = resolve_model(args.model)
     # A GGUF model loads from the HF folder Conveyor's loader derived from it (HF names, tied head):
     # from_pretrained(gguf_file=...) leaves SmolLM2's tied lm_head randomly initialised.
-    folder = src.cache_dir / "weights" if src.gguf_file else src.folder
+    folder = dequantized_folder(src) if src.gguf_file else src.folder
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(reqs), args.batch_size), desc="transformers", unit="batch"):

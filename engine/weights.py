@@ -5,7 +5,7 @@ The model is built on the meta device and takes the loaded tensors as its parame
 
 A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata),
 then written as a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row
-order) under source.cache_dir / "weights"; config.json's torch_dtype says what precision the file's
+order) in dequantized_folder(source); config.json's torch_dtype says what precision the file's
 matrices carried, for --dtype auto. Every later start reads that folder like any HF model, in well
 under a second. The folder appears atomically (written beside it, then renamed), so a
 crash or a concurrent start never leaves a half-written cache that looks complete.
@@ -51,6 +51,7 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 Weights = Iterable[tuple[str, torch.Tensor]]
+_CACHE_FORMAT = 2  # bump when what the dequantized folder holds changes
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | str,
@@ -63,7 +64,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | str,
     if source.gguf_file is None:
         folder = source.folder
     else:
-        folder = source.cache_dir / "weights"
+        folder = dequantized_folder(source)
         if not (folder / "config.json").is_file():
             config, tensors = read_gguf(source.folder / source.gguf_file)
             if _try_write_cache(folder, config, tensors):
@@ -77,6 +78,12 @@ def load_model(source: ModelSource, dtype: torch.dtype | str,
     model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device)
     _log_loaded(source, model, cfg.dtype, folder, t0)
     return model, cfg
+
+
+def dequantized_folder(source: ModelSource) -> Path:
+    """Where a GGUF source's dequantized HF folder lives. The name carries the format's version, so a
+    folder an older Conveyor wrote (v1: no record of the file's precision) is never read as this one."""
+    return source.cache_dir / f"weights-v{_CACHE_FORMAT}"
 
 
 def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,

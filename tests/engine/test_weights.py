@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from engine.models import MODELS, ModelConfig, get_model_class
 from engine.models.llama import LlamaForCausalLM, to_interleaved
-from engine.weights import from_interleaved, load_model
+from engine.weights import dequantized_folder, from_interleaved, load_model
 from tests.reference import transformers_gguf_model
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -112,7 +112,7 @@ def test_smollm2_gguf_equals_transformers_gguf_loader(smollm2_source, smollm2_lo
     hf = transformers_gguf_model(smollm2_source)
     theirs = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
     # The cache folder holds HF names and HF q/k order: every tensor equals transformers' exactly.
-    cached = load_file(smollm2_source.cache_dir / "weights" / "model.safetensors")
+    cached = load_file(dequantized_folder(smollm2_source) / "model.safetensors")
     assert cached.keys() == theirs.keys()
     for name, t in theirs.items():
         assert torch.equal(cached[name], t), name
@@ -140,7 +140,7 @@ def test_smollm2_gguf_equals_transformers_gguf_loader(smollm2_source, smollm2_lo
 def test_smollm2_second_load_comes_from_cache(smollm2_source, smollm2_loads, caplog):
     first, _, first_logs = smollm2_loads
     assert any(m.startswith("dequantized") for m in first_logs)
-    cache = smollm2_source.cache_dir / "weights"
+    cache = dequantized_folder(smollm2_source)
     assert (cache / "config.json").is_file() and (cache / "model.safetensors").is_file()
     with caplog.at_level(logging.INFO, logger="conveyor.weights"):
         model, cfg = load_model(smollm2_source, torch.float32, "cpu")

@@ -47,11 +47,12 @@ class Batch:
         """-> logits [len(logits_rows), V] float32."""
         layout = BatchLayout(self.query_lens, self.context_lens, self.tables, self.block_size,
                              torch.tensor(self.slots, dtype=torch.int64, device=device))
-        return model(
+        logits: torch.Tensor = model(
             torch.tensor(self.input_ids, dtype=torch.int64, device=device),
             torch.tensor(self.positions, dtype=torch.int64, device=device),
             kv,
             backend.plan(layout),
             backend,
             torch.tensor(self.logits_rows, dtype=torch.int64, device=device),
-        ).float()
+        )
+        return logits.float()

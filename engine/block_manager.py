@@ -12,7 +12,9 @@ hash names the whole prefix up to that block. A freed block keeps its hash and s
 the free list, which is in eviction order (least recently freed first). Evicting a hashed device
 block copies it to the CPU pool while that has room; a later hit there is swapped back in.
 
-Callers ask before they act: `can_allocate(n)` then `allocate(req, num_tokens)`. The copies the
+Callers ask before they act: `can_allocate(n)` then `allocate(seq, num_tokens)`. The block manager
+writes a sequence's block table, `swapped` flag and block hashes, never its counters: what the
+scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value. The copies the
 runner must make before the next forward collect in `swap_out` (device -> CPU: swaps and
 evictions), `swap_in` (CPU -> device) and `copies` (device -> device, copy-on-write).
 """
@@ -22,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.request import Request
+from engine.sequence import Sequence
 
 
 class BlockPool:
@@ -145,29 +147,32 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ------------------------------------------------------------- allocate
-    def _needs_cow(self, req: Request) -> bool:
-        """The block req writes next is already in its table and shared: writing needs a copy."""
-        i = req.num_computed_tokens // self.block_size
-        return i < len(req.block_table) and self.device.ref_counts[req.block_table[i]] > 1
+    def _needs_cow(self, seq: Sequence) -> bool:
+        """The block seq writes next is already in its table and shared: writing needs a copy."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.device.ref_counts[seq.block_table[i]] > 1
 
-    def num_new_blocks(self, req: Request, num_tokens: int) -> int:
-        """Blocks req still needs so that its first num_tokens tokens have slots it may write."""
-        return max(0, self.blocks_for(num_tokens) - len(req.block_table)) + self._needs_cow(req)
+    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks seq still needs so that its first num_tokens tokens have slots it may write."""
+        return max(0, self.blocks_for(num_tokens) - len(seq.block_table)) + self._needs_cow(seq)
 
     def can_allocate(self, num_new_blocks: int) -> bool:
         return num_new_blocks <= self.device.num_free
 
-    def allocate(self, req: Request, num_tokens: int) -> None:
-        assert self.num_new_blocks(req, num_tokens) <= self.device.num_free, "allocate() without can_allocate()"
-        if self._needs_cow(req):
-            i = req.num_computed_tokens // self.block_size
-            old, new = req.block_table[i], self._take()
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        assert self.num_new_blocks(seq, num_tokens) <= self.device.num_free, "allocate() without can_allocate()"
+        if self._needs_cow(seq):
+            i = seq.num_computed_tokens // self.block_size
+            old, new = seq.block_table[i], self._take()
             self.copies.append((old, new))
             self.device.release([old])
-            req.block_table[i] = new
+            seq.block_table[i] = new
             self.stats["cow_copies"] += 1
-        n = max(0, self.blocks_for(num_tokens) - len(req.block_table))
-        req.block_table.extend(self._take() for _ in range(n))
+        self._extend(seq, num_tokens)
+
+    def _extend(self, seq: Sequence, num_tokens: int) -> None:
+        n = max(0, self.blocks_for(num_tokens) - len(seq.block_table))
+        seq.block_table.extend(self._take() for _ in range(n))
 
     def _take(self) -> int:
         """A device block; a cached block it evicts is first saved to the CPU tier when that has room."""
@@ -180,40 +185,40 @@ class BlockManager:
             self.stats["evicted_to_cpu"] += 1
         return block_id
 
-    def trim(self, req: Request, num_tokens: int) -> None:
-        """Release the blocks beyond req's first num_tokens tokens (slots of rejected drafts)."""
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks beyond seq's first num_tokens tokens (slots of rejected drafts)."""
         keep = self.blocks_for(num_tokens)
-        if len(req.block_table) > keep:
-            self.device.release(req.block_table[keep:])
-            del req.block_table[keep:]
+        if len(seq.block_table) > keep:
+            self.device.release(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (its table is already a copy of parent's)."""
         assert not parent.swapped and child.block_table == parent.block_table
         for block_id in parent.block_table:
             self.device.touch(block_id)
 
-    def free(self, req: Request) -> None:
-        (self.cpu if req.swapped else self.device).release(req.block_table)
-        req.block_table = []
-        req.swapped = False
+    def free(self, seq: Sequence) -> None:
+        (self.cpu if seq.swapped else self.device).release(seq.block_table)
+        seq.block_table = []
+        seq.swapped = False
 
     # --------------------------------------------------------- prefix cache
-    def _hashes(self, req: Request, num_blocks: int) -> list[int]:
-        """req.block_hashes extended to cover its first num_blocks full blocks."""
-        hashes, ids, bs = req.block_hashes, req.token_ids, self.block_size
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """seq.block_hashes extended to cover its first num_blocks full blocks."""
+        hashes, ids, bs = seq.block_hashes, seq.token_ids, self.block_size
         for i in range(len(hashes), num_blocks):
             hashes.append(hash((hashes[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs]))))
         return hashes
 
-    def lookup(self, req: Request) -> PrefixHit:
-        """The longest cached prefix of req's tokens, never the last token: one token must be computed
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of seq's tokens, never the last token: one token must be computed
         to have logits to sample from. No side effects."""
         hit = PrefixHit()
-        if not self.enable_prefix_caching or req.block_table:
+        if not self.enable_prefix_caching or seq.block_table:
             return hit
         dev, cpu = self.device, self.cpu
-        for h in self._hashes(req, (req.num_tokens - 1) // self.block_size):
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
             if not hit.cpu and h in dev.cached:
                 block_id = dev.cached[h]
                 hit.device.append(block_id)
@@ -228,38 +233,38 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - len(hit.device)
         return need <= self.device.num_free - hit.num_free_touched
 
-    def allocate_hit(self, req: Request, hit: PrefixHit, num_tokens: int) -> None:
-        """Start req on its cached prefix (device hits shared, CPU hits swapped into new blocks), then
-        allocate up to num_tokens."""
-        assert not req.block_table and req.num_computed_tokens == 0
+    def allocate_hit(self, seq: Sequence, hit: PrefixHit, num_tokens: int) -> int:
+        """Start seq on its cached prefix (device hits shared, CPU hits swapped into new blocks), then
+        allocate up to num_tokens. -> the tokens the prefix covers: seq's computed tokens from now."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
         for block_id in hit.device:
             self.device.touch(block_id)
         for cpu_id in hit.cpu:
             self.cpu.touch(cpu_id)  # held: nothing may overwrite it before the runner reads it
             self._cpu_held.append(cpu_id)
-        req.block_table = list(hit.device)
+        seq.block_table = list(hit.device)
         for cpu_id in hit.cpu:
-            block_id = self._take()
-            self.device.set_hash(block_id, self.cpu.block_hash[cpu_id])
+            block_id, h = self._take(), self.cpu.block_hash[cpu_id]
+            assert h is not None, "a CPU-tier hit is a hashed block"
+            self.device.set_hash(block_id, h)
             self.swap_in.append((cpu_id, block_id))
-            req.block_table.append(block_id)
+            seq.block_table.append(block_id)
         cached = hit.num_tokens(self.block_size)
-        req.num_computed_tokens = cached
-        if req.num_output_tokens == 0 and req.num_sent_tokens == 0:
-            self.stats["prefix_queries"] += req.num_prompt_tokens
+        if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # a first admission, not a recompute
+            self.stats["prefix_queries"] += seq.num_prompt_tokens
             self.stats["prefix_hits"] += cached
             self.stats["prefix_cpu_hits"] += len(hit.cpu) * self.block_size
-            req.num_cached_tokens = cached
-        self.allocate(req, num_tokens)
+        self._extend(seq, num_tokens)  # the next write starts a block of its own: never a shared one
+        return cached
 
-    def cache_blocks(self, req: Request, num_computed_before: int) -> None:
+    def cache_blocks(self, seq: Sequence, num_computed_before: int) -> None:
         """Name the blocks that became full and computed this step, so later requests can share them."""
         bs = self.block_size
-        first, last = num_computed_before // bs, req.num_computed_tokens // bs
-        if last > first and self.enable_prefix_caching and not req.swapped:
-            hashes = self._hashes(req, last)
+        first, last = num_computed_before // bs, seq.num_computed_tokens // bs
+        if last > first and self.enable_prefix_caching and not seq.swapped:
+            hashes = self._hashes(seq, last)
             for i in range(first, last):
-                self.device.set_hash(req.block_table[i], hashes[i])
+                self.device.set_hash(seq.block_table[i], hashes[i])
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep running, just unnamed)."""
@@ -267,26 +272,26 @@ class BlockManager:
         self.cpu.reset()
 
     # ------------------------------------------------------------------ swap
-    def can_swap_out(self, req: Request) -> bool:
-        return len(req.block_table) <= self.cpu.num_free
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.cpu.num_free
 
-    def do_swap_out(self, req: Request) -> None:
-        """Move req's blocks to the CPU pool; the runner copies the pairs before the next forward."""
-        assert not req.swapped
-        pairs = [(b, self.cpu.take()[0]) for b in req.block_table]
-        self.device.release(req.block_table)
-        req.block_table = [c for _, c in pairs]
-        req.swapped = True
+    def do_swap_out(self, seq: Sequence) -> None:
+        """Move seq's blocks to the CPU pool; the runner copies the pairs before the next forward."""
+        assert not seq.swapped
+        pairs = [(b, self.cpu.take()[0]) for b in seq.block_table]
+        self.device.release(seq.block_table)
+        seq.block_table = [c for _, c in pairs]
+        seq.swapped = True
         self.swap_out += pairs
 
-    def can_swap_in(self, req: Request, num_tokens: int) -> bool:
+    def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.device.num_free
 
-    def do_swap_in(self, req: Request) -> None:
-        """Move req's blocks back into (possibly other) device blocks."""
-        assert req.swapped
-        pairs = [(c, self._take()) for c in req.block_table]
-        self._cpu_held += req.block_table  # released next step, after the runner has read them
-        req.block_table = [d for _, d in pairs]
-        req.swapped = False
+    def do_swap_in(self, seq: Sequence) -> None:
+        """Move seq's blocks back into (possibly other) device blocks."""
+        assert seq.swapped
+        pairs = [(c, self._take()) for c in seq.block_table]
+        self._cpu_held += seq.block_table  # released next step, after the runner has read them
+        seq.block_table = [d for _, d in pairs]
+        seq.swapped = False
         self.swap_in += pairs

@@ -15,9 +15,10 @@ from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.runner import ModelRunner
-from engine.sampler import LogprobEntry
-from engine.scheduler import Delta, Scheduler, StepPlan
+from engine.scheduler import Scheduler
+from engine.sequence import LogprobEntry, Sequence
 from engine.spec import can_speculate, make_proposer
+from engine.step import Delta, StepPlan
 from engine.weights import load_model
 from kernels import get_backend
 from shared.config import EngineConfig
@@ -31,7 +32,7 @@ log = logging.getLogger("conveyor.engine")
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step computed: (request_id, num_new_tokens) per scheduled request."""
+    """What one step computed: (request_id, num_new_tokens) per scheduled sequence."""
 
     step: int
     scheduled: tuple[tuple[str, int], ...]
@@ -69,7 +70,7 @@ class EngineCore:
                                    self.block_manager, self.proposer)
         self.runner = ModelRunner(model, kv, backend, device, self.proposer)
         self.eos_token_ids = tuple(mc.eos_token_ids)
-        self.requests: dict[str, Request] = {}
+        self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0}
@@ -82,7 +83,7 @@ class EngineCore:
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0, arrival_time: float | None = None) -> None:
         """Raises InvalidRequest when the request can never run; nothing is queued then."""
-        if request_id in self.requests:
+        if request_id in self.sequences:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -96,34 +97,35 @@ class EngineCore:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
                 f"{self.max_model_len} tokens including at least one generated token", param="prompt")
         req = Request(request_id, prompt_token_ids, params, priority,
-                      time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids)
+                      time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids,
+                      speculate=self.proposer is not None and can_speculate(params))
         req.events["queued"] = time.time()
-        req.speculate = self.proposer is not None and can_speculate(req)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        root = Sequence(req)
+        self.sequences[request_id] = root
+        self.scheduler.add(root)
 
-    def abort(self, request_ids: list[str], index: int | None = None) -> list[RequestOutput]:
-        """Idempotent: unknown or finished ids are ignored. -> one final output per live request.
-        index: end only that choice of each request (a stop string the gateway found), freeing its blocks;
-        -> its "stop" row, which ends the request when it was the last choice running."""
-        if index is not None:
-            return [self._output(d) for rid in request_ids for d in self._stop_choice(rid, index)]
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Idempotent: unknown or finished ids are ignored. -> one final output per live request."""
         outs = []
         for rid in request_ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
+            root = self.sequences.pop(rid, None)
+            if root is None:
                 continue
-            self.scheduler.abort(req)
+            self.scheduler.abort(root)
+            req = root.request
             outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
         return outs
 
-    def _stop_choice(self, request_id: str, index: int) -> list[Delta]:
-        req = self.requests.get(request_id)
-        g = req.group if req is not None else None
-        if g is None or not g.streams:  # one choice, or choices the client has not seen yet: nothing to end
+    def stop_choice(self, request_id: str, index: int) -> list[RequestOutput]:
+        """End one choice of a request (a stop string the gateway found in its text), freeing its blocks.
+        -> its "stop" row, which ends the request when it was the last choice running; nothing when
+        the request or choice is unknown, finished, or not streamed (the client has not seen it)."""
+        root = self.sequences.get(request_id)
+        g = root.group if root is not None else None
+        if g is None or not g.streams:
             return []
         seq = next((s for s in g.seqs if s.index == index), None)
-        return self.scheduler.stop_sequence(seq) if seq is not None else []
+        return [self._output(d) for d in self.scheduler.stop_sequence(seq)] if seq is not None else []
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -134,9 +136,8 @@ class EngineCore:
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
-        sampled = self.runner.execute(plan)  # swap, copy, one forward, one sample
-        logprobs = self.runner.logprobs if sampled else None
-        deltas = self.scheduler.update(plan, sampled, self.max_model_len, logprobs)  # advance, stop, free
+        output = self.runner.execute(plan)  # swap, copy, one forward, one sample
+        deltas = self.scheduler.update(plan, output)  # advance, stop, free
         outputs = [self._output(d) for d in deltas]
         self._record(plan, time.perf_counter() - t0)
         return outputs
@@ -144,7 +145,7 @@ class EngineCore:
     def _output(self, d: Delta) -> RequestOutput:
         req = d.request
         if d.finished:
-            del self.requests[req.request_id]
+            del self.sequences[req.request_id]
         return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
                              req.num_cached_tokens, req.events if d.finished else None,
                              _wire_logprobs(d.logprobs), d.index)
@@ -159,11 +160,11 @@ class EngineCore:
         self.totals["prefill_tokens"] += plan.num_tokens - plan.num_decode_tokens
         self.totals["decode_tokens"] += plan.num_decode_tokens
         self.last_step = {"step_prefill_tokens": plan.num_tokens - plan.num_decode_tokens,
-                          "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.requests)}
+                          "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.seqs)}
         self.history.append(StepRecord(
             self.num_steps,
-            tuple((r.request_id, n) for r, n in zip(plan.requests, plan.num_new_tokens)),
-            tuple(r.request_id for r in plan.preempted),
+            tuple((s.request.request_id, n) for s, n in zip(plan.seqs, plan.num_new_tokens)),
+            tuple(s.request.request_id for s in plan.preempted),
         ))
 
     def stats(self) -> dict[str, float]:

@@ -27,7 +27,7 @@ def resolve_dtype(requested: str, declared: str | None, device: torch.device,
     """requested: --dtype. declared: the checkpoint's torch_dtype (None when it says nothing, read as
     float32). native_bf16: the CPU probe, given by tests."""
     if requested != "auto":
-        dtype = getattr(torch, requested)
+        dtype: torch.dtype = getattr(torch, requested)
         if device.type == "cpu" and dtype != torch.float32 and not _native(native_bf16):
             log.warning("dtype=%s on a CPU without AMX or AVX512-BF16: its GEMMs are emulated, about 100x "
                         "slower than float32; --dtype auto picks float32 here", requested)

@@ -87,7 +87,11 @@ class EngineLoop:
                 return
             self.owner[msg.request_id] = client
         elif isinstance(msg, Abort):
-            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client], msg.index))
+            ids = [r for r in msg.request_ids if self.owner.get(r) == client]
+            if msg.index is None:
+                self._send_outputs(self.core.abort(ids))
+            else:
+                self._send_outputs([o for r in ids for o in self.core.stop_choice(r, msg.index)])
         elif isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 self._send(client, Error(None, f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}", 400))

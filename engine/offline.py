@@ -5,14 +5,18 @@
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from engine.core import EngineCore
 from shared.config import EngineConfig, build_config
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -48,11 +52,11 @@ class CompletionOutput:
 class LLM:
     def __init__(self, model: str = EngineConfig.model, **engine_options: Any) -> None:
         self.core = EngineCore(build_config(model, **engine_options))
-        self._tokenizer = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
         self._counter = 0
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
             from shared.tokenizer import load_tokenizer
 
@@ -61,7 +65,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: Sequence[str | list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionOutput]:
@@ -71,7 +75,7 @@ class LLM:
         outputs: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, params_list):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{self._counter}"
             self._counter += 1
             self.core.add(rid, ids, p)
@@ -91,5 +95,5 @@ class LLM:
             o.outputs = [seqs[o.request_id][i] for i in sorted(seqs[o.request_id])]
         if any(isinstance(p, str) for p in prompts):
             for seq in (s for o in results for s in o.outputs):
-                seq.text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+                seq.text = str(self.tokenizer.decode(seq.token_ids, skip_special_tokens=True))
         return results

@@ -1,5 +1,5 @@
 """ModelRunner: turns a StepPlan into one varlen forward pass, then one sampling call (and, for
-speculating sequences, one verification call)."""
+sequences with drafts, one verification call), and returns what it computed as a StepOutput."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -8,10 +8,10 @@ import torch
 
 from engine.batch import Batch
 from engine.kv_cache import KVCache
-from engine.request import Request
-from engine.sampler import LogprobEntry, Sampler
-from engine.scheduler import StepPlan
+from engine.sampler import Sampler
+from engine.sequence import LogprobEntry, Sequence
 from engine.spec.verify import verify
+from engine.step import Drafts, StepOutput, StepPlan
 from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -28,60 +28,73 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device)
         self.proposer = proposer
-        self.logprobs: list[LogprobEntry | None] | None = None  # per sampled token of the last step
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Compute every scheduled token; -> one token per request that reaches its end, in plan order.
-        A speculating request computes its last token plus its drafts; its token is the one after the
-        drafts it accepted (req.num_accepted)."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Compute every scheduled token; sample one token per sequence that reaches its end. A sequence
+        with drafts computes its last token plus the drafts; its token is the one after the drafts it
+        accepted."""
         self._swap(plan)
-        if plan.num_spec_requests and self.proposer is not None:
-            self.proposer.propose([r for r in plan.requests if r.num_spec])
+        drafts = self._propose(plan)
         batch = Batch(self.block_size)
-        sampling: list[Request] = []
-        for req, n in zip(plan.requests, plan.num_new_tokens):
-            start = req.num_computed_tokens
-            if req.num_spec:
-                batch.add([req.token_ids[-1], *req.spec_token_ids], start, req.block_table, n)
-                sampling.append(req)
-            else:
-                end = start + n
-                last = end == req.num_tokens
-                batch.add(req.token_ids[start:end], start, req.block_table, 1 if last else 0)
-                if last:
-                    sampling.append(req)
+        sampling: list[tuple[Sequence, Drafts | None]] = []
+        for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+            start = seq.num_computed_tokens
+            d = drafts.get(i) if drafts else None
+            if d is not None:
+                batch.add([seq.token_ids[-1], *d.token_ids], start, seq.block_table, n)
+                sampling.append((seq, d))
+                continue
+            end = start + n
+            last = end == seq.num_tokens
+            batch.add(seq.token_ids[start:end], start, seq.block_table, 1 if last else 0)
+            if last:
+                sampling.append((seq, None))
         logits = batch.forward(self.model, self.kv_cache.device, self.backend, self.device)  # [rows, V]
         if not sampling:
-            self.logprobs = None
-            return []
-        if not plan.num_spec_requests:
-            tokens = self.sampler(logits, sampling)
-            self.logprobs = self.sampler.logprobs
-            return tokens
+            return StepOutput()
+        if not drafts:
+            tokens, logprobs = self.sampler(logits, [seq for seq, _ in sampling])
+            return StepOutput(tokens, None, logprobs)
         return self._sample_and_verify(logits, sampling)
 
-    def _sample_and_verify(self, logits: torch.Tensor, sampling: list[Request]) -> list[int]:
-        """Rows of plain requests go to the sampler, rows of speculating ones to verification."""
+    def _propose(self, plan: StepPlan) -> dict[int, Drafts]:
+        """The plan's drafts with their tokens: a draft model proposes them now, in one batch."""
+        if not plan.drafts:
+            return plan.drafts
+        assert self.proposer is not None
+        where = list(plan.drafts)
+        filled = self.proposer.propose([plan.seqs[i] for i in where], [plan.drafts[i] for i in where])
+        return dict(zip(where, filled))
+
+    def _sample_and_verify(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
+        """Rows of plain sequences go to the sampler, rows of sequences with drafts to verification."""
         plain_rows: list[int] = []
         spec_rows: list[int] = []
         row = 0
-        for req in sampling:
-            n = req.num_spec + 1 if req.num_spec else 1
-            (spec_rows if req.num_spec else plain_rows).extend(range(row, row + n))
+        for _, d in sampling:
+            n = 1 if d is None else d.num + 1
+            (plain_rows if d is None else spec_rows).extend(range(row, row + n))
             row += n
-        plain = [r for r in sampling if not r.num_spec]
-        spec = [r for r in sampling if r.num_spec]
-        plain_tokens = iter(self.sampler(logits[plain_rows], plain) if plain else [])
-        plain_lps = iter(self.sampler.logprobs or [None] * len(plain) if plain else [])
-        spec_tokens = iter(verify(logits[spec_rows], spec))
-        tokens, self.logprobs = [], []
-        for req in sampling:
-            tokens.append(next(spec_tokens) if req.num_spec else next(plain_tokens))
-            self.logprobs.append(None if req.num_spec else next(plain_lps))
-        if all(lp is None for lp in self.logprobs):
-            self.logprobs = None
-        return tokens
+        plain = [seq for seq, d in sampling if d is None]
+        spec = [(seq, d) for seq, d in sampling if d is not None]
+        plain_tokens, plain_lps = self.sampler(logits[plain_rows], plain) if plain else ([], None)
+        verified = iter(verify(logits[spec_rows], [seq for seq, _ in spec], [d for _, d in spec]))
+        next_token, next_lp = iter(plain_tokens), iter(plain_lps or [None] * len(plain))
+        tokens: list[int] = []
+        accepted: list[tuple[int, ...]] = []
+        logprobs: list[LogprobEntry | None] = []
+        for _, d in sampling:
+            if d is None:
+                tokens.append(next(next_token))
+                accepted.append(())
+                logprobs.append(next(next_lp))
+            else:
+                kept, token = next(verified)
+                tokens.append(token)
+                accepted.append(kept)
+                logprobs.append(None)
+        return StepOutput(tokens, accepted, logprobs if any(e is not None for e in logprobs) else None)
 
     def _swap(self, plan: StepPlan) -> None:
         """Out before in: a block swapped out this step may be the very block another request swaps into."""

@@ -14,50 +14,47 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
+from engine.sequence import LogprobEntry, Sequence
 
-# One logprob entry per sampled row: (logprob of the sampled token, [(token id, logprob), ...] top k).
-LogprobEntry = tuple[float, list[tuple[int, float]]]
+# Per sampled row, a LogprobEntry where the row's sequence wants logprobs (or belongs to a group),
+# else None; None altogether when no row wanted any (the common case).
+Logprobs = list[LogprobEntry | None] | None
 
 
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        # Per row of the last call: a LogprobEntry where the row's request wants logprobs (or runs
-        # several sequences), else None. None altogether when no row wanted any (the common case).
-        self.logprobs: list[LogprobEntry | None] | None = None
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        """logits: [B, V] float32, one row per request that samples. -> B token ids."""
-        self.logprobs = None
-        if all(r.plain for r in reqs):
-            return argmax(logits)
-        lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None or r.group is not None]
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], Logprobs]:
+        """logits: [B, V] float32, one row per sequence that samples. -> (B token ids, their logprobs)."""
+        if all(s.request.plain for s in seqs):
+            return argmax(logits), None
+        lp_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None or s.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
-        self._process(logits, reqs)
-        tokens = self._sample(logits, reqs)
-        if raw_logp is not None:
-            self.logprobs = self._gather_logprobs(raw_logp, lp_rows, reqs, tokens)
-        return tokens
+        self._process(logits, seqs)
+        tokens = self._sample(logits, seqs)
+        if raw_logp is None:
+            return tokens, None
+        return tokens, self._gather_logprobs(raw_logp, lp_rows, seqs, tokens)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        if all(r.params.greedy for r in reqs):
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if all(r.params.greedy for r in seqs):
             return argmax(logits)
-        probs = probs_of(logits, reqs)  # [B, V]
+        probs = probs_of(logits, seqs)  # [B, V]
         noise = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(seqs):
             noise[i].exponential_(generator=generator_of(r, r.num_tokens, self.device))
         tokens = argmax(probs / noise)
-        if any(r.params.greedy for r in reqs):
+        if any(r.params.greedy for r in seqs):
             best = argmax(logits)
-            tokens = [b if r.params.greedy else t for r, t, b in zip(reqs, tokens, best)]
+            tokens = [b if r.params.greedy else t for r, t, b in zip(seqs, tokens, best)]
         return tokens
 
     @staticmethod
-    def _process(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _process(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """min_tokens, logit_bias and penalties, in place, only on the rows that ask for them."""
         vocab = logits.shape[-1]
-        for i, r in enumerate(reqs):
+        for i, r in enumerate(seqs):
             p = r.params
             if p.min_tokens and r.num_output_tokens < p.min_tokens and r.stop_ids:
                 logits[i, list(r.stop_ids)] = float("-inf")  # may not stop before min_tokens
@@ -77,16 +74,18 @@ class Sampler:
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     @staticmethod
-    def _gather_logprobs(raw_logp: torch.Tensor, rows: list[int], reqs: list[Request],
+    def _gather_logprobs(raw_logp: torch.Tensor, rows: list[int], seqs: list[Sequence],
                          tokens: list[int]) -> list[LogprobEntry | None]:
-        ks = [_top_k_wanted(reqs[i]) for i in rows]
+        ks = [_top_k_wanted(seqs[i]) for i in rows]
         k = max(ks)
         idx = torch.tensor([tokens[i] for i in rows], device=raw_logp.device)
-        sampled = raw_logp.gather(1, idx[:, None])[:, 0].tolist()  # [L]
-        top_vals, top_ids = raw_logp.topk(k, dim=-1) if k else (None, None)  # [L, k]
-        top_vals = top_vals.tolist() if k else None
-        top_ids = top_ids.tolist() if k else None
-        out: list[LogprobEntry | None] = [None] * len(reqs)
+        sampled: list[float] = raw_logp.gather(1, idx[:, None])[:, 0].tolist()  # [L]
+        top_vals: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if k:
+            vals, ids = raw_logp.topk(k, dim=-1)  # [L, k]
+            top_vals, top_ids = vals.tolist(), ids.tolist()
+        out: list[LogprobEntry | None] = [None] * len(seqs)
         for j, i in enumerate(rows):
             kj = ks[j]
             out[i] = (sampled[j], list(zip(top_ids[j][:kj], top_vals[j][:kj])) if kj else [])
@@ -97,32 +96,35 @@ def argmax(logits: torch.Tensor) -> list[int]:
     """Row-wise argmax [B, V] -> B ids, the first of equal maxima (as torch's). On the CPU through numpy,
     whose vectorised argmax is 5-12x faster than torch's: at 256 rows of a 4k-49k vocabulary torch's
     took 3-30 ms, most of a small model's decode step."""
+    ids: list[int]
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.contiguous().numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+        ids = logits.contiguous().numpy().argmax(axis=-1).tolist()
+    else:
+        ids = logits.argmax(dim=-1).tolist()
+    return ids
 
 
-def _top_k_wanted(req: Request) -> int:
+def _top_k_wanted(seq: Sequence) -> int:
     """Top logprobs a row reports: the request's own `logprobs`, or 2 * beam_width beam candidates."""
-    p = req.params
+    p = seq.params
     k = p.logprobs or 0
     if p.use_beam_search:
         k = max(k, 2 * p.beam_width)
     return k
 
 
-def probs_of(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def probs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The distribution each row samples from: temperature, then top-k, top-p and min-p. -> [B, V]"""
-    temps = torch.tensor([r.params.temperature or 1.0 for r in reqs], dtype=logits.dtype, device=logits.device)
+    temps = torch.tensor([r.params.temperature or 1.0 for r in seqs], dtype=logits.dtype, device=logits.device)
     logits = logits / temps[:, None]
-    top_ks = [r.params.top_k for r in reqs]
+    top_ks = [r.params.top_k for r in seqs]
     if any(k > 0 for k in top_ks):
         vocab = logits.shape[-1]
         ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=logits.device)
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
-    top_ps = [r.params.top_p for r in reqs]
+    top_ps = [r.params.top_p for r in seqs]
     if any(p < 1.0 for p in top_ps):
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass before it already reaches top_p (the top token always stays).
@@ -130,7 +132,7 @@ def probs_of(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         ps = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)[:, None]
         sorted_p = sorted_p.masked_fill(before >= ps, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p)
-    min_ps = [r.params.min_p for r in reqs]
+    min_ps = [r.params.min_p for r in seqs]
     if any(p > 0 for p in min_ps):
         # transformers' MinPLogitsWarper: drop tokens below min_p times the top token's probability.
         mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
@@ -138,15 +140,14 @@ def probs_of(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return probs
 
 
-def generator_of(req: Request, position: int, device: torch.device, stream: int = 0) -> torch.Generator | None:
+def generator_of(seq: Sequence, position: int, device: torch.device, stream: int = 0) -> torch.Generator | None:
     """The RNG for the token at `position` of a seeded request (None: the global one, unseeded).
 
     Seeded from (seed, sequence index, position, stream) afresh for each token, so a seeded token's
     randomness depends on nothing but where it is: not on the batch, not on preemption, and not on
     how many draws speculative decoding made before it. `stream` separates the draws of different
     purposes at one position (sampling, accepting a draft, the draft model's own sampling)."""
-    if req.params.seed is None:
+    seed = seq.params.seed
+    if seed is None:
         return None
-    if req.generator is None:
-        req.generator = torch.Generator(device=device)
-    return req.generator.manual_seed(hash((req.params.seed, req.index, position, stream)) & (2**63 - 1))
+    return torch.Generator(device=device).manual_seed(hash((seed, seq.index, position, stream)) & (2**63 - 1))

@@ -150,11 +150,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
         name, module = _gguf_to_hf_name(t.name)
-        w = dequantize(t.data, t.tensor_type)  # [rows, cols] float32 (GGUF lists shapes reversed)
-        assert w.shape == tuple(int(n) for n in reversed(t.shape)), (t.name, w.shape, t.shape)
-        if w.dtype != np.float32 or not w.flags.writeable:  # F32/F16 come as views of the file map
-            w = np.array(w, dtype=np.float32)
-        w = torch.from_numpy(w)
+        a = dequantize(t.data, t.tensor_type)  # [rows, cols] float32 (GGUF lists shapes reversed)
+        assert a.shape == tuple(int(n) for n in reversed(t.shape)), (t.name, a.shape, t.shape)
+        if a.dtype != np.float32 or not a.flags.writeable:  # F32/F16 come as views of the file map
+            a = np.array(a, dtype=np.float32)
+        w = torch.from_numpy(a)
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
         tensors[name] = w

@@ -67,6 +67,11 @@ class SamplingParams:
         return self.best_of or self.n
 
     @property
+    def one_sequence(self) -> bool:
+        """The engine computes this request as a single sequence: no choices to fork, no beams."""
+        return self.num_seqs == 1 and not self.use_beam_search
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias))

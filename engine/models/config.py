@@ -85,7 +85,7 @@ class ModelConfig:
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     if archs:
-        return archs[0]
+        return str(archs[0])
     if d.get("model_type") in _MODEL_TYPES:
         return _MODEL_TYPES[d["model_type"]]
     raise ValueError(f"config.json names no architecture (architectures={archs}, model_type={d.get('model_type')!r})")

@@ -48,7 +48,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     if s is None:
         return inv
     if s["rope_type"] == "linear":
-        return inv / s["factor"]
+        return inv / float(s["factor"])
     # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly in between.
     factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]
@@ -138,7 +138,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         # Tied models have no lm_head parameter at all: forward uses the embedding, and loading stays strict.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(cfg), persistent=False)  # [P, D/2, 2] float32
+        self.rope: torch.Tensor  # [P, D/2, 2] float32, a buffer: moves with .to(), not saved
+        self.register_buffer("rope", rope_table(cfg), persistent=False)
 
     def forward(
         self,

@@ -3,10 +3,11 @@ forward per token, batched over every speculating sequence.
 
 The draft runs on its own KV cache with the target's block ids: the same number of blocks, so a
 sequence's block table addresses both (the draft's blocks are smaller, having fewer layers and
-heads). Nothing else tracks it. Each request counts the positions whose draft K/V it wrote
-(draft_computed); the first forward catches up from there to the last token (a whole prompt the
-first time), then k - 1 one-token forwards extend the guess. After verification the count falls
-back to what was accepted, and preemption resets it to 0 (swaps do not carry draft K/V). Blocks
+heads). Nothing else tracks it. Each sequence counts the positions whose draft K/V is written
+(draft_computed, kept by the scheduler); the first forward catches up from there to the last token
+(a whole prompt the first time), then k - 1 one-token forwards extend the guess. After
+verification the count falls back to what was accepted, and preemption resets it to 0 (swaps do
+not carry draft K/V). Blocks
 shared through the prefix cache may be written twice by two requests, with the same values.
 """
 from __future__ import annotations
@@ -19,8 +20,9 @@ import torch
 from engine.batch import Batch
 from engine.kv_cache import KVCache
 from engine.models import ModelConfig
-from engine.request import Request
 from engine.sampler import argmax, generator_of, probs_of
+from engine.sequence import Sequence
+from engine.step import Drafts
 from engine.weights import load_model
 from kernels.backend import AttentionBackend
 from shared.config import CacheConfig
@@ -40,51 +42,50 @@ class DraftProposer:
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {model_name!r} has a vocabulary of {mc.vocab_size} tokens; the "
                              f"target's has {target.vocab_size}: they must be the same")
-        self.max_model_len = mc.max_position_embeddings
+        self.max_model_len: int | None = mc.max_position_embeddings
         self.kv = KVCache(dataclasses.replace(cache, num_blocks=num_blocks, num_cpu_blocks=0),
                           mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         self.block_size = cache.block_size
         self.device, self.backend = device, backend
         log.info("draft model %s: %d layers, %d proposals per step", model_name, mc.num_layers, num_tokens)
 
-    def plan(self, req: Request, k: int) -> int:
-        req.num_spec = k
-        return k
+    def plan(self, seq: Sequence, k: int) -> Drafts:
+        return Drafts(k)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request]) -> None:
-        drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+    def propose(self, seqs: list[Sequence], drafts: list[Drafts]) -> list[Drafts]:
+        nums = [d.num for d in drafts]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         batch = Batch(self.block_size)
-        for r in reqs:
-            batch.add(r.token_ids[r.draft_computed:], r.draft_computed, r.block_table, 1)
-        active = list(range(len(reqs)))
-        for step in range(max(r.num_spec for r in reqs)):
+        for s in seqs:
+            batch.add(s.token_ids[s.draft_computed:], s.draft_computed, s.block_table, 1)
+        active = list(range(len(seqs)))
+        for step in range(max(nums)):
             if step:
                 batch = Batch(self.block_size)
-                active = [i for i in active if reqs[i].num_spec > step]
+                active = [i for i in active if nums[i] > step]
                 for i in active:
-                    r = reqs[i]
-                    batch.add(drafts[i][-1:], r.num_tokens + step - 1, r.block_table, 1)
+                    s = seqs[i]
+                    batch.add(tokens[i][-1:], s.num_tokens + step - 1, s.block_table, 1)
             logits = batch.forward(self.model, self.kv.device, self.backend, self.device)  # [len(active), V]
-            self._sample(logits, [reqs[i] for i in active], [drafts[i] for i in active], [probs[i] for i in active])
-        for r, d, q in zip(reqs, drafts, probs):
-            r.spec_token_ids = d
-            r.spec_probs = torch.stack(q) if q else None  # [k, V]; None for greedy
-            r.draft_computed = r.num_tokens + r.num_spec - 1
+            self._sample(logits, [seqs[i] for i in active], [tokens[i] for i in active], [probs[i] for i in active])
+        # q per draft: [k, V]; None for greedy requests, whose drafts are the draft model's argmax
+        return [Drafts(n, tuple(t), torch.stack(q) if q else None) for n, t, q in zip(nums, tokens, probs)]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]],
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
                 probs: list[list[torch.Tensor]]) -> None:
         """Greedy requests take the draft's argmax; the others sample from the draft's distribution
         under their own sampling parameters, keeping it as q for verification."""
         greedy = argmax(logits)
-        rand = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        q = probs_of(logits[rand], [reqs[i] for i in rand]) if rand else None  # [R, V]
-        for i, r in enumerate(reqs):
-            if r.params.greedy:
+        rand = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        q = probs_of(logits[rand], [seqs[i] for i in rand]) if rand else None  # [R, V]
+        for i, s in enumerate(seqs):
+            if s.params.greedy:
                 drafts[i].append(greedy[i])
         for j, i in enumerate(rand):
-            position = reqs[i].num_tokens + len(drafts[i])
-            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(reqs[i], position, q.device, stream=2))
+            assert q is not None
+            position = seqs[i].num_tokens + len(drafts[i])
+            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(seqs[i], position, q.device, stream=2))
             drafts[i].append(int((q[j] / noise).argmax()))
             probs[i].append(q[j])

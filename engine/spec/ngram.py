@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from array import array
 
-from engine.request import Request
+from engine.sequence import Sequence
+from engine.step import Drafts
 
 _WIDTH = array("i").itemsize  # 4
 
@@ -37,13 +38,12 @@ class NgramProposer:
 
     def __init__(self, num_tokens: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = num_tokens, n_min, n_max
-        self.max_model_len = None
+        self.max_model_len: int | None = None  # no model, no context limit of its own
 
-    def plan(self, req: Request, k: int) -> int:
-        req.spec_token_ids = propose_ngram(req.token_ids, k, self.n_min, self.n_max)
-        req.spec_probs = None  # a deterministic guess: q is one-hot on it
-        req.num_spec = len(req.spec_token_ids)
-        return req.num_spec
+    def plan(self, seq: Sequence, k: int) -> Drafts:
+        found = propose_ngram(seq.token_ids, k, self.n_min, self.n_max)
+        return Drafts(len(found), tuple(found))  # a deterministic guess: q is one-hot on it
 
-    def propose(self, reqs: list[Request]) -> None:
+    def propose(self, seqs: list[Sequence], drafts: list[Drafts]) -> list[Drafts]:
         """Nothing to do: plan() already proposed."""
+        return drafts

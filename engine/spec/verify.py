@@ -17,33 +17,37 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
 from engine.sampler import argmax, generator_of, probs_of
+from engine.sequence import Sequence
+from engine.step import Drafts
 
 
-def verify(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """logits: [sum(num_spec + 1), V], each request's rows in order. Sets req.num_accepted;
-    -> the token that follows the accepted drafts, per request."""
-    rows, starts = [], []
-    for r in reqs:
+def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Drafts]) -> list[tuple[tuple[int, ...], int]]:
+    """logits: [sum(num drafts + 1), V], each sequence's rows in order.
+    -> per sequence, (the drafts it accepts, the token that follows them)."""
+    rows: list[Sequence] = []
+    starts = []
+    for s, d in zip(seqs, drafts):
         starts.append(len(rows))
-        rows += [r] * (r.num_spec + 1)
+        rows += [s] * (d.num + 1)
     best = argmax(logits)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     probs = probs_of(logits[sampled], [rows[i] for i in sampled]) if sampled else None  # [S, V]
     prow = {row: j for j, row in enumerate(sampled)}
     out = []
-    for req, s in zip(reqs, starts):
-        drafts = req.spec_token_ids
-        if req.params.greedy:
-            a = _matching(drafts, best[s:s + len(drafts) + 1])
-            token = best[s + a]
+    for seq, d, start in zip(seqs, drafts, starts):
+        ids = list(d.token_ids)
+        if seq.params.greedy:
+            a = _matching(ids, best[start:start + len(ids) + 1])
+            token = best[start + a]
         else:
-            p = probs[prow[s]:prow[s] + len(drafts) + 1]  # [k + 1, V]
-            accept = _sample_and_match if req.spec_probs is None else _rejection_sample
-            a, token = accept(p, drafts, req.spec_probs, req)
-        req.num_accepted = a
-        out.append(token)
+            assert probs is not None
+            p = probs[prow[start]:prow[start] + len(ids) + 1]  # [k + 1, V]
+            if d.probs is None:
+                a, token = _sample_and_match(p, ids, None, seq)
+            else:
+                a, token = _rejection_sample(p, ids, d.probs, seq)
+        out.append((d.token_ids[:a], token))
     return out
 
 
@@ -54,29 +58,29 @@ def _matching(drafts: list[int], targets: list[int]) -> int:
     return a
 
 
-def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, req: Request) -> tuple[int, int]:
+def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, seq: Sequence) -> tuple[int, int]:
     """Deterministic proposals (q one-hot): sample every position from p with the noise plain decoding
     would use there, keep the drafts while they equal the samples. P(accept x) = p(x), and after a
     mismatch the sample is p conditioned on not x, which is rejection sampling's residual: the same
     rule, and a seeded request gets exactly the tokens it gets without speculation."""
     noise = torch.empty_like(p)
-    if req.params.seed is None:
+    if seq.params.seed is None:
         noise.exponential_()
     else:
         for i in range(len(noise)):
-            noise[i].exponential_(generator=generator_of(req, req.num_tokens + i, p.device))
+            noise[i].exponential_(generator=generator_of(seq, seq.num_tokens + i, p.device))
     samples = argmax(p / noise)
     a = _matching(drafts, samples)
     return a, samples[a]
 
 
-def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor, req: Request) -> tuple[int, int]:
+def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor, seq: Sequence) -> tuple[int, int]:
     """p: [k + 1, V] target probabilities; q: [k, V] the draft's. -> (accepted drafts, next token)."""
-    k, pos, dev = len(drafts), req.num_tokens, p.device
-    if req.params.seed is None:
+    k, pos, dev = len(drafts), seq.num_tokens, p.device
+    if seq.params.seed is None:
         u = torch.rand(k, device=dev, dtype=p.dtype).tolist()
     else:
-        u = [float(torch.rand(1, generator=generator_of(req, pos + i, dev, stream=1), device=dev)) for i in range(k)]
+        u = [float(torch.rand(1, generator=generator_of(seq, pos + i, dev, stream=1), device=dev)) for i in range(k)]
     idx = torch.tensor(drafts, device=dev)
     p_x = p[:k].gather(1, idx[:, None])[:, 0].tolist()
     q_x = q.gather(1, idx[:, None])[:, 0].tolist()
@@ -86,8 +90,8 @@ def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor, req: 
         residual = (p[i] - q[i]).clamp_(min=0)
         if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0
             residual = p[i]
-        return i, _draw(residual, generator_of(req, pos + i, dev))
-    return k, _draw(p[k], generator_of(req, pos + k, dev))
+        return i, _draw(residual, generator_of(seq, pos + i, dev))
+    return k, _draw(p[k], generator_of(seq, pos + k, dev))
 
 
 def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:

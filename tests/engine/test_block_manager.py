@@ -3,17 +3,18 @@ from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.request import Request
+from engine.sequence import Sequence
 from shared.sampling import SamplingParams
 
 BS = 4
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, PARAMS)
+def make_request(rid: str, tokens: list[int]) -> Sequence:
+    return Sequence(Request(rid, tokens, PARAMS))
 
 
-def compute(bm: BlockManager, req: Request, n: int) -> None:
+def compute(bm: BlockManager, req: Sequence, n: int) -> None:
     """Allocate and 'compute' req's next n tokens as the scheduler and runner would."""
     before = req.num_computed_tokens
     bm.allocate(req, before + n)
@@ -22,12 +23,12 @@ def compute(bm: BlockManager, req: Request, n: int) -> None:
         bm.cache_blocks(req, before)
 
 
-def start(bm: BlockManager, req: Request) -> int:
-    """Admit req on its cached prefix and compute the rest. -> cached tokens."""
+def start(bm: BlockManager, req: Sequence) -> int:
+    """Admit req on its cached prefix and compute the rest, as the scheduler would. -> cached tokens."""
     hit = bm.lookup(req)
-    cached = hit.num_tokens(BS)
     assert bm.can_allocate_hit(hit, req.num_tokens)
-    bm.allocate_hit(req, hit, req.num_tokens)
+    cached = bm.allocate_hit(req, hit, req.num_tokens)
+    assert cached == hit.num_tokens(BS)
     req.num_computed_tokens = req.num_tokens
     bm.cache_blocks(req, cached)
     return cached
@@ -40,7 +41,7 @@ def test_hash_chain_shares_full_blocks_only_and_never_the_last_token():
     assert a.block_table == [0, 1, 2] and bm.device.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
     b = make_request("b", list(range(100, 108)) + [7, 7, 7])  # same 2 full blocks, other tail
     assert start(bm, b) == 8
-    assert b.block_table == [0, 1, 3] and b.num_cached_tokens == 8
+    assert b.block_table == [0, 1, 3]
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     c = make_request("c", list(range(100, 108)))  # exactly 2 blocks: the last token must be computed
     assert start(bm, c) == 4 and c.block_table == [0, 4]
@@ -112,10 +113,10 @@ def test_evicted_hashed_block_moves_to_cpu_tier_and_a_hit_there_is_swapped_back_
     again = make_request("a2", list(range(9)))
     hit = bm.lookup(again)
     assert hit.device == [] and hit.cpu == [1, 0]
-    start(bm, again)
+    assert start(bm, again) == 8
     # x freed [2, 1, 0] tail first: 0 (x's unhashed tail) is taken first, then 1 and 2, x's full
     # blocks, which go to the CPU tier in turn (CPU blocks 2 and 3).
-    assert again.num_cached_tokens == 8 and bm.swap_in == [(1, 0), (0, 1)] and again.block_table == [0, 1, 2]
+    assert bm.swap_in == [(1, 0), (0, 1)] and again.block_table == [0, 1, 2]
     assert bm.swap_out == [(1, 2), (2, 3)]
     assert bm.stats["prefix_cpu_hits"] == 8
 

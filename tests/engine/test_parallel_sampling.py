@@ -26,7 +26,7 @@ def test_n4_on_a_300_token_prompt_holds_the_prompt_blocks_once(tiny_llama_dir):
     core.add("a", prompt, SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=6, ignore_eos=True))
     core.step()  # prefills 299 tokens once, then forks
     assert core.history[-1].scheduled == (("a", 299),)
-    seqs = core.requests["a"].group.seqs
+    seqs = core.sequences["a"].group.seqs
     assert len(seqs) == 4 and all(s.block_table == seqs[0].block_table for s in seqs)
     table = seqs[0].block_table
     assert len(table) == 19 and 64 - bm.num_free_blocks == 19  # 299 tokens = 18 full blocks + 11
@@ -121,14 +121,14 @@ def test_a_choice_ended_by_a_stop_string_frees_its_blocks_and_leaves_the_others_
     for _ in range(6):
         rows += core.step()
     free = bm.num_free_blocks
-    stopped = core.abort(["r"], index=1)
+    stopped = core.stop_choice("r", 1)
     assert [(o.request_id, o.index, o.new_token_ids, o.finished, o.finish_reason) for o in stopped] == [
         ("r", 1, [], False, "stop")]
     assert bm.num_free_blocks > free  # its own blocks went back at once
-    assert core.abort(["r"], index=1) == [] and core.abort(["r"], index=7) == [] and core.abort(["solo"], index=0) == []
+    assert core.stop_choice("r", 1) == [] and core.stop_choice("r", 7) == [] and core.stop_choice("solo", 0) == []
     for _ in range(2):
         rows += core.step()
-    rows += core.abort(["r"], index=0)  # the root sequence may end first too
+    rows += core.stop_choice("r", 0)  # the root sequence may end first too
     while core.has_work():
         rows += core.step()
     for o in rows:
@@ -138,7 +138,7 @@ def test_a_choice_ended_by_a_stop_string_frees_its_blocks_and_leaves_the_others_
         assert got[("r", i)] == want[("r", i)][:len(got[("r", i)])] and len(got[("r", i)]) < 12
     last = [o for o in rows if o.request_id == "r"][-1]
     assert (last.index, last.finished, last.finish_reason) == (2, True, "length")
-    assert "r" not in core.requests and bm.num_free_blocks == 64
+    assert "r" not in core.sequences and bm.num_free_blocks == 64
 
 
 def test_stopping_the_last_running_choice_ends_the_request(tiny_llama_dir):
@@ -146,8 +146,8 @@ def test_stopping_the_last_running_choice_ends_the_request(tiny_llama_dir):
     core.add("r", list(range(3, 20)), SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=50, ignore_eos=True))
     for _ in range(3):
         core.step()
-    assert [(o.index, o.finished) for o in core.abort(["r"], index=0)] == [(0, False)]
-    last = core.abort(["r"], index=1)
+    assert [(o.index, o.finished) for o in core.stop_choice("r", 0)] == [(0, False)]
+    last = core.stop_choice("r", 1)
     assert [(o.index, o.finished, o.finish_reason) for o in last] == [(1, True, "stop")]
     assert "finished" in last[0].events and not core.has_work()
     assert core.block_manager.num_free_blocks == 64 and core.abort(["r"]) == []
@@ -166,10 +166,10 @@ def test_a_choice_stopped_while_preempted_frees_every_block(tiny_llama_dir, mode
         queue = core.scheduler.swapped if mode == "swap" else core.scheduler.waiting
         stopped = next((s for s in queue if s.group is not None and s.group.forked), None)
     assert stopped is not None, "the pool must be small enough to preempt a forked sequence"
-    rows = core.abort([stopped.request_id], index=stopped.index)
+    rows = core.stop_choice(stopped.request.request_id, stopped.index)
     assert [(o.index, o.finish_reason) for o in rows] == [(stopped.index, "stop")]
     assert stopped not in core.scheduler.swapped and stopped not in core.scheduler.waiting
     while core.has_work():
         rows += core.step()
-    assert not core.requests
+    assert not core.sequences
     assert core.block_manager.num_free_blocks == 14 and core.block_manager.cpu.num_free == 64

@@ -11,6 +11,7 @@ from transformers import (
 from engine.core import EngineCore
 from engine.request import Request
 from engine.sampler import Sampler, argmax, probs_of
+from engine.sequence import Sequence
 from shared.config import build_config
 from shared.sampling import SamplingParams
 
@@ -18,13 +19,13 @@ V = 64
 EOS = 2
 
 
-def make(prompt: list[int], output: list[int], **params) -> Request:
-    req = Request("r", prompt, SamplingParams(temperature=0, max_tokens=32, **params), eos_token_ids=(EOS,))
-    req.token_ids += output
-    return req
+def make(prompt: list[int], output: list[int], **params) -> Sequence:
+    seq = Sequence(Request("r", prompt, SamplingParams(temperature=0, max_tokens=32, **params), eos_token_ids=(EOS,)))
+    seq.token_ids += output
+    return seq
 
 
-def processed(req: Request, logits: torch.Tensor) -> torch.Tensor:
+def processed(req: Sequence, logits: torch.Tensor) -> torch.Tensor:
     out = logits.clone()[None]
     Sampler._process(out, [req])
     return out[0]
@@ -72,8 +73,7 @@ def test_min_tokens_equals_transformers(logits, produced):
 
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
-    req = make(PROMPT, OUTPUT, min_p=min_p)
-    req.params = SamplingParams(temperature=1.0, min_p=min_p)
+    req = Sequence(Request("r", PROMPT + OUTPUT, SamplingParams(temperature=1.0, min_p=min_p)))
     probs = probs_of(logits.clone()[None], [req])[0]
     ref = MinPLogitsWarper(min_p)(None, logits.clone()[None])[0]
     assert torch.equal(probs > 0, ref > float("-inf"))
@@ -83,8 +83,8 @@ def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
 def test_all_greedy_plain_batch_takes_the_fast_path(logits):
     reqs = [make(PROMPT, []) for _ in range(3)]
     s = Sampler()
-    assert all(r.plain for r in reqs)
-    assert s(logits.repeat(3, 1), reqs) == [int(logits.argmax())] * 3 and s.logprobs is None
+    assert all(r.request.plain for r in reqs)
+    assert s(logits.repeat(3, 1), reqs) == ([int(logits.argmax())] * 3, None)
 
 
 def test_numpy_argmax_equals_torch_including_ties_and_strided_rows():

@@ -6,28 +6,30 @@ import random
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+from engine.step import StepOutput
 from shared.config import SchedulerConfig
 from shared.sampling import SamplingParams
 
 EOS = 2
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0) -> Request:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0) -> Sequence:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(range(10, 10 + prompt_len)), params, priority, arrival, (EOS,))
+    return Sequence(Request(rid, list(range(10, 10 + prompt_len)), params, priority, arrival, (EOS,)))
 
 
 def run_step(s: Scheduler, token: int = 7):
     plan = s.schedule()
-    n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.requests, plan.num_new_tokens))
-    s.update(plan, [token] * n_sample, max_model_len=10_000)
+    n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.seqs, plan.num_new_tokens))
+    s.update(plan, StepOutput([token] * n_sample))
     return plan
 
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size))
+    return Scheduler(SchedulerConfig(max_model_len=10_000, **cfg), BlockManager(num_blocks, block_size))
 
 
 @pytest.mark.parametrize("policy", ["chunked", "prefill_first", "mixed"])
@@ -40,7 +42,7 @@ def test_budget_and_seq_cap_hold_every_step(policy):
     while s.has_work():
         plan = run_step(s)
         assert plan.num_tokens <= 32
-        assert len(plan.requests) <= 5
+        assert len(plan.seqs) <= 5
         steps += 1
         assert steps < 1000
     assert s.bm.num_free_blocks == 200
@@ -53,9 +55,9 @@ def test_chunked_prefill_of_2000_tokens_never_starves_running_decodes():
     run_step(s)  # the three chats are prefilled and decoding
     s.add(make_request("doc", 2000, arrival=10))
     chunks = []
-    while any(r.request_id == "doc" and r.num_computed_tokens < 2000 for r in s.running + s.waiting):
+    while any(r.request.request_id == "doc" and r.num_computed_tokens < 2000 for r in s.running + s.waiting):
         plan = run_step(s)
-        ids = dict(zip((r.request_id for r in plan.requests), plan.num_new_tokens))
+        ids = dict(zip((r.request.request_id for r in plan.seqs), plan.num_new_tokens))
         assert all(ids[f"chat{i}"] == 1 for i in range(3))  # every decode gets its token every step
         chunks.append(ids.get("doc", 0))
     assert chunks == [253] * 7 + [2000 - 253 * 7]
@@ -67,9 +69,9 @@ def test_prefill_first_gives_new_prompts_a_step_of_their_own():
     run_step(s)
     s.add(make_request("b", 5, arrival=1))
     plan = run_step(s)
-    assert [r.request_id for r in plan.requests] == ["b"]
+    assert [r.request.request_id for r in plan.seqs] == ["b"]
     plan = run_step(s)
-    assert sorted(r.request_id for r in plan.requests) == ["a", "b"]
+    assert sorted(r.request.request_id for r in plan.seqs) == ["a", "b"]
 
 
 def test_mixed_admits_only_whole_prompts_beside_decodes():
@@ -78,15 +80,15 @@ def test_mixed_admits_only_whole_prompts_beside_decodes():
     run_step(s)
     s.add(make_request("b", 12, arrival=1))  # does not fit beside a's decode: waits, is not cut
     plan = run_step(s)
-    assert [r.request_id for r in plan.requests] == ["a"]
+    assert [r.request.request_id for r in plan.seqs] == ["a"]
 
 
 def test_priority_orders_admission():
     s = make_scheduler(max_num_batched_tokens=8, max_num_seqs=1)
     s.add(make_request("late-urgent", 4, max_tokens=1, priority=-1, arrival=5))
     s.add(make_request("early", 4, max_tokens=1, priority=0, arrival=0))
-    assert [r.request_id for r in run_step(s).requests] == ["late-urgent"]
-    assert [r.request_id for r in run_step(s).requests] == ["early"]
+    assert [r.request.request_id for r in run_step(s).seqs] == ["late-urgent"]
+    assert [r.request.request_id for r in run_step(s).seqs] == ["early"]
 
 
 def test_preemption_frees_blocks_and_request_resumes_to_completion():
@@ -97,9 +99,9 @@ def test_preemption_frees_blocks_and_request_resumes_to_completion():
         s.add(r)
     preempted = []
     while s.has_work():
-        preempted += [r.request_id for r in run_step(s).preempted]
+        preempted += [r.request.request_id for r in run_step(s).preempted]
     assert preempted and preempted[0] == "r2"  # the latest arrival goes first
-    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
+    assert all(r.status == SequenceStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
     assert s.bm.num_free_blocks == 6 and s.bm.ref_counts == [0] * 6
 
 
@@ -121,9 +123,9 @@ def test_schedule_interval_admits_only_every_nth_step():
     for step in range(2, 9):
         s.add(make_request(f"n{step}", 4, max_tokens=30, arrival=step))
         plan = run_step(s)
-        for r, n in zip(plan.requests, plan.num_new_tokens):
+        for r, n in zip(plan.seqs, plan.num_new_tokens):
             if n > 1:
-                admitted_at.setdefault(r.request_id, step)
+                admitted_at.setdefault(r.request.request_id, step)
     assert set(admitted_at.values()) == {4, 7}  # steps 1, 4, 7 open the door
 
 
@@ -132,9 +134,9 @@ def test_waiting_served_ratio_holds_admissions_until_enough_wait():
     s.add(make_request("a", 4, max_tokens=50, arrival=0))
     run_step(s)
     s.add(make_request("b", 4, max_tokens=50, arrival=1))
-    assert [r.request_id for r in run_step(s).requests] == ["a"]  # 1 waiting < 2 x 1 running
+    assert [r.request.request_id for r in run_step(s).seqs] == ["a"]  # 1 waiting < 2 x 1 running
     s.add(make_request("c", 4, max_tokens=50, arrival=2))
-    assert sorted(r.request_id for r in run_step(s).requests) == ["a", "b", "c"]
+    assert sorted(r.request.request_id for r in run_step(s).seqs) == ["a", "b", "c"]
 
 
 def test_long_prompt_cap_lets_short_prompts_overtake():
@@ -144,14 +146,14 @@ def test_long_prompt_cap_lets_short_prompts_overtake():
     s.add(make_request("short", 10, arrival=2))
     plan = run_step(s)
     # long1's chunk is capped while others wait; long2 may not prefill beside it; short overtakes.
-    assert dict(zip((r.request_id for r in plan.requests), plan.num_new_tokens)) == {"long1": 32, "short": 10}
+    assert dict(zip((r.request.request_id for r in plan.seqs), plan.num_new_tokens)) == {"long1": 32, "short": 10}
     s2 = make_scheduler(num_blocks=512, max_num_batched_tokens=64, long_prefill_threshold=32)
     s2.add(make_request("alone", 400))
     assert run_step(s2).num_new_tokens == [64]  # with nobody waiting, a long prompt uses the whole budget
 
 
 def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_again_at_once():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(6, 4, num_cpu_blocks=16))
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=10_000), BlockManager(6, 4, num_cpu_blocks=16))
     reqs = [make_request(f"r{i}", 7, max_tokens=6, arrival=i) for i in range(3)]
     for r in reqs:
         s.add(r)
@@ -161,16 +163,16 @@ def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_aga
         if steps == 3:
             reqs.append(make_request("late", 3, max_tokens=6, arrival=10))
             s.add(reqs[-1])
-        waiting = {r.request_id for r in s.waiting}
+        waiting = {r.request.request_id for r in s.waiting}
         plan = s.schedule()
         if s.swapped:  # nobody new is admitted while a swapped request still waits to come back
             checked += 1
-            assert not waiting & {r.request_id for r in plan.requests}
-        swapped_out += [r.request_id for r in plan.preempted]
-        resumed = {r.request_id for r in plan.requests if r.just_resumed}
-        assert not resumed & {r.request_id for r in plan.preempted}
-        n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.requests, plan.num_new_tokens))
-        s.update(plan, [7] * n_sample, max_model_len=10_000)
+            assert not waiting & {r.request.request_id for r in plan.seqs}
+        swapped_out += [r.request.request_id for r in plan.preempted]
+        resumed = {r.request.request_id for r in plan.seqs if r.just_resumed}
+        assert not resumed & {r.request.request_id for r in plan.preempted}
+        n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.seqs, plan.num_new_tokens))
+        s.update(plan, StepOutput([7] * n_sample))
     assert swapped_out and checked and s.num_preemptions == {"swap": len(swapped_out), "recompute": 0}
     assert all(r.num_output_tokens == 6 for r in reqs)
     assert s.bm.num_free_blocks == 6 and s.bm.cpu.num_free == 16

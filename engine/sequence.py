@@ -1,0 +1,143 @@
+"""A sequence: one stream of token ids the scheduler computes, and the counters it closes.
+
+There is no prefill or decode state: `num_computed_tokens` trails `num_tokens`, and the scheduler
+hands out budget to close the gap (a new prompt, a chunk of one, a recompute after preemption and
+a decode step are all "compute the next n tokens").
+
+One writer per field: the scheduler writes the tokens, counters, status and logprob state; the
+block manager writes `block_table`, `swapped` and `block_hashes` (the blocks are its to own).
+A request that runs several sequences (n / best_of, beam search) has one SequenceGroup, which
+every one of its sequences points to.
+"""
+from __future__ import annotations
+
+import enum
+
+from engine.request import Request
+from shared.sampling import SamplingParams
+
+# One logprob entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...] top k).
+LogprobEntry = tuple[float, list[tuple[int, float]]]
+
+
+class SequenceStatus(enum.IntEnum):
+    """Ordered: everything after PREEMPTED is a finished state."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self > SequenceStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _REASONS.get(self)
+
+
+_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Sequence:
+    __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
+                 "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
+                 "group", "block_table", "swapped", "block_hashes")
+
+    def __init__(self, request: Request, index: int = 0) -> None:
+        self.request = request
+        self.index = index  # which of the request's choices this is
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + output
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_sent_tokens = 0  # output tokens already reported to the client
+        self.status = SequenceStatus.WAITING
+        self.just_resumed = False  # resumed after preemption and not yet advanced: not a victim again
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[LogprobEntry] | None = [] if request.params.logprobs is not None else None
+        self.draft_computed = 0  # positions whose draft-model K/V this sequence has written
+        self.group = None if request.params.one_sequence else SequenceGroup(request.params)  # forks share it
+        self.block_table: list[int] = []
+        self.swapped = False  # block_table holds CPU swap-pool blocks
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
+
+    def fork(self, index: int) -> Sequence:
+        """A new sequence of the same request with the same tokens and counters; the block manager
+        shares the blocks (BlockManager.fork: the table is copied, the blocks are not)."""
+        child = Sequence.__new__(Sequence)
+        for name in Sequence.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.index = index
+        child.token_ids = list(self.token_ids)
+        child.logprobs = None if self.logprobs is None else list(self.logprobs)
+        child.block_table = list(self.block_table)
+        child.block_hashes = list(self.block_hashes)
+        return child
+
+    # What the sequence's request says, read on the per-step path.
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.request.stop_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id!r}#{self.index}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+
+
+class SequenceGroup:
+    """The sequences of one request that asked for several (n / best_of, beam search).
+
+    The root sequence prefills the prompt up to its last token, then forks (`forked`); every sequence
+    computes the last prompt token itself, copying the shared partial block on write. `streams`:
+    each sequence's tokens go out as they come (n == best_of); otherwise outputs wait for the end.
+    `seqs` and `finished` are written by engine/groups.py alone, on the scheduler's behalf.
+    """
+
+    __slots__ = ("seqs", "finished", "forked", "streams", "beam")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.seqs: list[Sequence] = []  # live sequences, the root first
+        self.finished: list[Sequence] = []
+        self.forked = params.use_beam_search  # beams fork after every step instead, see engine/groups.py
+        self.streams = not params.use_beam_search and params.num_seqs == params.n
+        self.beam = BeamState() if params.use_beam_search else None
+
+    @property
+    def done(self) -> bool:
+        return self.forked and not self.seqs
+
+
+class BeamState:
+    """Beam search bookkeeping of one request, as transformers keeps it per batch row."""
+
+    __slots__ = ("pending", "finished", "improvable", "next_index")
+
+    def __init__(self) -> None:
+        # This step's candidates per live beam (keyed by id()); the group steps when all are in.
+        self.pending: dict[int, tuple[Sequence, list[tuple[int, float]]]] = {}
+        self.finished: list[tuple[float, list[int], str]] = []  # (score, output ids, finish reason), best first
+        self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
+        self.next_index = 1

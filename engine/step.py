@@ -1,0 +1,84 @@
+"""The records one step passes along, each written once and read downstream:
+
+    Scheduler.schedule() -> StepPlan -> ModelRunner.execute(plan) -> StepOutput
+    Scheduler.update(plan, output) -> list[Delta] -> EngineCore -> RequestOutput on the wire
+
+Nothing computed in a step travels on a shared object: the runner returns what it sampled and
+the scheduler alone applies it to the sequences.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.request import Request
+from engine.sequence import LogprobEntry, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class Drafts:
+    """Tokens a proposer guesses come next in one sequence, verified this step. probs: [k, V], the
+    proposer's distribution per draft (None: a deterministic guess, one-hot on token_ids).
+    A draft model decides at schedule time only how many (token_ids empty until it proposes)."""
+
+    num: int
+    token_ids: tuple[int, ...] = ()
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class StepPlan:
+    """What one step computes: seqs[i] computes its next num_new_tokens[i] tokens, after the runner
+    has copied the swap_out, then the swap_in, then the copy-on-write block pairs. drafts[i]: the
+    drafts seqs[i] verifies (its num_new_tokens[i] counts its last token plus the drafts)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    drafts: dict[int, Drafts] = field(default_factory=dict)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (device block, device block)
+    num_decode_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, seq: Sequence, n: int, drafts: Drafts | None = None) -> None:
+        if drafts is not None:
+            self.drafts[len(self.seqs)] = drafts
+            self.num_decode_tokens += n
+        elif n == 1 and seq.num_prompt_tokens < len(seq.token_ids) == seq.num_computed_tokens + 1:
+            self.num_decode_tokens += 1  # the next token of a sequence that has output already
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What the runner computed for a plan, in plan order, one entry per sequence that sampled (one
+    whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it samples
+    nothing). accepted[j]: the drafts sequence j kept before its token (None: no drafts this step).
+    logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did)."""
+
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[tuple[int, ...]] | None = None
+    logprobs: list[LogprobEntry | None] | None = None
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens of one sequence (a request's choice `index`). finish_reason: this sequence's;
+    finished: the whole request's (the last delta it sends)."""
+
+    request: Request
+    new_token_ids: list[int]
+    index: int = 0
+    finish_reason: str | None = None
+    finished: bool = False
+    logprobs: list[LogprobEntry] | None = None

@@ -16,8 +16,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 from shared.engine_args import add_engine_args, engine_argv
+
+if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see there
+    from gateway.state import GatewayConfig
 
 log = logging.getLogger("gateway")
 
@@ -101,9 +105,9 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     return argv
 
 
-def gateway_config(args: argparse.Namespace):  # noqa: ANN201 - imported lazily, see main()
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.admission import Limits
-    from gateway.app import GatewayConfig
+    from gateway.state import GatewayConfig
     from shared.config import parse_memory
 
     limits = Limits(args.max_concurrent_requests, args.max_waiting_requests, args.max_queued_prompt_tokens)
@@ -114,7 +118,8 @@ def gateway_config(args: argparse.Namespace):  # noqa: ANN201 - imported lazily,
 async def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from gateway.app import SERVED, build_app
+    from gateway.app import build_app
+    from gateway.state import SERVED
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.app import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
+from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_schema import parse_chat, parse_completion, parse_messages
 from gateway.streaming import chunks, complete, sse_response

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.app import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
+from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
 from gateway.openai_schema import (ParsedRequest, chat_choice, chat_logprobs, completion_choice, completion_logprobs,
                                    error_body, response_object, usage)
 from shared.choices import TextOutput, TokenLogprob

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from aiohttp import WSMsgType, web
 
-from gateway.app import CONFIG, SERVED, PayloadTooLarge
+from gateway.state import CONFIG, SERVED, PayloadTooLarge
 from gateway.openai_schema import error_body, parse_chat, parse_completion
 from gateway.streaming import chunks
 from shared.errors import ConveyorError, InvalidRequest

@@ -10,7 +10,8 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer, get_port_socket
 
-from gateway.app import GatewayConfig, build_app
+from gateway.app import build_app
+from gateway.state import GatewayConfig
 from shared.client import AsyncEngineClient
 from tests.fakes import FakeEngine, smollm2_tokenizer
 

@@ -81,8 +81,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
 
 def error_response(err: ConveyorError) -> web.Response:
     headers = {}
-    if isinstance(err, (Overloaded, EngineDead)):
-        headers["Retry-After"] = str(getattr(err, "retry_after", 1))
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(err.retry_after)
+    elif isinstance(err, EngineDead):
+        headers["Retry-After"] = "1"  # the gateway reconnects by itself once the engine is back
     if isinstance(err, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     return web.Response(body=orjson.dumps(error_body(err)), status=err.status, content_type="application/json",

@@ -39,7 +39,7 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
     try:
         admission.admit(rid, len(req.prompt_token_ids))
     except Overloaded as e:
-        metrics.reject(getattr(e, "reason", "overloaded"))
+        metrics.reject(e.reason)
         raise
     metrics.begin(rid)
     reason, last = "abort", None  # stays "abort" when the client goes away before the end

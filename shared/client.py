@@ -92,7 +92,9 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
 
 
 def _error_from_wire(msg: P.Error) -> ConveyorError:
-    cls = {400: InvalidRequest, 429: Overloaded, 503: EngineDead}.get(msg.status, ConveyorError)
+    if msg.status == 429:  # the wire carries no wait hint: the shortest sensible one
+        return Overloaded(msg.message, retry_after=1, reason="engine")
+    cls = {400: InvalidRequest, 503: EngineDead}.get(msg.status, ConveyorError)
     return cls(msg.message)
 
 

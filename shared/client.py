@@ -381,12 +381,3 @@ class AsyncEngineClient:
                 fut.set_exception(err)
         if self._dead is not None:
             self._ready_evt.set()  # wake wait_ready() callers so that they raise _dead
-
-
-def __getattr__(name: str) -> Any:
-    """`from shared.client import EngineClient` keeps working; the blocking client lives in sync_client.py."""
-    if name == "EngineClient":
-        from shared.sync_client import EngineClient
-
-        return EngineClient
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

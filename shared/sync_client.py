@@ -1,7 +1,8 @@
 """EngineClient: the async client (shared/client.py) made blocking, for scripts and notebooks.
 
 The async client runs on an event loop of its own in a daemon thread; every call is sent to that loop
-and waited for. `from shared.client import EngineClient` works too.
+and waited for. This module imports client.py and never the other way round: import EngineClient
+from here.
 """
 from __future__ import annotations
 

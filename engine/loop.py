@@ -17,7 +17,7 @@ from engine.core import EngineCore
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
     PROTOCOL_VERSION, Abort, Add, Error, GetStats, Hello, Outputs, Ready, RequestOutput, ResetPrefixCache, Stats,
-    decode, encode,
+    StopChoice, decode, encode,
 )
 
 log = logging.getLogger("conveyor.loop")
@@ -87,7 +87,10 @@ class EngineLoop:
                 return
             self.owner[msg.request_id] = client
         elif isinstance(msg, Abort):
-            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client], msg.index))
+            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client]))
+        elif isinstance(msg, StopChoice):
+            if self.owner.get(msg.request_id) == client:  # as for ABORT: only the client that owns the request
+                self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 self._send(client, Error(None, f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}", 400))

@@ -99,7 +99,8 @@ def _error_from_wire(msg: P.Error) -> ConveyorError:
 
 
 class AsyncEngineClient:
-    """`await client.start()` (or `async with`), then add/abort/get_stats/stream_text; `await close()`."""
+    """`await client.start()` (or `async with`), then add / abort / stop_choice / get_stats / stream_text;
+    `await close()`."""
 
     def __init__(self, address: str, *, name: str = "client", ready_timeout: float = 10.0,
                  model: str | None = None, tokenizer: Any = None,
@@ -197,20 +198,21 @@ class AsyncEngineClient:
         await self._send(P.Add(rid, list(prompt_token_ids), params, priority, time.time()))
         return stream
 
-    async def abort(self, request_id: str, index: int | None = None) -> None:
-        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request.
-        index: end only that choice of an n > 1 request in the engine, which answers with a "stop" row for
-        it; the stream goes on with the others."""
-        if index is not None:
-            if request_id in self._streams and self._dead is None:
-                await self._send(P.Abort([request_id], index))
-            return
+    async def abort(self, request_id: str) -> None:
+        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         stream.put(P.RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         if self._dead is None and self._ctx is not None:
             await self._send(P.Abort([request_id]))
+
+    async def stop_choice(self, request_id: str, index: int) -> None:
+        """End one choice of a live n > 1 request (a stop string ended it here): the engine frees that
+        sequence and answers with a "stop" row for it; the stream goes on with the other choices. A request
+        this client no longer streams is left alone, as the engine would ignore it."""
+        if request_id in self._streams and self._dead is None:
+            await self._send(P.StopChoice(request_id, index))
 
     async def reset_prefix_cache(self) -> None:
         """Make every cached prefix block unreachable (e.g. after changing what prompts mean); blocks in
@@ -282,7 +284,7 @@ class AsyncEngineClient:
                     if text_out.finished and not stream.done:
                         await self.abort(stream.request_id)  # stop strings ended every choice first
                     elif text_out.finish_reason is not None and out.finish_reason is None and not text_out.finished:
-                        await self.abort(stream.request_id, text_out.index)  # a stop string ended this choice
+                        await self.stop_choice(stream.request_id, text_out.index)  # a stop string ended it
                     yield text_out
                     if text_out.finished:
                         return

@@ -50,6 +50,9 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))
 
+    def stop_choice(self, request_id: str, index: int) -> None:
+        self._call(self._client.stop_choice(request_id, index))
+
     def reset_prefix_cache(self) -> None:
         self._call(self._client.reset_prefix_cache())
 

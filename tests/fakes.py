@@ -68,7 +68,7 @@ class FakeEngine:
         self.reject = reject or (lambda add: None)
         self.received: list[P.Message] = []
         self.aborted: list[str] = []
-        self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of per-choice aborts
+        self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of STOP_CHOICE messages
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -137,9 +137,8 @@ class FakeEngine:
             else:
                 script = self.choices(msg)[:msg.params.n] if msg.params.n > 1 else [self.script(msg)]
                 self._live[msg.request_id] = [ident, msg, [list(t) for t in script], [0] * len(script)]
-        elif isinstance(msg, P.Abort) and msg.index is not None:
-            for rid in msg.request_ids:
-                self._stop_choice(rid, msg.index)
+        elif isinstance(msg, P.StopChoice):
+            self._stop_choice(msg.request_id, msg.index)
         elif isinstance(msg, P.Abort):
             for rid in msg.request_ids:
                 self.aborted.append(rid)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -195,7 +194,7 @@ class AsyncEngineClient:
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
         stream = self._streams[rid] = RequestStream(rid)
-        await self._send(P.Add(rid, list(prompt_token_ids), params, priority, time.time()))
+        await self._send(P.Add(rid, list(prompt_token_ids), params, priority))
         return stream
 
     async def abort(self, request_id: str) -> None:

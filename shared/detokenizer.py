@@ -55,11 +55,6 @@ class IncrementalDetokenizer:
         """Tokens whose text is decoded (into num_decoded_chars); later ones end in an unfinished character."""
         return self._read_offset
 
-    @property
-    def window_size(self) -> int:
-        """Tokens the next step decodes besides its new ones; bounded, not growing with length."""
-        return len(self.token_ids) - self._prefix_offset
-
     def _decode_new(self, final: bool) -> str:
         if len(self.token_ids) == self._read_offset:
             return ""

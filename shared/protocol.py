@@ -16,7 +16,8 @@ from shared.errors import ConveyorError, ProtocolError
 from shared.sampling import SamplingParams
 
 # 2: ABORT may name one choice (index). 3: ending one choice is its own message, STOP_CHOICE; ABORT
-# ends whole requests only, so one message no longer has two meanings.
+# ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
+# client's arrival_time (the engine orders by its own clock at receipt).
 PROTOCOL_VERSION = 3
 
 
@@ -57,7 +58,6 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    arrival_time: float = 0.0
 
 
 @dataclass(slots=True)
@@ -153,7 +153,6 @@ def encode(msg: Message) -> list[bytes]:
             "prompt_token_ids": msg.prompt_token_ids,
             "params": msg.params.to_dict(),
             "priority": msg.priority,
-            "arrival_time": msg.arrival_time,
         }
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
@@ -193,7 +192,6 @@ def _decode_add(d: dict[str, Any]) -> Add:
         prompt_token_ids=ids,
         params=SamplingParams.from_dict(d["params"]),
         priority=int(d.get("priority", 0)),
-        arrival_time=float(d.get("arrival_time", 0.0)),
     )
 
 

@@ -83,8 +83,9 @@ class Choice:
         """-> the text now safe to send, and (with logprobs) the entries of the tokens it completes."""
         if self._num_top is None:
             return self.detok.step(ids, final), None
-        if not ids:
-            return self._release(self.detok.step([], final), final), []
+        if not ids:  # a row that only ends the choice: flush what is held back, with its tokens' entries
+            text = self.detok.step([], final)
+            return text, self._release(text, final)
         # One token at a time, so that each token's text has a known end in the decoded text.
         parts, entries = [], []
         for j, tok in enumerate(ids):

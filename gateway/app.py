@@ -19,8 +19,7 @@ from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
 from gateway.routes import routes
-from gateway.state import (ADMISSION, CLIENT, CONFIG, METRICS, PUBLIC_PATHS, SERVED, GatewayConfig,
-                           Unauthorized)
+from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, PUBLIC_PATHS, SERVED, GatewayConfig, Unauthorized
 from gateway.websocket import websocket_handler
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError, EngineDead, Overloaded

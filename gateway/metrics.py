@@ -3,8 +3,9 @@
 TTFT, queue time and end-to-end latency come from the engine's per-request timestamps, which its final
 output carries (`events`: queued, scheduled, first_token, finished; all on one engine clock, so a gateway
 on another machine measures the same thing). Inter-token latency comes from when each output reaches
-this process (before any merging for a slow reader): the engine stamps requests, not steps. A request without engine timestamps (one the client abandoned) falls back to this
-process's clock; `conveyor_latency_source_engine` says which was used last.
+this process (before any merging for a slow reader): the engine stamps requests, not steps. A request
+without engine timestamps (one the client abandoned) falls back to this process's clock;
+`conveyor_latency_source_engine` says which was used last.
 
 Several gateway workers (`--gateway-workers N`) share one port and so one /metrics: with
 PROMETHEUS_MULTIPROC_DIR set, counters and histograms of every worker are summed at scrape time

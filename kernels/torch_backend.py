@@ -109,7 +109,8 @@ class TorchBackend:
                     # Additive float mask: CPU SDPA runs it faster than a bool mask (docs/performance.md).
                     hidden = torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx)
                     mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
-                prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
+                slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
+                prefills.append(_Prefill(slice(start, start + q), slots, mask))
             start += q
         batched = []
         for group in (decode, short):
@@ -147,7 +148,8 @@ class TorchBackend:
         return _Batched(q_len, torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device),
                         mask[:, None, :, None, :].to(self.device), keep)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchMeta, scale: float) -> torch.Tensor:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
@@ -174,7 +176,8 @@ class TorchBackend:
             out[p.token_slice] = op[0].transpose(0, 1)
         return out
 
-    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V blocks [n, block_size, Hkv, D] each, copied into the reused workspace."""
         shape = (blocks.numel(), *k_cache.shape[1:])
         numel = math.prod(shape)
@@ -184,7 +187,8 @@ class TorchBackend:
         vb = torch.index_select(v_cache, 0, blocks, out=self._workspace[numel:2 * numel].view(shape))
         return kb, vb
 
-    def _attend_batched(self, q, k_cache, v_cache, b: _Batched, scale: float, in_order: bool) -> torch.Tensor:
+    def _attend_batched(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: _Batched, scale: float,
+                        in_order: bool) -> torch.Tensor:
         """-> [B * q_len, H, D], row r answering query b.rows[r]. in_order: the rows are all of q."""
         _, _, hkv, d = k_cache.shape
         h = q.shape[1]

@@ -12,8 +12,8 @@ import asyncio
 import logging
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeGuard
 
 import zmq
 import zmq.asyncio
@@ -21,7 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
-from shared.detokenizer import FastDecoder
+from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.sampling import SamplingParams
 
@@ -75,7 +75,8 @@ class RequestStream:
             self.done = out.finished
             return out
         self.done = True
-        raise self._error  # type: ignore[misc]
+        assert self._error is not None  # the wait above ends on an output or an error
+        raise self._error
 
 
 def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput:
@@ -90,11 +91,20 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
     return old
 
 
+def _is_messages(prompt: Prompt) -> TypeGuard[list[dict[str, Any]]]:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
 def _error_from_wire(msg: P.Error) -> ConveyorError:
     if msg.status == 429:  # the wire carries no wait hint: the shortest sensible one
         return Overloaded(msg.message, retry_after=1, reason="engine")
-    cls = {400: InvalidRequest, 503: EngineDead}.get(msg.status, ConveyorError)
-    return cls(msg.message)
+    by_status: dict[int, type[ConveyorError]] = {400: InvalidRequest, 503: EngineDead}
+    return by_status.get(msg.status, ConveyorError)(msg.message)
 
 
 class AsyncEngineClient:
@@ -120,7 +130,7 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._tok_lock = asyncio.Lock()
-        self._fast_decoder: Any = None
+        self._fast_decoder: Decoder | None = None
         self._token_strings: TokenStrings | None = None  # logprobs' token strings, memoized per client
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -237,10 +247,11 @@ class AsyncEngineClient:
                 from shared.model_source import resolve_model
                 from shared.tokenizer import load_tokenizer
 
-                if self._model is None:
+                model = self._model
+                if not model:
                     await self.wait_ready()
                     assert self.ready is not None
-                model = self._model or self.ready.model_name  # type: ignore[union-attr]
+                    model = self.ready.model_name
                 try:
                     source = resolve_model(model)
                 except FileNotFoundError as e:
@@ -249,7 +260,7 @@ class AsyncEngineClient:
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, source)
         return self._tokenizer
 
-    async def _decoder(self) -> Any:
+    async def _decoder(self) -> Decoder:
         if self._fast_decoder is None:
             self._fast_decoder = FastDecoder.wrap(await self.get_tokenizer())
         return self._fast_decoder
@@ -259,14 +270,14 @@ class AsyncEngineClient:
 
         if isinstance(prompt, str):
             return encode(await self.get_tokenizer(), prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            return apply_chat_template(await self.get_tokenizer(), prompt)  # type: ignore[arg-type]
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)  # type: ignore[arg-type]
+        if _is_messages(prompt):
+            return apply_chat_template(await self.get_tokenizer(), prompt)
+        if _is_token_ids(prompt):
+            return list(prompt)
         raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
 
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                          priority: int = 0) -> AsyncIterator[TextOutput]:
+                          priority: int = 0) -> AsyncGenerator[TextOutput, None]:
         """Text deltas of one request, each for one choice (`index`, 0..n-1; see shared/choices.py). A stop
         string ends its choice, in the engine too; when every choice has ended the stream ends (the last
         output has `finished`) and the request is aborted in the engine if it still runs. Leaving the loop

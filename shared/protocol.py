@@ -7,6 +7,7 @@ must not be able to run code here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -222,7 +223,7 @@ def _decode_stop_choice(d: dict[str, Any]) -> StopChoice:
     return StopChoice(rid, index)
 
 
-_DECODERS = {
+_DECODERS: dict[MsgType, Callable[[Any], Message]] = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,

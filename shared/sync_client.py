@@ -19,6 +19,12 @@ from shared.sampling import SamplingParams
 T = TypeVar("T")
 
 
+async def _anext(it: AsyncIterator[T]) -> T:
+    """The next item as a coroutine, which run_coroutine_threadsafe needs (__anext__ may return another
+    awaitable, as an async generator's does)."""
+    return await anext(it)
+
+
 class EngineClient:
     """Blocking wrapper: the async client runs on its own event loop in a daemon thread."""
 
@@ -36,7 +42,7 @@ class EngineClient:
         try:
             while True:
                 try:
-                    yield self._call(it.__anext__())  # type: ignore[arg-type]
+                    yield self._call(_anext(it))
                 except StopAsyncIteration:
                     return
         finally:
@@ -59,7 +65,8 @@ class EngineClient:
     def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
         return self._call(self._client.get_stats(timeout))
 
-    def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[TextOutput]:
+    def stream_text(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> Iterator[TextOutput]:
         return self._iterate(self._client.stream_text(prompt, params, request_id))
 
     def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:

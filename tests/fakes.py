@@ -55,7 +55,8 @@ class FakeEngine:
     `received`."""
 
     def __init__(self, tokens: list[int] | None = None, *, address: str | None = None, answer_hello: bool = True,
-                 model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (2,),
+                 model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256,
+                 eos_token_ids: tuple[int, ...] = (2,),
                  step_interval: float = 0.002, tokens_per_step: int = 1,
                  script: Callable[[P.Add], list[int]] | None = None,
                  choices: Callable[[P.Add], list[list[int]]] | None = None,
@@ -144,7 +145,8 @@ class FakeEngine:
                 self.aborted.append(rid)
                 entry = self._live.pop(rid, None)
                 if entry is not None:
-                    self._send(entry[0], P.Outputs([P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))]))
+                    row = P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))
+                    self._send(entry[0], P.Outputs([row]))
 
     def _stop_choice(self, rid: str, index: int) -> None:
         """As the engine: the choice ends with a "stop" row, which ends the request if it was the last."""

@@ -30,7 +30,8 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")
 
 
-def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0, dtype: str = "float32") -> float:
+def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0,
+                dtype: str = "float32") -> float:
     """Measured GEMM speed at a shape of this model, in the model's dtype: the yardstick for the
     arithmetic ceiling."""
     import time

@@ -18,6 +18,7 @@ cost nothing. Last, the backend as it is over a bfloat16 cache under float32 que
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -89,16 +90,14 @@ def main() -> None:
         finally:
             tb.MAX_BUCKETS = default_buckets
 
-        def run(m):
-            return lambda: backend.forward(q, k, v, kc, vc, m, scale)
-
-        torch.testing.assert_close(run(meta)(), run(padded_meta)(), atol=1e-4, rtol=1e-4)
-        reused = median_ms(run(padded_meta), args.runs)
-        bucketed = median_ms(run(meta), args.runs)
+        fwd = functools.partial(backend.forward, q, k, v, kc, vc)  # -> fwd(meta, scale)
+        torch.testing.assert_close(fwd(meta, scale), fwd(padded_meta, scale), atol=1e-4, rtol=1e-4)
+        reused = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
+        bucketed = median_ms(functools.partial(fwd, meta, scale), args.runs)
         kc16, vc16 = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
-        half = median_ms(lambda: backend.forward(q, k, v, kc16, vc16, meta, scale), args.runs)
+        half = median_ms(functools.partial(backend.forward, q, k, v, kc16, vc16, meta, scale), args.runs)
         backend._gather = fresh_gather  # the gather as it was: a new tensor per call
-        fresh = median_ms(run(padded_meta), args.runs)
+        fresh = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
         nbytes, _ = attention_traffic(case, SMOLLM2, 4)
         gbs = nbytes / bucketed / 1e6
         print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms {fresh / bucketed:7.2f}x "

@@ -63,7 +63,8 @@ def run_transformers(reqs, args) -> float:
             mask[row, width - len(p):] = 1
         n = max(n for _, n in batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)
     return time.perf_counter() - t0
 
 
@@ -83,11 +84,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--batch-size", type=int, default=64, help="static batch size of the baseline = Conveyor's max_num_seqs")
+    ap.add_argument("--batch-size", type=int, default=64,
+                    help="static batch size of the baseline = Conveyor's max_num_seqs")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="weights, activations and KV cache of both sides (bfloat16 uses AMX/AVX512-BF16 where the CPU has it)")
+                    help="weights, activations and KV cache of both sides (bfloat16 uses AMX/AVX512-BF16 where the "
+                         "CPU has it)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="also run Conveyor with K/V stored in this dtype")
     ap.add_argument("--skip-baseline", action="store_true")
@@ -106,7 +109,8 @@ def main() -> None:
     kv_run = None if args.kv_cache_dtype == "auto" else run_conveyor(reqs, args, args.kv_cache_dtype)
     baseline = None if args.skip_baseline else run_transformers(reqs, args)
     print(f"\n{'':28s}{'seconds':>10s}{'output tok/s':>14s}{'vs baseline':>13s}")
-    print(f"{'transformers static batch':28s}" + (f"{baseline:10.1f}{out_tokens / baseline:14.1f}{1.0:12.2f}x" if baseline else "   skipped"))
+    row = f"{baseline:10.1f}{out_tokens / baseline:14.1f}{1.0:12.2f}x" if baseline else "   skipped"
+    print(f"{'transformers static batch':28s}" + row)
     ratio = f"{baseline / conveyor:12.2f}x" if baseline else ""
     print(f"{'conveyor':28s}{conveyor:10.1f}{out_tokens / conveyor:14.1f}{ratio}")
     if kv_run is not None:

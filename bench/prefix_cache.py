@@ -18,6 +18,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import machine, pin_threads, workload  # noqa: E402
@@ -56,7 +58,8 @@ def shared_system_prompt(model: str, vocab: int, num_requests: int) -> tuple[flo
     for caching in (False, True):
         core = make_core(model, enable_prefix_caching=caching, kv_cache_memory="512MiB")
         ttft(core, "warm", system + [7])  # the first request computes the system prompt either way
-        out.append(statistics.median(ttft(core, f"u{i}", system + u) for i, u in enumerate(users)))  # robust to a busy machine
+        # the median: robust to a busy machine
+        out.append(statistics.median(ttft(core, f"u{i}", system + u) for i, u in enumerate(users)))
     return out[0], out[1]
 
 
@@ -97,15 +100,7 @@ def throughput(model: str, vocab: int, rounds: int = 4) -> tuple[float, float, f
             s = core.scheduler
             schedule, update = s.schedule, s.update
             timed = [0.0]
-
-            def timed_call(fn):
-                def call(*a, **k):
-                    t = time.perf_counter()
-                    out = fn(*a, **k)
-                    timed[0] += time.perf_counter() - t
-                    return out
-                return call
-            s.schedule, s.update = timed_call(schedule), timed_call(update)
+            s.schedule, s.update = timed_call(schedule, timed), timed_call(update, timed)
             steps0 = core.num_steps
             t0 = time.perf_counter()
             for i, (prompt, n) in enumerate(reqs):
@@ -117,6 +112,16 @@ def throughput(model: str, vocab: int, rounds: int = 4) -> tuple[float, float, f
             book[caching] = min(book[caching], timed[0] / (core.num_steps - steps0) * 1e3)
             s.schedule, s.update = schedule, update
     return best[False], best[True], book[False], book[True]
+
+
+def timed_call(fn: Callable[..., Any], total: list[float]) -> Callable[..., Any]:
+    """fn, adding the seconds of every call to total[0]."""
+    def call(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        total[0] += time.perf_counter() - t
+        return out
+    return call
 
 
 def cpu_tier(model: str, vocab: int) -> tuple[float, float]:

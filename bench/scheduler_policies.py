@@ -93,7 +93,8 @@ def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, 
     total = time.perf_counter() - t0
     runner.model, runner.sampler = model.fn, sampler.fn
     core.abort(list(core.sequences))
-    return total / steps * 1e3, model.total / steps * 1e3, sampler.total / steps * 1e3, 1 - (model.total + sampler.total) / total
+    outside = 1 - (model.total + sampler.total) / total
+    return total / steps * 1e3, model.total / steps * 1e3, sampler.total / steps * 1e3, outside
 
 
 def main() -> None:
@@ -112,7 +113,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     reqs = workload(args.num_requests, (32, 384), (16, 128), vocab=49152, seed=3)
     print(f"workload: {len(reqs)} requests, Poisson {args.rate}/s, prompts 32..384, outputs 16..128 tokens, greedy")
-    print(f"\n{'policy':15s}{'out tok/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'ITL p50':>9s}{'ITL p99':>9s}   (seconds)")
+    print(f"\n{'policy':15s}{'out tok/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'ITL p50':>9s}{'ITL p99':>9s}"
+          "   (seconds)")
     core = None
     for policy in [] if args.overhead_only else PREFILL_POLICIES:
         core = EngineCore(build_config(args.model, prefill_policy=policy, num_threads=args.threads,

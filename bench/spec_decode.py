@@ -106,7 +106,8 @@ def main() -> None:
     common = dict(kv_cache_memory="512MiB", max_num_batched_tokens=2048, enable_prefix_caching=False)
     plain = EngineCore(build_config(args.model, **common))
     spec = EngineCore(build_config(args.model, speculative=args.speculative,
-                                   num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min, **common))
+                                   num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
+                                   **common))
     tok = load_tokenizer(plain.source)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in TASKS]
     print(f"machine: {machine()}")

@@ -1,10 +1,9 @@
 """The dtype the engine computes in: `--dtype auto` (the default) or an explicit one.
 
-On CPUs the choice is about hardware, not memory. With AMX or AVX512-BF16, bfloat16 GEMMs run about 4x
-float32 (591-660 vs 133-158 GFLOP/s measured, bench/common.py:gemm_gflops) and the offline bench runs
-1.83x faster in bfloat16. Without them oneDNN emulates bfloat16 at about 1 GFLOP/s (1.3 measured on an
-AVX2 EPYC against 157 for float32): two orders of magnitude slower. So auto picks bfloat16 on a CPU only
-where it is native, and only for checkpoints stored in 16 bits or fewer (bf16/fp16 HF checkpoints,
+On CPUs the choice is about hardware, not memory. With AMX or AVX512-BF16, bfloat16 GEMMs run several
+times faster than float32; without them oneDNN emulates bfloat16, orders of magnitude slower than
+float32 (the figures, per machine: docs/performance.md, "In bfloat16"). So auto picks bfloat16 on a CPU
+only where it is native, and only for checkpoints stored in 16 bits or fewer (bf16/fp16 HF checkpoints,
 quantized or half GGUF files); a float32 checkpoint stays float32, as with transformers' dtype="auto".
 """
 from __future__ import annotations

@@ -16,8 +16,21 @@ import zmq
 from engine.core import EngineCore
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
-    PROTOCOL_VERSION, Abort, Add, Error, GetStats, Hello, Outputs, Ready, RequestOutput, ResetPrefixCache, Stats,
-    decode, encode,
+    PROTOCOL_VERSION,
+    Abort,
+    Add,
+    Error,
+    GetStats,
+    Hello,
+    Message,
+    Outputs,
+    Ready,
+    RequestOutput,
+    ResetPrefixCache,
+    Stats,
+    StopChoice,
+    decode,
+    encode,
 )
 
 log = logging.getLogger("conveyor.loop")
@@ -87,14 +100,14 @@ class EngineLoop:
                 return
             self.owner[msg.request_id] = client
         elif isinstance(msg, Abort):
-            ids = [r for r in msg.request_ids if self.owner.get(r) == client]
-            if msg.index is None:
-                self._send_outputs(self.core.abort(ids))
-            else:
-                self._send_outputs([o for r in ids for o in self.core.stop_choice(r, msg.index)])
+            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client]))
+        elif isinstance(msg, StopChoice):
+            if self.owner.get(msg.request_id) == client:  # as for ABORT: only the client that owns the request
+                self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
-                self._send(client, Error(None, f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}", 400))
+                why = f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}"
+                self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
                                      list(self.core.eos_token_ids)))
@@ -113,7 +126,7 @@ class EngineLoop:
         for client, outs in by_client.items():
             self._send(client, Outputs(outs))
 
-    def _send(self, client: bytes, msg: object) -> None:
+    def _send(self, client: bytes, msg: Message) -> None:
         try:
             self.sock.send_multipart([client, *encode(msg)])
         except zmq.ZMQError as e:

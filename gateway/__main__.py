@@ -16,8 +16,12 @@ import shutil
 import signal
 import sys
 import tempfile
+from typing import TYPE_CHECKING, Any
 
 from shared.engine_args import add_engine_args, engine_argv
+
+if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see there
+    from gateway.state import GatewayConfig
 
 log = logging.getLogger("gateway")
 
@@ -31,7 +35,8 @@ WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_req
 def build_parser() -> argparse.ArgumentParser:
     from shared.config import DEFAULT_MODEL
 
-    parser = argparse.ArgumentParser(prog="conveyor", description="An LLM inference server with an OpenAI-compatible API.")
+    parser = argparse.ArgumentParser(prog="conveyor",
+                                     description="An LLM inference server with an OpenAI-compatible API.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the engine as a child process and serve HTTP")
     serve.add_argument("--model", default=DEFAULT_MODEL, help="a HF folder, a .gguf file, or the embedded default")
@@ -101,9 +106,9 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     return argv
 
 
-def gateway_config(args: argparse.Namespace):  # noqa: ANN201 - imported lazily, see main()
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.admission import Limits
-    from gateway.app import GatewayConfig
+    from gateway.state import GatewayConfig
     from shared.config import parse_memory
 
     limits = Limits(args.max_concurrent_requests, args.max_waiting_requests, args.max_queued_prompt_tokens)
@@ -114,8 +119,9 @@ def gateway_config(args: argparse.Namespace):  # noqa: ANN201 - imported lazily,
 async def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from gateway.app import SERVED, build_app
+    from gateway.app import build_app
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
+    from gateway.state import SERVED
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
 
@@ -131,7 +137,8 @@ async def run(args: argparse.Namespace) -> int:
         address = args.engine_address
     client = AsyncEngineClient(address, name="gateway", model=args.model)
     config = gateway_config(args)
-    runner, tasks = None, [asyncio.ensure_future(stop.wait())]
+    runner = None
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
     try:
         if args.command == "serve" and args.gateway_workers > 1:  # they load while the engine loads
             env = {**os.environ, **({"CONVEYOR_API_KEY": args.api_key} if args.api_key else {})}  # not in argv: ps
@@ -147,7 +154,8 @@ async def run(args: argparse.Namespace) -> int:
             return 130  # interrupted while the engine was loading
         ready.result()
         app = build_app(config, client)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=log if log.isEnabledFor(logging.INFO) else None)
+        access_log = log if log.isEnabledFor(logging.INFO) else None
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log)
         await runner.setup()
         if workers is not None:  # bind last, so that once this process answers /ready every worker serves too
             await asyncio.to_thread(workers.wait_ready, args.ready_timeout)

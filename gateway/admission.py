@@ -87,7 +87,4 @@ class Admission:
         return max(1, min(60, math.ceil(self._wait_ewma)))
 
     def _overloaded(self, reason: str, message: str) -> Overloaded:
-        err = Overloaded(f"server overloaded: {message}; retry later")
-        err.retry_after = self.retry_after()  # type: ignore[attr-defined]
-        err.reason = reason  # type: ignore[attr-defined]
-        return err
+        return Overloaded(f"server overloaded: {message}; retry later", retry_after=self.retry_after(), reason=reason)

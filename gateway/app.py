@@ -1,7 +1,8 @@
 """build_app(): the aiohttp application, callable from tests with any AsyncEngineClient.
 
-State lives under typed AppKeys. The engine connection is a cleanup_ctx: the handshake and the
-tokenizer load happen before the first request is served, and the client is closed on shutdown.
+State lives under the typed AppKeys of gateway/state.py. The engine connection is a cleanup_ctx: the
+handshake and the tokenizer load happen before the first request is served, and the client is closed on
+shutdown.
 """
 from __future__ import annotations
 
@@ -10,66 +11,25 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
 
-from gateway.admission import Admission, Limits
+from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
+from gateway.routes import routes
+from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, PUBLIC_PATHS, SERVED, GatewayConfig, Unauthorized
+from gateway.websocket import websocket_handler
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError, EngineDead, Overloaded
 from shared.protocol import RequestOutput
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-PUBLIC_PATHS = ("/health", "/ready", "/metrics")  # never behind the API key: probes and scrapers
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # None = the name the engine reports in READY
-    api_key: str | None = None  # when set, everything but PUBLIC_PATHS needs "Authorization: Bearer <key>"
-    limits: Limits = field(default_factory=Limits)
-    max_body_size: int = 16 * 2**20  # bytes of a request body before 413
-    # Stream the first token at once, then every N tokens: fewer, larger events under load.
-    stream_interval: int = 1
-    health_timeout: float = 2.0  # /ready answers 503 when the engine is slower than this
-    stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError("port must be in [0, 65535]")
-        if self.max_body_size < 1:
-            raise ValueError("max_body_size must be >= 1")
-        if self.stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
-
-
-CONFIG = web.AppKey("config", GatewayConfig)
-CLIENT = web.AppKey("client", AsyncEngineClient)
-SERVED = web.AppKey("served", Served)  # filled in at start-up from the engine's READY
-ADMISSION = web.AppKey("admission", Admission)
-METRICS = web.AppKey("metrics", Metrics)
-
-
-class Unauthorized(ConveyorError):
-    status = 401
-    type = "authentication_error"
-
-
-class PayloadTooLarge(ConveyorError):
-    status = 413
-    type = "invalid_request_error"
 
 
 def build_app(config: GatewayConfig, client: AsyncEngineClient) -> web.Application:
-    from gateway.routes import routes  # routes import the keys above
-    from gateway.websocket import websocket_handler
-
     app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_size)
     app[CONFIG], app[CLIENT], app[SERVED] = config, client, Served()
     app[ADMISSION], app[METRICS] = Admission(config.limits), Metrics()
@@ -120,8 +80,10 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
 
 def error_response(err: ConveyorError) -> web.Response:
     headers = {}
-    if isinstance(err, (Overloaded, EngineDead)):
-        headers["Retry-After"] = str(getattr(err, "retry_after", 1))
+    if isinstance(err, Overloaded):
+        headers["Retry-After"] = str(err.retry_after)
+    elif isinstance(err, EngineDead):
+        headers["Retry-After"] = "1"  # the gateway reconnects by itself once the engine is back
     if isinstance(err, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
     return web.Response(body=orjson.dumps(error_body(err)), status=err.status, content_type="application/json",

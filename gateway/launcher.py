@@ -165,7 +165,7 @@ class WorkerProcesses:
         terminate(self.procs, self.stop_timeout, "gateway worker")
 
 
-def terminate(procs: list[subprocess.Popen], timeout: float, what: str) -> None:
+def terminate(procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
     """SIGTERM all (so they shut down in parallel), then wait; kill whoever ignores it past timeout."""
     for p in procs:
         if p.poll() is None:

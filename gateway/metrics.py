@@ -2,10 +2,10 @@
 
 TTFT, queue time and end-to-end latency come from the engine's per-request timestamps, which its final
 output carries (`events`: queued, scheduled, first_token, finished; all on one engine clock, so a gateway
-on another machine measures the same thing). Inter-token latency comes from per-output step timestamps
-when the engine sends them, else from when each output reaches this process (before any merging for a
-slow reader). A request without engine timestamps (one the client abandoned) falls back to this
-process's clock; `conveyor_latency_source_engine` says which was used last.
+on another machine measures the same thing). Inter-token latency comes from when each output reaches
+this process (before any merging for a slow reader): the engine stamps requests, not steps. A request
+without engine timestamps (one the client abandoned) falls back to this process's clock;
+`conveyor_latency_source_engine` says which was used last.
 
 Several gateway workers (`--gateway-workers N`) share one port and so one /metrics: with
 PROMETHEUS_MULTIPROC_DIR set, counters and histograms of every worker are summed at scrape time
@@ -57,15 +57,13 @@ SPEC_COUNTERS = {
 
 
 def num_preemptions(stats: dict[str, float]) -> float:
-    """The engine's preemption count: one total, or per mode (num_preemptions_swap, _recompute)."""
-    if "num_preemptions" in stats:
-        return stats["num_preemptions"]
+    """The engine counts preemptions per mode (num_preemptions_swap, _recompute): their sum."""
     return sum(v for k, v in stats.items() if k.startswith("num_preemptions_"))
 
 
 def prefix_hit_rate(stats: dict[str, float], fallback: float | None) -> float:
-    if "prefix_cache_hit_rate" in stats:
-        return stats["prefix_cache_hit_rate"]
+    """Prompt tokens served from the engine's prefix cache over those looked up, since it started; the
+    gateway's own rate (fallback) until the engine has looked any up."""
     queries = stats.get("total_prefix_queries_tokens", 0)
     if queries:
         return stats.get("total_prefix_hits_tokens", 0) / queries
@@ -82,10 +80,9 @@ class _Live:
 
     start: float  # when the request was admitted
     first: float | None = None  # when its first token arrived
-    # When each choice's latest token arrived (engine clock when engine_clock): with n > 1 the choices
-    # step side by side, and a gap is only inter-token between tokens of the same choice.
+    # When each choice's latest token arrived: with n > 1 the choices step side by side, and a gap is
+    # only inter-token between tokens of the same choice.
     last: dict[int, float] = field(default_factory=dict)
-    engine_clock: bool = False  # the engine stamps each output: inter-token gaps are the engine's
     events: dict[str, float] | None = None  # the engine's per-request timestamps, with its final output
 
 
@@ -137,7 +134,7 @@ class EngineCollector(Collector):
             for key, (name, doc) in table.items():
                 if key in stats:
                     yield family(name, doc, value=float(stats[key]))
-        known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS) | {"num_preemptions", "prefix_cache_hit_rate"}
+        known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS)
         for key in sorted(set(stats) - known):
             value = stats[key]
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -191,23 +188,21 @@ class Metrics:
         if rec is None:
             return
         if out.finished:
-            rec.events = getattr(out, "events", None) or None
+            rec.events = out.events or None
         n = len(out.new_token_ids)
         if not n:
             return
         self._generation_tokens += n
-        stamp = getattr(out, "timestamp", None)  # the step's time, if the engine stamps each output
         now = time.monotonic()
         if rec.first is None:
-            rec.first, rec.engine_clock = now, stamp is not None
-        t = stamp if rec.engine_clock and stamp is not None else now
+            rec.first = now
         last = rec.last.get(out.index)
-        rec.last[out.index] = t
+        rec.last[out.index] = now
         if last is None:  # a choice's first token is its time to first token, not an inter-token gap;
             if n > 1:  # more tokens of the same step follow it at once
                 self._itl.observe(0.0, n - 1)
             return
-        self._itl.observe((t - last) / n, n)
+        self._itl.observe((now - last) / n, n)
 
     def flush(self) -> None:
         """Move the locally counted figures into the prometheus metrics (before a scrape, and every second

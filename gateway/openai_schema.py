@@ -6,7 +6,7 @@ with a 400 in OpenAI's error shape; the engine re-checks only what protects itse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from shared.choices import TokenLogprob
 from shared.errors import ConveyorError, InvalidRequest
@@ -14,9 +14,9 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import apply_chat_template, encode
 
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
-_PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-                                        "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                                        "logit_bias", "speculative")}
+_PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                                        "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
+                                        "repetition_penalty", "logit_bias", "speculative")}
 # Refused unless at their neutral values: never silently ignored.
 _REFUSED = {"echo": ((None, False), "echo is not supported: the response holds the completion only"),
             "suffix": ((None, ""), "suffix (text after the insertion point) is not supported")}
@@ -77,7 +77,8 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = m.get("content") or ""
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise InvalidRequest(f"messages[{i}].content: only text parts are supported", param="messages")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -176,6 +177,10 @@ def _logprobs_field(body: dict[str, Any], chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
+@overload
+def _int_field(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int: ...
+@overload
+def _int_field(body: dict[str, Any], key: str, default: None, lo: int, hi: int) -> int | None: ...
 def _int_field(body: dict[str, Any], key: str, default: int | None, lo: int, hi: int) -> int | None:
     value = body.get(key)
     if value is None:
@@ -189,7 +194,8 @@ def _int_field(body: dict[str, Any], key: str, default: int | None, lo: int, hi:
 
 
 def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict[str, Any]:
-    u: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_output, "total_tokens": num_prompt + num_output}
+    u: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
+                         "total_tokens": num_prompt + num_output}
     if num_cached:
         u["prompt_tokens_details"] = {"cached_tokens": num_cached}
     return u
@@ -217,7 +223,8 @@ def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: 
     if not chunk:
         return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
-    delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
+    delta: dict[str, Any] = ({"role": "assistant", "content": text or ""} if first
+                             else {"content": text} if text else {})
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.app import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_schema import parse_chat, parse_completion, parse_messages
+from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.streaming import chunks, complete, sse_response
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
@@ -110,6 +110,7 @@ async def detokenize(request: web.Request) -> web.Response:
     body, served = await read_json(request), request.app[SERVED]
     ids = body.get("tokens") if isinstance(body, dict) else None
     vocab = len(served.tokenizer)
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                                            for t in ids):
         raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
     return json_response({"prompt": decode(served.tokenizer, ids)})

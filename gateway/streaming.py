@@ -14,15 +14,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from gateway.app import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
-from gateway.openai_schema import (ParsedRequest, chat_choice, chat_logprobs, completion_choice, completion_logprobs,
-                                   error_body, response_object, usage)
+from gateway.openai_schema import (
+    ParsedRequest,
+    chat_choice,
+    chat_logprobs,
+    completion_choice,
+    completion_logprobs,
+    error_body,
+    response_object,
+    usage,
+)
+from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
 from shared.choices import TextOutput, TokenLogprob
 from shared.errors import ConveyorError, EngineDead, Overloaded
 
@@ -39,7 +47,7 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
     try:
         admission.admit(rid, len(req.prompt_token_ids))
     except Overloaded as e:
-        metrics.reject(getattr(e, "reason", "overloaded"))
+        metrics.reject(e.reason)
         raise
     metrics.begin(rid)
     reason, last = "abort", None  # stays "abort" when the client goes away before the end
@@ -158,13 +166,13 @@ def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def sse_response(request: web.Request, events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
     """Stream `events` as SSE. The first event is awaited before the headers go out, so an error the
     engine answers at once (an ERROR for the ADD, a 429) is still a proper status with an OpenAI body."""
     try:
         first = await anext(events, None)
     except BaseException:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
         raise
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -180,7 +188,7 @@ async def sse_response(request: web.Request, events: AsyncIterator[dict[str, Any
     except ConveyorError as e:  # too late for a status code: the error travels as the last event
         await _write_quietly(resp, sse_event(error_body(e)) + DONE)
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     return resp
 
 

@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 from aiohttp import WSMsgType, web
 
-from gateway.app import CONFIG, SERVED, PayloadTooLarge
 from gateway.openai_schema import error_body, parse_chat, parse_completion
+from gateway.state import CONFIG, SERVED, PayloadTooLarge
 from gateway.streaming import chunks
-from shared.errors import ConveyorError, InvalidRequest
+from shared.errors import ConveyorError, InvalidRequest, Overloaded
 
 log = logging.getLogger(__name__)
 OPS = {"chat.completions": True, "completions": False}  # op -> chat?
@@ -126,8 +126,8 @@ class _Session:
     @staticmethod
     def _error_frame(cid: str | None, err: ConveyorError) -> dict[str, Any]:
         frame: dict[str, Any] = {"id": cid, "event": "error", "status": err.status, "error": error_body(err)["error"]}
-        if hasattr(err, "retry_after"):
-            frame["retry_after"] = err.retry_after  # type: ignore[attr-defined]
+        if isinstance(err, Overloaded):
+            frame["retry_after"] = err.retry_after
         return frame
 
     async def error(self, cid: str | None, err: ConveyorError) -> None:

@@ -3,14 +3,14 @@
 Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
 queries of 2..SHORT_QUERY tokens over a cached context (speculative verification, the tail of a
 chunked prompt) in another, padded to the longest. The per-step plan turns block tables into one
-padded list of block ids, so each layer gathers whole blocks (contiguous block_size * Hkv * D runs,
-3x faster than gathering slot by slot) and makes one attention call instead of a Python loop over
+padded list of block ids, so each layer gathers whole blocks (contiguous block_size * Hkv * D runs
+instead of one slot at a time) and makes one attention call instead of a Python loop over
 sequences. Sequences whose contexts differ a lot go into separate calls (buckets by length), since
 padding every context to the longest one gathers and attends blocks no query sees. Gathers land in
-a workspace reused across layers and steps: a fresh tensor of tens of MB is mapped and page-faulted
-in on every call (2.5 to 3x slower per layer in bench/cpu_attention.py). Grouped-query heads ride
-in SDPA's query length: q [B, Hkv, Q * G, D] against k [B, Hkv, L, D], so K/V are never expanded to
-all heads. Longer prompt chunks are few per step and run one SDPA each.
+a workspace reused across layers and steps, because a fresh tensor of tens of MB is mapped and
+page-faulted in on every call. Grouped-query heads ride in SDPA's query length: q [B, Hkv, Q * G, D]
+against k [B, Hkv, L, D], so K/V are never expanded to all heads. Longer prompt chunks are few per
+step and run one SDPA each. What each of these choices measured: docs/performance.md, "CPU attention".
 """
 from __future__ import annotations
 
@@ -106,10 +106,11 @@ class TorchBackend:
                 L = ctx + q
                 mask = None
                 if ctx > 0:  # query j sits at position ctx + j and sees keys 0..ctx + j
-                    # Additive float mask: CPU SDPA runs about 2x faster with it than with a bool mask.
+                    # Additive float mask: CPU SDPA runs it faster than a bool mask (docs/performance.md).
                     hidden = torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx)
                     mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
-                prefills.append(_Prefill(slice(start, start + q), slots_of(layout.block_tables[i], L, bs).to(self.device), mask))
+                slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
+                prefills.append(_Prefill(slice(start, start + q), slots, mask))
             start += q
         batched = []
         for group in (decode, short):
@@ -147,7 +148,8 @@ class TorchBackend:
         return _Batched(q_len, torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device),
                         mask[:, None, :, None, :].to(self.device), keep)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMeta, scale: float) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: TorchMeta, scale: float) -> torch.Tensor:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
@@ -164,7 +166,7 @@ class TorchBackend:
                 out[b.rows[b.keep]] = o[b.keep]
         gqa = q.shape[1] != hkv
         for p in meta.prefills:
-            # 4-D [1, H, L, D]: 3-D inputs take SDPA's slow fallback on CPU (4-5x slower at 512 tokens).
+            # 4-D [1, H, L, D]: 3-D inputs take SDPA's slow fallback on CPU (docs/performance.md).
             qp = q[p.token_slice].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             kp = k_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -174,7 +176,8 @@ class TorchBackend:
             out[p.token_slice] = op[0].transpose(0, 1)
         return out
 
-    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V blocks [n, block_size, Hkv, D] each, copied into the reused workspace."""
         shape = (blocks.numel(), *k_cache.shape[1:])
         numel = math.prod(shape)
@@ -184,7 +187,8 @@ class TorchBackend:
         vb = torch.index_select(v_cache, 0, blocks, out=self._workspace[numel:2 * numel].view(shape))
         return kb, vb
 
-    def _attend_batched(self, q, k_cache, v_cache, b: _Batched, scale: float, in_order: bool) -> torch.Tensor:
+    def _attend_batched(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: _Batched, scale: float,
+                        in_order: bool) -> torch.Tensor:
         """-> [B * q_len, H, D], row r answering query b.rows[r]. in_order: the rows are all of q."""
         _, _, hkv, d = k_cache.shape
         h = q.shape[1]

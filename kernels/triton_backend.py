@@ -53,8 +53,11 @@ class TritonMeta:
     prefill_ctx_lens: torch.Tensor  # [Bp] int32
     prefill_block_tables: torch.Tensor  # [Bp, max_blocks] int32
     prefill_q_lens_list: list[int]
-    # Built on the first layer's forward, keyed by head layout, shared by the step's layers.
-    lazy: dict[tuple, object] = field(default_factory=dict)
+    # Built on the first layer's forward, shared by the step's layers: the split-K decode workspaces
+    # (partial outputs, partial log-sum-exps) by (heads, head_dim, splits), the prefill tiles by block_q.
+    decode_workspaces: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, init=False)
+    tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
 
     @property
     def num_decodes(self) -> int:
@@ -157,22 +160,23 @@ class TritonBackend:
             partition = self._decode_partition(meta.num_decodes, hkv, meta.decode_max_len, decode_block_n(d))
             workspace = None
             if partition is not None:
-                splits = triton.cdiv(meta.decode_max_len, partition)
-                key = ("decode_workspace", h, d, splits)
-                if key not in meta.lazy:
+                splits: int = triton.cdiv(meta.decode_max_len, partition)
+                workspace = meta.decode_workspaces.get((h, d, splits))
+                if workspace is None:
                     bd = meta.num_decodes
-                    meta.lazy[key] = (torch.empty(bd, h, splits, d, dtype=torch.float32, device=q.device),
-                                      torch.empty(bd, h, splits, dtype=torch.float32, device=q.device))
-                workspace = meta.lazy[key]
+                    workspace = meta.decode_workspaces[(h, d, splits)] = (
+                        torch.empty(bd, h, splits, d, dtype=torch.float32, device=q.device),
+                        torch.empty(bd, h, splits, dtype=torch.float32, device=q.device))
             decode_attention(out, q, k_cache, v_cache, meta.decode_rows, meta.decode_seq_lens,
                              meta.decode_block_tables, scale, meta.decode_max_len, partition, workspace)
         if meta.num_prefills:
             block_q = prefill_block_q(h, hkv, q.dtype)
-            key = ("prefill_tiles", block_q)
-            if key not in meta.lazy:
+            tiles = meta.tiles.get(block_q)
+            if tiles is None:
                 seqs, starts = prefill_tiles(meta.prefill_q_lens_list, block_q)
-                meta.lazy[key] = tuple(torch.tensor(x, dtype=torch.int32).to(q.device) for x in (seqs, starts))
-            tile_seq, tile_start = meta.lazy[key]
+                tiles = meta.tiles[block_q] = (torch.tensor(seqs, dtype=torch.int32).to(q.device),
+                                               torch.tensor(starts, dtype=torch.int32).to(q.device))
+            tile_seq, tile_start = tiles
             prefill_attention(out, q, k_cache, v_cache, tile_seq, tile_start, meta.prefill_q_start,
                               meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_block_tables,
                               scale)
@@ -184,10 +188,11 @@ class TritonBackend:
         programs = batch * num_kv_heads
         if programs >= self.target_programs or max_len <= self.min_partition:
             return None
-        splits = min(triton.cdiv(self.target_programs, programs), triton.cdiv(max_len, self.min_partition))
+        splits: int = min(triton.cdiv(self.target_programs, programs), triton.cdiv(max_len, self.min_partition))
         if splits <= 1:
             return None
-        return triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+        tiles_per_split: int = triton.cdiv(triton.cdiv(max_len, splits), block_n)
+        return tiles_per_split * block_n
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """kv: [layers, 2, num_blocks, block_size, Hkv, D]; block src[i] -> dst[i] (copy-on-write)."""

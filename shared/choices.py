@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared.detokenizer import IncrementalDetokenizer
+from shared.detokenizer import Decoder, IncrementalDetokenizer
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
@@ -55,7 +55,7 @@ class TextOutput:
 class TokenStrings:
     """Token id -> the token decoded alone, memoized (at most one entry per vocabulary id)."""
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: Decoder) -> None:
         self._decoder = decoder
         self._cache: dict[int, str] = {}
 
@@ -70,7 +70,7 @@ class TokenStrings:
 class Choice:
     """One choice's detokenizer, and with logprobs the tokens whose text is not released yet."""
 
-    def __init__(self, decoder: Any, stop: Sequence[str], num_top: int | None, strings: TokenStrings) -> None:
+    def __init__(self, decoder: Decoder, stop: Sequence[str], num_top: int | None, strings: TokenStrings) -> None:
         self.detok = IncrementalDetokenizer(decoder, stop)
         self.finish_reason: str | None = None
         self._num_top, self._strings = num_top, strings
@@ -83,8 +83,9 @@ class Choice:
         """-> the text now safe to send, and (with logprobs) the entries of the tokens it completes."""
         if self._num_top is None:
             return self.detok.step(ids, final), None
-        if not ids:
-            return self._release(self.detok.step([], final), final), []
+        if not ids:  # a row that only ends the choice: flush what is held back, with its tokens' entries
+            text = self.detok.step([], final)
+            return text, self._release(text, final)
         # One token at a time, so that each token's text has a known end in the decoded text.
         parts, entries = [], []
         for j, tok in enumerate(ids):
@@ -125,7 +126,7 @@ class Choice:
 class Choices:
     """The choices of one request: engine rows in, TextOutputs out."""
 
-    def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, decoder: Any,
+    def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, decoder: Decoder,
                  strings: TokenStrings) -> None:
         self.request_id, self.num_prompt_tokens, self.params = request_id, num_prompt_tokens, params
         self._decoder, self._strings = decoder, strings

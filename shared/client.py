@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, TypeGuard
 
 import zmq
 import zmq.asyncio
@@ -22,7 +21,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
-from shared.detokenizer import FastDecoder
+from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.sampling import SamplingParams
 
@@ -76,7 +75,8 @@ class RequestStream:
             self.done = out.finished
             return out
         self.done = True
-        raise self._error  # type: ignore[misc]
+        assert self._error is not None  # the wait above ends on an output or an error
+        raise self._error
 
 
 def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput:
@@ -91,13 +91,25 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
     return old
 
 
+def _is_messages(prompt: Prompt) -> TypeGuard[list[dict[str, Any]]]:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
 def _error_from_wire(msg: P.Error) -> ConveyorError:
-    cls = {400: InvalidRequest, 429: Overloaded, 503: EngineDead}.get(msg.status, ConveyorError)
-    return cls(msg.message)
+    if msg.status == 429:  # the wire carries no wait hint: the shortest sensible one
+        return Overloaded(msg.message, retry_after=1, reason="engine")
+    by_status: dict[int, type[ConveyorError]] = {400: InvalidRequest, 503: EngineDead}
+    return by_status.get(msg.status, ConveyorError)(msg.message)
 
 
 class AsyncEngineClient:
-    """`await client.start()` (or `async with`), then add/abort/get_stats/stream_text; `await close()`."""
+    """`await client.start()` (or `async with`), then add / abort / stop_choice / get_stats / stream_text;
+    `await close()`."""
 
     def __init__(self, address: str, *, name: str = "client", ready_timeout: float = 10.0,
                  model: str | None = None, tokenizer: Any = None,
@@ -118,7 +130,7 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._tok_lock = asyncio.Lock()
-        self._fast_decoder: Any = None
+        self._fast_decoder: Decoder | None = None
         self._token_strings: TokenStrings | None = None  # logprobs' token strings, memoized per client
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -192,23 +204,24 @@ class AsyncEngineClient:
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
         stream = self._streams[rid] = RequestStream(rid)
-        await self._send(P.Add(rid, list(prompt_token_ids), params, priority, time.time()))
+        await self._send(P.Add(rid, list(prompt_token_ids), params, priority))
         return stream
 
-    async def abort(self, request_id: str, index: int | None = None) -> None:
-        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request.
-        index: end only that choice of an n > 1 request in the engine, which answers with a "stop" row for
-        it; the stream goes on with the others."""
-        if index is not None:
-            if request_id in self._streams and self._dead is None:
-                await self._send(P.Abort([request_id], index))
-            return
+    async def abort(self, request_id: str) -> None:
+        """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request."""
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
         stream.put(P.RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         if self._dead is None and self._ctx is not None:
             await self._send(P.Abort([request_id]))
+
+    async def stop_choice(self, request_id: str, index: int) -> None:
+        """End one choice of a live n > 1 request (a stop string ended it here): the engine frees that
+        sequence and answers with a "stop" row for it; the stream goes on with the other choices. A request
+        this client no longer streams is left alone, as the engine would ignore it."""
+        if request_id in self._streams and self._dead is None:
+            await self._send(P.StopChoice(request_id, index))
 
     async def reset_prefix_cache(self) -> None:
         """Make every cached prefix block unreachable (e.g. after changing what prompts mean); blocks in
@@ -234,10 +247,11 @@ class AsyncEngineClient:
                 from shared.model_source import resolve_model
                 from shared.tokenizer import load_tokenizer
 
-                if self._model is None:
+                model = self._model
+                if not model:
                     await self.wait_ready()
                     assert self.ready is not None
-                model = self._model or self.ready.model_name  # type: ignore[union-attr]
+                    model = self.ready.model_name
                 try:
                     source = resolve_model(model)
                 except FileNotFoundError as e:
@@ -246,7 +260,7 @@ class AsyncEngineClient:
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, source)
         return self._tokenizer
 
-    async def _decoder(self) -> Any:
+    async def _decoder(self) -> Decoder:
         if self._fast_decoder is None:
             self._fast_decoder = FastDecoder.wrap(await self.get_tokenizer())
         return self._fast_decoder
@@ -256,14 +270,14 @@ class AsyncEngineClient:
 
         if isinstance(prompt, str):
             return encode(await self.get_tokenizer(), prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            return apply_chat_template(await self.get_tokenizer(), prompt)  # type: ignore[arg-type]
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)  # type: ignore[arg-type]
+        if _is_messages(prompt):
+            return apply_chat_template(await self.get_tokenizer(), prompt)
+        if _is_token_ids(prompt):
+            return list(prompt)
         raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
 
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                          priority: int = 0) -> AsyncIterator[TextOutput]:
+                          priority: int = 0) -> AsyncGenerator[TextOutput, None]:
         """Text deltas of one request, each for one choice (`index`, 0..n-1; see shared/choices.py). A stop
         string ends its choice, in the engine too; when every choice has ended the stream ends (the last
         output has `finished`) and the request is aborted in the engine if it still runs. Leaving the loop
@@ -280,7 +294,7 @@ class AsyncEngineClient:
                     if text_out.finished and not stream.done:
                         await self.abort(stream.request_id)  # stop strings ended every choice first
                     elif text_out.finish_reason is not None and out.finish_reason is None and not text_out.finished:
-                        await self.abort(stream.request_id, text_out.index)  # a stop string ended this choice
+                        await self.stop_choice(stream.request_id, text_out.index)  # a stop string ended it
                     yield text_out
                     if text_out.finished:
                         return
@@ -379,12 +393,3 @@ class AsyncEngineClient:
                 fut.set_exception(err)
         if self._dead is not None:
             self._ready_evt.set()  # wake wait_ready() callers so that they raise _dead
-
-
-def __getattr__(name: str) -> Any:
-    """`from shared.client import EngineClient` keeps working; the blocking client lives in sync_client.py."""
-    if name == "EngineClient":
-        from shared.sync_client import EngineClient
-
-        return EngineClient
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

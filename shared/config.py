@@ -80,7 +80,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
-        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size must be a power of two")
+        _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+                 "block_size must be a power of two")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
         parse_memory(self.kv_cache_memory, total=1)  # raises ValueError when malformed
         parse_memory(self.swap_space, total=1)
@@ -119,7 +120,8 @@ class SpeculativeConfig:
 
     @property
     def draft_model(self) -> str | None:
-        return self.speculative[6:] if self.method == "draft" else None
+        s = self.speculative
+        return s[len("draft:"):] if s is not None and s.startswith("draft:") else None
 
 
 @dataclass(frozen=True)

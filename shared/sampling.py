@@ -81,14 +81,19 @@ class SamplingParams:
             if not ok:
                 raise InvalidRequest(f"{param} {why}", param=param)
 
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+              f"must be an integer >= 1, got {self.max_tokens!r}")
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+              f"must be >= 0, got {self.temperature!r}")
         check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
+              f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
         check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", "must be an integer in [0, max_tokens]")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              "must be an integer in [0, max_tokens]")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+              "must be non-negative integers")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

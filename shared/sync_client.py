@@ -1,7 +1,8 @@
 """EngineClient: the async client (shared/client.py) made blocking, for scripts and notebooks.
 
 The async client runs on an event loop of its own in a daemon thread; every call is sent to that loop
-and waited for. `from shared.client import EngineClient` works too.
+and waited for. This module imports client.py and never the other way round: import EngineClient
+from here.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from shared.client import AsyncEngineClient, Prompt
 from shared.sampling import SamplingParams
 
 T = TypeVar("T")
+
+
+async def _anext(it: AsyncIterator[T]) -> T:
+    """The next item as a coroutine, which run_coroutine_threadsafe needs (__anext__ may return another
+    awaitable, as an async generator's does)."""
+    return await anext(it)
 
 
 class EngineClient:
@@ -35,7 +42,7 @@ class EngineClient:
         try:
             while True:
                 try:
-                    yield self._call(it.__anext__())  # type: ignore[arg-type]
+                    yield self._call(_anext(it))
                 except StopAsyncIteration:
                     return
         finally:
@@ -49,13 +56,17 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))
 
+    def stop_choice(self, request_id: str, index: int) -> None:
+        self._call(self._client.stop_choice(request_id, index))
+
     def reset_prefix_cache(self) -> None:
         self._call(self._client.reset_prefix_cache())
 
     def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
         return self._call(self._client.get_stats(timeout))
 
-    def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Iterator[TextOutput]:
+    def stream_text(self, prompt: Prompt, params: SamplingParams,
+                    request_id: str | None = None) -> Iterator[TextOutput]:
         return self._iterate(self._client.stream_text(prompt, params, request_id))
 
     def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:

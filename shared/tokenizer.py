@@ -28,6 +28,7 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTra
     saved copy under `cache_dir / "tokenizer"` (default `source.cache_dir`) and load that next time."""
     from transformers import AutoTokenizer  # lazy: token-level SDK users never pay for transformers
 
+    tok: PreTrainedTokenizerBase | None
     if source.gguf_file is None:
         tok = AutoTokenizer.from_pretrained(source.folder, local_files_only=True)
     else:
@@ -72,12 +73,16 @@ def has_chat_template(tok: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tok, "chat_template", None))
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
+                        add_generation_prompt: bool = True) -> list[int]:
     """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue."""
     if not has_chat_template(tok):
-        raise InvalidRequest("this model has no chat template; use /v1/completions with a plain prompt", param="messages")
+        raise InvalidRequest("this model has no chat template; use /v1/completions with a plain prompt",
+                             param="messages")
     try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+        # Any: the return type differs across transformers versions (ids, or a BatchEncoding of them).
+        ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                           return_dict=False)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad roles/content
         raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some transformers versions ignore return_dict
@@ -90,4 +95,6 @@ def encode(tok: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = T
 
 
 def decode(tok: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> str:
-    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    text = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)  # one flat list of ids decodes to one string
+    return text

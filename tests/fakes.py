@@ -55,7 +55,8 @@ class FakeEngine:
     `received`."""
 
     def __init__(self, tokens: list[int] | None = None, *, address: str | None = None, answer_hello: bool = True,
-                 model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256, eos_token_ids: tuple[int, ...] = (2,),
+                 model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256,
+                 eos_token_ids: tuple[int, ...] = (2,),
                  step_interval: float = 0.002, tokens_per_step: int = 1,
                  script: Callable[[P.Add], list[int]] | None = None,
                  choices: Callable[[P.Add], list[list[int]]] | None = None,
@@ -68,7 +69,7 @@ class FakeEngine:
         self.reject = reject or (lambda add: None)
         self.received: list[P.Message] = []
         self.aborted: list[str] = []
-        self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of per-choice aborts
+        self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of STOP_CHOICE messages
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -137,15 +138,15 @@ class FakeEngine:
             else:
                 script = self.choices(msg)[:msg.params.n] if msg.params.n > 1 else [self.script(msg)]
                 self._live[msg.request_id] = [ident, msg, [list(t) for t in script], [0] * len(script)]
-        elif isinstance(msg, P.Abort) and msg.index is not None:
-            for rid in msg.request_ids:
-                self._stop_choice(rid, msg.index)
+        elif isinstance(msg, P.StopChoice):
+            self._stop_choice(msg.request_id, msg.index)
         elif isinstance(msg, P.Abort):
             for rid in msg.request_ids:
                 self.aborted.append(rid)
                 entry = self._live.pop(rid, None)
                 if entry is not None:
-                    self._send(entry[0], P.Outputs([P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))]))
+                    row = P.RequestOutput(rid, [], True, "abort", len(entry[1].prompt_token_ids))
+                    self._send(entry[0], P.Outputs([row]))
 
     def _stop_choice(self, rid: str, index: int) -> None:
         """As the engine: the choice ends with a "stop" row, which ends the request if it was the last."""

@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(
+def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     k_ptr, v_ptr,  # [T, Hkv, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     slot_ptr,  # [T] int64
@@ -69,7 +69,7 @@ def store_config(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
 
 
 @triton.jit
-def _move_blocks_kernel(
+def _move_blocks_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     src_ptr, dst_ptr,  # [P, src_blocks, E] and [P, dst_blocks, E], P = layers * 2 planes
     src_idx_ptr, dst_idx_ptr,  # [N] int64
     src_plane_stride, dst_plane_stride, E,

@@ -15,7 +15,7 @@ from kernels.triton.decode import LOG2E
 
 
 @triton.jit
-def _attend_keys(
+def _attend_keys(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     q, m, row_sum, acc,  # [BLOCK_M, BLOCK_D], [BLOCK_M], [BLOCK_M], [BLOCK_M, BLOCK_D] fp32
     q_pos,  # [BLOCK_M] position of each row's token
     k_cache_ptr, v_cache_ptr, bt_row, kvh,
@@ -56,7 +56,7 @@ def _attend_keys(
 
 
 @triton.jit
-def _prefill_kernel(
+def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     q_ptr, out_ptr,  # [T, H, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     tile_seq_ptr, tile_start_ptr,  # [W] int32: the work list (sequence, first new token of the tile)
@@ -120,8 +120,9 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> in
     """New tokens per tile. The tile has BLOCK_M = BLOCK_Q * padded GQA group rows, >= 16 for
     tl.dot: 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more registers)."""
     block_m = 64 if dtype.itemsize <= 2 else 32
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    return max(1, block_m // group_pad, triton.cdiv(16, group_pad))
+    group_pad: int = triton.next_power_of_2(num_heads // num_kv_heads)
+    min_q: int = triton.cdiv(16, group_pad)  # tiles of at least 16 rows
+    return max(1, block_m // group_pad, min_q)
 
 
 def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,

@@ -3,8 +3,8 @@ call shape we support, and OpenAI-shaped errors for what we refuse."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai

@@ -20,7 +20,8 @@ def workload(seed: int = 0):
     for i in range(NUM_REQUESTS):
         prompt = [rng.randrange(3, 512) for _ in range(rng.randint(8, 60))]
         if i % 2:  # seeded sampling must survive preemption too
-            params = SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=rng.randint(4, 24), ignore_eos=True)
+            params = SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=rng.randint(4, 24),
+                                    ignore_eos=True)
         else:
             params = SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True)
         reqs.append((prompt, params))
@@ -28,7 +29,8 @@ def workload(seed: int = 0):
 
 
 def run(folder, reqs, **options):
-    core = EngineCore(build_config(str(folder), block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=128, **options))
+    core = EngineCore(build_config(str(folder), block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=128,
+                                   **options))
     for i, (prompt, params) in enumerate(reqs):
         core.add(f"r{i}", prompt, params)
     out = {f"r{i}": [] for i in range(len(reqs))}

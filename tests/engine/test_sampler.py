@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
-    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
 )
 
 from engine.core import EngineCore

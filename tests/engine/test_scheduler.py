@@ -153,7 +153,8 @@ def test_long_prompt_cap_lets_short_prompts_overtake():
 
 
 def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_again_at_once():
-    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=10_000), BlockManager(6, 4, num_cpu_blocks=16))
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=10_000)
+    s = Scheduler(config, BlockManager(6, 4, num_cpu_blocks=16))
     reqs = [make_request(f"r{i}", 7, max_tokens=6, arrival=i) for i in range(3)]
     for r in reqs:
         s.add(r)

@@ -216,7 +216,8 @@ def critical_value(dof: int, z: float = 3.72) -> float:
 
 
 def sample(target, **options) -> tuple[list[list[int]], dict[str, float]]:
-    params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=s) for s in range(NUM_SAMPLES)]
+    params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=s)
+              for s in range(NUM_SAMPLES)]
     core, out = run(target, [(PROMPT, p) for p in params], max_num_seqs=256, max_num_batched_tokens=4096,
                     num_blocks=2048, **options)
     return list(out.values()), core.stats()

@@ -75,8 +75,8 @@ def test_engine_that_dies_while_loading_fails_fast(tmp_path: Path) -> None:
 
 
 def test_engine_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
-    engine = fake_engine_process(tmp_path, "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)",
-                                 stop_timeout=0.5)
+    ignore_sigterm = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    engine = fake_engine_process(tmp_path, ignore_sigterm, stop_timeout=0.5)
     engine.start()
     time.sleep(0.3)
     engine.stop()

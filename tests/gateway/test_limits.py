@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.admission import Limits
+from gateway.admission import Admission, Limits
+from shared.errors import Overloaded
 from tests.fakes import FakeEngine
 from tests.gateway.test_routes import gateway, run
 
@@ -76,6 +77,21 @@ def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second
                 assert "conveyor_requests_rejected_total{reason=" in metrics
                 first.cancel()
     run(main())
+
+
+def test_refusal_carries_its_cap_and_wait_as_fields() -> None:
+    """Overloaded names the cap that refused (the metrics label) and the seconds for Retry-After; nothing
+    of a refused request is counted in."""
+    adm = Admission(Limits(max_concurrent_requests=2, max_queued_prompt_tokens=10))
+    adm.admit("a", 5)
+    with pytest.raises(Overloaded) as e:
+        adm.admit("b", 6)
+    assert (e.value.reason, e.value.retry_after, e.value.status) == ("prompt_tokens", 1, 429)
+    assert adm.in_flight == {"a"} and adm.queued_tokens == 5
+    adm.admit("c", 5)
+    with pytest.raises(Overloaded) as e:
+        adm.admit("d", 1)
+    assert e.value.reason == "concurrent"
 
 
 def test_engine_gone_is_503_then_gateway_reconnects() -> None:

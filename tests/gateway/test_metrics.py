@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from gateway.metrics import ITL_BUCKETS, Metrics, _LocalHistogram, parse
-from shared.client import FastDecoder
+from shared.detokenizer import FastDecoder
 from shared.protocol import RequestOutput
 from tests.fakes import smollm2_tokenizer
 

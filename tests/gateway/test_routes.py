@@ -10,7 +10,8 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient, TestServer, get_port_socket
 
-from gateway.app import GatewayConfig, build_app
+from gateway.app import build_app
+from gateway.state import GatewayConfig
 from shared.client import AsyncEngineClient
 from tests.fakes import FakeEngine, smollm2_tokenizer
 
@@ -60,7 +61,8 @@ def test_models_health_tokenize_detokenize() -> None:
                 assert tok["tokens"] == smollm2_tokenizer().encode("Hello 你好") and tok["count"] == len(tok["tokens"])
                 text = await (await http.post("/detokenize", json={"tokens": tok["tokens"]})).json()
                 assert text == {"prompt": "Hello 你好"}
-                chat = await (await http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})).json()
+                messages = [{"role": "user", "content": "hi"}]
+                chat = await (await http.post("/tokenize", json={"messages": messages})).json()
                 assert chat["count"] > 5
                 missing = await http.get("/v1/nope")
                 assert missing.status == 404 and "error" in await missing.json()
@@ -71,7 +73,8 @@ def test_completion_non_streaming_has_usage() -> None:
     async def main() -> None:
         with FakeEngine(tokens=answer_ids(), tokens_per_step=3) as eng:
             async with gateway(eng) as http:
-                resp = await http.post("/v1/completions", json={"model": MODEL, "prompt": "Capital of France?", "max_tokens": 50})
+                resp = await http.post("/v1/completions",
+                                       json={"model": MODEL, "prompt": "Capital of France?", "max_tokens": 50})
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
         assert body["object"] == "text_completion" and body["choices"][0]["text"] == ANSWER
@@ -102,7 +105,8 @@ def test_chat_streaming_role_first_and_usage_last() -> None:
     async def main() -> None:
         with FakeEngine(tokens=answer_ids()) as eng:
             async with gateway(eng) as http:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "Capital?"}]}],
+                parts = [{"type": "text", "text": "Capital?"}]
+                body = {"model": MODEL, "messages": [{"role": "user", "content": parts}],
                         "stream": True, "stream_options": {"include_usage": True}}
                 events = sse_events(await (await http.post("/v1/chat/completions", json=body)).read())
         chunks = [orjson.loads(e) for e in events[:-1]]

@@ -8,9 +8,9 @@ import pytest
 
 from shared import protocol as P
 from shared.client import AsyncEngineClient
-from shared.sync_client import EngineClient
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling import SamplingParams
+from shared.sync_client import EngineClient
 from shared.tokenizer import apply_chat_template
 from tests.fakes import FakeEngine, fake_logprobs, smollm2_tokenizer
 

@@ -30,8 +30,8 @@ def byte_fallback_tokenizer() -> Any:
     norm = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     base = Tokenizer(models.BPE())
     base.normalizer = norm
-    base.train_from_iterator(TEXTS[:1] * 10 + ["hello there world, tokenizers are fun"] * 10,
-                             trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    base.train_from_iterator(TEXTS[:1] * 10 + ["hello there world, tokenizers are fun"] * 10, trainer)
     model = json.loads(base.to_str())["model"]
     vocab = dict(model["vocab"])
     for b in range(256):
@@ -39,7 +39,8 @@ def byte_fallback_tokenizer() -> Any:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = norm
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     hf.clean_up_tokenization_spaces = False
@@ -60,7 +61,8 @@ class CountingTokenizer:
         return self.tok.decode(ids, **kw)
 
 
-def stream(tok: Any, ids: list[int], rng: random.Random, stop: tuple[str, ...] = (), max_chunk: int = 3) -> tuple[list[str], IncrementalDetokenizer]:
+def stream(tok: Any, ids: list[int], rng: random.Random, stop: tuple[str, ...] = (),
+           max_chunk: int = 3) -> tuple[list[str], IncrementalDetokenizer]:
     """Feed ids in random-size deltas, the last one with final=True, as the engine's steps would."""
     detok = IncrementalDetokenizer(tok, stop)
     deltas, i = [], 0

@@ -15,9 +15,11 @@ MESSAGES: list[P.Message] = [
     P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name="gateway-1"),
     P.Ready(P.PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 2048, [2]),
     P.Add("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=("\n\n",), stop_token_ids=(7,), seed=3)),
-    P.Add("r2", [0], SamplingParams(), priority=-2, arrival_time=1234.5),
+    P.Add("r2", [0], SamplingParams(), priority=-2),
     P.Abort(["r1", "r2"]),
-    P.Abort(["r1"], index=2),
+    P.Abort([]),
+    P.StopChoice("r1", 2),
+    P.StopChoice("r2", 0),
     P.Outputs([]),
     P.Outputs([P.RequestOutput("r1", [5, 6]), P.RequestOutput("r2", [], True, "abort", 3, 2)]),
     P.Error("r1", "prompt is too long", 400),
@@ -47,6 +49,12 @@ def test_round_trip(msg: P.Message) -> None:
 
 def test_every_message_type_is_covered() -> None:
     assert {type(m) for m in MESSAGES} == set(P._TYPES)
+
+
+def test_every_message_type_has_its_own_byte() -> None:
+    """A repeated byte would make the second member an alias of the first: one byte, two meanings."""
+    assert len({t.value for t in P.MsgType}) == len(P.MsgType.__members__) == len(P._TYPES)
+    assert P.encode(P.StopChoice("r", 1))[0] != P.encode(P.Abort(["r"]))[0]
 
 
 def test_decode_accepts_zmq_style_buffers() -> None:
@@ -80,6 +88,20 @@ MALFORMED: dict[str, list[bytes]] = {
     "abort index negative": [b"X", orjson.dumps({"request_ids": ["r"], "index": -1})],
     "abort index a string": [b"X", orjson.dumps({"request_ids": ["r"], "index": "1"})],
     "abort index a bool": [b"X", orjson.dumps({"request_ids": ["r"], "index": True})],
+    "abort with protocol 2's index": [b"X", orjson.dumps({"request_ids": ["r"], "index": 1})],
+    "abort with protocol 2's null index": [b"X", orjson.dumps({"request_ids": ["r"], "index": None})],
+    "abort ids not a list": [b"X", orjson.dumps({"request_ids": "r1"})],
+    "abort id not a string": [b"X", orjson.dumps({"request_ids": ["r", 5]})],
+    "stop choice empty": [b"P", b"{}"],
+    "stop choice without index": [b"P", orjson.dumps({"request_id": "r"})],
+    "stop choice without request id": [b"P", orjson.dumps({"index": 0})],
+    "stop choice index negative": [b"P", orjson.dumps({"request_id": "r", "index": -1})],
+    "stop choice index a string": [b"P", orjson.dumps({"request_id": "r", "index": "1"})],
+    "stop choice index a bool": [b"P", orjson.dumps({"request_id": "r", "index": True})],
+    "stop choice index a float": [b"P", orjson.dumps({"request_id": "r", "index": 1.0})],
+    "stop choice index null": [b"P", orjson.dumps({"request_id": "r", "index": None})],
+    "stop choice request id not a string": [b"P", orjson.dumps({"request_id": 3, "index": 0})],
+    "stop choice payload a list": [b"P", orjson.dumps(["r", 0])],
     "outputs row too short": [b"O", orjson.dumps([["r1"]])],
     "outputs not a list": [b"O", b"5"],
     "error missing message": [b"E", orjson.dumps({"request_id": "r"})],
@@ -109,9 +131,16 @@ def _random_json(rng: random.Random, depth: int = 0) -> object:
     choices = [None, True, -1, 0, 2**40, 1.5, "", "r1", [], {}]
     if depth < 3:
         choices += [[_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]] * 3
-        keys = ["request_id", "prompt_token_ids", "params", "gauges", "request_ids", "message", "x"]
+        keys = ["request_id", "prompt_token_ids", "params", "gauges", "request_ids", "message", "index", "x"]
         choices += [{rng.choice(keys): _random_json(rng, depth + 1) for _ in range(rng.randrange(4))}] * 3
     return rng.choice(choices)
+
+
+def test_malformed_stop_choice_keeps_request_id() -> None:
+    """The engine's ERROR for a bad STOP_CHOICE names the request, so the client fails that stream only."""
+    with pytest.raises(ProtocolError) as info:
+        P.decode([b"P", orjson.dumps({"request_id": "r7", "index": -2})])
+    assert info.value.request_id == "r7" and "index" in str(info.value)
 
 
 def test_fuzz_only_protocol_errors() -> None:

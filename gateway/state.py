@@ -1,0 +1,61 @@
+"""What every gateway module shares: the config, the typed AppKeys of the application's state, and the
+gateway's own errors.
+
+It lives apart from app.py so that the handlers (routes, streaming, websocket) and build_app() can all
+import it at module top: app.py imports the handlers, the handlers import this, nothing imports app.py
+back. Each AppKey's value has one writer, build_app() (SERVED: the engine cleanup_ctx at start-up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.admission import Admission, Limits
+from gateway.metrics import Metrics
+from gateway.openai_schema import Served
+from shared.client import AsyncEngineClient
+from shared.errors import ConveyorError
+
+PUBLIC_PATHS = ("/health", "/ready", "/metrics")  # never behind the API key: probes and scrapers
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None = the name the engine reports in READY
+    api_key: str | None = None  # when set, everything but PUBLIC_PATHS needs "Authorization: Bearer <key>"
+    limits: Limits = field(default_factory=Limits)
+    max_body_size: int = 16 * 2**20  # bytes of a request body before 413
+    # Stream the first token at once, then every N tokens: fewer, larger events under load.
+    stream_interval: int = 1
+    health_timeout: float = 2.0  # /ready answers 503 when the engine is slower than this
+    stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in [0, 65535]")
+        if self.max_body_size < 1:
+            raise ValueError("max_body_size must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
+
+
+CONFIG = web.AppKey("config", GatewayConfig)
+CLIENT = web.AppKey("client", AsyncEngineClient)
+SERVED = web.AppKey("served", Served)  # filled in at start-up from the engine's READY
+ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", Metrics)
+
+
+class Unauthorized(ConveyorError):
+    status = 401
+    type = "authentication_error"
+
+
+class PayloadTooLarge(ConveyorError):
+    """A body (HTTP) or a message (WebSocket) over --max-body-size: answered, never read whole."""
+
+    status = 413
+    type = "invalid_request_error"

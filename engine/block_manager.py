@@ -272,26 +272,51 @@ class BlockManager:
         self.cpu.reset()
 
     # ------------------------------------------------------------------ swap
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= self.cpu.num_free
+    # A request's beams move as one (they step together): a block several of them share is copied once
+    # and stays shared, so the group comes back into as many blocks as it left.
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return len(_distinct(seqs)) <= self.cpu.num_free
 
-    def do_swap_out(self, seq: Sequence) -> None:
-        """Move seq's blocks to the CPU pool; the runner copies the pairs before the next forward."""
-        assert not seq.swapped
-        pairs = [(b, self.cpu.take()[0]) for b in seq.block_table]
-        self.device.release(seq.block_table)
-        seq.block_table = [c for _, c in pairs]
-        seq.swapped = True
-        self.swap_out += pairs
+    def do_swap_out(self, seqs: list[Sequence]) -> None:
+        """Move seqs' blocks to the CPU pool; the runner copies the pairs before the next forward."""
+        moved: dict[int, int] = {}  # device block -> its CPU copy
+        for seq in seqs:
+            assert not seq.swapped
+            for b in seq.block_table:
+                if b in moved:
+                    self.cpu.touch(moved[b])
+                else:
+                    moved[b] = self.cpu.take()[0]
+            self.device.release(seq.block_table)
+            seq.block_table = [moved[b] for b in seq.block_table]
+            seq.swapped = True
+        self.swap_out += moved.items()
 
-    def can_swap_in(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_for(num_tokens) <= self.device.num_free
+    def can_swap_in(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Room for seqs' blocks, the new ones each needs for its first num_tokens tokens, and a copy of
+        each shared block one of them writes next."""
+        need = len(_distinct(seqs))
+        for seq, n in zip(seqs, num_tokens):
+            need += max(0, self.blocks_for(n) - len(seq.block_table))
+            i = seq.num_computed_tokens // self.block_size
+            need += i < len(seq.block_table) and self.cpu.ref_counts[seq.block_table[i]] > 1
+        return need <= self.device.num_free
 
-    def do_swap_in(self, seq: Sequence) -> None:
-        """Move seq's blocks back into (possibly other) device blocks."""
-        assert seq.swapped
-        pairs = [(c, self._take()) for c in seq.block_table]
-        self._cpu_held += seq.block_table  # released next step, after the runner has read them
-        seq.block_table = [d for _, d in pairs]
-        seq.swapped = False
-        self.swap_in += pairs
+    def do_swap_in(self, seqs: list[Sequence]) -> None:
+        """Move seqs' blocks back into (possibly other) device blocks, shared as they were."""
+        moved: dict[int, int] = {}  # CPU block -> its device block
+        for seq in seqs:
+            assert seq.swapped
+            for c in seq.block_table:
+                if c in moved:
+                    self.device.touch(moved[c])
+                else:
+                    moved[c] = self._take()
+            self._cpu_held += seq.block_table  # released next step, after the runner has read them
+            seq.block_table = [moved[c] for c in seq.block_table]
+            seq.swapped = False
+        self.swap_in += moved.items()
+
+
+def _distinct(seqs: list[Sequence]) -> set[int]:
+    return {b for seq in seqs for b in seq.block_table}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.admission import Limits
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.request import Request
@@ -24,7 +25,7 @@ from kernels import get_backend
 from shared.config import EngineConfig
 from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
-from shared.protocol import RequestOutput
+from shared.protocol import Error, RequestOutput
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("conveyor.engine")
@@ -69,6 +70,7 @@ class EngineCore:
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, self.proposer)
         self.runner = ModelRunner(model, kv, backend, device, self.proposer)
+        self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, num_blocks, block_size)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
@@ -80,24 +82,13 @@ class EngineCore:
                  time.perf_counter() - t0, self.source.name, self.max_model_len, num_blocks, block_size)
 
     # ------------------------------------------------------------------ requests
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            priority: int = 0, arrival_time: float | None = None) -> None:
-        """Raises InvalidRequest when the request can never run; nothing is queued then."""
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Raises InvalidRequest when the request can never run; nothing is queued then. FCFS is by
+        the engine's own clock at receipt: clients' clocks differ (and skew across machines)."""
         if request_id in self.sequences:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        vocab = self.model_config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens including at least one generated token", param="prompt")
-        req = Request(request_id, prompt_token_ids, params, priority,
-                      time.monotonic() if arrival_time is None else arrival_time, self.eos_token_ids,
+        self.limits.check(prompt_token_ids, params)
+        req = Request(request_id, prompt_token_ids, params, priority, time.monotonic(), self.eos_token_ids,
                       speculate=self.proposer is not None and can_speculate(params))
         req.events["queued"] = time.time()
         root = Sequence(req)
@@ -116,7 +107,7 @@ class EngineCore:
             outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
         return outs
 
-    def stop_choice(self, request_id: str, index: int) -> list[RequestOutput]:
+    def stop_choice(self, request_id: str, index: int) -> list[RequestOutput | Error]:
         """End one choice of a request (a stop string the gateway found in its text), freeing its blocks.
         -> its "stop" row, which ends the request when it was the last choice running; nothing when
         the request or choice is unknown, finished, or not streamed (the client has not seen it)."""
@@ -127,25 +118,40 @@ class EngineCore:
         seq = next((s for s in g.seqs if s.index == index), None)
         return [self._output(d) for d in self.scheduler.stop_sequence(seq)] if seq is not None else []
 
+    def fail_all(self, why: str) -> list[Error]:
+        """End every request in the engine with an error (the step failed in a way no one request
+        explains), freeing every block. -> one ERROR per request."""
+        errors = [Error(rid, f"the engine failed this request: {why}", 500) for rid in self.sequences]
+        self.abort(list(self.sequences))
+        return errors
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | Error]:
+        """One step. -> each request's new tokens, or an ERROR for a request that failed in it."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
-        output = self.runner.execute(plan)  # swap, copy, one forward, one sample
-        deltas = self.scheduler.update(plan, output)  # advance, stop, free
+        try:
+            output = self.runner.execute(plan)  # swap, copy, one forward, one sample
+        except Exception as e:  # the shared forward: only this step's requests can have caused it
+            log.exception("step %d failed; ending the %d requests it computed", self.num_steps + 1, len(plan.seqs))
+            deltas = self.scheduler.fail(plan, f"{type(e).__name__}: {e}")
+        else:
+            deltas = self.scheduler.update(plan, output)  # advance, stop, free
         outputs = [self._output(d) for d in deltas]
         self._record(plan, time.perf_counter() - t0)
         return outputs
 
-    def _output(self, d: Delta) -> RequestOutput:
+    def _output(self, d: Delta) -> RequestOutput | Error:
         req = d.request
         if d.finished:
             del self.sequences[req.request_id]
+        if d.error is not None:
+            return Error(req.request_id, f"the engine failed this request: {d.error}", 500)
         return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
                              req.num_cached_tokens, req.events if d.finished else None,
                              _wire_logprobs(d.logprobs), d.index)
@@ -182,6 +188,7 @@ class EngineCore:
             "num_cpu_blocks": bm.cpu.num_blocks,
             "num_preemptions_swap": s.num_preemptions["swap"],
             "num_preemptions_recompute": s.num_preemptions["recompute"],
+            "total_stalled_steps": s.num_stalled_steps,
             "num_steps": self.num_steps,
             "total_step_seconds": self.step_seconds,
             **{f"total_{k}_tokens" if k.startswith("prefix") else f"total_{k}": v for k, v in bm.stats.items()},

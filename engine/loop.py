@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 
 import zmq
 
@@ -63,10 +64,21 @@ class EngineLoop:
                     self._drain()
                 # 2. one step: schedule, execute, update
                 if busy or self.core.has_work():
-                    self._send_outputs(self.core.step())
+                    self._send_outputs(self._step())
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
             self.close()
+
+    def _step(self) -> Sequence[RequestOutput | Error]:
+        """EngineCore.step ends a request that fails inside it; this is the net under that net. A bug
+        that escapes the step cannot be pinned on one request: every request in the engine ends with
+        an error, its blocks freed, and the engine goes on serving new ones."""
+        try:
+            return self.core.step()
+        except Exception as e:
+            log.exception("the engine step failed outside any one request; ending all %d requests",
+                          len(self.core.sequences))
+            return self.core.fail_all(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -98,6 +110,10 @@ class EngineLoop:
             except ConveyorError as e:
                 self._send(client, Error(msg.request_id, str(e), e.status))
                 return
+            except Exception as e:  # a check that should have refused it did not: refuse it here
+                log.exception("request %s: adding it failed", msg.request_id)
+                self._send(client, Error(msg.request_id, f"the engine could not add this request: {e}", 500))
+                return
             self.owner[msg.request_id] = client
         elif isinstance(msg, Abort):
             self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client]))
@@ -118,9 +134,13 @@ class EngineLoop:
         else:
             self._send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _send_outputs(self, outputs: Sequence[RequestOutput | Error]) -> None:
         by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
         for out in outputs:
+            assert out.request_id is not None
+            if isinstance(out, Error):  # the request failed in the engine: this is its last word
+                self._send(self.owner.pop(out.request_id), out)
+                continue
             client = self.owner.pop(out.request_id) if out.finished else self.owner[out.request_id]
             by_client[client].append(out)
         for client, outs in by_client.items():

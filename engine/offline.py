@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from engine.core import EngineCore
 from shared.config import EngineConfig, build_config
+from shared.protocol import Error
 from shared.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class CompletionOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[SequenceOutput] = field(default_factory=list)  # in index order
+    error: str | None = None  # the engine failed this request (finish_reason "error"); the others went on
 
     # The first sequence's fields: the whole answer of an n = 1 request.
     @property
@@ -85,6 +87,12 @@ class LLM:
         with tqdm(total=len(order), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.core.has_work():
                 for out in self.core.step():
+                    if isinstance(out, Error):
+                        assert out.request_id is not None
+                        outputs[out.request_id].error = out.message
+                        seqs[out.request_id].setdefault(0, SequenceOutput(0)).finish_reason = "error"
+                        bar.update(1)
+                        continue
                     seq = seqs[out.request_id].setdefault(out.index, SequenceOutput(out.index))
                     seq.token_ids.extend(out.new_token_ids)
                     seq.finish_reason = out.finish_reason or seq.finish_reason

@@ -2,6 +2,7 @@
 sequences with drafts, one verification call), and returns what it computed as a StepOutput."""
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +17,8 @@ from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
     from engine.spec import Proposer
+
+log = logging.getLogger("conveyor.runner")
 
 
 class ModelRunner:
@@ -53,10 +56,14 @@ class ModelRunner:
         logits = batch.forward(self.model, self.kv_cache.device, self.backend, self.device)  # [rows, V]
         if not sampling:
             return StepOutput()
-        if not drafts:
-            tokens, logprobs = self.sampler(logits, [seq for seq, _ in sampling])
-            return StepOutput(tokens, None, logprobs)
-        return self._sample_and_verify(logits, sampling)
+        try:
+            if not drafts:
+                tokens, logprobs = self.sampler(logits, [seq for seq, _ in sampling])
+                return StepOutput(tokens, None, logprobs)
+            return self._sample_and_verify(logits, sampling)
+        except Exception:
+            log.exception("sampling %d sequences in one call failed; sampling them one by one", len(sampling))
+            return self._one_by_one(logits, sampling)
 
     def _propose(self, plan: StepPlan) -> dict[int, Drafts]:
         """The plan's drafts with their tokens: a draft model proposes them now, in one batch."""
@@ -95,6 +102,37 @@ class ModelRunner:
                 accepted.append(kept)
                 logprobs.append(None)
         return StepOutput(tokens, accepted, logprobs if any(e is not None for e in logprobs) else None)
+
+    def _one_by_one(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
+        """Sample or verify each sequence alone, so that only the requests at fault fail. Neither the
+        sampler nor verification writes the logits it is given: this second try sees them as the
+        forward left them."""
+        tokens: list[int] = []
+        accepted: list[tuple[int, ...]] = []
+        logprobs: list[LogprobEntry | None] = []
+        errors: dict[int, str] = {}
+        row = 0
+        for j, (seq, d) in enumerate(sampling):
+            n = 1 if d is None else d.num + 1
+            rows = logits[row:row + n]  # [n, V]
+            row += n
+            token: int = -1
+            kept: tuple[int, ...] = ()
+            entry: LogprobEntry | None = None
+            try:
+                if d is None:
+                    sampled, lps = self.sampler(rows, [seq])
+                    token, entry = sampled[0], lps[0] if lps else None
+                else:
+                    kept, token = verify(rows, [seq], [d])[0]
+            except Exception as e:
+                errors[j] = f"{type(e).__name__}: {e}"
+            tokens.append(token)
+            accepted.append(kept)
+            logprobs.append(entry)
+        spec = any(d is not None for _, d in sampling)
+        return StepOutput(tokens, accepted if spec else None,
+                          logprobs if any(e is not None for e in logprobs) else None, errors)
 
     def _swap(self, plan: StepPlan) -> None:
         """Out before in: a block swapped out this step may be the very block another request swaps into."""

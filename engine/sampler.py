@@ -31,7 +31,7 @@ class Sampler:
             return argmax(logits), None
         lp_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None or s.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
-        self._process(logits, seqs)
+        logits = self._process(logits, seqs)
         tokens = self._sample(logits, seqs)
         if raw_logp is None:
             return tokens, None
@@ -51,8 +51,13 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _process(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """min_tokens, logit_bias and penalties, in place, only on the rows that ask for them."""
+    def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens, logit_bias and penalties, only on the rows that ask for them. -> the processed
+        logits: a copy when any row is processed (the caller's logits stay as the model gave them, so
+        a failed batch can be sampled again row by row), else logits itself."""
+        if not any(r.params.min_tokens or r.params.has_penalties for r in seqs):
+            return logits
+        logits = logits.clone()
         vocab = logits.shape[-1]
         for i, r in enumerate(seqs):
             p = r.params
@@ -72,6 +77,7 @@ class Sampler:
                 out = torch.tensor(r.token_ids[r.num_prompt_tokens:], device=row.device)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
                 row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return logits
 
     @staticmethod
     def _gather_logprobs(raw_logp: torch.Tensor, rows: list[int], seqs: list[Sequence],

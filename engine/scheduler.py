@@ -29,6 +29,7 @@ After verification the rejected drafts' blocks go back to the pool.
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 
 from engine import groups
@@ -37,6 +38,8 @@ from engine.sequence import LogprobEntry, Sequence, SequenceStatus
 from engine.spec import Proposer
 from engine.step import Delta, Drafts, StepOutput, StepPlan
 from shared.config import SchedulerConfig
+
+log = logging.getLogger("conveyor.scheduler")
 
 # waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many steps.
 MAX_WAITING_STEPS = 20
@@ -64,6 +67,8 @@ class Scheduler:
         self.num_steps = 0
         self.steps_since_admission = 0
         self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.num_stalled_steps = 0
+        self._moved = False
 
     def add(self, seq: Sequence) -> None:
         if seq.group is not None:
@@ -73,12 +78,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def abort(self, root: Sequence) -> None:
-        """Every live sequence of root's request ends, its blocks freed."""
-        g = root.group
-        for seq in (list(g.seqs) if g is not None else [root]):
-            self.drop(seq, SequenceStatus.FINISHED_ABORTED)
-        root.status = SequenceStatus.FINISHED_ABORTED
+    def abort(self, seq: Sequence) -> None:
+        """Every live sequence of seq's request ends, its blocks freed."""
+        g = seq.group
+        for s in (list(g.seqs) if g is not None else [seq]):
+            self.drop(s, SequenceStatus.FINISHED_ABORTED)
+        seq.status = SequenceStatus.FINISHED_ABORTED
         if g is not None:
             g.seqs = []
 
@@ -100,6 +105,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.num_steps += 1
         self.bm.begin_step()
+        self._moved = False  # set when a sequence is admitted, resumed, forked or preempted
         plan = StepPlan()
         budget = self.config.max_num_batched_tokens
         admit = self._admission_open()
@@ -113,6 +119,14 @@ class Scheduler:
         if prompts_first and not plan.seqs:  # nothing could be admitted after all
             self._schedule_running(plan, budget)
         plan.swap_out, plan.swap_in, plan.copies = self.bm.swap_out, self.bm.swap_in, self.bm.copies
+        if not plan and not self._moved and self.has_work():
+            # Work waits and nothing can move: a scheduling bug (a state this scheduler should never
+            # reach). Counted (conveyor_engine_stalled_steps_total) so it can never go unnoticed.
+            self.num_stalled_steps += 1
+            if self.num_stalled_steps == 1:
+                log.error("scheduler stalled: %d running, %d waiting, %d swapped, %d free blocks, nothing "
+                          "schedulable", len(self.running), len(self.waiting), len(self.swapped),
+                          self.bm.num_free_blocks)
         return plan
 
     def _admission_open(self) -> bool:
@@ -135,22 +149,41 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i, others_waiting = 0, bool(self.waiting)
+        planned: set[int] = set()  # beams served ahead of their place, with the first of their group
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(_remaining(seq), budget, others_waiting)
-            if n == 0:  # a beam waiting for its siblings (preempted) before the group can step
+            if planned and id(seq) in planned:
+                i += 1
+                continue
+            unit = self._unit(seq)
+            ns, left = [], budget
+            for s in unit:
+                n = self._chunk(_remaining(s), left, others_waiting)
+                ns.append(n)
+                left -= n
+            if not any(ns):  # beams that computed this step's token and wait for the group to step
                 i += 1
                 continue
             drafts = None
-            if seq.request.speculate and n == 1 and self.proposer is not None:
+            if len(unit) == 1 and seq.request.speculate and ns[0] == 1 and self.proposer is not None:
                 drafts = self._plan_drafts(seq, budget - 1)
-                n += drafts.num if drafts is not None else 0
-            if not self._reserve(seq, n, plan, first_candidate=i):
-                continue  # seq itself was preempted; running[i] is now the next sequence
-            plan.add(seq, n, drafts)
-            budget -= n
+                ns[0] += drafts.num if drafts is not None else 0
+            if not self._reserve(unit, ns, plan, i, planned):
+                continue  # the unit itself was preempted; running[i] is now the next sequence
+            for s, n in zip(unit, ns):
+                if n:
+                    plan.add(s, n, drafts if s is seq else None)
+            if len(unit) > 1:
+                planned.update(map(id, unit))
+            budget -= sum(ns)
             i += 1
         return budget
+
+    def _unit(self, seq: Sequence) -> list[Sequence]:
+        """seq and the sequences that move with it: every live beam of its request. Beams step together,
+        so one preempted alone would hold its siblings (and their blocks) until it came back."""
+        g = seq.group
+        return list(g.seqs) if g is not None and g.beam is not None else [seq]
 
     def _chunk(self, remaining: int, budget: int, others_waiting: bool) -> int:
         """Tokens to compute now. A long prefill is cut to long_prefill_threshold while others wait,
@@ -177,51 +210,66 @@ class Scheduler:
             return None
         return drafts
 
-    def _reserve(self, seq: Sequence, n: int, plan: StepPlan, first_candidate: int) -> bool:
-        """Get blocks for seq's next n tokens, preempting sequences not yet served this step."""
-        num_tokens = seq.num_computed_tokens + n
-        while need := self.bm.num_new_blocks(seq, num_tokens):
+    def _reserve(self, unit: list[Sequence], ns: list[int], plan: StepPlan, first_candidate: int,
+                 planned: set[int]) -> bool:
+        """Get blocks for each sequence of unit to compute its next n tokens, preempting sequences not yet
+        served this step. -> False when unit itself had to go."""
+        wants = [(s, s.num_computed_tokens + n) for s, n in zip(unit, ns) if n]
+        while need := sum(self.bm.num_new_blocks(s, num_tokens) for s, num_tokens in wants):
             if self.bm.can_allocate(need):
-                self.bm.allocate(seq, num_tokens)
+                for s, num_tokens in wants:
+                    self.bm.allocate(s, num_tokens)
                 return True
-            candidates = self.running[first_candidate:]
+            candidates = [s for s in self.running[first_candidate:] if id(s) not in planned]
             victim = max([s for s in candidates if not s.just_resumed] or candidates, key=_victim_order)
-            self._preempt(victim, plan)
-            if victim is seq:
+            victims = self._unit(victim)
+            self._preempt(victims, plan)
+            if unit[0] in victims:
                 return False
         return True  # its slots are there and its own already: most decode steps
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        self.running.remove(seq)
-        seq.draft_computed = 0  # draft K/V is neither swapped nor kept
+    def _preempt(self, seqs: list[Sequence], plan: StepPlan) -> None:
+        """seqs (one sequence, or a request's beams) leave the batch together, swapped or to recompute."""
+        for seq in seqs:
+            self.running.remove(seq)
+            seq.draft_computed = 0  # draft K/V is neither swapped nor kept
         mode = self.config.preemption_mode
         if mode == "auto":
-            mode = "swap" if self.bm.can_swap_out(seq) else "recompute"
-        if mode == "swap" and self.bm.can_swap_out(seq):
-            self.bm.do_swap_out(seq)
-            _insert(self.swapped, seq)
+            mode = "swap" if self.bm.can_swap_out(seqs) else "recompute"
+        if mode == "swap" and self.bm.can_swap_out(seqs):
+            self.bm.do_swap_out(seqs)
         else:
             mode = "recompute"
-            self.bm.free(seq)
-            seq.num_computed_tokens = 0
-            _insert(self.waiting, seq)
-        seq.status = SequenceStatus.PREEMPTED
-        events = seq.request.events
+            for seq in seqs:
+                self.bm.free(seq)
+                seq.num_computed_tokens = 0
+        for seq in seqs:
+            _insert(self.swapped if mode == "swap" else self.waiting, seq)
+            seq.status = SequenceStatus.PREEMPTED
+            plan.preempted.append(seq)
+        events = seqs[0].request.events
         events["preempted"] = events.get("preempted", 0) + 1
-        plan.preempted.append(seq)
-        self.num_preemptions[mode] += 1
+        self.num_preemptions[mode] += len(seqs)
+        self._moved = True
 
     def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
-        while self.swapped and self._room(budget):
-            seq = self.swapped[0]
-            n = min(_remaining(seq), budget)
-            if not self.bm.can_swap_in(seq, seq.num_computed_tokens + n):
+        while self.swapped and budget > 0:
+            unit = self._unit(self.swapped[0])
+            if len(self.running) + len(unit) > self.config.max_num_seqs:
                 break
-            self.swapped.pop(0)
-            self.bm.do_swap_in(seq)
-            self.bm.allocate(seq, seq.num_computed_tokens + n)
-            self._start(seq, plan, n)
-            budget -= n
+            ns, left = [], budget
+            for s in unit:
+                ns.append(min(_remaining(s), left))
+                left -= ns[-1]
+            if not self.bm.can_swap_in(unit, [s.num_computed_tokens + n for s, n in zip(unit, ns)]):
+                break
+            self.bm.do_swap_in(unit)
+            for s, n in zip(unit, ns):
+                self.swapped.remove(s)
+                if n:
+                    self.bm.allocate(s, s.num_computed_tokens + n)
+                self._start(s, plan, n)
+            budget -= sum(ns)
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
@@ -230,6 +278,13 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and self._room(budget):
             seq = self.waiting[i]
+            unit = self._unit(seq)
+            if len(unit) > 1:  # a request's beams, back from a recompute: all of them or none
+                used = self._admit_beams(unit, plan, budget)
+                if used is None:
+                    break
+                budget -= used
+                continue
             hit = self.bm.lookup(seq)
             cached = hit.num_tokens(self.bm.block_size)
             remaining = _remaining(seq, cached)
@@ -259,15 +314,34 @@ class Scheduler:
                 self._fork(seq)
         return budget
 
+    def _admit_beams(self, beams: list[Sequence], plan: StepPlan, budget: int) -> int | None:
+        """Start the recompute of a request's beams together. -> tokens planned, or None when they do
+        not fit now. No prefix lookup: the beams' own blocks were freed, and a hit would only save time."""
+        ns, left = [], budget
+        for s in beams:
+            ns.append(self._chunk(_remaining(s), left, others_waiting=True))
+            left -= ns[-1]
+        fits = self.bm.can_allocate(sum(self.bm.blocks_for(n) for n in ns))
+        if not fits or len(self.running) + len(beams) > self.config.max_num_seqs:
+            return None
+        for s, n in zip(beams, ns):
+            self.waiting.remove(s)
+            self.bm.allocate(s, n)
+            self._start(s, plan, n)
+        self.steps_since_admission = 0
+        return sum(ns)
+
     def _start(self, seq: Sequence, plan: StepPlan, n: int) -> None:
         seq.just_resumed = seq.status == SequenceStatus.PREEMPTED
         seq.status = SequenceStatus.RUNNING
         seq.request.events.setdefault("scheduled", time.time())
         self.running.append(seq)
+        self._moved = True
         if n:  # 0: a request about to fork whose prompt is cached but for the last token
             plan.add(seq, n)
 
     def _fork(self, root: Sequence) -> None:
+        self._moved = True
         for child in groups.fork(root):
             self.bm.fork(root, child)
             self.running.append(child)
@@ -276,44 +350,78 @@ class Scheduler:
     def update(self, plan: StepPlan, output: StepOutput) -> list[Delta]:
         """Apply what the step computed: advance every scheduled sequence, append the sampled tokens
         (one per sequence that reached the end of its known tokens, in plan order), stop and free
-        finished sequences. -> what each request's client gets."""
+        finished sequences. -> what each request's client gets. Anything that goes wrong for one
+        request (its sampling, its beam scoring) ends that request with an error, not the step."""
         deltas: list[Delta] = []
         beams: dict[int, list[tuple[Sequence, LogprobEntry]]] = {}
-        bs, caching = self.bm.block_size, self.bm.enable_prefix_caching
-        tokens, logprobs, j = output.tokens, output.logprobs, 0
+        j = 0
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
-            if plan.drafts and i in plan.drafts:
-                assert output.accepted is not None
-                self._update_spec(seq, plan.drafts[i].num, output.accepted[j], tokens[j])
-                j += 1
-                deltas.append(self._delta(seq))
-                continue
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = computed = before + n
-            if caching and computed // bs > before // bs:
-                self.bm.cache_blocks(seq, before)
-            if computed < len(seq.token_ids):
-                if groups.ready_to_fork(seq):  # a chunk that ends one short of the prompt
-                    self._fork(seq)
-                continue  # a prompt chunk that does not reach the end samples nothing
-            token, entry = tokens[j], logprobs[j] if logprobs else None
-            j += 1
-            seq.just_resumed = False
-            g = seq.group
-            if g is not None and g.beam is not None:
-                assert entry is not None, "the sampler gives every beam its candidates"
-                beams.setdefault(id(g), []).append((seq, entry))
-                continue
-            self._append(seq, token, entry)
+            drafts = plan.drafts.get(i) if plan.drafts else None
+            sampled = j if drafts is not None or seq.num_computed_tokens + n >= len(seq.token_ids) else None
+            j += sampled is not None
             if seq.status.finished:
-                self._finish(seq)
-            deltas += self._group_deltas(seq) if g is not None else [self._delta(seq)]
-        assert j == len(tokens)
+                continue  # its request failed earlier in this step
+            if output.errors and sampled in output.errors:
+                deltas.append(self._fail(seq, output.errors[sampled]))
+                continue
+            try:
+                deltas += self._advance(seq, n, drafts, output, sampled, beams)
+            except Exception as e:
+                log.exception("request %s: applying its step failed", seq.request.request_id)
+                deltas.append(self._fail(seq, f"{type(e).__name__}: {e}"))
+        assert j == len(output.tokens)
         for cands in beams.values():
-            step = groups.beam_step(cands, self.config.max_model_len)
-            if step is not None:
-                deltas += self._apply_beam_step(step)
+            if cands[0][0].status.finished:
+                continue
+            try:
+                step = groups.beam_step(cands, self.config.max_model_len)
+                deltas += self._apply_beam_step(step) if step is not None else []
+            except Exception as e:
+                log.exception("request %s: beam search failed", cands[0][0].request.request_id)
+                deltas.append(self._fail(cands[0][0], f"{type(e).__name__}: {e}"))
         return deltas
+
+    def fail(self, plan: StepPlan, why: str) -> list[Delta]:
+        """The step itself failed (its forward): every request it computed or preempted ends with an
+        error, its blocks freed; the other requests go on. -> one error delta per request."""
+        deltas = []
+        for seq in plan.seqs + plan.preempted:
+            if not seq.status.finished:
+                deltas.append(self._fail(seq, why))
+        return deltas
+
+    def _fail(self, seq: Sequence, why: str) -> Delta:
+        """seq's request ends with an error: every sequence of it stops and frees its blocks."""
+        self.abort(seq)
+        seq.request.events["finished"] = time.time()
+        return Delta(seq.request, [], seq.index, "error", True, error=why)
+
+    def _advance(self, seq: Sequence, n: int, drafts: Drafts | None, output: StepOutput, sampled: int | None,
+                 beams: dict[int, list[tuple[Sequence, LogprobEntry]]]) -> list[Delta]:
+        """seq computed its n scheduled tokens; sampled: its entry in output, if it sampled."""
+        if drafts is not None:
+            assert output.accepted is not None and sampled is not None
+            self._update_spec(seq, drafts.num, output.accepted[sampled], output.tokens[sampled])
+            return [self._delta(seq)]
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens = computed = before + n
+        if self.bm.enable_prefix_caching and computed // self.bm.block_size > before // self.bm.block_size:
+            self.bm.cache_blocks(seq, before)
+        if sampled is None:  # a prompt chunk that does not reach the end samples nothing
+            if groups.ready_to_fork(seq):  # a chunk that ends one short of the prompt
+                self._fork(seq)
+            return []
+        token, entry = output.tokens[sampled], output.logprobs[sampled] if output.logprobs else None
+        seq.just_resumed = False
+        g = seq.group
+        if g is not None and g.beam is not None:
+            assert entry is not None, "the sampler gives every beam its candidates"
+            beams.setdefault(id(g), []).append((seq, entry))
+            return []
+        self._append(seq, token, entry)
+        if seq.status.finished:
+            self._finish(seq)
+        return self._group_deltas(seq) if g is not None else [self._delta(seq)]
 
     def _update_spec(self, seq: Sequence, num_drafts: int, accepted: tuple[int, ...], token: int) -> None:
         """A verified step: the accepted drafts and the token after them join the sequence (up to a

@@ -64,17 +64,20 @@ class StepOutput:
     """What the runner computed for a plan, in plan order, one entry per sequence that sampled (one
     whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it samples
     nothing). accepted[j]: the drafts sequence j kept before its token (None: no drafts this step).
-    logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did)."""
+    logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did).
+    errors[j]: why sequence j could not be sampled (its request fails; tokens[j] is meaningless)."""
 
     tokens: list[int] = field(default_factory=list)
     accepted: list[tuple[int, ...]] | None = None
     logprobs: list[LogprobEntry | None] | None = None
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class Delta:
     """New tokens of one sequence (a request's choice `index`). finish_reason: this sequence's;
-    finished: the whole request's (the last delta it sends)."""
+    finished: the whole request's (the last delta it sends). error: the request failed inside the
+    engine (this is its last delta; the client gets an ERROR instead of outputs)."""
 
     request: Request
     new_token_ids: list[int]
@@ -82,3 +85,4 @@ class Delta:
     finish_reason: str | None = None
     finished: bool = False
     logprobs: list[LogprobEntry] | None = None
+    error: str | None = None

@@ -126,6 +126,9 @@ class EngineCollector(Collector):
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0.0)))
         yield CounterMetricFamily("conveyor_num_preemptions", "Requests preempted by the engine (swap or recompute)",
                                   value=float(num_preemptions(stats)))
+        # A watchdog: steps with work queued and nothing schedulable. Nonzero means a scheduler bug.
+        yield CounterMetricFamily("conveyor_engine_stalled_steps", "Engine steps with work waiting and nothing "
+                                  "scheduled", value=float(stats.get("total_stalled_steps", 0.0)))
         yield GaugeMetricFamily("conveyor_prefix_cache_hit_rate",
                                 "Fraction of prompt tokens served from the prefix cache (engine's, else the "
                                 "gateway's)",
@@ -134,7 +137,7 @@ class EngineCollector(Collector):
             for key, (name, doc) in table.items():
                 if key in stats:
                     yield family(name, doc, value=float(stats[key]))
-        known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS)
+        known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS) | {"total_stalled_steps"}
         for key in sorted(set(stats) - known):
             value = stats[key]
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

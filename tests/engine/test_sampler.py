@@ -29,9 +29,7 @@ def make(prompt: list[int], output: list[int], **params) -> Sequence:
 
 
 def processed(req: Sequence, logits: torch.Tensor) -> torch.Tensor:
-    out = logits.clone()[None]
-    Sampler._process(out, [req])
-    return out[0]
+    return Sampler._process(logits.clone()[None], [req])[0]
 
 
 @pytest.fixture

@@ -1,0 +1,51 @@
+"""The engine's door: a request is checked against the model and this engine's limits when it
+arrives, so that nothing it carries can raise later, inside a step, where it would hurt every
+other request. SamplingParams.validate (shared/) has already checked each field on its own; this
+adds what only the engine knows: the vocabulary, the context length, the sequence cap and the
+size of the KV pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.errors import InvalidRequest
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_blocks: int
+    block_size: int
+
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequest naming the field when the request can never run as asked."""
+        vocab = self.vocab_size
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
+                f"{self.max_model_len} tokens including at least one generated token", param="prompt",
+                code="context_length_exceeded")
+        if params.num_seqs > self.max_num_seqs:
+            what = "beam_width" if params.use_beam_search else ("best_of" if params.best_of else "n")
+            raise InvalidRequest(f"{what} asks for {params.num_seqs} sequences; this engine runs at most "
+                                 f"{self.max_num_seqs} at once (--max-num-seqs)", param=what)
+        if params.use_beam_search:
+            # Beams step together, so all of them must fit the pool at once, even unshared (after a
+            # preemption by recompute each beam holds its own copy of the prompt).
+            length = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+            need = params.beam_width * -(-length // self.block_size)
+            if need > self.num_blocks:
+                raise InvalidRequest(
+                    f"beam search of width {params.beam_width} over up to {length} tokens needs {need} KV blocks; "
+                    f"this engine has {self.num_blocks} (lower beam_width or max_tokens)", param="beam_width")

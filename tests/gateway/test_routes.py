@@ -138,7 +138,7 @@ LONG_PROMPT = "word " * 80
     ("/v1/completions", b"[1, 2]", None, "JSON object"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model", "does not exist"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens", "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens", "in [1, "),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
     ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 10}, "prompt", "maximum context length is 64"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "maximum context"),

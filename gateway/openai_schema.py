@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, overload
 
+from gateway.request_fields import check_fields, check_stream_options
 from shared.choices import TokenLogprob
 from shared.errors import ConveyorError, InvalidRequest
-from shared.sampling import SamplingParams
+from shared.sampling import MAX_LOGPROBS, MAX_N, MAX_TOKENS, SamplingParams, check_priority
 from shared.tokenizer import apply_chat_template, encode
 
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
@@ -18,10 +19,8 @@ _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p"
                                         "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                                         "repetition_penalty", "logit_bias", "speculative")}
 # Refused unless at their neutral values: never silently ignored.
-_REFUSED = {"echo": ((None, False), "echo is not supported: the response holds the completion only"),
-            "suffix": ((None, ""), "suffix (text after the insertion point) is not supported")}
-MAX_N = 64  # n, best_of and beam_width
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI: 5 for completions, 20 for chat; vLLM: 20)
+_REFUSED = {"echo": (False, "echo is not supported: the response holds the completion only"),
+            "suffix": ("", "suffix (text after the insertion point) is not supported")}
 
 
 @dataclass(slots=True)
@@ -39,10 +38,11 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    priority: int = 0  # vLLM's extra field: lower is served first
 
 
 def parse_completion(body: Any, served: Served) -> ParsedRequest:
-    body = _check_common(body, served)
+    body = _check_common(body, served, chat=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -58,13 +58,14 @@ def parse_completion(body: Any, served: Served) -> ParsedRequest:
 
 
 def parse_chat(body: Any, served: Served) -> ParsedRequest:
-    body = _check_common(body, served)
+    body = _check_common(body, served, chat=True)
     ids = apply_chat_template(served.tokenizer, parse_messages(body.get("messages")))
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = {key: _int_field(body, key, None, 1, MAX_TOKENS) for key in ("max_completion_tokens", "max_tokens")}
+    max_tokens = given["max_completion_tokens"] or given["max_tokens"]  # both type-checked, the newer name wins
     if max_tokens is not None:
         body = {**body, "max_tokens": max_tokens}
-    return _finish(body, ids, served, "messages", default_max_tokens=max(1, served.max_model_len - len(ids)),
-                   chat=True)
+    rest = min(MAX_TOKENS, max(1, served.max_model_len - len(ids)))  # the default: the rest of the context
+    return _finish(body, ids, served, "messages", default_max_tokens=rest, chat=True)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -87,16 +88,20 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _check_common(body: Any, served: Served) -> dict[str, Any]:
+def _check_common(body: Any, served: Served, chat: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
+    check_fields(body, chat)
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest("model must be a string", param="model")
     if model is not None and model != served.name:
         raise InvalidRequest(f"The model `{model}` does not exist. This server serves `{served.name}`.",
                              param="model", code="model_not_found")
     for key, (neutral, why) in _REFUSED.items():
-        if body.get(key) not in neutral:
-            raise InvalidRequest(f"{key}={body[key]!r}: {why}", param=key)
+        value = body.get(key)
+        if value is not None and not (type(value) is type(neutral) and value == neutral):
+            raise InvalidRequest(f"{key}={_show(value)}: {why}", param=key)
     return body
 
 
@@ -107,19 +112,23 @@ def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, def
         raise InvalidRequest(f"the {what} is empty after tokenization", param=what)
     if any(t < 0 or t >= vocab for t in ids):
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param=what)
-    opts = body.get("stream_options") or {}
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) or not isinstance(opts, dict):
-        raise InvalidRequest("stream must be a boolean and stream_options an object", param="stream")
+    stream = body.get("stream")
+    stream = False if stream is None else stream
+    if not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {_show(stream)}", param="stream")
+    include_usage = check_stream_options(body.get("stream_options"))
+    priority = body.get("priority")
+    priority = 0 if priority is None else check_priority(priority)
     fields = {dst: body[src] for src, dst in _PASSTHROUGH.items() if body.get(src) is not None}
-    if fields.get("top_k") == -1:
+    if type(fields.get("top_k")) is int and fields["top_k"] == -1:
         fields["top_k"] = 0  # vLLM's spelling of "off"
     max_tokens = body.get("max_tokens")
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {max_tokens!r}", param="max_tokens")
+        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {_show(max_tokens)}",
+                             param="max_tokens")
     stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    stop = [] if stop is None else stop
     fields |= _sequence_fields(body, chat, stream)
     params = SamplingParams.from_dict({**fields, "max_tokens": max_tokens, "stop": stop})
     if len(ids) + max_tokens > served.max_model_len:
@@ -127,7 +136,7 @@ def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, def
             f"This model's maximum context length is {served.max_model_len} tokens. However, you requested "
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the {what}, {max_tokens} in the completion). "
             f"Please reduce the length of the {what} or completion.", param=what, code="context_length_exceeded")
-    return ParsedRequest(ids, params, stream, bool(opts.get("include_usage")))
+    return ParsedRequest(ids, params, stream, include_usage, priority)
 
 
 def _sequence_fields(body: dict[str, Any], chat: bool, stream: bool) -> dict[str, Any]:
@@ -142,15 +151,15 @@ def _sequence_fields(body: dict[str, Any], chat: bool, stream: bool) -> dict[str
     out: dict[str, Any] = {"n": n, "logprobs": _logprobs_field(body, chat)}
     beam = body.get("use_beam_search")
     if beam is not None and not isinstance(beam, bool):
-        raise InvalidRequest(f"use_beam_search must be true or false, got {beam!r}", param="use_beam_search")
+        raise InvalidRequest(f"use_beam_search must be true or false, got {_show(beam)}",
+                             param="use_beam_search")
     if beam:  # vLLM's spelling, where best_of was the beam width
         if out["logprobs"] is not None:  # the engine returns beam search's tokens and finish reasons only
             raise InvalidRequest("logprobs are not returned for beam search outputs", param="logprobs")
         out |= {"use_beam_search": True, "beam_width": _int_field(body, "beam_width", best_of or n, 1, MAX_N)}
         return out | {k: body[k] for k in ("length_penalty", "early_stopping") if body.get(k) is not None}
-    for key, neutral in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
-        if body.get(key) not in (None, neutral):
-            raise InvalidRequest(f"{key} applies to beam search only: set use_beam_search=true", param=key)
+    # SamplingParams type-checks these and refuses any but their neutral values without beam search
+    out |= {k: body[k] for k in ("beam_width", "length_penalty", "early_stopping") if body.get(k) is not None}
     if best_of is not None:
         if stream and best_of > n:
             raise InvalidRequest("best_of > n cannot stream: which sequences are best is known only at the end; "
@@ -169,7 +178,7 @@ def _logprobs_field(body: dict[str, Any], chat: bool) -> int | None:
         return _int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
     wanted = body.get("logprobs")
     if wanted is not None and not isinstance(wanted, bool):
-        raise InvalidRequest(f"logprobs must be true or false, got {wanted!r} (top_logprobs sets how many "
+        raise InvalidRequest(f"logprobs must be true or false, got {_show(wanted)} (top_logprobs sets how many "
                              "alternatives)", param="logprobs")
     top = _int_field(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and wanted is not True:
@@ -186,8 +195,14 @@ def _int_field(body: dict[str, Any], key: str, default: int | None, lo: int, hi:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise InvalidRequest(f"{key} must be an integer in [{lo}, {hi}], got {value!r}", param=key)
+        raise InvalidRequest(f"{key} must be an integer in [{lo}, {hi}], got {_show(value)}", param=key)
     return value
+
+
+def _show(value: Any) -> str:
+    """A value in an error message, cut short: a client's megabyte string does not come back whole."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 # -- responses ------------------------------------------------------------------------------------------

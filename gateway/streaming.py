@@ -51,7 +51,7 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
         raise
     metrics.begin(rid)
     reason, last = "abort", None  # stays "abort" when the client goes away before the end
-    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid)
+    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid, priority=req.priority)
     try:
         async for out in outputs:
             last = out

@@ -67,9 +67,13 @@ class _Session:
             if not isinstance(msg, dict):
                 raise InvalidRequest("a message must be a JSON object")
             cid = msg.get("id")
+            unknown = sorted(str(k)[:100] for k in msg if k not in ("op", "id", "body"))
             if not isinstance(cid, str) or not cid or len(cid) > MAX_ID_LEN:
                 cid = None
                 raise InvalidRequest(f"'id' must be a non-empty string of at most {MAX_ID_LEN} characters", param="id")
+            if unknown:  # every field is honoured or refused, here as in the body
+                raise InvalidRequest(f"unknown field {unknown[0]!r} in the message: it takes op, id and body",
+                                     param=unknown[0])
             op = msg.get("op")
             if op == "cancel":
                 self.cancel(cid)

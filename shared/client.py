@@ -23,7 +23,7 @@ from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, check_priority
 
 log = logging.getLogger(__name__)
 Prompt = str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
@@ -199,6 +199,7 @@ class AsyncEngineClient:
                   priority: int = 0) -> RequestStream:
         """Queue a request in the engine; iterate the returned stream for its deltas. An ERROR answer
         from the engine is raised (InvalidRequest) from the iteration."""
+        check_priority(priority)  # a typed error here, not an ERROR answer later
         await self.wait_ready()
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from shared.errors import ConveyorError, ProtocolError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, check_priority
 
 # 2: ABORT may name one choice (index). 3: ending one choice is its own message, STOP_CHOICE; ABORT
 # ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
@@ -192,7 +192,7 @@ def _decode_add(d: dict[str, Any]) -> Add:
         request_id=d["request_id"],
         prompt_token_ids=ids,
         params=SamplingParams.from_dict(d["params"]),
-        priority=int(d.get("priority", 0)),
+        priority=check_priority(d.get("priority", 0)),
     )
 
 

@@ -1,10 +1,38 @@
-"""SamplingParams: what a client may ask of the sampler, validated once at the edge."""
+"""SamplingParams: what a client may ask of the sampler, validated once at the edge.
+
+Validation is strict and runs wherever a SamplingParams is built: in the gateway, in the SDK, and again in
+the engine when it decodes an ADD (a client that skips the SDK is still checked). Every field has a type
+(a JSON boolean is a boolean: "false" and 1 are not; an integer is an int: not a bool, not 2.0) and a
+range (finite numbers only), chosen so that no accepted value can break the engine's arithmetic: no
+overflow in beam scoring, no division by zero, no integer too large for the wire. Token ids are checked
+against the model's vocabulary by the engine, which alone knows it. The limits are the constants below,
+and docs/reliability.md lists them in a table.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from shared.errors import InvalidRequest
+
+MAX_TOKENS = 1 << 20  # an upper bound before the model's context (the engine checks that too)
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 0.01  # above 0: logits / 1e-30 overflow to inf and the softmax gives NaN
+MAX_TOP_K = 1 << 20  # larger than any vocabulary; the sampler clamps to the vocabulary
+MAX_PENALTY = 2.0  # presence and frequency penalties: [-2, 2], as OpenAI
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # logits are divided or multiplied by it
+MAX_LOGIT_BIAS = 100.0  # |bias|, as OpenAI
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 512  # characters per stop string (the detokenizer holds back that much text)
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = (1 << 31) - 1  # a bound for the wire; the engine checks ids against the vocabulary
+MAX_LOGPROBS = 20
+MAX_N = 64  # n, best_of and beam_width
+LENGTH_PENALTY_RANGE = (-10.0, 10.0)  # MAX_TOKENS ** 10 is ~1e60: finite, and never 0 at -10
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # what the wire (orjson) carries
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # Add.priority: lower is served first
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +62,10 @@ class SamplingParams:
     # n with the highest cumulative logprob are kept. best_of > n streams nothing until the end.
     n: int = 1
     best_of: int | None = None
-    # Beam search (deterministic; temperature and top-k/p are ignored): beam_width beams, the n best
-    # returned; score = sum logprob / generated_len ** length_penalty, as transformers' generate.
+    # Beam search (deterministic, as transformers' generate(num_beams=..., do_sample=False)): beam_width
+    # beams, the n best returned; score = sum logprob / generated_len ** length_penalty. Every field that
+    # would change a sampled distribution (temperature other than 0 or 1, top-k/p, min-p, penalties,
+    # logit_bias) is refused with it rather than ignored.
     use_beam_search: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -46,13 +76,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "stop", tuple([self.stop] if isinstance(self.stop, str) else self.stop))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        try:
-            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
-        except (TypeError, ValueError):
-            raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias") from None
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         self.validate()
 
     @property
@@ -77,56 +104,134 @@ class SamplingParams:
                 or bool(self.logit_bias))
 
     def validate(self) -> None:
-        def check(ok: bool, param: str, why: str) -> None:
-            if not ok:
-                raise InvalidRequest(f"{param} {why}", param=param)
+        """Types and ranges of every field, then the combinations: InvalidRequest naming the field."""
+        _int(self.max_tokens, "max_tokens", 1, MAX_TOKENS)
+        _num(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+        _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
+               f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        _num(self.top_p, "top_p", 0.0, 1.0)
+        _check(self.top_p > 0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _int(self.top_k, "top_k", 0, MAX_TOP_K, " (0 = off)")
+        _num(self.min_p, "min_p", 0.0, 1.0)
+        if self.seed is not None:
+            _int(self.seed, "seed", *SEED_RANGE)
+        _bool(self.ignore_eos, "ignore_eos")
+        _int(self.min_tokens, "min_tokens", 0, self.max_tokens, " (max_tokens)")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+               f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        for t in self.stop_token_ids:
+            _int(t, "stop_token_ids", 0, MAX_TOKEN_ID, "", what="must hold integer token ids")
+        _check(len(self.stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings, got {len(self.stop)}")
+        _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop",
+               f"must be non-empty strings of at most {MAX_STOP_LEN} characters")
+        _num(self.presence_penalty, "presence_penalty", -MAX_PENALTY, MAX_PENALTY)
+        _num(self.frequency_penalty, "frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
+        _num(self.repetition_penalty, "repetition_penalty", *REPETITION_PENALTY_RANGE)
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES, "logit_bias",
+               f"may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias:
+            _int(t, "logit_bias", 0, MAX_TOKEN_ID, "", what="keys must be integer token ids")
+            _num(b, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, what="values must be numbers")
+        if self.logprobs is not None:
+            _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        _int(self.n, "n", 1, MAX_N)
+        if self.best_of is not None:
+            _int(self.best_of, "best_of", self.n, MAX_N, " (n)")
+        _bool(self.use_beam_search, "use_beam_search")
+        _int(self.beam_width, "beam_width", 1, MAX_N)
+        _num(self.length_penalty, "length_penalty", *LENGTH_PENALTY_RANGE)
+        _check(type(self.early_stopping) is bool or self.early_stopping == "never", "early_stopping",
+               f'must be true, false or "never", got {self.early_stopping!r}')
+        _bool(self.speculative, "speculative")
+        if self.use_beam_search:
+            self._validate_beam_search()
+        else:
+            for name, neutral in (("beam_width", 1), ("length_penalty", 1.0), ("early_stopping", False)):
+                _check(getattr(self, name) == neutral, name, "applies to beam search only: set use_beam_search=true")
 
-        check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-              f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-              f"must be >= 0, got {self.temperature!r}")
-        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k",
-              f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
-        check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
-              "must be an integer in [0, max_tokens]")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be non-negative integers")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            check(_is_num(v) and -2 <= v <= 2, name, f"must be in [-2, 2], got {v!r}")
-        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        check(all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
-              "must map token ids >= 0 to biases in [-100, 100]")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), "logprobs",
-              f"must be an integer in [0, 20], got {self.logprobs!r}")
-        check(isinstance(self.n, int) and 1 <= self.n <= 64, "n", f"must be an integer in [1, 64], got {self.n!r}")
-        check(self.best_of is None or (isinstance(self.best_of, int) and self.n <= self.best_of <= 64), "best_of",
-              "must be an integer in [n, 64]")
-        check(isinstance(self.beam_width, int) and 1 <= self.beam_width <= 64, "beam_width", "must be in [1, 64]")
-        check(not self.use_beam_search or self.n <= self.beam_width, "n", "must be <= beam_width with beam search")
-        check(not self.use_beam_search or self.best_of is None, "best_of", "cannot be used with beam search")
-        check(_is_num(self.length_penalty), "length_penalty", "must be a number")
-        check(self.early_stopping in (True, False, "never"), "early_stopping", 'must be true, false or "never"')
-        check(isinstance(self.speculative, bool), "speculative", "must be true or false")
+    def _validate_beam_search(self) -> None:
+        """Beam search here is deterministic and scores raw log-softmax, as transformers' generate with
+        do_sample=False: anything that would reshape the distribution is refused, never ignored."""
+        _check(self.n <= self.beam_width, "n", f"must be <= beam_width with beam search, got {self.n} > "
+               f"{self.beam_width}")
+        _check(self.best_of is None, "best_of", "cannot be used with beam search (beam_width sets the beams)")
+        _check(self.logprobs is None, "logprobs", "are not returned for beam search outputs")
+        # temperature 1 (the default) leaves the log-softmax unchanged, 0 means "deterministic": both honoured
+        _check(self.temperature in (0.0, 1.0), "temperature",
+               f"must be 0 or 1 (the default) with beam search, which does not sample; got {self.temperature!r}")
+        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
+                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            _check(value == neutral, name, f"cannot be used with beam search (it does not sample); "
+                   f"leave it at {neutral!r}, got {value!r}")
+        _check(not self.logit_bias, "logit_bias", "cannot be used with beam search")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        if not isinstance(data, dict):
+            raise InvalidRequest(f"sampling parameters must be an object, got {type(data).__name__}",
+                                 param="params")
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = sorted(k for k in data if k not in known)
         if unknown:
-            raise InvalidRequest(f"unknown sampling parameters: {sorted(unknown)}")
-        try:
-            return cls(**data)
-        except TypeError as e:
-            raise InvalidRequest(f"bad sampling parameters: {e}") from None
+            raise InvalidRequest(f"unknown sampling parameters: {unknown}", param=str(unknown[0]))
+        return cls(**data)
 
 
-def _is_num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def check_priority(priority: object) -> int:
+    """A request's priority (lower is served first), as the gateway, the SDK and the engine accept it."""
+    _int(priority, "priority", *PRIORITY_RANGE, " (lower is served first)")
+    assert isinstance(priority, int)
+    return priority
+
+
+def _check(ok: bool, param: str, why: str) -> None:
+    if not ok:
+        message = f"{param} {why}"
+        raise InvalidRequest(message if len(message) <= 300 else message[:297] + "...", param=param)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _int(x: object, param: str, lo: int, hi: int, note: str = "", what: str = "must be an integer") -> None:
+    _check(_is_int(x) and lo <= x <= hi, param, f"{what} in [{lo}, {hi}]{note}, got {x!r}")  # type: ignore[operator]
+
+
+def _num(x: object, param: str, lo: float, hi: float, what: str = "must be a number") -> None:
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
+    _check(ok, param, f"{what} in [{lo:g}, {hi:g}], got {x!r}")
+
+
+def _bool(x: object, param: str) -> None:
+    _check(isinstance(x, bool), param, f"must be true or false, got {x!r}")
+
+
+def _as_tuple(value: object, param: str) -> tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequest(f"{param} must be a list, got {value!r}"[:200], param=param)
+    return tuple(value)
+
+
+def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """{"id": bias} (JSON objects have string keys) or [[id, bias], ...] (the wire) -> ((id, bias), ...);
+    only decimal-integer keys are converted, every type is checked again by validate()."""
+    if isinstance(value, dict):
+        items: list[Any] = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {value!r}"[:200], param="logit_bias")
+    pairs = []
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise InvalidRequest("logit_bias must map token ids to numbers", param="logit_bias")
+        t, b = item
+        if isinstance(t, str) and t.isascii() and t.isdigit() and len(t) <= 10:
+            t = int(t)
+        pairs.append((t, b))
+    return tuple(pairs)

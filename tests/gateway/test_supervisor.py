@@ -42,7 +42,7 @@ def test_a_killed_engine_is_restarted_and_the_client_reconnects(tmp_path: Path) 
                 old = engine.proc.pid
                 os.kill(old, signal.SIGKILL)
                 await until(lambda: not client.connected)
-                await until(lambda: client.connected and engine.proc is not None and engine.proc.pid != old)
+                await until(lambda old=old: client.connected and engine.proc is not None and engine.proc.pid != old)
                 assert sup.restarts == n and not stop.is_set()
                 sup._ready_at -= FAST.window  # ...as if it had served a full window
             task.cancel()

@@ -29,7 +29,7 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "log_level")
+                "max_body_size", "stream_interval", "resume_timeout", "log_level")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gateway-workers", type=int, default=1,
                        help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
                             "process detokenizes and streams its own requests")
+    serve.add_argument("--max-engine-restarts", type=int, default=5,
+                       help="restart an engine that dies, with backoff (0.5 s doubling to 8 s), up to this many "
+                            "crashes in a row (an engine that served 60 s starts a new count); past it the "
+                            "gateway exits non-zero. 0: never restart, exit when the engine does")
     group = serve.add_argument_group("engine", "passed to `python -m engine`")
     add_engine_args(group, with_model=False)
     gateway = sub.add_parser("gateway", help="serve HTTP for an engine that runs elsewhere")
@@ -70,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stream the first token at once, then one event every N tokens: fewer, larger events "
                             "(less CPU per token under load) at the price of burstier streams")
         p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine's READY")
+        p.add_argument("--resume-timeout", type=float, default=120.0,
+                       help="seconds streams in flight wait for a lost engine to come back before they end with an "
+                            "error; resumable ones carry on where they were (docs/reliability.md). 0: fail at once")
         p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
@@ -122,6 +129,7 @@ async def run(args: argparse.Namespace) -> int:
     from gateway.app import build_app
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
     from gateway.state import SERVED
+    from gateway.supervisor import EngineSupervisor, RestartPolicy
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
 
@@ -135,7 +143,8 @@ async def run(args: argparse.Namespace) -> int:
         address = engine.address
     else:
         address = args.engine_address
-    client = AsyncEngineClient(address, name="gateway", model=args.model)
+    client = AsyncEngineClient(address, name="gateway", model=args.model, resume_timeout=args.resume_timeout)
+    supervisor = None
     config = gateway_config(args)
     runner = None
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
@@ -177,9 +186,11 @@ async def run(args: argparse.Namespace) -> int:
             os.close(args.ready_fd)
         print(f"conveyor: serving {app[SERVED].name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         if engine is not None:
-            tasks.append(asyncio.create_task(engine.watch(stop)))
+            policy = RestartPolicy(max_restarts=args.max_engine_restarts, ready_timeout=args.ready_timeout)
+            supervisor = EngineSupervisor(engine, client, policy)
+            tasks.append(asyncio.create_task(supervisor.supervise(stop)))
         await stop.wait()
-        return 1 if (engine and engine.exit_code() is not None) or (workers and workers.failed) else 0
+        return 1 if (supervisor and supervisor.gave_up) or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1

@@ -69,13 +69,6 @@ class EngineProcess:
                 raise EngineDead(f"the engine exited with code {code} before it was ready (its error is above)")
         start.result()
 
-    async def watch(self, on_exit: asyncio.Event) -> None:
-        """While serving: an engine that dies takes the gateway down, rather than serving 503s forever."""
-        while self.exit_code() is None:
-            await asyncio.sleep(0.5)
-        log.error("the engine exited with code %s", self.exit_code())
-        on_exit.set()
-
     def stop(self) -> None:
         if self.proc is not None:
             terminate([self.proc], self.stop_timeout, "the engine")

@@ -3,12 +3,16 @@
 One DEALER socket with a unique identity per client; the engine's ROUTER answers only this client's
 requests on it. A single reader task owns receiving and dispatches each OUTPUTS row to the queue of
 its request, so a slow consumer of one request never delays another (mini-sglang's request table).
-A socket monitor notices a lost engine: in-flight requests fail fast with EngineDead instead of
-hanging, and a restarted engine is greeted with HELLO again (basic reconnect).
+A lost engine (the socket monitor sees the connection drop, a supervisor sees the process exit, a
+heartbeat sees silence: all call engine_lost) does not end the requests in flight: when an engine answers
+the handshake again, each is resubmitted as prompt + the tokens already delivered, and its stream simply
+goes on (shared/resume.py says how, and which requests cannot be resumed: those end with EngineDead at
+once). A request the engine does not take back within resume_timeout ends with EngineDead.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import deque
@@ -23,6 +27,7 @@ from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
+from shared.resume import Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
 
 log = logging.getLogger(__name__)
@@ -113,16 +118,21 @@ class AsyncEngineClient:
 
     def __init__(self, address: str, *, name: str = "client", ready_timeout: float = 10.0,
                  model: str | None = None, tokenizer: Any = None,
-                 on_output: Callable[[P.RequestOutput], None] | None = None) -> None:
+                 on_output: Callable[[P.RequestOutput], None] | None = None, resume_timeout: float = 60.0) -> None:
         """on_output: called with every output row of this client's live requests as it arrives, before
-        a slow consumer's deltas are merged (the gateway's metrics see each engine step this way)."""
+        a slow consumer's deltas are merged (the gateway's metrics see each engine step this way).
+        resume_timeout: how long requests in flight wait for a lost engine to come back (0: not at all)."""
         self.address = address
         self.on_output = on_output
         self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
         self.ready_timeout = ready_timeout
+        self.resume_timeout = resume_timeout
         self.ready: P.Ready | None = None  # the engine's handshake answer: model name, max_model_len, eos ids
         self._model, self._tokenizer = model, tokenizer  # model: where to load the tokenizer from
         self._streams: dict[str, RequestStream] = {}
+        self._resumer = Resumer()  # how to resubmit each request of _streams; which wait for an engine
+        self._resume_timer: asyncio.TimerHandle | None = None
+        self._side_tasks: set[asyncio.Task[None]] = set()
         self._stats_waiters: deque[asyncio.Future[dict[str, float]]] = deque()
         self._ready_evt = asyncio.Event()
         self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
@@ -161,9 +171,10 @@ class AsyncEngineClient:
         """Idempotent. Open streams end with EngineDead; sockets close without lingering."""
         self._dead = EngineDead("client closed")
         self._fail_all(self._dead)
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._side_tasks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         if self._ctx is not None:
             self._sock.disable_monitor()
@@ -174,6 +185,66 @@ class AsyncEngineClient:
         """For whoever watches the engine process (the launcher): fail everything now, for good."""
         self._dead = EngineDead(reason)
         self._fail_all(self._dead)
+
+    def engine_lost(self, reason: str) -> None:
+        """The one entry point for "the engine went away" (the socket monitor, the supervisor of the engine
+        process, a heartbeat): the client stops counting on the engine until one answers HELLO again.
+        Requests that can be resumed are held and resubmitted then (shared/resume.py); the others, and
+        stats waiters, fail now with EngineDead naming `reason`. Idempotent; safe to call while connected
+        (an engine that went silent): the held requests are aborted there first, and greeted anew."""
+        if self._dead is not None or self._ctx is None:
+            return
+        log.warning("engine lost: %s", reason)
+        self._lost = True
+        self._ready_evt.clear()
+        for rid, refusal in self._resumer.hold(self.resume_timeout > 0).items():
+            self._streams.pop(rid).put(EngineDead(refusal_message(reason, refusal)))
+        while self._stats_waiters:
+            fut = self._stats_waiters.popleft()
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+        # ABORT, then HELLO, on the one ordered pipe: an engine that was only silent drops the held
+        # requests before it answers READY, so every row for them after READY is from the resubmission.
+        msgs: list[P.Message] = [P.Hello(client_name=self.identity.decode())]
+        if self._resumer.held:
+            msgs.insert(0, P.Abort(sorted(self._resumer.held)))
+            if self._resume_timer is None:
+                self._resume_timer = asyncio.get_running_loop().call_later(self.resume_timeout, self._resume_expired)
+        self._spawn(self._send_all(msgs))
+
+    def _resume(self) -> None:
+        """An engine answered the handshake after a loss: resubmit every held request still wanted."""
+        self._cancel_resume_timer()
+        adds, ends = self._resumer.resume(self._streams)
+        for end in ends:  # every token was delivered already: only the final row was lost
+            self._streams.pop(end.request_id).put(end)
+        if adds:
+            log.warning("resuming %d request(s) on the engine at %s", len(adds), self.address)
+            self._spawn(self._send_all(list[P.Message](adds)))
+
+    def _resume_expired(self) -> None:
+        self._resume_timer = None
+        err = EngineDead(f"the engine at {self.address} did not come back within {self.resume_timeout:g}s")
+        for rid in self._resumer.expire():
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(err)
+
+    def _cancel_resume_timer(self) -> None:
+        if self._resume_timer is not None:
+            self._resume_timer.cancel()
+            self._resume_timer = None
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _send_all(self, msgs: list[P.Message]) -> None:
+        """Sends in order; a failed send means the socket is gone, which the read loop reports."""
+        with contextlib.suppress(EngineDead):
+            for msg in msgs:
+                await self._send(msg)
 
     @property
     def connected(self) -> bool:
@@ -205,7 +276,9 @@ class AsyncEngineClient:
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
         stream = self._streams[rid] = RequestStream(rid)
-        await self._send(P.Add(rid, list(prompt_token_ids), params, priority))
+        add = P.Add(rid, list(prompt_token_ids), params, priority)
+        self._resumer.track(add)
+        await self._send(add)
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -213,6 +286,7 @@ class AsyncEngineClient:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self._resumer.forget(request_id)
         stream.put(P.RequestOutput(request_id, [], finished=True, finish_reason="abort"))
         if self._dead is None and self._ctx is not None:
             await self._send(P.Abort([request_id]))
@@ -340,17 +414,21 @@ class AsyncEngineClient:
 
     def _dispatch(self, msg: P.Message) -> None:
         if isinstance(msg, P.Outputs):
-            streams, on_output = self._streams, self.on_output
+            streams, resumer, on_output = self._streams, self._resumer, self.on_output
             for out in msg.outputs:
                 stream = streams.get(out.request_id)
-                if stream is not None:  # None: aborted here already; the engine's final row is late
-                    if on_output is not None:
-                        on_output(out)
-                    stream.put(out)
-                    if out.finished:
-                        del streams[out.request_id]
+                # None: aborted here already, the engine's final row is late.
+                if stream is None or not resumer.deliver(out):
+                    continue
+                if on_output is not None:
+                    on_output(out)
+                stream.put(out)
+                if out.finished:
+                    del streams[out.request_id]
         elif isinstance(msg, P.Error):
             stream = self._streams.pop(msg.request_id, None) if msg.request_id else None
+            if msg.request_id:
+                self._resumer.forget(msg.request_id)
             if stream is not None:
                 stream.put(_error_from_wire(msg))
             elif self.ready is None:  # the answer to our HELLO: e.g. a protocol version it does not speak
@@ -367,17 +445,17 @@ class AsyncEngineClient:
             if msg.protocol_version != P.PROTOCOL_VERSION:
                 self.mark_dead(f"engine speaks protocol v{msg.protocol_version}, this client v{P.PROTOCOL_VERSION}")
             self.ready = msg
+            self._lost = False
             self._ready_evt.set()
+            if self._resumer.held:
+                self._resume()
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
-                    log.warning("lost connection to engine at %s", self.address)
-                    self._lost = True
-                    self._ready_evt.clear()
-                    self._fail_all(EngineDead(f"lost connection to engine at {self.address}"))
+                    self.engine_lost(f"lost connection to engine at {self.address}")
                 elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
                     self._lost = False
                     await self._send(P.Hello(client_name=self.identity.decode()))
@@ -386,6 +464,8 @@ class AsyncEngineClient:
 
     def _fail_all(self, err: ConveyorError) -> None:
         streams, self._streams = self._streams, {}
+        self._resumer.clear()
+        self._cancel_resume_timer()
         for stream in streams.values():
             stream.put(err)
         while self._stats_waiters:

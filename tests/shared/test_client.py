@@ -120,14 +120,14 @@ def test_no_ready_gives_engine_dead_within_timeout() -> None:
     run(main())
 
 
-def test_engine_loss_fails_inflight_requests_then_reconnects() -> None:
+def test_engine_loss_fails_inflight_requests_after_resume_timeout_then_reconnects() -> None:
     async def main() -> None:
         eng = FakeEngine(tokens=list(range(1000)), step_interval=0.01).__enter__()
-        async with AsyncEngineClient(eng.address, ready_timeout=3) as client:
+        async with AsyncEngineClient(eng.address, ready_timeout=3, resume_timeout=0.3) as client:
             stream = await client.add([1], SamplingParams(max_tokens=1000))
             await stream.__anext__()
             eng.stop()
-            with pytest.raises(EngineDead):
+            with pytest.raises(EngineDead, match="did not come back within 0.3s"):
                 async for _ in stream:
                     pass
             with FakeEngine(tokens=[7], address=eng.address):  # the engine comes back on the same address

@@ -1,0 +1,147 @@
+"""Resuming a request on a restarted engine: what the client keeps per request, and which requests can
+be resumed exactly.
+
+A request the engine lost is sent again as prompt + the tokens already delivered, with max_tokens and
+min_tokens reduced by what was delivered, under the same request id. The engine then computes the very
+next token the lost engine would have: greedy takes the argmax of the same context, and seeded
+sampling draws from a generator seeded by (seed, choice index, absolute position) (engine/sampler.py
+`generator_of`), which the resubmission leaves unchanged. The caller's stream, its detokenizer and its
+stop-string state never notice; only `usage` needs the original prompt length, which the client
+restores on every row of the resumed run.
+
+What would change the output is refused (resume_refusal), and such a request ends with an error instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+from shared import protocol as P
+from shared.sampling import SamplingParams
+
+
+def resume_refusal(params: SamplingParams) -> str | None:
+    """Why a request with these params cannot be resumed exactly on a new engine; None when it can.
+
+    - n > 1 or best_of > 1: several sequences forked from one prefill, ranked at the end by cumulative
+      logprobs the client never sees;
+    - beam search: the beams' scores and the candidates they were pruned from live in the engine only;
+    - presence / frequency penalties: they count output tokens only, and resubmitted tokens would count
+      as prompt (repetition_penalty counts prompt and output alike, so it resumes exactly)."""
+    if params.use_beam_search:
+        return "beam search"
+    if params.n > 1 or (params.best_of or 1) > 1:
+        return f"n={params.n}, best_of={params.best_of}"
+    if params.presence_penalty or params.frequency_penalty:
+        return "presence/frequency penalties count the output tokens only"
+    return None
+
+
+@dataclass(slots=True)
+class InFlight:
+    """What resubmitting one request takes: its original ADD and every token delivered for it so far.
+    Written only by the client's reader (note) and its resume (resubmit)."""
+
+    add: P.Add
+    refusal: str | None  # resume_refusal(add.params), computed once at add time
+    delivered: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # the first engine's prefix-cache hit, reported again in resumed rows
+    resumed: int = 0  # how many times it was resubmitted
+
+    def note(self, out: P.RequestOutput) -> None:
+        """A row about to reach the caller: remember its tokens; on a resumed run, report the counts of
+        the original request (the new engine sees the delivered tokens as prompt)."""
+        if self.refusal is not None:
+            return
+        self.delivered += out.new_token_ids
+        if self.resumed:
+            out.num_prompt_tokens = len(self.add.prompt_token_ids)
+            out.num_cached_tokens = self.num_cached_tokens
+            if out.finished:  # beside the engine's timestamps (those of the last run)
+                out.events = {**(out.events or {}), "resumed": self.resumed}
+        elif out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
+
+    def resubmit(self) -> P.Add | P.RequestOutput:
+        """The ADD that continues this request on a new engine, or (nothing left to generate) the final
+        row that ends it."""
+        d = len(self.delivered)
+        p = self.add.params
+        if d >= p.max_tokens:
+            return P.RequestOutput(self.add.request_id, [], True, "length", len(self.add.prompt_token_ids),
+                                   self.num_cached_tokens)
+        self.resumed += 1
+        params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d))
+        return P.Add(self.add.request_id, [*self.add.prompt_token_ids, *self.delivered], params, self.add.priority)
+
+
+class Resumer:
+    """The client's record of its requests in flight, and which of them wait for an engine to come back.
+    The client calls track/forget as requests start and end, deliver for every row, hold when the engine
+    is lost and resume when one answers the handshake again."""
+
+    def __init__(self) -> None:
+        self.inflight: dict[str, InFlight] = {}
+        # In flight when the engine was lost: their rows are dropped until they are resubmitted.
+        self.held: set[str] = set()
+
+    def track(self, add: P.Add) -> None:
+        self.inflight[add.request_id] = InFlight(add, resume_refusal(add.params))
+
+    def forget(self, request_id: str) -> None:
+        self.inflight.pop(request_id, None)
+        self.held.discard(request_id)
+
+    def deliver(self, out: P.RequestOutput) -> bool:
+        """Whether this row goes to the caller: not a lost engine's row for a held request (the
+        resubmission computes those tokens again)."""
+        if self.held and out.request_id in self.held:
+            return False
+        self.inflight[out.request_id].note(out)
+        if out.finished:
+            del self.inflight[out.request_id]
+        return True
+
+    def hold(self, resumable: bool = True) -> dict[str, str]:
+        """The engine is lost: hold every request that can be resumed. -> the others, request id -> why
+        not (forgotten here; the caller fails them)."""
+        refused = {}
+        for rid, rec in list(self.inflight.items()):
+            refusal = rec.refusal if resumable else "resuming is off"
+            if refusal is None:
+                self.held.add(rid)
+            else:
+                refused[rid] = refusal
+                del self.inflight[rid]
+        return refused
+
+    def resume(self, live: Container[str]) -> tuple[list[P.Add], list[P.RequestOutput]]:
+        """An engine answered the handshake: the ADDs that continue the held requests still `live`, and the
+        final rows of those that had nothing left to generate."""
+        adds, ends = [], []
+        for rid in sorted(self.held):
+            if rid not in live:
+                continue
+            again = self.inflight[rid].resubmit()
+            if isinstance(again, P.Add):
+                adds.append(again)
+            else:
+                del self.inflight[rid]
+                ends.append(again)
+        self.held = set()
+        return adds, ends
+
+    def expire(self) -> list[str]:
+        """The engine did not come back in time: -> the held requests, forgotten (the caller fails them)."""
+        held, self.held = sorted(self.held), set()
+        for rid in held:
+            del self.inflight[rid]
+        return held
+
+    def clear(self) -> None:
+        self.inflight, self.held = {}, set()
+
+
+def refusal_message(reason: str, refusal: str) -> str:
+    return f"{reason}; this request cannot be resumed on a restarted engine ({refusal}): retry it"

@@ -1,0 +1,105 @@
+"""Requests that outlive their engine (shared/resume.py through the client): resubmitted as prompt + the
+tokens delivered, with the budget left, under the same id; the stream goes on with nothing lost or
+repeated. Against fake engines, so that every ADD the new engine receives can be checked."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from shared import protocol as P
+from shared.client import AsyncEngineClient
+from shared.errors import EngineDead
+from shared.resume import resume_refusal
+from shared.sampling import SamplingParams
+from tests.fakes import FakeEngine
+
+PROMPT = [5, 6, 7]
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def continuing(add: P.Add) -> list[int]:
+    """The fake model: token i of a sequence is 1000 + i, wherever the prompt ends; so a resumed request
+    continues the very sequence it would have produced."""
+    start = len(add.prompt_token_ids) - len(PROMPT)
+    return [1000 + i for i in range(start, start + add.params.max_tokens)]
+
+
+async def read_some(stream: Any, n: int) -> list[P.RequestOutput]:
+    outs = []
+    while sum(len(o.new_token_ids) for o in outs) < n:
+        outs.append(await stream.__anext__())
+    return outs
+
+
+def test_a_request_resumes_on_a_restarted_engine_with_nothing_lost_or_repeated() -> None:
+    params = SamplingParams(max_tokens=60, min_tokens=40, seed=7, temperature=0.8)
+
+    async def main() -> None:
+        eng = FakeEngine(script=continuing, step_interval=0.01).__enter__()
+        async with AsyncEngineClient(eng.address, resume_timeout=10) as client:
+            stream = await client.add(PROMPT, params, request_id="r1")
+            outs = await read_some(stream, 5)
+            eng.stop()  # the engine dies mid-decode
+            with FakeEngine(script=continuing, address=eng.address) as new:
+                outs += [o async for o in stream]
+                add = new.adds()[0]
+        tokens = [t for o in outs for t in o.new_token_ids]
+        assert tokens == [1000 + i for i in range(60)]  # each token once, in order
+        d = len(add.prompt_token_ids) - len(PROMPT)
+        assert d >= 5 and add.prompt_token_ids == PROMPT + tokens[:d] and add.request_id == "r1"
+        assert (add.params.max_tokens, add.params.min_tokens) == (60 - d, 40 - d)
+        assert (add.params.seed, add.params.temperature) == (7, 0.8)
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert all(o.num_prompt_tokens in (0, len(PROMPT)) for o in outs)  # never the resubmitted prompt
+        assert outs[-1].num_prompt_tokens == len(PROMPT)
+        assert outs[-1].events is not None and outs[-1].events["resumed"] == 1
+    run(main())
+
+
+def test_a_silent_engine_that_answers_again_drops_the_old_run_first() -> None:
+    """The heartbeat's case: engine_lost() while the connection stays up. The held request is aborted on
+    that engine before HELLO, so no row of the old run is delivered after the resubmission's."""
+    async def main() -> None:
+        with FakeEngine(script=continuing, step_interval=0.01) as eng:
+            async with AsyncEngineClient(eng.address, resume_timeout=10) as client:
+                stream = await client.add(PROMPT, SamplingParams(max_tokens=50), request_id="r1")
+                outs = await read_some(stream, 3)
+                client.engine_lost("no heartbeat for 5s")
+                assert not client.connected
+                outs += [o async for o in stream]
+                assert eng.aborted == ["r1"] and len(eng.adds()) == 2
+        assert [t for o in outs for t in o.new_token_ids] == [1000 + i for i in range(50)]
+    run(main())
+
+
+@pytest.mark.parametrize("params, why", [
+    (SamplingParams(n=2), "n=2"),
+    (SamplingParams(best_of=3), "best_of=3"),
+    (SamplingParams(use_beam_search=True, beam_width=2), "beam search"),
+    (SamplingParams(presence_penalty=0.5), "presence/frequency"),
+    (SamplingParams(frequency_penalty=-0.5), "presence/frequency"),
+])
+def test_requests_that_cannot_resume_exactly_fail_at_once(params: SamplingParams, why: str) -> None:
+    assert why in (resume_refusal(params) or "")
+
+    async def main() -> None:
+        eng = FakeEngine(tokens=list(range(1000)), step_interval=0.01).__enter__()
+        async with AsyncEngineClient(eng.address, resume_timeout=60) as client:
+            stream = await client.add(PROMPT, SamplingParams(**{**params.to_dict(), "max_tokens": 500}))
+            await stream.__anext__()
+            eng.stop()
+            with pytest.raises(EngineDead, match="cannot be resumed"):  # long before the resume timeout
+                async for _ in stream:
+                    pass
+    run(main())
+
+
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.3, logit_bias={3: 2.0}, logprobs=2),
+                                    SamplingParams(temperature=0), SamplingParams(best_of=1, n=1)])
+def test_resumable_params(params: SamplingParams) -> None:
+    assert resume_refusal(params) is None

@@ -5,9 +5,9 @@ Whatever arrives, the answer is a 200 or a 400 in OpenAI's error shape (a typed 
 or a silent drop), the server then serves a normal request, and at the end the engine holds no request and
 every KV block is free.
 
-Token ids in stop_token_ids and logit_bias are drawn inside the tiny model's vocabulary: ids beyond it are
-the engine's own check (EngineCore.add, against the model), not the gateway's, and an unchecked one stops
-the engine today (see the report of branch rel-edge). Prompt ids beyond it are drawn: the gateway checks those.
+Token ids in stop_token_ids and logit_bias are drawn on both sides of the vocabulary's end: ids beyond it
+are the engine's own check (EngineCore.add, against the model, engine/admission.py), and an unchecked one
+once stopped the engine inside the sampler. Prompt ids beyond it are drawn too: the gateway checks those.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def engine_address(server: Server) -> str:
 
 # -- strategies ----------------------------------------------------------------------------------------
 
-TOKEN = st.integers(0, VOCAB - 1)  # see the module docstring: the engine-side check covers the rest
+# Mostly inside the vocabulary, sometimes just past it or far past it (see the module docstring).
+TOKEN = st.one_of(st.integers(0, VOCAB - 1), st.integers(VOCAB, VOCAB + 2), st.integers(VOCAB, 2**31 - 1))
 EXTREME = st.sampled_from([0, -1, 1, 2, 65, 2**31, 2**63 - 1, -(2**63), 1e308, -1e308, 5e-324, 0.5, -0.001,
                            1000, -1000, 100.0001, 1.0])
 WRONG = st.one_of(st.text(max_size=4), st.booleans(), st.none(), st.lists(st.integers(0, 9), max_size=3),

@@ -150,9 +150,14 @@ async def run(args: argparse.Namespace) -> int:
         address = engine.address
     else:
         address = args.engine_address
-    own_engine = engine is not None  # on ipc://, which needs no keys
-    client = AsyncEngineClient(address, name="gateway", model=args.model, engine_timeout=args.engine_timeout,
-                               curve_keys=None if own_engine else args.curve_keys)
+    try:  # serve's own engine is on ipc://, which needs no keys
+        client = AsyncEngineClient(address, name="gateway", model=args.model, engine_timeout=args.engine_timeout,
+                                   curve_keys=None if engine is not None else args.curve_keys)
+    except ValueError as e:  # the key folder lacks a file: say which, no traceback
+        print(f"conveyor: {e}", file=sys.stderr)
+        if engine is not None:
+            engine.stop()
+        return 2
     config = gateway_config(args)
     runner = None
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
@@ -220,8 +225,12 @@ async def ping(args: argparse.Namespace) -> int:
     from shared.client import AsyncEngineClient
     from shared.errors import ConveyorError
 
-    client = AsyncEngineClient(args.engine_address, name="ping", ready_timeout=args.timeout,
-                               curve_keys=args.curve_keys)
+    try:
+        client = AsyncEngineClient(args.engine_address, name="ping", ready_timeout=args.timeout,
+                                   curve_keys=args.curve_keys)
+    except ValueError as e:
+        print(f"conveyor ping: {e}", file=sys.stderr)
+        return 1
     try:
         ready = await client.start()
         stats = await client.get_stats(timeout=args.timeout)

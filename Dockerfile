@@ -27,7 +27,8 @@ COPY gateway ./gateway
 COPY kernels ./kernels
 RUN pip install --no-deps . \
  && useradd --create-home --uid 10001 conveyor \
- && mkdir -p /cache /models && chown conveyor /cache /models
+ && mkdir -p /cache /models /keys/engine /keys/client \
+ && chown conveyor /cache /models /keys/engine /keys/client
 USER conveyor
 
 # /models: model folders or .gguf files (CONVEYOR_MODEL=/models/...); /cache: what the first start

@@ -3,16 +3,23 @@
 Busy loop: poll the socket without waiting while there is work, block while idle (an idle engine
 uses no CPU). Each step's outputs go out as one OUTPUTS message per client, holding only that
 client's requests. A malformed message gets an ERROR back and is dropped; it never stops the loop.
+
+The wire is bounded (shared/wire.py): a message over the size limit never reaches this loop (ZeroMQ
+drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
+output queue is full has its requests aborted and is told so once it reads again (never a silent drop).
+Between steps, at most once per HEARTBEAT_INTERVAL, each client with requests in flight gets a HEARTBEAT.
 """
 from __future__ import annotations
 
 import gc
 import logging
 import os
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
 from shared.errors import ConveyorError, ProtocolError
@@ -22,6 +29,7 @@ from shared.protocol import (
     Add,
     Error,
     GetStats,
+    Heartbeat,
     Hello,
     Message,
     Outputs,
@@ -33,24 +41,46 @@ from shared.protocol import (
     decode,
     encode,
 )
+from shared.wire import HEARTBEAT_INTERVAL, HWM, Keys, bound, max_message_size, serve_curve
 
 log = logging.getLogger("conveyor.loop")
 
-IDLE_POLL_MS = 1000  # while idle, wake this often only to notice signals
+IDLE_POLL_MS = 1000  # while idle, wake this often only to notice signals (and send heartbeats)
+# Messages taken from the socket between two steps. One costs ~10-50 us to decode and apply, so 256 add at
+# most ~10 ms to a step, while being more than a step admits (max_num_seqs 128 by default): a flood waits
+# for later steps instead of delaying every running request's next token without bound. The ROUTER takes
+# from its clients in turn, so another client's message waits behind at most a few of the flood's.
+MAX_DRAIN_PER_STEP = 256
 
 
 class EngineLoop:
-    def __init__(self, core: EngineCore, address: str) -> None:
+    def __init__(self, core: EngineCore, address: str, keys: Keys | None = None,
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
         self.core = core
+        self.heartbeat_interval = heartbeat_interval
         self.address = address
         self.ctx = zmq.Context()
+        self.auth: ThreadAuthenticator | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.SNDHWM, 0)  # a full queue would silently drop a client's outputs
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        # Sending to a client that is gone raises instead of dropping, so its requests get aborted.
+        self.max_message_size = max_message_size(core.max_model_len)
+        bound(self.sock, self.max_message_size)
+        # A full queue raises (EAGAIN, we send without blocking) and a client that is gone raises
+        # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: _send deals with both.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if keys is not None:  # CURVE: only clients whose public key lies in the key folder get through
+            self.auth = ThreadAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(keys.folder))
+            serve_curve(self.sock, keys)
+        elif address.startswith("tcp://"):
+            log.warning("!!! the engine listens on %s WITHOUT authentication or encryption: anyone who reaches "
+                        "this port can submit requests and read their outputs. Make keys with `conveyor keys "
+                        "DIR` and start the engine with --curve-keys DIR/engine (docs/deployment.md) !!!", address)
         self.sock.bind(address)
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
+        # Clients whose output queue was full: the errors they are owed, delivered once they read again.
+        self.behind: dict[bytes, dict[str, Error]] = {}
+        self.next_beat = 0.0
 
     def run(self) -> None:
         # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
@@ -65,6 +95,11 @@ class EngineLoop:
                 # 2. one step: schedule, execute, update
                 if busy or self.core.has_work():
                     self._send_outputs(self._step())
+                # 3. between steps, at most once per interval: heartbeats, and errors owed to slow clients
+                now = time.monotonic()
+                if now >= self.next_beat:
+                    self.next_beat = now + self.heartbeat_interval
+                    self._beat()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
             self.close()
@@ -82,6 +117,8 @@ class EngineLoop:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
         if self.address.startswith("ipc://"):
             try:
@@ -90,7 +127,7 @@ class EngineLoop:
                 pass
 
     def _drain(self) -> None:
-        while True:
+        for _ in range(MAX_DRAIN_PER_STEP):  # the rest waits for the next step
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -104,6 +141,9 @@ class EngineLoop:
 
     def _handle(self, client: bytes, msg: object) -> None:
         if isinstance(msg, Add):
+            if client in self.behind:  # it has not read what it was sent: no new work for it
+                self._owe(client, Error(msg.request_id, "", 503))
+                return
             try:
                 # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
                 self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
@@ -126,7 +166,7 @@ class EngineLoop:
                 self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
-                                     list(self.core.eos_token_ids)))
+                                     list(self.core.eos_token_ids), self.max_message_size, self.heartbeat_interval))
         elif isinstance(msg, GetStats):
             self._send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):
@@ -147,13 +187,65 @@ class EngineLoop:
             self._send(client, Outputs(outs))
 
     def _send(self, client: bytes, msg: Message) -> None:
+        """Never blocks and never drops in silence: a client that is gone has its requests aborted; one
+        whose queue is full (HWM messages it has not read) too, and it is told so (_fell_behind)."""
+        if client in self.behind:
+            self._owe(client, msg)
+            return
         try:
-            self.sock.send_multipart([client, *encode(msg)])
+            self.sock.send_multipart([client, *encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            self._fell_behind(client, msg)
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
-            gone = [rid for rid, c in self.owner.items() if c == client]
-            log.warning("client %s is gone; aborting its %d requests", client.hex(), len(gone))
-            for rid in gone:
-                del self.owner[rid]
-            self.core.abort(gone)
+            self._gone(client)
+
+    def _gone(self, client: bytes) -> None:
+        gone = [rid for rid, c in self.owner.items() if c == client]
+        log.warning("client %s is gone; aborting its %d requests", client.hex(), len(gone))
+        for rid in gone:
+            del self.owner[rid]
+        self.core.abort(gone)
+        self.behind.pop(client, None)
+
+    def _fell_behind(self, client: bytes, unsent: Message) -> None:
+        """Aborting is the one bounded choice: holding its outputs here would grow without limit, and
+        pausing only its requests would still hold their KV blocks. The client hears it through an
+        ERROR per request, sent once it has read its queue (_beat), so no stream of its hangs."""
+        mine = [rid for rid, c in self.owner.items() if c == client]
+        log.warning("client %s left %d messages unread; aborting its %d requests", client.hex(), HWM, len(mine))
+        for rid in mine:
+            del self.owner[rid]
+        self.core.abort(mine)
+        self.behind[client] = {}
+        self._owe(client, unsent)
+        for rid in mine:
+            self._owe(client, Error(rid, "", 503))
+
+    def _owe(self, client: bytes, msg: Message) -> None:
+        """A client that is behind is owed an ERROR for each request it lost: those it was sent outputs
+        of, and those it adds meanwhile (refused). Other messages to it are dropped (STATS, heartbeats:
+        answers it will have given up on). At most HWM are kept: its heartbeat timeout ends any other."""
+        if isinstance(msg, Outputs):
+            rids = [o.request_id for o in msg.outputs]
+        else:
+            rids = [msg.request_id] if isinstance(msg, Error) and msg.request_id else []
+        owed = self.behind[client]
+        for rid in rids:
+            if len(owed) < HWM:
+                owed[rid] = Error(rid, f"the engine aborted this request: this client left {HWM} messages "
+                                       "unread (it reads its outputs too slowly, or not at all)", 503)
+
+    def _beat(self) -> None:
+        """A HEARTBEAT to each client with requests in flight, then the errors owed to clients that were
+        behind, as far as their queues take them now."""
+        for client in set(self.owner.values()):
+            self._send(client, Heartbeat())
+        for client, owed in list(self.behind.items()):
+            del self.behind[client]  # so that _send tries the socket again
+            left = list(owed.values())
+            while left and client not in self.behind:
+                self._send(client, left.pop(0))  # full again: _fell_behind owes that one again
+            if left:
+                self.behind[client].update((e.request_id, e) for e in left if e.request_id)

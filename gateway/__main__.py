@@ -1,5 +1,6 @@
-"""`conveyor serve` (engine child process + gateway workers), `conveyor gateway` (gateway only) and
-`conveyor ping` (is an engine up? for health checks).
+"""`conveyor serve` (engine child process + gateway workers), `conveyor gateway` (gateway only),
+`conveyor ping` (is an engine up? for health checks) and `conveyor keys DIR` (CURVE keys for an engine
+on TCP and its clients, shared/wire.py).
 
 Every flag can also come from the environment: --max-waiting-requests from CONVEYOR_MAX_WAITING_REQUESTS,
 --api-key from CONVEYOR_API_KEY, and so on (a flag on the command line wins). Containers are configured
@@ -29,11 +30,12 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "resume_timeout", "log_level")
+                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from shared.config import DEFAULT_MODEL
+    from shared.wire import DEFAULT_ENGINE_TIMEOUT
 
     parser = argparse.ArgumentParser(prog="conveyor",
                                      description="An LLM inference server with an OpenAI-compatible API.")
@@ -82,6 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
     for p in (serve, gateway, ping):
+        p.add_argument("--curve-keys", default=None, metavar="DIR",
+                       help="for an engine on tcp:// started with --curve-keys: the DIR/client folder of "
+                            "`conveyor keys DIR` (this client's key pair and the engine's public key)")
+    for p in (serve, gateway):
+        p.add_argument("--engine-timeout", type=float, default=DEFAULT_ENGINE_TIMEOUT,
+                       help="seconds of silence from the engine, with requests in flight, before they fail with "
+                            "503 as if it were gone (it sends a heartbeat every second); must exceed its longest step")
+    keys = sub.add_parser("keys", help="write CURVE keys: DIR/engine for `python -m engine --curve-keys`, "
+                                       "DIR/client for `conveyor gateway --curve-keys` and the SDK")
+    keys.add_argument("dir")
+    for p in (serve, gateway, ping):
         _env_defaults(p)
     return parser
 
@@ -108,6 +121,8 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
             "--host", args.host, "--port", str(args.port), "--reuse-port"]
     for dest in WORKER_FLAGS:
         value = getattr(args, dest)
+        if dest == "curve_keys" and args.engine_address is None:
+            continue  # serve's own engine listens on ipc:// without keys
         if value is not None:
             argv += ["--" + dest.replace("_", "-"), str(value)]
     return argv
@@ -143,7 +158,15 @@ async def run(args: argparse.Namespace) -> int:
         address = engine.address
     else:
         address = args.engine_address
-    client = AsyncEngineClient(address, name="gateway", model=args.model, resume_timeout=args.resume_timeout)
+    try:  # serve's own engine is on ipc://, which needs no keys
+        client = AsyncEngineClient(address, name="gateway", model=args.model, resume_timeout=args.resume_timeout,
+                                   engine_timeout=args.engine_timeout,
+                                   curve_keys=None if engine is not None else args.curve_keys)
+    except ValueError as e:  # the key folder lacks a file: say which, no traceback
+        print(f"conveyor: {e}", file=sys.stderr)
+        if engine is not None:
+            engine.stop()
+        return 2
     supervisor = None
     config = gateway_config(args)
     runner = None
@@ -214,7 +237,12 @@ async def ping(args: argparse.Namespace) -> int:
     from shared.client import AsyncEngineClient
     from shared.errors import ConveyorError
 
-    client = AsyncEngineClient(args.engine_address, name="ping", ready_timeout=args.timeout)
+    try:
+        client = AsyncEngineClient(args.engine_address, name="ping", ready_timeout=args.timeout,
+                                   curve_keys=args.curve_keys)
+    except ValueError as e:
+        print(f"conveyor ping: {e}", file=sys.stderr)
+        return 1
     try:
         ready = await client.start()
         stats = await client.get_stats(timeout=args.timeout)
@@ -228,6 +256,19 @@ async def ping(args: argparse.Namespace) -> int:
         await client.close()
 
 
+def make_keys(folder: str) -> int:
+    from shared.wire import generate_keys
+
+    try:
+        engine_dir, client_dir = generate_keys(folder)
+    except (ValueError, OSError) as e:
+        print(f"conveyor keys: {e}", file=sys.stderr)
+        return 1
+    print(f"engine:  python -m engine --curve-keys {engine_dir} ...   (its secret key; the clients it admits)\n"
+          f"clients: conveyor gateway --curve-keys {client_dir} ...  (a client's secret key; the engine's public key)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning")
@@ -237,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.command == "ping":
         os._exit(uvloop.run(ping(args)))
+    if args.command == "keys":
+        sys.exit(make_keys(args.dir))
     if args.command == "serve" and args.gateway_workers < 1:
         sys.exit("conveyor: --gateway-workers must be >= 1")
     metrics_dir = None

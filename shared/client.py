@@ -3,21 +3,23 @@
 One DEALER socket with a unique identity per client; the engine's ROUTER answers only this client's
 requests on it. A single reader task owns receiving and dispatches each OUTPUTS row to the queue of
 its request, so a slow consumer of one request never delays another (mini-sglang's request table).
-A lost engine (the socket monitor sees the connection drop, a supervisor sees the process exit, a
-heartbeat sees silence: all call engine_lost) does not end the requests in flight: when an engine answers
-the handshake again, each is resubmitted as prompt + the tokens already delivered, and its stream simply
-goes on (shared/resume.py says how, and which requests cannot be resumed: those end with EngineDead at
-once). A request the engine does not take back within resume_timeout ends with EngineDead.
+A lost engine (the socket monitor sees the connection drop, a supervisor sees the process exit, missing
+heartbeats show a connected engine gone silent: all call engine_lost) does not end the requests in flight:
+when an engine answers the handshake again, each is resubmitted as prompt + the tokens already delivered,
+and its stream simply goes on (shared/resume.py says how, and which requests cannot be resumed: those end
+with EngineDead at once). A request the engine does not take back within resume_timeout ends with
+EngineDead. The socket is bounded and, given keys, CURVE-authenticated (shared/wire.py).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import zmq
 import zmq.asyncio
@@ -29,9 +31,14 @@ from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.resume import Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
+from shared.wire import CLIENT_MAX_MESSAGE_SIZE, DEFAULT_ENGINE_TIMEOUT, bound, connect_curve, load_keys
 
 log = logging.getLogger(__name__)
 Prompt = str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its CURVE key is not admitted",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security mechanisms differ (CURVE keys on one side only?)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (a wrong engine public key?)"}
 
 
 class RequestStream:
@@ -118,11 +125,21 @@ class AsyncEngineClient:
 
     def __init__(self, address: str, *, name: str = "client", ready_timeout: float = 10.0,
                  model: str | None = None, tokenizer: Any = None,
-                 on_output: Callable[[P.RequestOutput], None] | None = None, resume_timeout: float = 60.0) -> None:
+                 on_output: Callable[[P.RequestOutput], None] | None = None, resume_timeout: float = 60.0,
+                 curve_keys: str | os.PathLike[str] | None = None,
+                 engine_timeout: float = DEFAULT_ENGINE_TIMEOUT) -> None:
         """on_output: called with every output row of this client's live requests as it arrives, before
         a slow consumer's deltas are merged (the gateway's metrics see each engine step this way).
-        resume_timeout: how long requests in flight wait for a lost engine to come back (0: not at all)."""
+        resume_timeout: how long requests in flight wait for a lost engine to come back (0: not at all).
+        curve_keys: for an engine that requires CURVE, the DIR/client folder of `conveyor keys DIR` (a
+        ValueError here says what is missing). engine_timeout: seconds without a word from an engine that
+        promised heartbeats, while requests are in flight, before it counts as lost (engine_lost); it must
+        exceed the engine's longest step."""
         self.address = address
+        self._keys = load_keys(curve_keys, "client") if curve_keys else None
+        self.engine_timeout = engine_timeout
+        self._heard_at = 0.0  # loop time of the engine's last message
+        self._refused: str | None = None  # why the last connection's security handshake failed
         self.on_output = on_output
         self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
         self.ready_timeout = ready_timeout
@@ -151,10 +168,16 @@ class AsyncEngineClient:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, self.identity)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVHWM, 0)  # never make the engine's ROUTER drop our outputs
-            monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            bound(self._sock, CLIENT_MAX_MESSAGE_SIZE)
+            if self._keys is not None:
+                connect_curve(self._sock, self._keys)
+            events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            for event in _HANDSHAKE_FAILED:
+                events |= event
+            monitor = self._sock.get_monitor_socket(events)
             self._sock.connect(self.address)
-            self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._monitor_loop(monitor))]
+            self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._monitor_loop(monitor)),
+                           asyncio.create_task(self._watch_silence())]
             await self._send(P.Hello(client_name=self.identity.decode()))
         await self.wait_ready(timeout)
         assert self.ready is not None
@@ -261,9 +284,12 @@ class AsyncEngineClient:
             await asyncio.wait_for(self._ready_evt.wait(), timeout)
         except TimeoutError:
             why = "lost the connection and it did not come back" if self._lost else "did not answer HELLO"
-            raise EngineDead(f"engine at {self.address} {why} within {timeout:g}s") from None
+            hint = " (with CURVE keys: is DIR/client/engine.key this engine's public key?)" if self._keys else ""
+            raise EngineDead(f"engine at {self.address} {why} within {timeout:g}s{hint}") from None
         if self._dead is not None:
             raise self._dead
+        if self._refused is not None and not self.connected:
+            raise EngineDead(self._refused)
 
     # -- token-level calls ---------------------------------------------------------------------------
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -277,8 +303,13 @@ class AsyncEngineClient:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
         stream = self._streams[rid] = RequestStream(rid)
         add = P.Add(rid, list(prompt_token_ids), params, priority)
-        self._resumer.track(add)
-        await self._send(add)
+        self._resumer.track(add)  # before the send: an engine lost meanwhile must find it to hold
+        try:
+            await self._send(add)
+        except ConveyorError:
+            self._streams.pop(rid, None)
+            self._resumer.forget(rid)
+            raise
         return stream
 
     async def abort(self, request_id: str) -> None:
@@ -394,8 +425,21 @@ class AsyncEngineClient:
 
     # -- the socket --------------------------------------------------------------------------------------
     async def _send(self, msg: P.Message) -> None:
+        """InvalidRequest for a message over the engine's size limit (ZeroMQ would drop the whole connection
+        over it); EngineDead when the engine has not taken anything from its queue for engine_timeout."""
+        frames = P.encode(msg)
+        limit = self.ready.max_message_size if self.ready is not None else 0
+        if limit and len(frames[1]) > limit:
+            raise InvalidRequest(f"this request is {len(frames[1])} bytes on the wire and the engine takes at most "
+                                 f"{limit}: shorten its prompt, stop strings, stop_token_ids or logit_bias")
         try:
-            await self._sock.send_multipart(P.encode(msg))
+            sent = cast("asyncio.Future[Any]", self._sock.send_multipart(frames))
+            if not sent.done():  # the queue is full: the engine is not reading
+                await asyncio.wait_for(sent, self.engine_timeout)
+            sent.result()
+        except TimeoutError:
+            raise EngineDead(f"engine at {self.address} took nothing from its queue for {self.engine_timeout:g}s "
+                             "(frozen or unreachable)") from None
         except zmq.ZMQError as e:
             raise EngineDead(f"cannot send to engine at {self.address}: {e}") from None
 
@@ -403,6 +447,7 @@ class AsyncEngineClient:
         try:
             while True:
                 frames = await self._sock.recv_multipart()
+                self._heard_at = asyncio.get_running_loop().time()
                 try:
                     msg = P.decode(frames)
                 except ProtocolError as e:
@@ -456,11 +501,35 @@ class AsyncEngineClient:
                 event = parse_monitor_message(await monitor.recv_multipart())["event"]
                 if event == zmq.EVENT_DISCONNECTED:
                     self.engine_lost(f"lost connection to engine at {self.address}")
-                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._lost:
+                elif event in _HANDSHAKE_FAILED:
+                    self._refused = f"the engine at {self.address} refused this client: {_HANDSHAKE_FAILED[event]}"
+                    log.warning("%s", self._refused)
+                    self._ready_evt.set()  # wake wait_ready(), which raises it
+                elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and (self._lost or self._refused):
+                    if self._refused:
+                        self._refused = None
+                        self._ready_evt.clear()
                     self._lost = False
                     await self._send(P.Hello(client_name=self.identity.decode()))
         finally:
             monitor.close(linger=0)
+
+    async def _watch_silence(self) -> None:
+        """With requests in flight and an engine that promised heartbeats, engine_timeout without any message
+        is the engine-lost path (which aborts them there first: an engine that was only frozen frees them)."""
+        loop, waiting_since = asyncio.get_running_loop(), None
+        while True:
+            await asyncio.sleep(min(self.engine_timeout / 4, 0.5))
+            if not (self._streams and self.connected and self.ready is not None and self.ready.heartbeat_interval):
+                waiting_since = None
+                continue
+            now = loop.time()
+            waiting_since = waiting_since or now
+            silent = now - max(self._heard_at, waiting_since)
+            if silent > self.engine_timeout:
+                waiting_since = None
+                self.engine_lost(f"engine at {self.address} sent nothing for {silent:.1f}s with requests in "
+                                 "flight (frozen, or its host is gone)")
 
     def _fail_all(self, err: ConveyorError) -> None:
         streams, self._streams = self._streams, {}

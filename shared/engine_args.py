@@ -18,7 +18,7 @@ from shared.config import (
 )
 
 # Flags whose value is None are left out, so the config's own defaults apply.
-_NOT_CONFIG = {"address", "log_level", "model"}
+_NOT_CONFIG = {"address", "log_level", "model", "curve_keys", "heartbeat_interval"}
 
 
 def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_model: bool = True) -> None:

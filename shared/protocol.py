@@ -18,8 +18,9 @@ from shared.sampling import SamplingParams, check_priority
 
 # 2: ABORT may name one choice (index). 3: ending one choice is its own message, STOP_CHOICE; ABORT
 # ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
-# client's arrival_time (the engine orders by its own clock at receipt).
-PROTOCOL_VERSION = 3
+# client's arrival_time (the engine orders by its own clock at receipt). 4: HEARTBEAT (engine -> client
+# while it has requests in flight), and READY announces the engine's message size limit and heartbeat.
+PROTOCOL_VERSION = 4
 
 
 class MsgType(bytes, enum.Enum):
@@ -33,6 +34,7 @@ class MsgType(bytes, enum.Enum):
     STATS = b"S"
     GET_STATS = b"G"
     RESET_PREFIX_CACHE = b"C"
+    HEARTBEAT = b"B"
 
 
 @dataclass(slots=True)
@@ -51,6 +53,12 @@ class Ready:
     model_name: str
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
+    # The largest message the engine takes (ZeroMQ drops the connection of a client that sends more:
+    # the SDK refuses such a request itself); 0 = not announced.
+    max_message_size: int = 0
+    # Seconds between HEARTBEATs while this client has requests in flight; 0 = the engine sends none
+    # (the client then does not watch for silence).
+    heartbeat_interval: float = 0.0
 
 
 @dataclass(slots=True)
@@ -130,7 +138,15 @@ class Stats:
     gauges: dict[str, float]
 
 
-Message = Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats | ResetPrefixCache
+@dataclass(slots=True)
+class Heartbeat:
+    """Engine -> client, at most every Ready.heartbeat_interval while the client has requests in flight:
+    the engine is alive and stepping. A client that hears nothing at all for longer than its timeout
+    treats the engine as lost (frozen, or its host gone without closing the connection)."""
+
+
+Message = (Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats | ResetPrefixCache
+           | Heartbeat)
 
 _TYPES: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
@@ -143,6 +159,7 @@ _TYPES: dict[type, MsgType] = {
     GetStats: MsgType.GET_STATS,
     Stats: MsgType.STATS,
     ResetPrefixCache: MsgType.RESET_PREFIX_CACHE,
+    Heartbeat: MsgType.HEARTBEAT,
 }
 
 
@@ -234,4 +251,5 @@ _DECODERS: dict[MsgType, Callable[[Any], Message]] = {
     MsgType.GET_STATS: lambda d: GetStats(),
     MsgType.STATS: lambda d: Stats(gauges=dict(d["gauges"])),
     MsgType.RESET_PREFIX_CACHE: lambda d: ResetPrefixCache(),
+    MsgType.HEARTBEAT: lambda d: Heartbeat(),
 }

@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 import yaml
 
+from shared.wire import generate_keys
 from tests.e2e.conftest import stream_completion
 from tests.e2e.servers import CONVEYOR, ROOT, Server, free_port, get_json, wait_engine_idle
 
@@ -66,8 +67,18 @@ def load(path: Path = COMPOSE, env: dict[str, str] | None = None) -> dict[str, A
 def test_compose_structure() -> None:
     doc = load()
     services = doc["services"]
-    assert set(services) == {"engine", "gateway"}
-    engine, gateway = services["engine"], services["gateway"]
+    assert set(services) == {"keys", "engine", "gateway"}
+    keys, engine, gateway = services["keys"], services["engine"], services["gateway"]
+    # CURVE: the keys service writes both sides' keys once; each side mounts its own folder and names it.
+    assert "conveyor keys /keys" in keys["command"][-1] and keys["restart"] == "no"
+    assert set(keys["volumes"]) == {"engine-keys:/keys/engine", "client-keys:/keys/client"}
+    assert engine["depends_on"]["keys"]["condition"] == "service_completed_successfully"
+    assert engine["environment"]["CONVEYOR_CURVE_KEYS"] == "/keys/engine"
+    assert "engine-keys:/keys/engine:ro" in engine["volumes"]
+    assert gateway["environment"]["CONVEYOR_CURVE_KEYS"] == "/keys/client"
+    assert "client-keys:/keys/client:ro" in gateway["volumes"]
+    assert "engine-keys:/keys/engine:ro" not in gateway["volumes"]  # the gateway never holds the engine's secret
+    assert engine["healthcheck"]["test"][-2:] == ["--curve-keys", "/keys/client"]
     assert engine["command"][:3] == ["python", "-m", "engine"]
     assert engine["command"][engine["command"].index("--address") + 1] == "tcp://0.0.0.0:5555"
     assert gateway["command"][:2] == ["conveyor", "gateway"]
@@ -79,7 +90,7 @@ def test_compose_structure() -> None:
         assert svc["image"] and svc["build"]["context"] == "."
     assert "ping" in engine["healthcheck"]["test"] and "/ready" in gateway["healthcheck"]["test"][-1]
     assert "ports" not in engine and re.fullmatch(r"\d+-\d+:8000", gateway["ports"][0])  # a range: scalable
-    assert set(doc["volumes"]) == {"models", "cache"}
+    assert set(doc["volumes"]) == {"models", "cache", "engine-keys", "client-keys"}
     assert "CONVEYOR_API_KEY" in gateway["environment"]
     gpu = yaml.safe_load(COMPOSE_GPU.read_text())["services"]["engine"]
     assert "cuda" in gpu["command"] and gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
@@ -104,28 +115,31 @@ def test_compose_commands_as_processes_two_gateways_one_engine(
            "CONVEYOR_LOG_LEVEL": "warning"}
     services = load(env={**os.environ, **env})["services"]
     engine_address = f"tcp://127.0.0.1:{free_port()}"
+    key_dirs = {f"/keys/{side}": str(d) for side, d in zip(("engine", "client"), generate_keys(tmp_path / "keys"))}
 
     def localize(cmd: list[str], port: int | None = None) -> list[str]:
         out = []
         for arg in cmd:
             arg = {"tcp://0.0.0.0:5555": engine_address, "tcp://engine:5555": engine_address,
                    "tcp://127.0.0.1:5555": engine_address, "0.0.0.0": "127.0.0.1",
-                   "python": sys.executable, "conveyor": CONVEYOR}.get(arg, arg)
+                   "python": sys.executable, "conveyor": CONVEYOR, **key_dirs}.get(arg, arg)
             out.append(arg.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
         if "--port" in out:
             out[out.index("--port") + 1] = str(port)
         return out
 
     engine_cmd = localize(services["engine"]["command"]) + ["--num-threads", "1"]  # a 2-core machine
-    gw_env = {k: str(v) for k, v in services["gateway"]["environment"].items()}
+    gw_env = {k: key_dirs.get(str(v), str(v)) for k, v in services["gateway"]["environment"].items()}
+    engine_env = {k: key_dirs.get(str(v), str(v)) for k, v in services["engine"]["environment"].items()}
     prompts = [f"Story number {i} begins" for i in range(6)]
     expected = tiny_offline(prompts, 20)
-    with Server(engine_cmd, exact_argv=True, health_path=None, log_path=tmp_path / "engine.log") as engine:
+    with Server(engine_cmd, exact_argv=True, health_path=None, env=engine_env,
+                log_path=tmp_path / "engine.log") as engine:
         ping = localize(services["engine"]["healthcheck"]["test"][1:])
         deadline = time.monotonic() + 60
-        while subprocess.run(ping, capture_output=True, timeout=30).returncode != 0:  # as compose runs it
+        while (check := subprocess.run(ping, capture_output=True, timeout=30)).returncode != 0:  # as compose does
             if time.monotonic() > deadline:
-                pytest.fail(f"the engine health check never passed:\n{engine.log()}")
+                pytest.fail(f"the engine health check never passed: {check.stderr.decode()}\n{engine.log()}")
         ports = [free_port(), free_port()]
         gateways = [Server(localize(services["gateway"]["command"], p), port=p, exact_argv=True, env=gw_env,
                            log_path=tmp_path / f"gateway{i}.log") for i, p in enumerate(ports)]
@@ -140,7 +154,7 @@ def test_compose_commands_as_processes_two_gateways_one_engine(
                 async with aiohttp.ClientSession() as session:
                     texts = await asyncio.gather(*[stream_completion(session, (g0, g1)[i % 2].url, p, 20)
                                                    for i, p in enumerate(prompts)])
-                return texts, await wait_engine_idle(engine_address)
+                return texts, await wait_engine_idle(engine_address, curve_keys=key_dirs["/keys/client"])
 
             texts, stats = asyncio.run(asyncio.wait_for(main(), 120))
             assert texts == expected
@@ -153,7 +167,8 @@ def test_compose_commands_as_processes_two_gateways_one_engine(
                 assert get_json(f"{g.url}/health")[0] == 200  # the gateway itself is fine
                 status, body = post_json(f"{g.url}/v1/completions", {"prompt": "hi", "max_tokens": 2})
                 assert status == 503 and body["error"]["type"] == "service_unavailable", body
-            with Server(engine_cmd, exact_argv=True, health_path=None, log_path=tmp_path / "engine2.log"):
+            with Server(engine_cmd, exact_argv=True, health_path=None, env=engine_env,
+                        log_path=tmp_path / "engine2.log"):
                 for g in (g0, g1):
                     g.wait_healthy(60)  # /ready again
                     status, body = post_json(f"{g.url}/v1/completions", {"prompt": prompts[0], "max_tokens": 20,

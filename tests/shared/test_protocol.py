@@ -14,6 +14,8 @@ MESSAGES: list[P.Message] = [
     P.Hello(),
     P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name="gateway-1"),
     P.Ready(P.PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 2048, [2]),
+    P.Ready(P.PROTOCOL_VERSION, "m", 2048, [2], max_message_size=3 * 2**20, heartbeat_interval=1.0),
+    P.Heartbeat(),
     P.Add("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=("\n\n",), stop_token_ids=(7,), seed=3)),
     P.Add("r2", [0], SamplingParams(), priority=-2),
     P.Abort(["r1", "r2"]),

@@ -207,11 +207,15 @@ def test_a_flood_waits_for_later_steps_and_is_all_answered(ipc_engine: tuple[Ser
     run(main())
 
 
-def test_a_frozen_engine_fails_in_flight_requests_within_the_timeout(ipc_engine: tuple[Server, str]) -> None:
+def test_a_frozen_engine_is_noticed_within_the_timeout(ipc_engine: tuple[Server, str]) -> None:
+    """Silence past engine_timeout is the engine-lost path: without resume the request fails with
+    EngineDead; with resume (the default) it is held, and once the engine wakes it is resubmitted and
+    ends with exactly the tokens of an uninterrupted run."""
     server, address = ipc_engine
 
     async def main() -> None:
-        async with AsyncEngineClient(address, engine_timeout=2.0) as client:
+        async with AsyncEngineClient(address, engine_timeout=2.0, resume_timeout=0) as client:
+            reference = [t for o in await collect(await client.add([5, 6, 7], LONG)) for t in o.new_token_ids]
             stream = await client.add([5, 6, 7], LONG)
             await stream.__anext__()
             os.kill(server.pid, signal.SIGSTOP)
@@ -228,6 +232,20 @@ def test_a_frozen_engine_fails_in_flight_requests_within_the_timeout(ipc_engine:
                 await asyncio.sleep(0.05)
             outs = await collect(await client.add([5], SamplingParams(max_tokens=3, temperature=0.0)))
             assert outs[-1].finished
+        assert is_idle(await wait_engine_idle(address))
+        async with AsyncEngineClient(address, engine_timeout=2.0) as client:
+            stream = await client.add([5, 6, 7], LONG)
+            first = await stream.__anext__()
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 30
+                while client.connected and time.monotonic() < deadline:  # noticed: held, not failed
+                    await asyncio.sleep(0.05)
+                assert not client.connected
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            rest = await asyncio.wait_for(collect(stream), 60)
+            assert first.new_token_ids + [t for o in rest for t in o.new_token_ids] == reference
         assert is_idle(await wait_engine_idle(address))
 
     run(main())

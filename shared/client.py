@@ -19,7 +19,7 @@ import os
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypeGuard, cast
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -31,85 +31,15 @@ from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.resume import Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
+from shared.stream import RequestStream
+from shared.tokenizer import Prompt, encode_prompt, is_token_ids
 from shared.wire import CLIENT_MAX_MESSAGE_SIZE, DEFAULT_ENGINE_TIMEOUT, bound, connect_curve, load_keys
 
 log = logging.getLogger(__name__)
-Prompt = str | list[dict[str, Any]] | list[int]  # text, chat messages, or token ids
 _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its CURVE key is not admitted",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security mechanisms differ (CURVE keys on one side only?)",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed (a wrong engine public key?)"}
-
-
-class RequestStream:
-    """Async iterator over one request's RequestOutput deltas; ends after the finished one.
-
-    Holds at most one pending output per sequence: deltas that arrive while the consumer is busy (a client
-    that reads slowly) are merged into it, so a slow reader gets fewer, larger deltas instead of an
-    ever-growing queue. A merged delta moves behind the others, so the request's finished one stays last.
-    """
-
-    __slots__ = ("request_id", "done", "_pending", "_error", "_waiter")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.done = False
-        self._pending: list[P.RequestOutput] = []
-        self._error: ConveyorError | None = None
-        # The consumer's wake-up, while it waits: a bare future costs less than an asyncio.Event, and this
-        # runs once per request per engine step.
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: P.RequestOutput | ConveyorError) -> None:
-        if isinstance(item, ConveyorError):
-            self._error = self._error or item
-        else:
-            for i, old in enumerate(self._pending):  # usually empty: the consumer keeps up
-                if old.index == item.index:
-                    del self._pending[i]
-                    item = merge_outputs(old, item)
-                    break
-            self._pending.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> P.RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        while not self._pending and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        if self._pending:  # outputs that arrived before an error are still delivered
-            out = self._pending.pop(0)
-            self.done = out.finished
-            return out
-        self.done = True
-        assert self._error is not None  # the wait above ends on an output or an error
-        raise self._error
-
-
-def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput:
-    """Two consecutive deltas of one sequence as one, in place in `old` (a stream's own pending copy):
-    tokens (and logprobs) joined, the fields that change from delta to delta taken from the newer one."""
-    old.new_token_ids += new.new_token_ids
-    old.finished, old.finish_reason, old.num_cached_tokens = new.finished, new.finish_reason, new.num_cached_tokens
-    if new.events is not None:
-        old.events = new.events
-    if new.logprobs is not None:
-        old.logprobs = new.logprobs if old.logprobs is None else old.logprobs + new.logprobs
-    return old
-
-
-def _is_messages(prompt: Prompt) -> TypeGuard[list[dict[str, Any]]]:
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
-
-
-def _is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
-    return (isinstance(prompt, list) and bool(prompt)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
 
 def _error_from_wire(msg: P.Error) -> ConveyorError:
@@ -372,15 +302,9 @@ class AsyncEngineClient:
         return self._fast_decoder
 
     async def encode_prompt(self, prompt: Prompt) -> list[int]:
-        from shared.tokenizer import apply_chat_template, encode
-
-        if isinstance(prompt, str):
-            return encode(await self.get_tokenizer(), prompt)
-        if _is_messages(prompt):
-            return apply_chat_template(await self.get_tokenizer(), prompt)
-        if _is_token_ids(prompt):
-            return list(prompt)
-        raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
+        if is_token_ids(prompt):
+            return list(prompt)  # no tokenizer needed
+        return encode_prompt(await self.get_tokenizer(), prompt)
 
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                           priority: int = 0) -> AsyncGenerator[TextOutput, None]:

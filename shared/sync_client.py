@@ -13,8 +13,9 @@ from typing import Any, TypeVar
 
 from shared import protocol as P
 from shared.choices import TextOutput
-from shared.client import AsyncEngineClient, Prompt
+from shared.client import AsyncEngineClient
 from shared.sampling import SamplingParams
+from shared.tokenizer import Prompt
 
 T = TypeVar("T")
 

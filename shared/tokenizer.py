@@ -10,7 +10,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 from shared.errors import InvalidRequest
 from shared.model_source import ModelSource
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Messages = list[dict[str, Any]]
+Prompt = str | Messages | list[int]  # text, chat messages, or token ids
 
 
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
@@ -92,6 +93,22 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
 
 def encode(tok: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = True) -> list[int]:
     return list(tok.encode(text, add_special_tokens=add_special_tokens))
+
+
+def is_token_ids(prompt: Prompt) -> TypeGuard[list[int]]:
+    return (isinstance(prompt, list) and bool(prompt)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+
+
+def encode_prompt(tok: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Text is encoded, chat messages go through the chat template, token ids pass as they are."""
+    if isinstance(prompt, str):
+        return encode(tok, prompt)
+    if is_token_ids(prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return apply_chat_template(tok, cast("Messages", prompt))
+    raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
 
 
 def decode(tok: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -99,6 +99,11 @@ class Server:
         assert self.proc is not None
         return self.proc.pid
 
+    @property
+    def engine_address(self) -> str:
+        """Where `conveyor serve` binds the engine it starts (gateway/launcher.py default_address)."""
+        return f"ipc:///tmp/conveyor-{self.pid}.sock"
+
     def start(self) -> None:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,

@@ -85,7 +85,7 @@ def test_200_random_disconnects_leave_engine_clean(tiny_chat_model: Path, tmp_pa
     args = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--num-kv-blocks", "48",
             "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--log-level", "info"]
     with Server(args, log_path=log) as srv:
-        address = f"ipc:///tmp/conveyor-{srv.pid}.sock"
+        address = srv.engine_address
 
         async def main() -> tuple[Counter[str], dict[str, float], dict[str, float], str]:
             rng, outcome, peak = random.Random(1234), Counter(), Counter()

@@ -25,7 +25,7 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def engine_address(server: Server) -> str:
-    return f"ipc:///tmp/conveyor-{server.pid}.sock"
+    return server.engine_address
 
 
 def run(coro: Any, timeout: float = 60) -> Any:

@@ -29,7 +29,7 @@ def test_two_workers_share_port_engine_and_metrics(tiny_chat_model: Path, tmp_pa
         engines = [p for p, argv in kids.items() if argv[1:3] == ["-m", "engine"]]
         workers = [p for p, argv in kids.items() if argv[1:4] == ["-m", "gateway", "gateway"]]
         assert len(engines) == 1 and len(workers) == 1, kids
-        assert "--reuse-port" in kids[workers[0]] and f"ipc:///tmp/conveyor-{srv.pid}.sock" in kids[workers[0]]
+        assert "--reuse-port" in kids[workers[0]] and srv.engine_address in kids[workers[0]]
 
         async def main() -> tuple[list[str], list[dict[str, float]]]:
             connector = aiohttp.TCPConnector(force_close=True)  # one connection per request: the kernel spreads them

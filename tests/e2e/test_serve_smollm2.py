@@ -49,7 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def engine_address(server: Server) -> str:
-    return f"ipc:///tmp/conveyor-{server.pid}.sock"
+    return server.engine_address
 
 
 @pytest.fixture(scope="module")

@@ -141,7 +141,7 @@ def test_oversized_message_is_refused_and_the_engine_serves_on(ipc_engine: tuple
             assert limit > 0
             # The SDK refuses what the engine's socket would refuse, before it goes out.
             with pytest.raises(InvalidRequest, match="bytes on the wire"):
-                await client.add([5], SamplingParams(stop=("x" * limit,)))
+                await client.add([5] * (limit // 2), SamplingParams())  # ids as JSON: 2 bytes each
             # A raw client sends it anyway: ZeroMQ drops its connection; the engine never sees the message.
             ctx = zmq.asyncio.Context()
             try:

@@ -100,8 +100,8 @@ class Sampler:
 
 def argmax(logits: torch.Tensor) -> list[int]:
     """Row-wise argmax [B, V] -> B ids, the first of equal maxima (as torch's). On the CPU through numpy,
-    whose vectorised argmax is 5-12x faster than torch's: at 256 rows of a 4k-49k vocabulary torch's
-    took 3-30 ms, most of a small model's decode step."""
+    whose vectorised argmax is several times faster than torch's at a full vocabulary: torch's was
+    most of a small model's decode step (docs/performance.md)."""
     ids: list[int]
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         ids = logits.contiguous().numpy().argmax(axis=-1).tolist()

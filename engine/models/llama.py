@@ -7,8 +7,8 @@ Choices made for CPU speed, where one decode step reads every weight once and Py
 per layer is visible:
 - q/k/v and gate/up are one GEMM each (fused when the weights are converted, see HF_NAMES).
 - q and k rows are kept in the *interleaved* RoPE layout (dims 2i and 2i+1 rotate together, as in
-  Meta's original checkpoints and in GGUF), so RoPE is a single complex multiply: about 4x faster
-  than HF's rotate_half at prefill sizes. Scores q.k are unchanged because q and k are permuted
+  Meta's original checkpoints and in GGUF), so RoPE is a single complex multiply instead of HF's
+  rotate_half (docs/performance.md). Scores q.k are unchanged because q and k are permuted
   alike; only the K stored in the KV cache is in that order. convert_hf_weights permutes HF rows.
 - o_proj and down_proj add the residual inside the GEMM (addmm); the final norm and the LM head run
   only on the rows that sample (logits_rows), which is most of a short prompt's prefill cost.

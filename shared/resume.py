@@ -87,7 +87,11 @@ class Resumer:
         self.held: set[str] = set()
 
     def track(self, add: P.Add) -> None:
-        self.inflight[add.request_id] = InFlight(add, resume_refusal(add.params))
+        try:
+            refusal = resume_refusal(add.params)
+        except TypeError:  # a record sent without validation (for the engine to refuse): nothing to resume
+            refusal = "its sampling parameters are not valid"
+        self.inflight[add.request_id] = InFlight(add, refusal)
 
     def forget(self, request_id: str) -> None:
         self.inflight.pop(request_id, None)

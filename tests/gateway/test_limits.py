@@ -122,9 +122,10 @@ def test_engine_gone_is_503_then_gateway_reconnects() -> None:
 
 
 def test_open_stream_ends_with_error_event_when_engine_dies() -> None:
+    """...and does not come back within resume_timeout (a restarted engine resumes it: test_resume.py)."""
     async def main() -> None:
         eng = slow_engine().__enter__()
-        async with gateway(eng) as http:
+        async with gateway(eng, resume_timeout=0.5) as http:
             resp = await http.post("/v1/completions", json=LONG_STREAM)
             await resp.content.readline()
             eng.stop()

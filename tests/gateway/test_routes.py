@@ -32,8 +32,9 @@ class NoCancelServer(TestServer):
 
 @contextlib.asynccontextmanager
 async def gateway(eng: FakeEngine, cancel: bool = True, socket_factory: Any = get_port_socket,
-                  **config: Any) -> AsyncIterator[TestClient]:
-    client = AsyncEngineClient(eng.address, tokenizer=smollm2_tokenizer(), ready_timeout=3)
+                  resume_timeout: float = 60.0, **config: Any) -> AsyncIterator[TestClient]:
+    client = AsyncEngineClient(eng.address, tokenizer=smollm2_tokenizer(), ready_timeout=3,
+                               resume_timeout=resume_timeout)
     app = build_app(GatewayConfig(**config), client)
     async with TestClient((TestServer if cancel else NoCancelServer)(app, socket_factory=socket_factory)) as http:
         yield http

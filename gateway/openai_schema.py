@@ -124,13 +124,11 @@ def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, def
         fields["top_k"] = 0  # vLLM's spelling of "off"
     max_tokens = body.get("max_tokens")
     max_tokens = default_max_tokens if max_tokens is None else max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be an integer >= 1, got {_show(max_tokens)}",
-                             param="max_tokens")
     stop = body.get("stop")
     stop = [] if stop is None else stop
     fields |= _sequence_fields(body, chat, stream)
     params = SamplingParams.from_dict({**fields, "max_tokens": max_tokens, "stop": stop})
+    max_tokens = params.max_tokens  # validated now
     if len(ids) + max_tokens > served.max_model_len:
         raise InvalidRequest(
             f"This model's maximum context length is {served.max_model_len} tokens. However, you requested "

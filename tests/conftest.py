@@ -76,3 +76,22 @@ def make_tiny_checkpoint():
 @pytest.fixture(scope="session")
 def smollm2_source() -> ModelSource:
     return resolve_model("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(autouse=True)
+def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Issue #14's watchdog, in every test: no scheduler a test builds may ever have had work waiting
+    and nothing it could schedule (conveyor_engine_stalled_steps_total in a server)."""
+    from engine.scheduler import Scheduler
+
+    made: list[Scheduler] = []
+    init = Scheduler.__init__
+
+    def recording_init(self: Scheduler, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(Scheduler, "__init__", recording_init)
+    yield
+    stalled = [s.num_stalled_steps for s in made if s.num_stalled_steps]
+    assert not stalled, f"a scheduler stalled for {stalled} steps with work waiting"

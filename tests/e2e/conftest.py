@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,3 +58,9 @@ async def stream_completion(session, url: str, prompt: str, max_tokens: int) -> 
     events = [e[len(b"data: "):] for e in raw.split(b"\n\n") if e]
     assert events[-1] == b"[DONE]", raw[-300:]
     return "".join(orjson.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+
+@pytest.fixture(scope="module")
+def engine_address(server: Any) -> str:
+    """The engine address of the module's `server` fixture (a tests.e2e.servers.Server)."""
+    return str(server.engine_address)

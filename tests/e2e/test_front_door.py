@@ -23,11 +23,6 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def engine_address(server: Server) -> str:
-    return server.engine_address
-
-
 def run(coro: Any, timeout: float = 60) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 

@@ -45,11 +45,6 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-@pytest.fixture(scope="module")
-def engine_address(server: Server) -> str:
-    return server.engine_address
-
-
 # -- strategies ----------------------------------------------------------------------------------------
 
 # Mostly inside the vocabulary, sometimes just past it or far past it (see the module docstring).

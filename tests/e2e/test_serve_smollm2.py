@@ -48,11 +48,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def engine_address(server: Server) -> str:
-    return server.engine_address
-
-
-@pytest.fixture(scope="module")
 def offline_reference(server: Server) -> dict[int, str]:
     """Greedy texts from the offline API in this process, same chat-templated ids. Built after the server
     started, so the dequantized weights are in the cache already."""

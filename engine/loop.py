@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -81,25 +82,33 @@ class EngineLoop:
         # Clients whose output queue was full: the errors they are owed, delivered once they read again.
         self.behind: dict[bytes, dict[str, Error]] = {}
         self.next_beat = 0.0
+        # The socket is used from two threads (the loop, the heartbeats): every use holds this lock.
+        self.lock = threading.Lock()
+        self.heartbeats = Heartbeats(self.sock, self.lock, heartbeat_interval)
 
     def run(self) -> None:
         # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
         # the garbage collector stops rescanning it, so a full collection no longer stalls a step.
         gc.freeze()
+        self.heartbeats.start()
         try:
             while True:
                 # 1. drain the inbox: adds and aborts take effect before the next step
                 busy = self.core.has_work()
-                if self.sock.poll(0 if busy else IDLE_POLL_MS):
+                with self.lock:
+                    ready = self.sock.poll(0 if busy else IDLE_POLL_MS)
+                if ready:
                     self._drain()
-                # 2. one step: schedule, execute, update
+                # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their thread, to
+                # every client with requests in flight (none while idle)
+                self.heartbeats.targets = frozenset(self.owner.values()) - self.behind.keys()
                 if busy or self.core.has_work():
                     self._send_outputs(self._step())
-                # 3. between steps, at most once per interval: heartbeats, and errors owed to slow clients
+                # 3. between steps, at most once per interval: the errors owed to clients that were behind
                 now = time.monotonic()
                 if now >= self.next_beat:
                     self.next_beat = now + self.heartbeat_interval
-                    self._beat()
+                    self._pay_owed_errors()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
             self.close()
@@ -116,6 +125,7 @@ class EngineLoop:
             return self.core.fail_all(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
+        self.heartbeats.stop()
         self.sock.close(linger=0)
         if self.auth is not None:
             self.auth.stop()
@@ -129,7 +139,8 @@ class EngineLoop:
     def _drain(self) -> None:
         for _ in range(MAX_DRAIN_PER_STEP):  # the rest waits for the next step
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                with self.lock:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             client, body = frames[0], frames[1:]
@@ -193,7 +204,9 @@ class EngineLoop:
             self._owe(client, msg)
             return
         try:
-            self.sock.send_multipart([client, *encode(msg)], zmq.NOBLOCK)
+            frames = [client, *encode(msg)]
+            with self.lock:
+                self.sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             self._fell_behind(client, msg)
         except zmq.ZMQError as e:
@@ -237,11 +250,8 @@ class EngineLoop:
                 owed[rid] = Error(rid, f"the engine aborted this request: this client left {HWM} messages "
                                        "unread (it reads its outputs too slowly, or not at all)", 503)
 
-    def _beat(self) -> None:
-        """A HEARTBEAT to each client with requests in flight, then the errors owed to clients that were
-        behind, as far as their queues take them now."""
-        for client in set(self.owner.values()):
-            self._send(client, Heartbeat())
+    def _pay_owed_errors(self) -> None:
+        """The errors owed to clients that were behind, as far as their queues take them now."""
         for client, owed in list(self.behind.items()):
             del self.behind[client]  # so that _send tries the socket again
             left = list(owed.values())
@@ -249,3 +259,33 @@ class EngineLoop:
                 self._send(client, left.pop(0))  # full again: _fell_behind owes that one again
             if left:
                 self.behind[client].update((e.request_id, e) for e in left if e.request_id)
+
+
+class Heartbeats(threading.Thread):
+    """A HEARTBEAT to every client with requests in flight, every interval, from a thread of its own:
+    it goes on while a long step runs (the forward releases the GIL), so a client's silence timeout
+    tells whether the engine process is there at all, not how long a step takes (a float32 step of
+    2048 prompt tokens takes seconds on a CPU). A process that is frozen or gone falls silent whole."""
+
+    def __init__(self, sock: zmq.Socket[bytes], lock: threading.Lock, interval: float) -> None:
+        super().__init__(name="heartbeats", daemon=True)
+        self.sock, self.lock, self.interval = sock, lock, interval
+        self.targets: frozenset[bytes] = frozenset()  # set by the loop between steps, read here
+        self.sent = 0  # heartbeats sent (written here only)
+        self._halt = threading.Event()
+        self._frames = encode(Heartbeat())
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            for client in self.targets:
+                with self.lock:
+                    try:
+                        self.sock.send_multipart([client, *self._frames], zmq.NOBLOCK)
+                    except zmq.ZMQError:  # a full queue or a client gone: the loop's next send deals with it
+                        continue
+                self.sent += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.is_alive():
+            self.join()

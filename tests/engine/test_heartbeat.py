@@ -1,0 +1,95 @@
+"""Heartbeats go on while a step runs: a step longer than a client's silence timeout is an engine at
+work, not a lost one. The real EngineLoop and the real SDK client over a real socket; the engine's core
+is a stand-in whose first step lasts until the loop's heartbeat thread has beaten for three timeouts."""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from engine.loop import EngineLoop
+from shared.client import AsyncEngineClient
+from shared.protocol import RequestOutput
+from shared.sampling import SamplingParams
+
+INTERVAL, TIMEOUT = 0.05, 0.5
+
+
+class Stopped(Exception):
+    """Ends EngineLoop.run from its own thread at the end of the test."""
+
+
+class SlowFirstStep:
+    """What EngineLoop needs of EngineCore. Every request finishes in one step; the first step waits for
+    ceil(3 * TIMEOUT / INTERVAL) heartbeats, i.e. three of the client's silence timeouts."""
+
+    max_model_len = 64
+    eos_token_ids = (2,)
+    source = SimpleNamespace(name="slow-first-step")
+
+    def __init__(self) -> None:
+        self.adds: list[str] = []
+        self.pending: list[str] = []
+        self.sequences: dict[str, object] = {}
+        self.loop: EngineLoop | None = None
+        self.stop = False
+        self.slow = True
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+        self.adds.append(request_id)
+        self.pending.append(request_id)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        gone = [r for r in self.pending if r in request_ids]
+        self.pending = [r for r in self.pending if r not in request_ids]
+        return [RequestOutput(r, [], True, "abort") for r in gone]
+
+    def has_work(self) -> bool:
+        if self.stop:
+            raise Stopped
+        return bool(self.pending)
+
+    def step(self) -> list[RequestOutput]:
+        assert self.loop is not None
+        beats = math.ceil(3 * TIMEOUT / INTERVAL)
+        deadline = time.monotonic() + 60
+        while self.slow and self.loop.heartbeats.sent < beats and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.slow = False
+        done, self.pending = self.pending, []
+        return [RequestOutput(r, [7, 8], True, "length", 3) for r in done]
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_step_longer_than_the_silence_timeout_is_not_a_lost_engine(tmp_path: Path) -> None:
+    core = SlowFirstStep()
+    loop = EngineLoop(core, f"ipc://{tmp_path}/engine.sock", heartbeat_interval=INTERVAL)  # type: ignore[arg-type]
+    core.loop = loop
+
+    def serve() -> None:
+        try:
+            loop.run()
+        except Stopped:
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def main() -> list[int]:
+        async with AsyncEngineClient(loop.address, engine_timeout=TIMEOUT) as client:
+            stream = await client.add([5, 6, 7], SamplingParams(max_tokens=2), request_id="long")
+            return [t async for out in stream for t in out.new_token_ids]
+
+    try:
+        tokens = asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        core.stop = True
+        thread.join(30)
+    assert loop.heartbeats.sent >= math.ceil(3 * TIMEOUT / INTERVAL)  # the step really outlasted the timeout
+    assert core.adds == ["long"]  # never declared lost, so never aborted and resubmitted
+    assert tokens == [7, 8] and not thread.is_alive()

@@ -113,8 +113,11 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path) -> tuple
                 "--served-model-name", NAME, "--dtype", dtype, *LIMITS, "--host", "127.0.0.1", "--port", str(port),
                 "--disable-uvicorn-access-log"], env
     env["PYTHONPATH"] = str(ROOT)
+    # --engine-timeout: a float32 step of 2048 prompt tokens takes seconds here, more on a shared machine;
+    # the default 5 s of silence would call the engine lost and resume its streams mid-run.
     return [sys.executable, "-m", "gateway", "serve", "--model", str(MODEL_DIR), "--served-model-name", NAME,
-            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB", "--host", "127.0.0.1", "--port", str(port)], env
+            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB", "--engine-timeout", "60",
+            "--host", "127.0.0.1", "--port", str(port)], env
 
 
 @contextmanager
@@ -142,6 +145,9 @@ def running(kind: str, dtype: str, port: int, vllm_python: Path) -> Iterator[flo
         yield ready
     finally:
         _stop(proc)
+        lost = log_path.read_text(errors="replace").count("engine lost")
+        if lost:
+            say(f"WARNING: {kind} ({dtype}) logged 'engine lost' {lost} times: its streams were resumed mid-run")
 
 
 def _answers(url: str) -> bool:

@@ -30,6 +30,19 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")
 
 
+def cpu_features() -> str:
+    """The flags that decide bfloat16 speed here: AVX-512 BF16 (native bfloat16 dot products) and AMX
+    (Intel's matrix tiles). Without either, oneDNN emulates bfloat16 about 100x slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line.split(":", 1)[1].split() for line in f if line.startswith("flags")))
+    except (OSError, StopIteration):
+        return "cpu flags unknown"
+    yes = {True: "yes", False: "no"}
+    return (f"avx512f {yes['avx512f' in flags]}, avx512_bf16 {yes['avx512_bf16' in flags]}, "
+            f"amx_bf16 {yes['amx_bf16' in flags]}")
+
+
 def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float = 1.0,
                 dtype: str = "float32") -> float:
     """Measured GEMM speed at a shape of this model, in the model's dtype: the yardstick for the

@@ -1,0 +1,240 @@
+"""Where a decode step's time goes, next to what the arithmetic allows.
+
+Issue #15 asks for this split before any performance lever is pulled, so that each lever is kept only
+when it moves its own line. The offline EngineCore (no sockets, no gateway) holds a decode-heavy batch
+(default 32 sequences over contexts of 64..700 tokens) and runs decode steps twice:
+1. timed without a profiler: step, model forward, sampling, and the rest (scheduling, input building,
+   output processing: Python outside the model);
+2. under torch.profiler: the forward split by the op that Python called (its time with its children):
+   GEMMs (linear/addmm/mm), attention (SDPA), K/V gathers and writes (index_select & co. inside the
+   attention backend), attention's other ops (layouts, copies), elementwise (RMSNorm, RoPE, SiLU-and-mul,
+   residual adds, casts), the embedding, and dispatch/Python between ops.
+Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
+computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
+
+    python bench/step_profile.py [--dtype float32|bfloat16|both] [--num-seqs 32] [--context 64,700] [--steps 10]
+
+A bench, not an engine flag: it wraps the runner's model, sampler and attention backend from outside.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import cpu_features, gemm_gflops, machine, pin_threads  # noqa: E402
+from bench.scheduler_policies import Timed  # noqa: E402
+
+# Labels of the ranges this bench opens around the runner's parts.
+MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"
+GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm"}
+SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention")
+GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
+WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_", "aten::_index_put_impl_"}
+ROWS = ["GEMMs (linear, addmm, mm)", "attention (SDPA)", "K/V gathers (index_select)", "K/V writes",
+        "attention: other ops", "elementwise (norms, RoPE, SiLU, adds, casts)",
+        "embedding", "dispatch and Python between ops"]
+
+
+class Ranged:
+    """Calls the wrapped callable inside a profiler range, so its ops can be told apart."""
+
+    def __init__(self, fn: Any, label: str) -> None:
+        self.fn, self.label = fn, label
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.profiler import record_function
+
+        with record_function(self.label):
+            return self.fn(*args, **kwargs)
+
+
+class WrappedBackend:
+    """The attention backend with its per-layer forward and its per-step plan replaced by wrappers."""
+
+    def __init__(self, backend: Any, forward: Any, plan: Any) -> None:
+        self.backend, self.forward, self.plan = backend, forward, plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+def fill(core: Any, num_seqs: int, context: tuple[int, int], steps: int) -> None:
+    """Admits num_seqs sequences with prompts spread over the context range and steps until all decode."""
+    from shared.sampling import SamplingParams
+
+    rng = random.Random(0)
+    lo, hi = context
+    for i in range(num_seqs):
+        n = lo + (hi - lo) * i // max(1, num_seqs - 1)
+        core.add(f"p{i}", [rng.randrange(100, 40000) for _ in range(n)],
+                 SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True))
+    while any(r.num_output_tokens == 0 for r in core.sequences.values()):
+        core.step()
+    for _ in range(3):  # shape-dependent warm-up in oneDNN and the allocator
+        core.step()
+
+
+def timed_steps(core: Any, steps: int) -> dict[str, float]:
+    """ms per step: the whole step, the model forward, sampling, the rest, and the attention plan (part of
+    the rest: the runner builds it before the forward)."""
+    runner = core.runner
+    saved = runner.model, runner.sampler, runner.backend
+    model, sampler, plan = Timed(runner.model), Timed(runner.sampler), Timed(runner.backend.plan)
+    runner.model, runner.sampler, runner.backend = model, sampler, WrappedBackend(saved[2], saved[2].forward, plan)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            core.step()
+    finally:
+        runner.model, runner.sampler, runner.backend = saved
+    total = (time.perf_counter() - t0) / steps * 1e3
+    fwd, smp = model.total / steps * 1e3, sampler.total / steps * 1e3
+    return {"step": total, "forward": fwd, "sampling": smp, "outside": total - fwd - smp,
+            "plan": plan.total / steps * 1e3}
+
+
+def profiled_steps(core: Any, steps: int) -> dict[str, float]:
+    """ms per step of each row of ROWS (inside the forward), from the ops Python called directly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = core.runner
+    saved = runner.model, runner.sampler, runner.backend
+    backend = WrappedBackend(saved[2], Ranged(saved[2].forward, ATTENTION), Ranged(saved[2].plan, PLAN))
+    runner.model, runner.sampler = Ranged(runner.model, MODEL), Ranged(runner.sampler, SAMPLING)
+    runner.backend = backend
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                core.step()
+    finally:
+        runner.model, runner.sampler, runner.backend = saved
+    split: dict[str, float] = defaultdict(float)
+    forward = 0.0
+    for ev in prof.events():
+        if ev.name == MODEL:
+            forward += ev.cpu_time_total
+            continue
+        chain = _ancestors(ev)
+        if not chain or chain[-1] != MODEL or ev.name == ATTENTION:  # a range: accounted by its ops
+            continue
+        parent = ev.cpu_parent.name if ev.cpu_parent is not None else ""
+        if parent not in (MODEL, ATTENTION):
+            continue  # not called from Python directly: its time is in its caller's
+        split[_row(ev.name, parent)] += ev.cpu_time_total
+    split[ROWS[-1]] = forward - sum(split.values())
+    return {k: v / steps / 1e3 for k, v in split.items()}  # us total -> ms per step
+
+
+def _ancestors(ev: Any) -> list[str]:
+    names = []
+    while ev.cpu_parent is not None:
+        ev = ev.cpu_parent
+        names.append(ev.name)
+    return names
+
+
+def _row(name: str, parent: str) -> str:
+    if parent == ATTENTION:
+        if name.startswith(SDPA_PREFIX):
+            return ROWS[1]
+        if name in GATHER_OPS:
+            return ROWS[2]
+        if name in WRITE_OPS:
+            return ROWS[3]
+        return ROWS[4]
+    if name in GEMM_OPS:
+        return ROWS[0]
+    if name == "aten::embedding":
+        return ROWS[6]
+    return ROWS[5]
+
+
+def step_flops(contexts: list[int], layers: int = 30, hidden: int = 576, inter: int = 1536, kv: int = 192,
+               vocab: int = 49152) -> float:
+    """One decode step: each sequence's one token through every linear layer and the LM head, and
+    attention (QK^T and PV) over its whole context."""
+    per_token = 2 * layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter) + 2 * hidden * vocab
+    return sum(per_token + 4 * layers * hidden * ctx for ctx in contexts)
+
+
+def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
+    import torch
+
+    from engine.core import EngineCore
+    from shared.config import build_config
+
+    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=args.num_seqs,
+                                   max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB"))
+    print(f"\n## {dtype}: {args.num_seqs} sequences decoding over contexts {args.context[0]}..{args.context[1]}, "
+          f"{args.steps} steps each pass", flush=True)
+    fill(core, args.num_seqs, args.context, args.steps)
+    contexts = [s.num_tokens for s in core.sequences.values()]
+    timed = timed_steps(core, args.steps)
+    prof = profiled_steps(core, args.steps)
+    again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
+    timed = {k: (timed[k] + again[k]) / 2 for k in timed}
+    flops = step_flops(contexts)
+    peak = gemm_gflops(dtype=dtype)
+    at_rows = gemm_gflops(n_tokens=args.num_seqs, dtype=dtype)
+    torch.set_num_threads(args.threads)
+    ceiling = flops / (peak * 1e9) * 1e3
+    prof_total = sum(prof.values())
+    print(f"step {timed['step']:.1f} ms = {args.num_seqs / timed['step'] * 1e3:.0f} output tok/s "
+          f"(mean context {sum(contexts) / len(contexts):.0f})\n")
+    print("| part of the step | ms | share of the step |")
+    print("|---|---:|---:|")
+    scale = timed["forward"] / prof_total  # the profiler's own cost, spread evenly over the forward's rows
+    for row in ROWS:
+        ms = prof.get(row, 0.0) * scale
+        print(f"| forward: {row} | {ms:.2f} | {ms / timed['step']:.1%} |")
+    print(f"| **model forward** | **{timed['forward']:.2f}** | **{timed['forward'] / timed['step']:.1%}** |")
+    print(f"| sampling | {timed['sampling']:.2f} | {timed['sampling'] / timed['step']:.1%} |")
+    print(f"| Python outside the model (schedule, inputs, outputs) | {timed['outside']:.2f} | "
+          f"{timed['outside'] / timed['step']:.1%} |")
+    print(f"| of which: attention planning (masks, block tables) | {timed['plan']:.2f} | "
+          f"{timed['plan'] / timed['step']:.1%} |")
+    print(f"| **step** | **{timed['step']:.2f}** | 100% |")
+    print(f"\narithmetic ceiling: {flops / 1e9:.2f} GFLOP a step at the measured {peak:.0f} GFLOP/s {dtype} GEMM "
+          f"(256x576x1536) = {ceiling:.2f} ms ({timed['step'] / ceiling:.1f}x below the step); the same GEMM at "
+          f"{args.num_seqs} rows runs at {at_rows:.0f} GFLOP/s = {flops / (at_rows * 1e9) * 1e3:.2f} ms")
+    gemm_ms = prof.get(ROWS[0], 0.0) * scale
+    linear_flops = flops - sum(4 * 30 * 576 * c for c in contexts)
+    print(f"GEMMs in the forward: {linear_flops / 1e9:.2f} GFLOP in {gemm_ms:.2f} ms = "
+          f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
+    print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; rows scaled by "
+          f"{scale:.2f})", flush=True)
+    core.abort(list(core.sequences))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--context", type=lambda s: tuple(int(x) for x in s.split(",")), default=(64, 700),
+                    help="shortest,longest prompt; the sequences spread evenly between them")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    args = ap.parse_args()
+    pin_threads(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(f"machine: {machine()}; {cpu_features()}")
+    print(f"command: python bench/step_profile.py {' '.join(sys.argv[1:])}")
+    for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
+        profile_dtype(args, dtype)
+
+
+if __name__ == "__main__":
+    main()

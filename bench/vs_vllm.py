@@ -145,9 +145,10 @@ def running(kind: str, dtype: str, port: int, vllm_python: Path) -> Iterator[flo
         yield ready
     finally:
         _stop(proc)
-        lost = log_path.read_text(errors="replace").count("engine lost")
+        # The silence watchdog's words; "lost connection" also appears when the stop above ends the engine.
+        lost = log_path.read_text(errors="replace").count("sent nothing for")
         if lost:
-            say(f"WARNING: {kind} ({dtype}) logged 'engine lost' {lost} times: its streams were resumed mid-run")
+            say(f"WARNING: {kind} ({dtype}): the gateway called its engine silent {lost} times and resumed streams")
 
 
 def _answers(url: str) -> bool:
@@ -212,7 +213,10 @@ def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, reqs: list
         rows = []
         for i in range(runs):
             rows.append(measure(port, reqs, concurrency))
-            say(f"{kind} ({dtype}) run {i + 1}/{runs}: {rows[-1]['tok_s']:.1f} tok/s in {rows[-1]['seconds']:.1f} s")
+            r = rows[-1]  # every run's figures, so that a bench cut short still leaves them
+            say(f"{kind} ({dtype}) run {i + 1}/{runs}: {r['tok_s']:.1f} tok/s in {r['seconds']:.1f} s, TTFT p50/p99 "
+                f"{r['ttft50'] * 1e3:.0f}/{r['ttft99'] * 1e3:.0f} ms, ITL p50/p99 {r['itl50'] * 1e3:.1f}/"
+                f"{r['itl99'] * 1e3:.1f} ms")
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows]}  # type: ignore[dict-item]
 

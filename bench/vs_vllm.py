@@ -113,10 +113,10 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path) -> tuple
                 "--served-model-name", NAME, "--dtype", dtype, *LIMITS, "--host", "127.0.0.1", "--port", str(port),
                 "--disable-uvicorn-access-log"], env
     env["PYTHONPATH"] = str(ROOT)
-    # --engine-timeout: a float32 step of 2048 prompt tokens takes seconds here, more on a shared machine;
-    # the default 5 s of silence would call the engine lost and resume its streams mid-run.
+    # Default --engine-timeout: heartbeats go on during a long step (engine/loop.py Heartbeats); the run
+    # still counts any 'engine lost' in the log, which would mean streams were resumed mid-run.
     return [sys.executable, "-m", "gateway", "serve", "--model", str(MODEL_DIR), "--served-model-name", NAME,
-            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB", "--engine-timeout", "60",
+            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB",
             "--host", "127.0.0.1", "--port", str(port)], env
 
 

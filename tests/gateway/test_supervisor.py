@@ -3,16 +3,30 @@ greeted again, and a crash loop that ends in giving up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+from gateway.launcher import EngineProcess
 from gateway.supervisor import EngineSupervisor, RestartPolicy, describe_exit
 from shared.client import AsyncEngineClient
 from tests.gateway.test_launcher import fake_engine_process
 
 FAST = RestartPolicy(max_restarts=2, window=60.0, backoff=0.05, max_backoff=0.1, ready_timeout=30.0)
+
+
+@contextlib.asynccontextmanager
+async def supervised(engine: EngineProcess) -> AsyncIterator[tuple[AsyncEngineClient, EngineSupervisor,
+                                                                    asyncio.Event, asyncio.Task[None]]]:
+    """A started engine, a client that saw it ready, and a supervisor watching it (FAST policy)."""
+    engine.start()
+    async with AsyncEngineClient(engine.address) as client:
+        await engine.wait_ready(client, timeout=30)
+        sup, stop = EngineSupervisor(engine, client, FAST), asyncio.Event()
+        yield client, sup, stop, asyncio.create_task(sup.supervise(stop))
 
 
 async def until(pred, timeout: float = 30.0) -> None:  # noqa: ANN001
@@ -32,11 +46,7 @@ def test_a_killed_engine_is_restarted_and_the_client_reconnects(tmp_path: Path) 
     engine = fake_engine_process(tmp_path)
 
     async def main() -> None:
-        engine.start()
-        async with AsyncEngineClient(engine.address) as client:
-            await engine.wait_ready(client, timeout=30)
-            sup, stop = EngineSupervisor(engine, client, FAST), asyncio.Event()
-            task = asyncio.create_task(sup.supervise(stop))
+        async with supervised(engine) as (client, sup, stop, task):
             for n in (1, 2, 3):  # more kills than max_restarts: each engine served, so no streak builds...
                 assert engine.proc is not None
                 old = engine.proc.pid
@@ -56,11 +66,7 @@ def test_an_engine_that_cannot_start_again_is_given_up_on(tmp_path: Path) -> Non
     engine = fake_engine_process(tmp_path)
 
     async def main() -> None:
-        engine.start()
-        async with AsyncEngineClient(engine.address) as client:
-            await engine.wait_ready(client, timeout=30)
-            sup, stop = EngineSupervisor(engine, client, FAST), asyncio.Event()
-            task = asyncio.create_task(sup.supervise(stop))
+        async with supervised(engine) as (_, sup, stop, task):
             engine.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]  # e.g. its model is gone now
             assert engine.proc is not None
             os.kill(engine.proc.pid, signal.SIGKILL)

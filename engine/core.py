@@ -121,7 +121,7 @@ class EngineCore:
     def fail_all(self, why: str) -> list[Error]:
         """End every request in the engine with an error (the step failed in a way no one request
         explains), freeing every block. -> one ERROR per request."""
-        errors = [Error(rid, f"the engine failed this request: {why}", 500) for rid in self.sequences]
+        errors = [_failed(rid, why) for rid in self.sequences]
         self.abort(list(self.sequences))
         return errors
 
@@ -151,7 +151,7 @@ class EngineCore:
         if d.finished:
             del self.sequences[req.request_id]
         if d.error is not None:
-            return Error(req.request_id, f"the engine failed this request: {d.error}", 500)
+            return _failed(req.request_id, d.error)
         return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
                              req.num_cached_tokens, req.events if d.finished else None,
                              _wire_logprobs(d.logprobs), d.index)
@@ -216,3 +216,8 @@ def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list] | None:
     if entries is None:
         return None
     return [[lp, [[t, v] for t, v in top]] for lp, top in entries]
+
+
+def _failed(request_id: str, why: str) -> Error:
+    """A request the engine itself failed (not the client's input): an internal error, 500."""
+    return Error(request_id, f"the engine failed this request: {why}", 500)

@@ -184,7 +184,7 @@ def get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = N
 async def engine_stats(address: str, curve_keys: str | Path | None = None) -> dict[str, float]:
     from shared.client import AsyncEngineClient
 
-    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=10, curve_keys=curve_keys) as client:
+    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120, curve_keys=curve_keys) as client:
         return await client.get_stats()
 
 
@@ -194,7 +194,7 @@ async def wait_engine_idle(address: str, timeout: float = 20.0,
     curve_keys: the client key folder, for an engine started with --curve-keys."""
     from shared.client import AsyncEngineClient
 
-    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=10, curve_keys=curve_keys) as client:
+    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120, curve_keys=curve_keys) as client:
         deadline = time.monotonic() + timeout
         while True:
             stats = await client.get_stats()

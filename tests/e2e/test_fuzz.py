@@ -178,7 +178,7 @@ def test_fuzzed_sampling_params_through_the_sdk(server: Server, engine_address: 
         valid = valid and all(t < VOCAB for t in params.stop_token_ids) and all(t < VOCAB for t, _ in params.logit_bias)
 
         async def send() -> str:
-            async with AsyncEngineClient(engine_address, name="fuzz", ready_timeout=10) as client:
+            async with AsyncEngineClient(engine_address, name="fuzz", ready_timeout=120) as client:
                 try:
                     stream = await client.add([1, 5, 9, 14], params)
                     async for out in stream:

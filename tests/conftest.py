@@ -91,7 +91,16 @@ def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
         init(self, *args, **kwargs)  # type: ignore[arg-type]
         made.append(self)
 
+    schedule = Scheduler.schedule
+
+    def watched_schedule(self: Scheduler) -> object:
+        # A loop like `while core.has_work(): core.step()` would spin for ever on a stalled scheduler: stop it.
+        plan = schedule(self)
+        assert self.num_stalled_steps < 100, f"a scheduler stalled for {self.num_stalled_steps} steps with work waiting"
+        return plan
+
     monkeypatch.setattr(Scheduler, "__init__", recording_init)
+    monkeypatch.setattr(Scheduler, "schedule", watched_schedule)
     yield
     stalled = [s.num_stalled_steps for s in made if s.num_stalled_steps]
     assert not stalled, f"a scheduler stalled for {stalled} steps with work waiting"

@@ -60,10 +60,10 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
-        backend = get_backend(config.attention_backend, device)
+        backend = get_backend(config.attention_backend, device, dtype)
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "
-                             "the torch attention backend casts between them (--attention-backend torch)")
+                             "the cpu and torch attention backends cast between them (--attention-backend cpu)")
         self.proposer = make_proposer(config.speculative, mc, num_blocks, config.cache, dtype, device, backend)
         if self.proposer is not None and self.proposer.max_model_len:  # a draft model's context
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)

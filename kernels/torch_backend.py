@@ -1,5 +1,9 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
+With native=True (`--attention-backend cpu`, the default on CPUs) decodes and short queries go to the
+native kernel of kernels/cpu instead, which reads K/V blocks where they lie and needs none of what
+follows for them; prompt chunks still take SDPA, where the work is GEMM-shaped. Without it:
+
 Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
 queries of 2..SHORT_QUERY tokens over a cached context (speculative verification, the tail of a
 chunked prompt) in another, padded to the longest. The per-step plan turns block tables into one
@@ -54,11 +58,23 @@ class _Batched:
 
 
 @dataclass
+class _Native:
+    """Sequences with short queries, for one call of the native kernel (int32, one entry per sequence)."""
+
+    block_tables: torch.Tensor  # [S, max blocks], padded with block 0
+    q_start: torch.Tensor  # [S] row of the sequence's first query in the flattened batch
+    q_len: torch.Tensor  # [S]
+    seq_len: torch.Tensor  # [S] context + query length
+    covers_all: bool  # the sequences' rows are every row of the batch
+
+
+@dataclass
 class TorchMeta:
     slot_mapping: torch.Tensor  # [T]
     batched: list[_Batched]
     all_decode: bool  # every row is a decode token, in order: one batched call covers the step
     prefills: list[_Prefill]
+    native: _Native | None = None  # set instead of batched when the native kernel runs short queries
 
 
 def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -90,9 +106,18 @@ class TorchBackend:
     # in the cache's dtype (half the bytes to gather and read); prompt chunks, bound by arithmetic, upcast.
     casts_kv = True
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
+    NATIVE_PART_TOKENS = 256
+
+    def __init__(self, device: torch.device | str = "cpu", native: bool = False) -> None:
+        """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu)."""
         self.device = torch.device(device)
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
+        if native and self.device.type == "cpu":
+            from kernels import cpu
+
+            native = cpu.available()
+        self.native = native and self.device.type == "cpu"
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         bs = layout.block_size
@@ -112,6 +137,9 @@ class TorchBackend:
                 slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots, mask))
             start += q
+        if self.native and (decode or short):
+            return TorchMeta(slot_mapping=layout.slot_mapping.to(self.device), batched=[], all_decode=False,
+                             prefills=prefills, native=self._native(layout, sorted(decode + short), prefills))
         batched = []
         for group in (decode, short):
             if group:
@@ -122,6 +150,21 @@ class TorchBackend:
             batched=batched,
             all_decode=not prefills and not short and len(batched) == 1,
             prefills=prefills,
+        )
+
+    @staticmethod
+    def _native(layout: BatchLayout, group: list[tuple[int, int]], prefills: list[_Prefill]) -> _Native:
+        """group: (sequence index, its first row) of every sequence with a short query."""
+        tables = [layout.block_tables[i][: (layout.context_lens[i] + layout.query_lens[i] + layout.block_size - 1)
+                                         // layout.block_size] for i, _ in group]
+        width = max(len(t) for t in tables)
+        int32 = torch.int32
+        return _Native(
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=int32),
+            q_start=torch.tensor([first for _, first in group], dtype=int32),
+            q_len=torch.tensor([layout.query_lens[i] for i, _ in group], dtype=int32),
+            seq_len=torch.tensor([layout.context_lens[i] + layout.query_lens[i] for i, _ in group], dtype=int32),
+            covers_all=not prefills,
         )
 
     def _batched(self, layout: BatchLayout, group: list[tuple[int, int]]) -> _Batched:
@@ -158,6 +201,12 @@ class TorchBackend:
         if meta.all_decode:
             return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, in_order=True)
         out = q.new_empty(q.shape)
+        if meta.native is not None:
+            n = meta.native
+            torch.ops.conveyor_cpu.paged_attention(out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len,
+                                                   n.seq_len, scale, self.NATIVE_PART_TOKENS)
+            if n.covers_all:
+                return out
         for b in meta.batched:
             o = self._attend_batched(q, k_cache, v_cache, b, scale, in_order=False)  # [B * q_len, H, D]
             if b.keep is None:

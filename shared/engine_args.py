@@ -31,8 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--dtype", choices=DTYPES, help="auto (default): bfloat16 for 16-bit and quantized checkpoints on CPUs with "
       "AMX or AVX512-BF16 (1.8x faster there), else float32 (bfloat16 is ~100x slower on CPUs without them)")
     a("--device", help="cpu (default) or cuda")
-    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, cpu elsewhere (a native kernel for decodes, PyTorch for prompts); "
-      "torch: PyTorch ops only")
+    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, cpu elsewhere (a native "
+      "kernel for decodes and short queries, PyTorch for prompts); torch: PyTorch ops only")
     a("--num-threads", type=int, help="compute threads; default: one per core")
     a("--max-model-len", type=int, help="default: the model's context length")
     a("--seed", type=int, help="seed of unseeded sampling")

@@ -204,7 +204,7 @@ class TorchBackend:
         if meta.native is not None:
             n = meta.native
             torch.ops.conveyor_cpu.paged_attention(out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len,
-                                                   n.seq_len, scale, self.NATIVE_PART_TOKENS)
+                                                   n.seq_len, scale, self.NATIVE_PART_TOKENS, 0, 0.0)
             if n.covers_all:
                 return out
         for b in meta.batched:

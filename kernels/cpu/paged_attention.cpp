@@ -5,7 +5,9 @@
 // the KV head, for every query of the sequence, over the partition's keys with an online softmax, and
 // leaves an unnormalised partial (max, sum, accumulator). A second pass merges the partitions of each
 // (query, head). Partitions keep both cores busy when one long sequence is all there is (flash-decoding).
-// K/V rows are widened to float32 once per token and used by every query row of the group; dot products
+// window > 0: a query at position p sees keys p - window + 1 .. p (sliding-window layers); softcap > 0:
+// scores s become softcap * tanh(s / softcap) before the mask (Gemma 2). K/V rows are widened to float32
+// once per token and used by every query row of the group; dot products
 // and the V update are plain loops that the compiler vectorises (`omp simd`), built with -march=native.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -38,7 +40,7 @@ struct Task {
 template <typename Q, typename KV>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& q_len,
-         const at::Tensor& seq_len, double scale, int64_t part_tokens) {
+         const at::Tensor& seq_len, double scale, int64_t part_tokens, int64_t window, double softcap) {
   const int64_t num_seqs = q_start.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(2), BS = k_cache.size(1), G = H / Hkv;
   const int64_t max_blocks = block_tables.size(1);
@@ -51,7 +53,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   Q* op = out.data_ptr<Q>();
   const KV* kp = k_cache.data_ptr<KV>();
   const KV* vp = v_cache.data_ptr<KV>();
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   int64_t max_parts = 1, max_rows = 1;
   std::vector<Task> tasks;
@@ -84,7 +86,9 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
       float* m = part_max.data() + slot(s, h, p, 0);
       float* l = part_sum.data() + slot(s, h, p, 0);
       float* acc = part_acc.data() + slot(s, h, p, 0) * D;
-      const int64_t first = p * part_tokens, last = std::min(len, first + part_tokens);
+      int64_t first = p * part_tokens;
+      const int64_t last = std::min(len, first + part_tokens);
+      if (window > 0) first = std::max(first, (ctx + 1 - window) / BS * BS);  // keys no query's window holds
       for (int64_t b0 = first; b0 < last; b0 += BS - (b0 % BS)) {
         const int64_t block = tables[s * max_blocks + b0 / BS];
         const int64_t n = std::min(last, b0 - b0 % BS + BS) - b0;  // tokens of this block in range
@@ -98,6 +102,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         }
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = ctx + r / G;  // query j sits at position ctx + j and sees keys <= it
+          const int64_t oldest = window > 0 ? visible - window + 1 : 0;  // and, in a window, none before this
           const float* qr = qf.data() + r * D;
           float* sr = scores.data() + r * BS;
           float block_max = -std::numeric_limits<float>::infinity();
@@ -106,7 +111,9 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             const float* kd = kf.data() + i * D;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < D; ++d) dot += qr[d] * kd[d];
-            sr[i] = b0 + i <= visible ? dot : -std::numeric_limits<float>::infinity();
+            if (cap > 0.f) dot = cap * std::tanh(dot / cap);  // soft-capped scores (Gemma 2)
+            const int64_t key = b0 + i;
+            sr[i] = key <= visible && key >= oldest ? dot : -std::numeric_limits<float>::infinity();
             block_max = std::max(block_max, sr[i]);
           }
           if (block_max == -std::numeric_limits<float>::infinity()) {
@@ -175,7 +182,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 // Writes the attention of the given sequences' query rows into out's same rows; other rows untouched.
 void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& seq_len, double scale, int64_t part_tokens) {
+                     const at::Tensor& seq_len, double scale, int64_t part_tokens, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "q/out shapes");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out rows must have contiguous head dims");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(), "caches");
@@ -185,15 +192,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->size(0) == block_tables.size(0), "seqs");
   TORCH_CHECK(part_tokens > 0 && part_tokens % k_cache.size(1) == 0, "part_tokens: a multiple of the block size");
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
+  auto go = [&](auto q_type, auto kv_type) {
+    run<decltype(q_type), decltype(kv_type)>(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale,
+                                             part_tokens, window, softcap);
+  };
   if (qt == at::kFloat && ct == at::kFloat)
-    run<float, float>(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale, part_tokens);
+    go(float{}, float{});
   else if (qt == at::kFloat && ct == at::kBFloat16)
-    run<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale, part_tokens);
+    go(float{}, c10::BFloat16{});
   else if (qt == at::kBFloat16 && ct == at::kFloat)
-    run<c10::BFloat16, float>(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale, part_tokens);
+    go(c10::BFloat16{}, float{});
   else if (qt == at::kBFloat16 && ct == at::kBFloat16)
-    run<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale,
-                                      part_tokens);
+    go(c10::BFloat16{}, c10::BFloat16{});
   else
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", ct);
 }
@@ -202,6 +212,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
 
 TORCH_LIBRARY(conveyor_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor q_start, Tensor q_len, Tensor seq_len, float scale, int part_tokens) -> ()");
+        "Tensor q_start, Tensor q_len, Tensor seq_len, float scale, int part_tokens, int window, float softcap) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &paged_attention);
 }

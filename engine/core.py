@@ -22,6 +22,7 @@ from engine.spec import can_speculate, make_proposer
 from engine.step import Delta, StepPlan
 from engine.weights import load_model
 from kernels import get_backend
+from kernels.backend import backend_limit
 from shared.config import EngineConfig
 from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
@@ -61,6 +62,7 @@ class EngineCore:
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
         backend = get_backend(config.attention_backend, device)
+        self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "
                              "the torch attention backend casts between them (--attention-backend torch)")

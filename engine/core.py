@@ -51,7 +51,7 @@ class EngineCore:
         device = torch.device(config.device)
         self.source = resolve_model(config.model)
         t0 = time.perf_counter()
-        model, self.model_config = load_model(self.source, config.dtype, device)
+        model, self.model_config = load_model(self.source, config.dtype, device, config.quantization)
         mc = self.model_config
         dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -62,6 +62,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts
+    quantization: str = "none"  # what the projections hold: none | int8 | int4 (engine/quant.py)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

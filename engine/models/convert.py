@@ -40,9 +40,11 @@ _EXPERT_NAMES = {"gate_proj": ("moe.gate_up", 0), "up_proj": ("moe.gate_up", 1),
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
-def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                       partial: bool = False) -> dict[str, torch.Tensor]:
     """Fuses each group as soon as it is complete, so peak memory stays near one model's worth when
-    weights are streamed."""
+    weights are streamed. partial: drop incomplete fused groups instead of raising (per-matrix
+    side data, such as quantization groups, that only some matrices have)."""
     out: dict[str, torch.Tensor] = {}
     pending: dict[str, dict[int, torch.Tensor]] = {}
     gemma = cfg.architecture in _GEMMA
@@ -79,7 +81,7 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
         if len(group) == (3 if ours == "qkv_proj" else 2):
             out[key] = torch.cat([group[i] for i in range(len(group))])
             del pending[key]
-    if pending:
+    if pending and not partial:
         raise ValueError(f"incomplete fused weights: {sorted(pending)}")
     return out
 

@@ -18,8 +18,9 @@ def backend(request: pytest.FixtureRequest) -> TorchBackend:
     return b
 
 
-def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
-    """k_cache / v_cache: after the new tokens were stored. -> [T, H, D] in float64."""
+def naive_attention(batch, k_cache, v_cache, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """k_cache / v_cache: after the new tokens were stored. window: a query at p sees keys p - window + 1 .. p;
+    softcap: scores s -> softcap * tanh(s / softcap) before the mask (Gemma 2). -> [T, H, D] in float64."""
     lay = batch.layout
     bs, h = lay.block_size, batch.q.shape[1]
     group = h // k_cache.shape[2]
@@ -31,7 +32,11 @@ def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)  # [L, H, D]
         q = batch.q[row:row + q_len].double()  # [q, H, D]
         scores = torch.einsum("qhd,lhd->hql", q, keys) * batch.scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = torch.arange(L)[None, :] <= torch.arange(ctx, L)[:, None]  # [q, L]
+        if window is not None:
+            visible &= torch.arange(L)[None, :] > torch.arange(ctx, L)[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), vals))
         row += q_len
@@ -50,6 +55,20 @@ def test_mixed_batch_equals_attention_by_hand(group, block_size, backend):
     stored_k, stored_v = batch.stored_caches()
     torch.testing.assert_close(k_cache, torch.nan_to_num(stored_k, nan=0.0))
     want = naive_attention(batch, k_cache, v_cache)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap", [(6, None), (None, 3.0), (13, 2.5), (1000, None)])
+def test_sliding_window_and_soft_capped_scores(window, softcap, backend):
+    """Gemma 2/3, Mistral, Phi-3: every path (decodes, short queries, prompt chunks, long contexts over several
+    native partitions) sees only the window's keys and caps its scores."""
+    query_lens = [1, 5, 1, 3, SHORT_QUERY, 7, 40, 1]
+    context_lens = [9, 30, 0, 13, 20, 0, 25, 600]
+    batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=3, head_dim=16, seed=11)
+    k_cache, v_cache = batch.clean_caches()
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale,
+                          window, softcap)
+    want = naive_attention(batch, k_cache, v_cache, window, softcap)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 

@@ -14,6 +14,9 @@ ENV PYTHONUNBUFFERED=1 \
     CONVEYOR_CACHE=/cache
 
 WORKDIR /app
+# g++ builds the native CPU attention kernel at the first start, for the CPU the container runs on
+# (kernels/cpu; cached under /cache). Without it the engine falls back to PyTorch ops, slower.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # Dependencies first, so a code change does not reinstall torch.
 COPY pyproject.toml constraints.txt ./
 RUN mkdir -p shared engine gateway kernels \

@@ -22,6 +22,7 @@ from engine.spec import can_speculate, make_proposer
 from engine.step import Delta, StepPlan
 from engine.weights import load_model
 from kernels import get_backend
+from kernels.backend import backend_limit
 from shared.config import EngineConfig
 from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
@@ -50,7 +51,7 @@ class EngineCore:
         device = torch.device(config.device)
         self.source = resolve_model(config.model)
         t0 = time.perf_counter()
-        model, self.model_config = load_model(self.source, config.dtype, device)
+        model, self.model_config = load_model(self.source, config.dtype, device, config.quantization)
         mc = self.model_config
         dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -60,10 +61,11 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         # A request must always fit the pool alone, or preemption could never make room for it.
         self.max_model_len = min(self.max_model_len, num_blocks * block_size)
-        backend = get_backend(config.attention_backend, device)
+        backend = get_backend(config.attention_backend, device, dtype)
+        self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "
-                             "the torch attention backend casts between them (--attention-backend torch)")
+                             "the cpu and torch attention backends cast between them (--attention-backend cpu)")
         self.proposer = make_proposer(config.speculative, mc, num_blocks, config.cache, dtype, device, backend)
         if self.proposer is not None and self.proposer.max_model_len:  # a draft model's context
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)

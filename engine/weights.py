@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from engine.dtype import resolve_dtype
 from engine.models import ModelConfig, get_model_class
+from engine.models.convert import convert_hf_weights
+from engine.quant import auto_mode, gguf_groups, quantize_model, weight_bytes
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
@@ -51,13 +53,15 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 Weights = Iterable[tuple[str, torch.Tensor]]
-_CACHE_FORMAT = 2  # bump when what the dequantized folder holds changes
+_CACHE_FORMAT = 3  # bump when what the dequantized folder holds changes (3: int4 groups, quantization)
+_GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
 
 
-def load_model(source: ModelSource, dtype: torch.dtype | str,
-               device: torch.device | str) -> tuple[nn.Module, ModelConfig]:
-    """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it was built in).
-    dtype: a torch dtype, or a --dtype name ("auto" resolves against the checkpoint, engine/dtype.py).
+def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str,
+               quantization: str = "none") -> tuple[nn.Module, ModelConfig]:
+    """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it computes in,
+    cfg.quantization what its projections hold). dtype: a torch dtype, or a --dtype name ("auto" resolves
+    against the checkpoint, engine/dtype.py). quantization: none | int8 | int4 | auto (engine/quant.py).
     GGUF sources load from the dequantized cache when it exists, and create it otherwise."""
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -66,17 +70,20 @@ def load_model(source: ModelSource, dtype: torch.dtype | str,
     else:
         folder = dequantized_folder(source)
         if not (folder / "config.json").is_file():
-            config, tensors = read_gguf(source.folder / source.gguf_file)
-            if _try_write_cache(folder, config, tensors):
+            config, tensors, groups = read_gguf(source.folder / source.gguf_file)
+            if _try_write_cache(folder, config, tensors, groups):
                 log.info("dequantized %s into %s", source.gguf_file, folder)
-            model, cfg = _build(config, None, _drain(tensors), dtype, device)
-            _log_loaded(source, model, cfg.dtype, source.folder / source.gguf_file, t0)
+            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups)
+            _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device)
-    _log_loaded(source, model, cfg.dtype, folder, t0)
+    groups_path = folder / _GROUPS_FILE
+    groups = dict(_read_safetensors([groups_path])) if groups_path.is_file() else {}
+    model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device, quantization,
+                        groups)
+    _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
 
 
@@ -87,15 +94,38 @@ def dequantized_folder(source: ModelSource) -> Path:
 
 
 def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
-           device: torch.device) -> tuple[nn.Module, ModelConfig]:
+           device: torch.device, quantization: str = "none",
+           groups: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, ModelConfig]:
+    """groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
-    cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."))
+    mode = (config.get("conveyor_quantization") or "none") if quantization == "auto" else quantization
+    if mode != "none" and device.type != "cpu":
+        if quantization != "auto":
+            raise ValueError(f"--quantization {mode} runs PyTorch's CPU kernels: use --device cpu or "
+                             "--quantization none")
+        mode = "none"
+    cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."),
+                              quantization=mode)
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg)
-    cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
+    # Quantized: matrices stay float32 until quantize_model replaces them, so codes come from exact values.
+    load_dtype = dtype if mode == "none" else torch.float32
+    cast = ((n, t.to(device=device, dtype=load_dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
     model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
+    if mode != "none":
+        quantize_model(model, mode, dtype, _our_groups(cfg, groups or {}))
+        for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
+            p.data = p.data.to(dtype)
     return model.requires_grad_(False).eval().to(device), cfg  # .to moves the RoPE table buffer
+
+
+def _our_groups(cfg: ModelConfig, groups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF-named GGUF groups -> by our fused parameter names, through the same fusion and q/k row
+    permutation as the weights. A fused matrix whose parts are not all Q4_0/Q4_1 gets none."""
+    parts = [{n.removesuffix(s): t for n, t in groups.items() if n.endswith(s)} for s in (".scale", ".min")]
+    scale, low = (convert_hf_weights(cfg, p.items(), partial=True) for p in parts)
+    return {name: (scale[name], low[name]) for name in scale if name in low}
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -104,7 +134,8 @@ def _safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(f for f in folder.glob("*.safetensors") if not f.name.startswith("consolidated"))
+    files = sorted(f for f in folder.glob("*.safetensors")
+                   if not f.name.startswith("consolidated") and f.name != _GROUPS_FILE)
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files (only safetensors checkpoints are supported)")
     return files
@@ -127,15 +158,15 @@ def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor
         yield name, tensors.pop(name)
 
 
-def _log_loaded(source: ModelSource, model: nn.Module, dtype: str, origin: Path, t0: float) -> None:
-    n = sum(p.numel() for p in model.parameters())
-    log.info("loaded %s (%.1fM params, %s) from %s in %.2f s", source.name, n / 1e6, dtype, origin,
-             time.perf_counter() - t0)
+def _log_loaded(source: ModelSource, model: nn.Module, cfg: ModelConfig, origin: Path, t0: float) -> None:
+    log.info("loaded %s (%.0f MiB of weights, %s, quantization %s) from %s in %.2f s", source.name,
+             weight_bytes(model) / 2**20, cfg.dtype, cfg.quantization, origin, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------------------------------- GGUF
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order)."""
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order, the exact int4 groups of its
+    Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -148,6 +179,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     unpermute = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     permuted = reader.fields["general.architecture"].contents() == "llama"
     tensors: dict[str, torch.Tensor] = {}
+    groups: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
         name, module = _gguf_to_hf_name(t.name)
         a = dequantize(t.data, t.tensor_type)  # [rows, cols] float32 (GGUF lists shapes reversed)
@@ -158,9 +190,15 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
         tensors[name] = w
+        g = gguf_groups(t.data, t.tensor_type.name, a.shape[-1]) if a.ndim == 2 else None
+        for suffix, part in zip((".scale", ".min"), g or ()):
+            if permuted and module in unpermute:
+                part = from_interleaved(part, unpermute[module])
+            groups[name + suffix] = part
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
-    return config, tensors
+    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
+    return config, tensors, groups
 
 
 def _gguf_dtype(matrix_types: set[Any]) -> str:
@@ -240,7 +278,8 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
     }
 
 
-def _try_write_cache(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+def _try_write_cache(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     groups: dict[str, torch.Tensor]) -> bool:
     """Writes the HF folder atomically. A failure (read-only or full disk) costs only the next start's
     speed, so it is logged, not raised."""
     tmp = None
@@ -248,6 +287,8 @@ def _try_write_cache(folder: Path, config: dict[str, Any], tensors: dict[str, to
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if groups:
+            save_file(groups, str(tmp / _GROUPS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
         return True

@@ -8,17 +8,20 @@ from kernels.backend import AttentionBackend, BatchLayout
 __all__ = ["AttentionBackend", "BatchLayout", "get_backend"]
 
 
-def get_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """name: auto | torch | triton. auto = Triton on CUDA, PyTorch elsewhere."""
+def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """name: auto | cpu | torch | triton. auto = Triton on CUDA, cpu elsewhere. cpu = the torch backend with
+    the native CPU kernel for decodes and short queries (PyTorch ops where it cannot be built); torch =
+    PyTorch ops only, the reference."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name in ("cpu", "torch"):
         from kernels.torch_backend import TorchBackend
 
-        return TorchBackend(device)
+        # The native kernel computes in float32 from float32 or bfloat16 inputs; float16 takes PyTorch ops.
+        return TorchBackend(device, native=name == "cpu" and dtype in (torch.float32, torch.bfloat16))
     if name == "triton":
         from kernels.triton_backend import TritonBackend
 
         return TritonBackend(device)
-    raise ValueError(f"unknown attention backend {name!r}: expected auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}: expected auto, cpu, torch or triton")

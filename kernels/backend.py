@@ -34,6 +34,10 @@ class AttentionBackend(Protocol):
     # Whether the cache may hold K/V in another dtype than q (--kv-cache-dtype): the torch backend casts;
     # the Triton kernels take one dtype.
     casts_kv: bool
+    # Whether forward honours `window` (sliding-window layers) and `softcap` (soft-capped scores). An engine
+    # whose model needs one the backend lacks refuses to start (softcap) or caps its context at the window.
+    supports_window: bool
+    supports_softcap: bool
 
     def plan(self, layout: BatchLayout) -> Any:
         """Build per-step metadata; called once per step, shared by all layers."""
@@ -48,9 +52,12 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: Any,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # [T, H, D]
         """Write k/v into their cache slots, then attend each new token to its sequence's cached
-        context (fully) and to the new tokens (causally)."""
+        context (fully) and to the new tokens (causally). window: a token at position p sees only keys
+        at p - window + 1 .. p. softcap: scores s become softcap * tanh(s / softcap) before the mask."""
         ...
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -61,3 +68,16 @@ class AttentionBackend(Protocol):
     def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy blocks between pools (device <-> CPU swap pool); same layout as copy_blocks."""
         ...
+
+
+def backend_limit(cfg: Any, backend: AttentionBackend) -> int:
+    """The longest context `backend` serves `cfg` (an engine ModelConfig) exactly. A backend without
+    sliding windows is exact up to the smallest window (where windowed and full attention agree);
+    soft-capped scores it cannot compute at all, so that is refused rather than served wrong."""
+    if cfg.attn_softcap is not None and not backend.supports_softcap:
+        raise ValueError(f"{cfg.architecture} soft-caps attention scores, which the {type(backend).__name__} "
+                         "does not: use --attention-backend torch")
+    windows = [w for w in cfg.layer_windows if w is not None]
+    if windows and not backend.supports_window:
+        return int(min(windows))
+    return int(cfg.max_position_embeddings)

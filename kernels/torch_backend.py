@@ -1,5 +1,9 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
+With native=True (`--attention-backend cpu`, the default on CPUs) decodes and short queries go to the
+native kernel of kernels/cpu instead, which reads K/V blocks where they lie and needs none of what
+follows for them; prompt chunks still take SDPA, where the work is GEMM-shaped. Without it:
+
 Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
 queries of 2..SHORT_QUERY tokens over a cached context (speculative verification, the tail of a
 chunked prompt) in another, padded to the longest. The per-step plan turns block tables into one
@@ -15,7 +19,7 @@ step and run one SDPA each. What each of these choices measured: docs/performanc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +44,22 @@ class _Prefill:
     token_slice: slice  # rows of this sequence's new tokens in the flattened batch
     key_slots: torch.Tensor  # [L] int64 slots of positions 0..L-1
     mask: torch.Tensor | None  # [q, L] float additive (0 / -inf), None without cached context (plain causal)
+    context: int = 0  # cached tokens before the first query
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its [q, L] mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The causal mask, narrowed to the last `window` keys of each query (built once per step and
+        window, then shared by every layer with that window)."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            q, L = self.token_slice.stop - self.token_slice.start, self.key_slots.numel()
+            qpos = torch.arange(q)[:, None] + self.context  # [q, 1] positions of the queries
+            key = torch.arange(L)[None, :]
+            hidden = (key > qpos) | (key <= qpos - window)  # transformers: visible iff q - window < key <= q
+            mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf"))
+            self.windowed[window] = mask.to(self.key_slots.device)
+        return self.windowed[window]
 
 
 @dataclass
@@ -51,6 +71,28 @@ class _Batched:
     blocks: torch.Tensor  # [B * nblk] int64 block ids, padded with block 0
     mask: torch.Tensor  # [B, 1, q_len, 1, nblk * block_size] bool, True where query j may see key p
     keep: torch.Tensor | None  # [n] positions in rows that are real queries; None when all are
+    positions: torch.Tensor  # [B, q_len] int64 position of each query (padding repeats the last)
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            key = torch.arange(self.mask.shape[-1], device=self.mask.device)  # [L] key positions
+            near = key[None, None, :] > self.positions[:, :, None] - window  # [B, q_len, L]
+            self.windowed[window] = self.mask & near[:, None, :, None, :]
+        return self.windowed[window]
+
+
+@dataclass
+class _Native:
+    """Sequences with short queries, for one call of the native kernel (int32, one entry per sequence)."""
+
+    block_tables: torch.Tensor  # [S, max blocks], padded with block 0
+    q_start: torch.Tensor  # [S] row of the sequence's first query in the flattened batch
+    q_len: torch.Tensor  # [S]
+    seq_len: torch.Tensor  # [S] context + query length
+    covers_all: bool  # the sequences' rows are every row of the batch
 
 
 @dataclass
@@ -59,6 +101,7 @@ class TorchMeta:
     batched: list[_Batched]
     all_decode: bool  # every row is a decode token, in order: one batched call covers the step
     prefills: list[_Prefill]
+    native: _Native | None = None  # set instead of batched when the native kernel runs short queries
 
 
 def slots_of(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
@@ -85,14 +128,45 @@ def buckets(num_blocks: list[int]) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+              scale: float, gqa: bool, softcap: float | None) -> torch.Tensor:
+    """SDPA, or where scores are soft-capped (Gemma 2: cap * tanh(s / cap) before the mask) the same
+    attention written out, in transformers' order of operations, with the softmax in float32.
+    q [B, H, Lq, D], k/v [B, Hkv, Lk, D], mask bool (True = visible) or additive -> [B, H, Lq, D]."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    if gqa:
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ k.transpose(-1, -2)).float() * scale  # [B, H, Lq, Lk]
+    s = torch.tanh(s / softcap) * softcap
+    if causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(s.shape[-1] - s.shape[-2])
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.softmax(s, dim=-1).to(v.dtype) @ v
+
+
 class TorchBackend:
+    # Sliding windows and soft-capped scores are honoured per call (Gemma 2/3, Mistral, Phi-3).
+    supports_window = True
+    supports_softcap = True
     # K/V may be stored in bfloat16 under a float32 model: stores cast down; decode and short queries attend
     # in the cache's dtype (half the bytes to gather and read); prompt chunks, bound by arithmetic, upcast.
     casts_kv = True
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
+    NATIVE_PART_TOKENS = 256
+
+    def __init__(self, device: torch.device | str = "cpu", native: bool = False) -> None:
+        """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu)."""
         self.device = torch.device(device)
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
+        if native and self.device.type == "cpu":
+            from kernels import cpu
+
+            native = cpu.available()
+        self.native = native and self.device.type == "cpu"
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         bs = layout.block_size
@@ -110,8 +184,11 @@ class TorchBackend:
                     hidden = torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx)
                     mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
                 slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
-                prefills.append(_Prefill(slice(start, start + q), slots, mask))
+                prefills.append(_Prefill(slice(start, start + q), slots, mask, ctx))
             start += q
+        if self.native and (decode or short):
+            return TorchMeta(slot_mapping=layout.slot_mapping.to(self.device), batched=[], all_decode=False,
+                             prefills=prefills, native=self._native(layout, sorted(decode + short), prefills))
         batched = []
         for group in (decode, short):
             if group:
@@ -122,6 +199,21 @@ class TorchBackend:
             batched=batched,
             all_decode=not prefills and not short and len(batched) == 1,
             prefills=prefills,
+        )
+
+    @staticmethod
+    def _native(layout: BatchLayout, group: list[tuple[int, int]], prefills: list[_Prefill]) -> _Native:
+        """group: (sequence index, its first row) of every sequence with a short query."""
+        tables = [layout.block_tables[i][: (layout.context_lens[i] + layout.query_lens[i] + layout.block_size - 1)
+                                         // layout.block_size] for i, _ in group]
+        width = max(len(t) for t in tables)
+        int32 = torch.int32
+        return _Native(
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=int32),
+            q_start=torch.tensor([first for _, first in group], dtype=int32),
+            q_len=torch.tensor([layout.query_lens[i] for i, _ in group], dtype=int32),
+            seq_len=torch.tensor([layout.context_lens[i] + layout.query_lens[i] for i, _ in group], dtype=int32),
+            covers_all=not prefills,
         )
 
     def _batched(self, layout: BatchLayout, group: list[tuple[int, int]]) -> _Batched:
@@ -146,20 +238,28 @@ class TorchBackend:
             keep = (torch.arange(q_len)[None, :] < torch.tensor(q_lens)[:, None]).flatten().nonzero()[:, 0]
             keep = keep.to(self.device)
         return _Batched(q_len, torch.tensor(rows, device=self.device), torch.tensor(flat, device=self.device),
-                        mask[:, None, :, None, :].to(self.device), keep)
+                        mask[:, None, :, None, :].to(self.device), keep, pos.to(self.device))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: TorchMeta, scale: float) -> torch.Tensor:
+                meta: TorchMeta, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
         k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         if meta.all_decode:
-            return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, in_order=True)
+            return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, True, window, softcap)
         out = q.new_empty(q.shape)
+        if meta.native is not None:
+            n = meta.native
+            torch.ops.conveyor_cpu.paged_attention(
+                out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len, n.seq_len, scale,
+                self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0)
+            if n.covers_all:
+                return out
         for b in meta.batched:
-            o = self._attend_batched(q, k_cache, v_cache, b, scale, in_order=False)  # [B * q_len, H, D]
+            o = self._attend_batched(q, k_cache, v_cache, b, scale, False, window, softcap)  # [B * q_len, H, D]
             if b.keep is None:
                 out[b.rows] = o
             else:
@@ -170,9 +270,8 @@ class TorchBackend:
             qp = q[p.token_slice].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
             kp = k_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vp = v_flat.index_select(0, p.key_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale, enable_gqa=gqa
-            )
+            mask = p.mask_for(window)
+            op = attention(qp, kp, vp, mask, mask is None, scale, gqa, softcap)
             out[p.token_slice] = op[0].transpose(0, 1)
         return out
 
@@ -188,7 +287,7 @@ class TorchBackend:
         return kb, vb
 
     def _attend_batched(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b: _Batched, scale: float,
-                        in_order: bool) -> torch.Tensor:
+                        in_order: bool, window: int | None, softcap: float | None) -> torch.Tensor:
         """-> [B * q_len, H, D], row r answering query b.rows[r]. in_order: the rows are all of q."""
         _, _, hkv, d = k_cache.shape
         h = q.shape[1]
@@ -201,10 +300,9 @@ class TorchBackend:
         kb, vb = self._gather(k_cache, v_cache, b.blocks)
         kb = kb.view(bsz, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
         vb = vb.view(bsz, -1, hkv, d).transpose(1, 2)
-        mask = b.mask if n == 1 else b.mask.expand(-1, -1, -1, g, -1).reshape(bsz, 1, n * g, -1)
-        if n == 1:
-            mask = mask.view(bsz, 1, 1, -1)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)  # [B, Hkv, n * G, D]
+        mask = b.mask_for(window)
+        mask = mask.view(bsz, 1, 1, -1) if n == 1 else mask.expand(-1, -1, -1, g, -1).reshape(bsz, 1, n * g, -1)
+        o = attention(qb, kb, vb, mask, False, scale, False, softcap)  # [B, Hkv, n * G, D]
         return o.view(bsz, hkv, n, g, d).transpose(1, 2).reshape(bsz * n, h, d).to(q.dtype)
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -75,6 +75,8 @@ class TritonBackend:
     """
 
     casts_kv = False
+    supports_window = False  # a windowed model serves contexts up to its smallest window (engine/core.py)
+    supports_softcap = False
 
     def __init__(
         self, device: torch.device | str, min_partition: int = 256, target_programs: int | None = None
@@ -149,8 +151,12 @@ class TritonBackend:
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: TritonMeta,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
         out: torch.Tensor | None = None,  # [T, H, D]; a caller-owned buffer (CUDA graphs, tests that poison it)
     ) -> torch.Tensor:
+        if window is not None or softcap is not None:  # the engine checks supports_* before it starts
+            raise NotImplementedError("the Triton kernels attend without sliding windows or soft-capping")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q) if out is None else out

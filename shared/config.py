@@ -8,9 +8,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
@@ -128,6 +129,9 @@ class SpeculativeConfig:
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # engine/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
+    # Weight-only quantized GEMMs (engine/quant.py): auto = what a GGUF file's matrices carry (int4 for
+    # 4-bit codes, int8 for Q8_0), none for float checkpoints.
+    quantization: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
     # Compute threads of the engine process; None = one per physical core.
@@ -140,6 +144,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
+        _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
 

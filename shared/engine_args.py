@@ -11,6 +11,7 @@ from shared.config import (
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     PREFILL_POLICIES,
+    QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
@@ -30,8 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
         a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
     a("--dtype", choices=DTYPES, help="auto (default): bfloat16 for 16-bit and quantized checkpoints on CPUs with "
       "AMX or AVX512-BF16 (1.8x faster there), else float32 (bfloat16 is ~100x slower on CPUs without them)")
+    a("--quantization", choices=QUANTIZATIONS, help="auto (default): a GGUF's 4-bit matrices run as int4 and Q8_0 "
+      "as int8 weight-only GEMMs (weights stay 4-8x smaller than float32); none: dequantize to --dtype")
     a("--device", help="cpu (default) or cuda")
-    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, PyTorch on CPU")
+    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, cpu elsewhere (a native "
+      "kernel for decodes and short queries, PyTorch for prompts); torch: PyTorch ops only")
     a("--num-threads", type=int, help="compute threads; default: one per core")
     a("--max-model-len", type=int, help="default: the model's context length")
     a("--seed", type=int, help="seed of unseeded sampling")

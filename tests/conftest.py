@@ -53,6 +53,15 @@ def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         os.environ["CONVEYOR_CACHE"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_kernels(conveyor_cache: Path) -> bool:
+    """Build the native CPU kernels once, before any test: every engine process the tests start then finds
+    them in the session's cache instead of compiling them inside some test's deadline."""
+    from kernels import cpu
+
+    return cpu.available()
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM

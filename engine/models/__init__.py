@@ -1,4 +1,8 @@
-"""Model registry: HF architecture name (config.json "architectures") -> model class."""
+"""Model registry: HF architecture name (config.json "architectures") -> model class.
+
+Every family is one graph with switches (engine/models/llama.py); ModelConfig.from_hf reads what each
+family switches on. docs/models.md says how to add one.
+"""
 from __future__ import annotations
 
 from engine.models.config import ModelConfig
@@ -6,8 +10,13 @@ from engine.models.llama import LlamaForCausalLM
 
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,  # same graph; sliding window is capped in ModelConfig
+    "MistralForCausalLM": LlamaForCausalLM,  # Llama with a sliding window on every layer
     "Qwen2ForCausalLM": LlamaForCausalLM,  # Llama with a q/k/v bias (ModelConfig.attention_bias)
+    "Qwen3ForCausalLM": LlamaForCausalLM,  # per-head q/k RMSNorm (ModelConfig.qk_norm)
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,  # Qwen3 with mixture-of-experts MLPs (engine/models/moe.py)
+    "Phi3ForCausalLM": LlamaForCausalLM,  # fused weights in the checkpoint, LongRoPE
+    "Gemma2ForCausalLM": LlamaForCausalLM,  # GeGLU, sandwich norms, soft-capping, alternating windows
+    "Gemma3ForCausalLM": LlamaForCausalLM,  # Gemma 2 without soft-capping, with q/k norms and local RoPE
 }
 
 __all__ = ["MODELS", "ModelConfig", "get_model_class"]

@@ -1,21 +1,22 @@
-"""The Llama family: Llama, Mistral, SmolLM2, and Qwen2 (= Llama with a q/k/v bias).
+"""The decoder families: Llama, Mistral, SmolLM2, Qwen2 (a q/k/v bias), Qwen3 (q/k norms), Phi-3 (fused
+checkpoint weights, LongRoPE), Gemma 2 and 3 (GeGLU, sandwich norms, soft-capping, sliding-window layers)
+and Qwen3-MoE (engine/models/moe.py). One graph with switches read from ModelConfig: the families differ
+in a handful of places, each a line or two below, and one graph keeps one fast path for all of them.
 
 Input is one flattened varlen batch with no batch dim: every sequence's new tokens, concatenated
 (T rows). Attention goes only through the backend, which also writes K/V into the paged cache.
 
 Choices made for CPU speed, where one decode step reads every weight once and Python overhead
 per layer is visible:
-- q/k/v and gate/up are one GEMM each (fused when the weights are converted, see HF_NAMES).
-- q and k rows are kept in the *interleaved* RoPE layout (dims 2i and 2i+1 rotate together, as in
-  Meta's original checkpoints and in GGUF), so RoPE is a single complex multiply instead of HF's
-  rotate_half (docs/performance.md). Scores q.k are unchanged because q and k are permuted
-  alike; only the K stored in the KV cache is in that order. convert_hf_weights permutes HF rows.
+- q/k/v and gate/up are one GEMM each (fused when the weights are converted, engine/models/convert.py).
+- q and k rows are kept in the interleaved RoPE layout (engine/models/rope.py), so RoPE is a single
+  complex multiply; only the K stored in the KV cache is in that order.
 - o_proj and down_proj add the residual inside the GEMM (addmm); the final norm and the LM head run
   only on the rows that sample (logits_rows), which is most of a short prompt's prefill cost.
+- A quantized projection (engine/quant.py) replaces an nn.Linear and is called instead of F.linear.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -23,78 +24,61 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.config import ModelConfig
+from engine.models.convert import convert_hf_weights
+from engine.models.moe import MoE
+from engine.models.rope import apply_rope, rope_table, to_interleaved
 from kernels.backend import AttentionBackend
 
-# HF parameter name inside a decoder layer (without .weight/.bias) -> (ours, shard index in the fused
-# tensor, or None when not fused). Shards are concatenated along dim 0 in index order.
-HF_NAMES: dict[str, tuple[str, int | None]] = {
-    "input_layernorm": ("input_layernorm", None),
-    "self_attn.q_proj": ("qkv_proj", 0),
-    "self_attn.k_proj": ("qkv_proj", 1),
-    "self_attn.v_proj": ("qkv_proj", 2),
-    "self_attn.o_proj": ("o_proj", None),
-    "post_attention_layernorm": ("post_attention_layernorm", None),
-    "mlp.gate_proj": ("gate_up_proj", 0),
-    "mlp.up_proj": ("gate_up_proj", 1),
-    "mlp.down_proj": ("down_proj", None),
-}
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """-> [D/2] float32 rotation frequencies, computed exactly as transformers does (same float ops)."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
-    s = cfg.rope_scaling
-    if s is None:
-        return inv
-    if s["rope_type"] == "linear":
-        return inv / float(s["factor"])
-    # llama3: keep high frequencies, divide low ones by factor, interpolate smoothly in between.
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_len = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old_len / hi) & ~(wavelen > old_len / lo)
-    return torch.where(medium, smoothed, scaled)
+def linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    """x @ W.T (+ b) for an nn.Linear or a quantized stand-in (which is callable)."""
+    if isinstance(m, nn.Linear):
+        return F.linear(x, m.weight, m.bias)
+    out: torch.Tensor = m(x)
+    return out
 
 
-def rope_table(cfg: ModelConfig) -> torch.Tensor:
-    """-> [max_position_embeddings, D/2, 2] float32 (cos, sin), on the CPU even under a meta-device
-    context, so a model built on meta has a real table."""
-    pos = torch.arange(cfg.max_position_embeddings, device="cpu").float()
-    angles = torch.outer(pos, rope_inv_freq(cfg))  # [P, D/2]
-    return torch.stack((angles.cos(), angles.sin()), dim=-1)
+def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
+    """h + linear(x, m), the residual added inside the GEMM when the weight is a plain matrix."""
+    if isinstance(m, nn.Linear):
+        h = torch.addmm(h, x, m.weight.t())
+        return h if m.bias is None else h.add_(m.bias)
+    return h + linear(x, m)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [T, N, D] with interleaved pairs, rope: [T, 1, D/2] complex64 -> new [T, N, D] in x.dtype."""
-    xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, N, D/2]
-    return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
-
-
-def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """q/k rows from HF's half-split RoPE layout (dim j pairs with j + D/2) to interleaved pairs (2j, 2j+1).
-    This is the permutation llama.cpp's converter applies; weights.py undoes it for GGUF files."""
-    d_half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, 2, d_half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def rms(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+    return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qk_size = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         self.inter = cfg.intermediate_size
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attn_scale or cfg.head_dim**-0.5
+        self.window = cfg.window(index)  # tokens this layer attends back, None = all
+        self.softcap = cfg.attn_softcap
+        self.local_rope = self.window is not None and cfg.local_rope_theta is not None
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+        eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         qkv_size = self.qk_size + cfg.num_kv_heads * cfg.head_dim
-        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
-        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = nn.RMSNorm(hidden, eps)
+        self.qkv_proj = nn.Linear(hidden, qkv_size, bias=cfg.attention_bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden, bias=cfg.o_proj_bias)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention output (pre_feedforward_layernorm
+        # is then the norm before the MLP and post_feedforward_layernorm the norm of its output).
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = nn.RMSNorm(hidden, eps) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = nn.RMSNorm(hidden, eps) if cfg.sandwich_norms else None
+        self.moe = MoE(cfg) if index in cfg.sparse_layers else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(hidden, 2 * cfg.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
 
     def forward(
         self, h: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,20 +86,36 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """h: [T, E] residual stream -> [T, E]. Calls F.* directly: module calls cost microseconds each."""
         T, H, Hkv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        x = F.rms_norm(h, h.shape[-1:], self.input_layernorm.weight, self.input_layernorm.eps)  # [T, E]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (H + 2Hkv) * D]
-        qk = apply_rope(qkv[:, : self.qk_size].view(T, H + Hkv, D), rope)  # [T, H + Hkv, D]
+        x = rms(h, self.input_layernorm)  # [T, E]
+        qkv = linear(x, self.qkv_proj)  # [T, (H + 2Hkv) * D]
+        qk = qkv[:, : self.qk_size].view(T, H + Hkv, D)
+        if self.q_norm is not None and self.k_norm is not None:  # per-head norms (weights in interleaved order)
+            qk = torch.cat((rms(qk[:, :H], self.q_norm), rms(qk[:, H:], self.k_norm)), dim=1)
+        qk = apply_rope(qk, rope)  # [T, H + Hkv, D]
         # q, k, v are row-strided views (stride(1) == D, stride(2) == 1), not T-contiguous copies.
         q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
         v = qkv[:, self.qk_size :].view(T, Hkv, D)  # [T, Hkv, D]
-        o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)  # [T, H, D]
-        h = torch.addmm(h, o.reshape(T, H * D), self.o_proj.weight.t())  # h + o_proj(o): [T, E]
-        if self.o_proj.bias is not None:
-            h += self.o_proj.bias
-        x = F.rms_norm(h, h.shape[-1:], self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        gate_up = F.linear(x, self.gate_up_proj.weight)  # [T, 2I]
-        act = F.silu(gate_up[:, : self.inter]).mul_(gate_up[:, self.inter :])  # [T, I]
-        return torch.addmm(h, act, self.down_proj.weight.t())  # h + down_proj(act): [T, E]
+        if self.window is None and self.softcap is None:
+            o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)  # [T, H, D]
+        else:
+            o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale, window=self.window,
+                                softcap=self.softcap)
+        o = o.reshape(T, H * D)
+        if self.pre_feedforward_layernorm is None:
+            h = add_linear(h, o, self.o_proj)  # h + o_proj(o): [T, E]
+            x = rms(h, self.post_attention_layernorm)
+        else:  # Gemma: norm the attention output before the residual add, and the MLP's input
+            h = h + rms(linear(o, self.o_proj), self.post_attention_layernorm)
+            x = rms(h, self.pre_feedforward_layernorm)
+        if self.moe is not None:
+            moe_out: torch.Tensor = self.moe(x)
+            return h + moe_out
+        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
+        gate = gate_up[:, : self.inter]
+        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(gate_up[:, self.inter :])  # [T, I]
+        if self.post_feedforward_layernorm is None:
+            return add_linear(h, act, self.down_proj)  # h + down_proj(act): [T, E]
+        return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -127,7 +127,7 @@ class LlamaModel(nn.Module):
         # _weight skips the normal_() init, whose first call on meta costs ~1.5 s of lazy imports.
         vocab, hidden = cfg.vocab_size, cfg.hidden_size
         self.embed_tokens = nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -140,6 +140,18 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope: torch.Tensor  # [P, D/2, 2] float32, a buffer: moves with .to(), not saved
         self.register_buffer("rope", rope_table(cfg), persistent=False)
+        self.rope_local: torch.Tensor | None  # the sliding layers' table where their RoPE base differs
+        local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
+        self.register_buffer("rope_local", local, persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """-> [T, E]. The embedding may be quantized (engine/quant.py), then it is a module to call."""
+        m = self.model
+        emb = m.embed_tokens
+        h = F.embedding(input_ids, emb.weight) if isinstance(emb, nn.Embedding) else emb.rows(input_ids)
+        if self.config.embed_scale is not None:  # Gemma, in the model's dtype as transformers does
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        return h
 
     def forward(
         self,
@@ -151,44 +163,17 @@ class LlamaForCausalLM(nn.Module):
         logits_rows: torch.Tensor,  # [B] int64 rows of h whose next token is sampled
     ) -> torch.Tensor:  # [B, vocab] float32
         m = self.model
-        h = F.embedding(input_ids, m.embed_tokens.weight)  # [T, E]
+        h = self.embed(input_ids)  # [T, E]
         rope = torch.view_as_complex(self.rope[positions]).unsqueeze(1)  # [T, 1, D/2] complex64
+        local = rope if self.rope_local is None else torch.view_as_complex(self.rope_local[positions]).unsqueeze(1)
         for layer, kv in zip(m.layers, kv_cache):  # kv: [2, num_blocks, block_size, Hkv, D]
-            h = layer(h, rope, kv[0], kv[1], attn_meta, backend)
-        h = F.rms_norm(h[logits_rows], h.shape[-1:], m.norm.weight, m.norm.eps)  # [B, E]
-        head = m.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, E]
-        return F.linear(h, head).float()  # [B, V]
+            h = layer(h, local if layer.local_rope else rope, kv[0], kv[1], attn_meta, backend)
+        h = rms(h[logits_rows], m.norm)  # [B, E]
+        head = m.embed_tokens if self.lm_head is None else self.lm_head
+        plain = isinstance(head, (nn.Linear, nn.Embedding))
+        logits = (F.linear(h, head.weight) if plain else head(h)).float()  # [B, V]
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def convert_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """HF-named tensors -> this model's state dict: fuse q/k/v and gate/up, permute q/k rows to the
-        interleaved RoPE layout, drop a tied lm_head. Fuses each group as soon as it is complete, so
-        peak memory stays near one model's worth when weights are streamed."""
-        cfg = self.config
-        heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
-        out: dict[str, torch.Tensor] = {}
-        pending: dict[str, dict[int, torch.Tensor]] = {}
-        for name, t in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue
-            if not name.startswith("model.layers."):
-                out[name] = t
-                continue
-            _, _, idx, rest = name.split(".", 3)  # model.layers.{idx}.{module}.{weight|bias}
-            module, kind = rest.rsplit(".", 1)
-            if module not in HF_NAMES:
-                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
-            ours, shard = HF_NAMES[module]
-            if module in heads:
-                t = to_interleaved(t, heads[module])
-            key = f"model.layers.{idx}.{ours}.{kind}"
-            if shard is None:
-                out[key] = t
-                continue
-            group = pending.setdefault(key, {})
-            group[shard] = t
-            if len(group) == (3 if ours == "qkv_proj" else 2):
-                out[key] = torch.cat([group[i] for i in range(len(group))])
-                del pending[key]
-        if pending:
-            raise ValueError(f"incomplete fused weights: {sorted(pending)}")
-        return out
+        return convert_hf_weights(self.config, weights)

@@ -88,7 +88,8 @@ def test_smollm2_beam_search_equals_transformers(smollm2_source):
     tok = AutoTokenizer.from_pretrained(smollm2_source.folder, gguf_file=smollm2_source.gguf_file)
     prompts = [tok.encode(t) for t in ["The capital of France is", "def add(a, b):", "Once upon a time"]]
     params = SamplingParams(max_tokens=16, use_beam_search=True, beam_width=4, n=2, length_penalty=1.0)
-    core = EngineCore(build_config("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="256MiB"))
+    core = EngineCore(build_config("SmolLM2-135M-Instruct", dtype="float32", quantization="none",
+                                   kv_cache_memory="256MiB"))
     ours = engine_beams(core, prompts, params)
     model = transformers_gguf_model(smollm2_source)
     for prompt, got in zip(prompts, ours):

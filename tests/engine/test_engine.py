@@ -38,8 +38,10 @@ def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
              "def fibonacci(n):", "Name three colors.", "Once upon a time in a land far away, " * 8]
     prompts = [tok.encode(t) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    # float32 pinned: on a CPU with AMX, --dtype auto would serve this 4-bit GGUF in bfloat16.
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="256MiB", max_num_batched_tokens=1024)
+    # float32 and no quantization pinned: --dtype auto would serve this 4-bit GGUF in bfloat16 on a CPU with
+    # AMX, and --quantization auto as int4 (tests/engine/test_quantized.py covers that path).
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none", kv_cache_memory="256MiB",
+              max_num_batched_tokens=1024)
     ours = llm.generate(prompts, params, use_tqdm=False)
     # All eight decoded side by side in one batch, not one after another.
     assert max(len(r.scheduled) for r in llm.core.history) == 8

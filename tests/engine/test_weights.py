@@ -21,10 +21,13 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
 
 
 def test_registry_knows_the_llama_family_and_refuses_others():
-    assert set(MODELS) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+    assert set(MODELS) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
     assert get_model_class("Qwen2ForCausalLM") is LlamaForCausalLM
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: Gemma2ForCausalLM"):
         get_model_class("GPT2LMHeadModel")
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: .*Qwen3ForCausalLM"):
+        ModelConfig.from_hf({**LLAMA, "architectures": ["GPT2LMHeadModel"]})
 
 
 def test_config_reads_old_and_new_rope_spellings():
@@ -47,10 +50,14 @@ def test_config_normalises_family_differences():
     qwen = ModelConfig.from_hf({**LLAMA, "architectures": None, "model_type": "qwen2", "sliding_window": 64,
                                 "use_sliding_window": False, "max_position_embeddings": 512})
     assert qwen.architecture == "Qwen2ForCausalLM" and qwen.attention_bias and not qwen.o_proj_bias
-    assert qwen.max_position_embeddings == 512  # window unused
+    assert qwen.max_position_embeddings == 512 and qwen.layer_windows == ()  # window unused
     mistral = ModelConfig.from_hf({**LLAMA, "architectures": ["MistralForCausalLM"], "sliding_window": 256,
                                    "max_position_embeddings": 32768})
-    assert mistral.max_position_embeddings == 256  # only lengths where the window changes nothing
+    assert mistral.max_position_embeddings == 32768 and mistral.layer_windows == (256, 256)  # every layer
+    gemma = ModelConfig.from_hf({**LLAMA, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 8,
+                                 "layer_types": ["sliding_attention", "full_attention"],
+                                 "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": 50.0})
+    assert gemma.layer_windows == (8, None) and gemma.attn_softcap == 50.0 and gemma.tie_word_embeddings
     eos = ModelConfig.from_hf({**LLAMA, "eos_token_id": [2, 7]}, generation_config={"eos_token_id": [7, 9]})
     assert eos.eos_token_ids == [2, 7, 9] and not eos.attention_bias
 

@@ -11,8 +11,16 @@ from kernels.torch_backend import MAX_BUCKETS, SHORT_QUERY, SPLIT_COST_BLOCKS, S
 from tests.kernels.paged_batch import random_batch
 
 
-def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
-    """k_cache / v_cache: after the new tokens were stored. -> [T, H, D] in float64."""
+@pytest.fixture(params=[False, True], ids=["torch", "native"])
+def backend(request: pytest.FixtureRequest) -> TorchBackend:
+    b = TorchBackend("cpu", native=request.param)
+    assert b.native == request.param, "the native CPU kernel did not build (kernels/cpu)"
+    return b
+
+
+def naive_attention(batch, k_cache, v_cache, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """k_cache / v_cache: after the new tokens were stored. window: a query at p sees keys p - window + 1 .. p;
+    softcap: scores s -> softcap * tanh(s / softcap) before the mask (Gemma 2). -> [T, H, D] in float64."""
     lay = batch.layout
     bs, h = lay.block_size, batch.q.shape[1]
     group = h // k_cache.shape[2]
@@ -24,7 +32,11 @@ def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
         keys, vals = keys.repeat_interleave(group, dim=1), vals.repeat_interleave(group, dim=1)  # [L, H, D]
         q = batch.q[row:row + q_len].double()  # [q, H, D]
         scores = torch.einsum("qhd,lhd->hql", q, keys) * batch.scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         visible = torch.arange(L)[None, :] <= torch.arange(ctx, L)[:, None]  # [q, L]
+        if window is not None:
+            visible &= torch.arange(L)[None, :] > torch.arange(ctx, L)[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
         out.append(torch.einsum("hql,lhd->qhd", scores.softmax(-1), vals))
         row += q_len
@@ -33,13 +45,12 @@ def naive_attention(batch, k_cache, v_cache) -> torch.Tensor:
 
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_mixed_batch_equals_attention_by_hand(group, block_size):
+def test_mixed_batch_equals_attention_by_hand(group, block_size, backend):
     query_lens = [1, 5, 1, 3, SHORT_QUERY, 7, 40, 2, 1]
     context_lens = [9, 30, 0, 13, 20, 0, 25, 1, 61]
     batch = random_batch(query_lens, context_lens, block_size=block_size, num_kv_heads=2, group=group,
                          head_dim=16, seed=block_size + group)
     k_cache, v_cache = batch.clean_caches()
-    backend = TorchBackend("cpu")
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
     stored_k, stored_v = batch.stored_caches()
     torch.testing.assert_close(k_cache, torch.nan_to_num(stored_k, nan=0.0))
@@ -47,42 +58,56 @@ def test_mixed_batch_equals_attention_by_hand(group, block_size):
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_bfloat16_batch_close_to_attention_by_hand():
+@pytest.mark.parametrize("window,softcap", [(6, None), (None, 3.0), (13, 2.5), (1000, None)])
+def test_sliding_window_and_soft_capped_scores(window, softcap, backend):
+    """Gemma 2/3, Mistral, Phi-3: every path (decodes, short queries, prompt chunks, long contexts over several
+    native partitions) sees only the window's keys and caps its scores."""
+    query_lens = [1, 5, 1, 3, SHORT_QUERY, 7, 40, 1]
+    context_lens = [9, 30, 0, 13, 20, 0, 25, 600]
+    batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=3, head_dim=16, seed=11)
+    k_cache, v_cache = batch.clean_caches()
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale,
+                          window, softcap)
+    want = naive_attention(batch, k_cache, v_cache, window, softcap)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_batch_close_to_attention_by_hand(backend):
     """--dtype bfloat16 on a CPU: the cache, gathers, workspace and SDPA all in bfloat16."""
     query_lens, context_lens = [1, 1, 4, 1, 9, 30], [3, 70, 12, 0, 40, 0]
     batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=2, head_dim=32,
                          dtype=torch.bfloat16, seed=3)
     k_cache, v_cache = batch.clean_caches()
-    backend = TorchBackend("cpu")
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=2e-2, rtol=2e-2)
 
 
-def test_bfloat16_cache_under_float32_queries():
+def test_bfloat16_cache_under_float32_queries(backend):
     """--kv-cache-dtype bfloat16 with a float32 model: new K/V are rounded into the cache, every path
     reads them from it, and the output is float32, close to exact attention over the rounded K/V."""
     query_lens, context_lens = [1, 1, 4, 1, 9, 30, 1], [3, 70, 12, 0, 40, 0, 200]
     batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=3, head_dim=32, seed=5)
     k_cache, v_cache = (c.to(torch.bfloat16) for c in batch.clean_caches())
-    backend = TorchBackend("cpu")
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
     assert out.dtype == torch.float32 and k_cache.dtype == torch.bfloat16
     stored_k, _ = batch.stored_caches()
     torch.testing.assert_close(k_cache, torch.nan_to_num(stored_k, nan=0.0).to(torch.bfloat16), atol=0, rtol=0)
     want = naive_attention(batch, k_cache, v_cache)  # exact, over the K/V the cache holds
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
-    # Decodes and short queries attend in bfloat16; prompt chunks upcast and stay float32-exact.
+    # Decodes and short queries attend in bfloat16 (in float32 from the bfloat16 cache, natively); prompt
+    # chunks upcast and stay float32-exact.
     prompt_rows = slice(sum(query_lens[:5]), sum(query_lens[:6]))
     torch.testing.assert_close(out[prompt_rows].double(), want[prompt_rows], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 2]), ([4, 2], [8, 30]), ([3], [0])])
-def test_single_path_batches(query_lens, context_lens):
-    """All decodes (the fast path), all short queries, one prompt alone."""
+@pytest.mark.parametrize("query_lens,context_lens", [([1, 1, 1], [5, 17, 2]), ([4, 2], [8, 30]), ([3], [0]),
+                                                     ([1, 3, 1], [700, 510, 255])])  # several native partitions
+def test_single_path_batches(query_lens, context_lens, backend):
+    """All decodes (the fast path), all short queries, one prompt alone, long contexts that the native
+    kernel splits into partitions of TorchBackend.NATIVE_PART_TOKENS and merges."""
     batch = random_batch(query_lens, context_lens, block_size=8, num_kv_heads=2, group=2, head_dim=8, seed=1)
     k_cache, v_cache = batch.clean_caches()
-    backend = TorchBackend("cpu")
     out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
     torch.testing.assert_close(out.double(), naive_attention(batch, k_cache, v_cache), atol=1e-5, rtol=1e-5)
 

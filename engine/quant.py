@@ -1,0 +1,144 @@
+"""Weight-only quantized projections: int8 and int4 weights multiplied by PyTorch's own CPU kernels,
+so a quantized GGUF is served at its own size instead of inflated to float32.
+
+- int8: one scale per output row (torch.ops.aten._weight_int8pack_mm). GGUF's Q8_0 has a scale per
+  32 weights; the kernel takes one per row, so Q8_0 matrices are re-quantized per row (round to
+  nearest of w / (max|w_row| / 127)).
+- int4: a scale and a zero per 32 weights of a row (_weight_int4pack_mm_for_cpu computes
+  (q - 8) * scale + zero). GGUF's Q4_0 (d * (q - 8)) and Q4_1 (d * q + m) blocks are exactly that
+  form, so their codes are carried over bit for bit (groups from engine/weights.py); other formats
+  (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
+- Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
+  int8 matrix) and dequantized per call, only the rows a step reads.
+- Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
+  experts stay in the model's dtype.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+
+log = logging.getLogger("conveyor.quant")
+
+GROUP = 32
+# Our parameter names (engine/models/llama.py) of the projections each decoder layer quantizes.
+LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]  # param name -> (scale, min) [N, K/32]: w = scale * q + min
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale[:, None]).T (+ bias); q int8 [N, K], one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: -> [len(ids), K] dequantized rows."""
+        return self.qweight[ids].to(self.scales.dtype) * self.scales[ids, None]
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias) with W[n, k] = (q - 8) * scale[g, n] + zero[g, n] for g = k // 32, q in 0..15."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        w = weight.float()
+        n, k = w.shape
+        wg = w.view(n, k // GROUP, GROUP)
+        if groups is None:  # from the values: the group's min to its max in 15 steps
+            lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [N, K/32]
+            scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
+        else:
+            scale, low = groups[0].float(), groups[1].float()
+        q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+        zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
+        self.qweight: torch.Tensor
+        self.scales_zeros: torch.Tensor
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous().to(self.scales_zeros.dtype)
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
+             groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
+    """One float projection -> its int8 or int4 replacement (int8 where int4 does not apply)."""
+    bias = linear.bias if isinstance(linear, nn.Linear) else None
+    w = linear.weight
+    if mode == "int4" and isinstance(linear, nn.Linear) and w.shape[1] % GROUP == 0:
+        return Int4Linear(w, bias, dtype, groups)
+    return Int8Linear(w, bias, dtype)
+
+
+def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype, groups: Groups | None = None) -> None:
+    """Replaces every decoder layer's projections, the LM head and the embedding in place; each float
+    matrix is freed as its quantized form takes its place. groups: exact int4 groups of GGUF Q4_0/Q4_1
+    matrices, by our parameter name."""
+    groups = groups or {}
+    m = model.model
+    for i, layer in enumerate(m.layers):
+        for name in LAYER_PROJECTIONS:
+            proj = getattr(layer, name, None)
+            if isinstance(proj, nn.Linear):
+                setattr(layer, name, quantize(proj, mode, dtype, groups.get(f"model.layers.{i}.{name}.weight")))
+    if isinstance(model.lm_head, nn.Linear):
+        model.lm_head = quantize(model.lm_head, mode, dtype, groups.get("lm_head.weight"))  # type: ignore[assignment]
+    m.embed_tokens = quantize(m.embed_tokens, "int8", dtype)  # type: ignore[assignment]  # looked up by row: int8 rows (see module doc)
+    log.info("weights quantized: %s projections, int8 embedding", mode)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms, RoPE tables)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gguf_groups(data: object, type_name: str, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact int4 groups of a GGUF Q4_0 / Q4_1 matrix: (scale, min) [N, K/32] float32 with
+    w = scale * q + min, read from its blocks' fp16 headers; None for any other type.
+    data: the tensor's raw bytes as gguf's reader maps them ([N, bytes per row] uint8)."""
+    import numpy as np
+
+    block = {"Q4_0": 18, "Q4_1": 20}.get(type_name)
+    if block is None:
+        return None
+    raw = np.asarray(data, dtype=np.uint8).reshape(-1, k // GROUP, block)  # [N, K/32, block bytes]
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    if type_name == "Q4_0":  # d * (q - 8)
+        return d, -8 * d
+    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    return d, m
+
+
+def auto_mode(matrix_types: set[str]) -> str:
+    """What --quantization auto serves for a GGUF whose matrices carry these types: int8 when they are
+    all 8-bit (Q8_0), int4 when any carries fewer bits, none when they are all float."""
+    quantized = matrix_types - {"F32", "F16", "BF16"}
+    if not quantized:
+        return "none"
+    return "int8" if quantized <= {"Q8_0"} else "int4"

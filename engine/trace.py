@@ -76,7 +76,9 @@ class Tracer:
     def before_execute(self, plan: StepPlan) -> None:
         """What the plan does to each request, read before the step changes the sequences' counters."""
         self.mark("prepare")
-        self._scheduled = [(s.request.request_id, n, i not in plan.drafts and s.num_computed_tokens < s.num_tokens - 1)
+        # A prefill computes prompt tokens (even one, after a prefix hit) or recomputes several after a preemption.
+        self._scheduled = [(s.request.request_id, n,
+                            i not in plan.drafts and (s.num_computed_tokens < s.num_prompt_tokens or n > 1))
                            for i, (s, n) in enumerate(zip(plan.seqs, plan.num_new_tokens))]
         self._preempted = [(s.request.request_id, s.swapped) for s in plan.preempted]
         for s in plan.seqs:

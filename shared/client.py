@@ -156,10 +156,11 @@ class AsyncEngineClient:
         self._ready_evt.clear()
         for rid, refusal in self._resumer.hold(self.resume_timeout > 0).items():
             self._streams.pop(rid).put(EngineDead(refusal_message(reason, refusal)))
-        while self._stats_waiters:
-            fut = self._stats_waiters.popleft()
-            if not fut.done():
-                fut.set_exception(EngineDead(reason))
+        for waiters in (self._stats_waiters, self._trace_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(EngineDead(reason))
         # ABORT, then HELLO, on the one ordered pipe: an engine that was only silent drops the held
         # requests before it answers READY, so every row for them after READY is from the resubmission.
         msgs: list[P.Message] = [P.Hello(client_name=self.identity.decode())]

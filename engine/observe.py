@@ -52,6 +52,7 @@ class Observer:
         self._last_token: dict[str, float] = {}  # request id -> when its last tokens came (for ITL)
         self._next_flush = 0.0
         self._next_snapshot = 0.0
+        self._last_row = 0  # the step of the last row recorded
 
     def subscribe(self, client: bytes, seconds: float) -> None:
         """client watches for the next `seconds` (0 ends its subscription)."""
@@ -90,6 +91,9 @@ class Observer:
                 ev = out.events or {}
                 if "first_token" in ev and "queued" in ev and len(self._ttft) < MAX_SAMPLES:
                     self._ttft.append(ev["first_token"] - ev["queued"])
+        if self.core.num_steps == self._last_row:  # no plan this time (nothing could run): no new step
+            return
+        self._last_row = self.core.num_steps
         s = self.core.last_step
         self._rows.append((self.core.num_steps, now, s["step_prefill_tokens"], s["step_decode_tokens"],
                            s["step_num_seqs"], s["step_seconds"], s["step_preempted"], s["step_swapped_out_blocks"],

@@ -78,6 +78,8 @@ def test_observed_goes_over_the_wire_bounded_and_lapses(tiny_llama_dir: Path) ->
     core = make_core(tiny_llama_dir)
     observer = Observer(core)
     observer.subscribe(b"viewer", 0.5)
+    observer.on_step([])  # the loop after a step that had nothing to plan: no row, no error
+    assert observer.due(force=True)[0][1].steps == []
     add_workload(core)
     steps_seen: list[int] = []
     while core.has_work():

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine.loop import EngineLoop
 
     try:
-        EngineLoop(EngineCore(config), args.address, keys, args.heartbeat_interval).run()
+        EngineLoop(EngineCore(config), args.address, keys, args.heartbeat_interval, args.trace_file).run()
     except KeyboardInterrupt:
         pass
 

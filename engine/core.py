@@ -20,6 +20,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
 from engine.spec import can_speculate, make_proposer
 from engine.step import Delta, StepPlan
+from engine.trace import Tracer, no_mark
 from engine.weights import load_model
 from kernels import get_backend
 from kernels.backend import backend_limit
@@ -78,8 +79,10 @@ class EngineCore:
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0}
-        self.last_step: dict[str, int] = {}
+        self.last_step: dict[str, float] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
+        self.tracer: Tracer | None = None  # engine/trace.py, while a trace records
+        self.mark = no_mark
         log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
                  time.perf_counter() - t0, self.source.name, self.max_model_len, num_blocks, block_size)
 
@@ -134,19 +137,30 @@ class EngineCore:
     def step(self) -> list[RequestOutput | Error]:
         """One step. -> each request's new tokens, or an ERROR for a request that failed in it."""
         t0 = time.perf_counter()
+        self.mark("schedule")
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
             return []
+        if self.tracer is not None:
+            self.tracer.before_execute(plan)
         try:
             output = self.runner.execute(plan)  # swap, copy, one forward, one sample
         except Exception as e:  # the shared forward: only this step's requests can have caused it
             log.exception("step %d failed; ending the %d requests it computed", self.num_steps + 1, len(plan.seqs))
             deltas = self.scheduler.fail(plan, f"{type(e).__name__}: {e}")
         else:
+            self.mark("output")
             deltas = self.scheduler.update(plan, output)  # advance, stop, free
         outputs = [self._output(d) for d in deltas]
         self._record(plan, time.perf_counter() - t0)
+        if self.tracer is not None:
+            self.tracer.end_step(self.num_steps, plan, outputs, self.sequences)
         return outputs
+
+    def set_tracer(self, tracer: Tracer | None) -> None:
+        """Record steps and request lifecycles into tracer from the next step on (None: stop recording)."""
+        self.tracer = tracer
+        self.mark = self.runner.mark = tracer.mark if tracer is not None else no_mark
 
     def _output(self, d: Delta) -> RequestOutput | Error:
         req = d.request
@@ -168,7 +182,9 @@ class EngineCore:
         self.totals["prefill_tokens"] += plan.num_tokens - plan.num_decode_tokens
         self.totals["decode_tokens"] += plan.num_decode_tokens
         self.last_step = {"step_prefill_tokens": plan.num_tokens - plan.num_decode_tokens,
-                          "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.seqs)}
+                          "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.seqs),
+                          "step_seconds": seconds, "step_preempted": len(plan.preempted),
+                          "step_swapped_out_blocks": len(plan.swap_out), "step_swapped_in_blocks": len(plan.swap_in)}
         self.history.append(StepRecord(
             self.num_steps,
             tuple((s.request.request_id, n) for s, n in zip(plan.seqs, plan.num_new_tokens)),

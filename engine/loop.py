@@ -8,6 +8,8 @@ The wire is bounded (shared/wire.py): a message over the size limit never reache
 drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
 output queue is full has its requests aborted and is told so once it reads again (never a silent drop).
 Between steps, at most once per HEARTBEAT_INTERVAL, each client with requests in flight gets a HEARTBEAT.
+Clients that OBSERVE get step rows and snapshots between steps (engine/observe.py); TRACE turns a trace
+on and off (engine/trace.py), and --trace-file records one from the start, written when the loop ends.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
+from engine.observe import Observer
+from engine.trace import Tracer
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -33,12 +37,15 @@ from shared.protocol import (
     Heartbeat,
     Hello,
     Message,
+    Observe,
     Outputs,
     Ready,
     RequestOutput,
     ResetPrefixCache,
     Stats,
     StopChoice,
+    Trace,
+    TraceData,
     decode,
     encode,
 )
@@ -47,6 +54,7 @@ from shared.wire import HEARTBEAT_INTERVAL, HWM, Keys, bound, max_message_size, 
 log = logging.getLogger("conveyor.loop")
 
 IDLE_POLL_MS = 1000  # while idle, wake this often only to notice signals (and send heartbeats)
+OBSERVED_POLL_MS = 100  # while idle and watched: the dashboard sees the last step's effects at once
 # Messages taken from the socket between two steps. One costs ~10-50 us to decode and apply, so 256 add at
 # most ~10 ms to a step, while being more than a step admits (max_num_seqs 128 by default): a flood waits
 # for later steps instead of delaying every running request's next token without bound. The ROUTER takes
@@ -56,8 +64,12 @@ MAX_DRAIN_PER_STEP = 256
 
 class EngineLoop:
     def __init__(self, core: EngineCore, address: str, keys: Keys | None = None,
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL, trace_file: str | None = None) -> None:
         self.core = core
+        self.observer = Observer(core)
+        self.trace_file = trace_file
+        if trace_file is not None:
+            core.set_tracer(Tracer())
         self.heartbeat_interval = heartbeat_interval
         self.address = address
         self.ctx = zmq.Context()
@@ -96,14 +108,20 @@ class EngineLoop:
                 # 1. drain the inbox: adds and aborts take effect before the next step
                 busy = self.core.has_work()
                 with self.lock:
-                    ready = self.sock.poll(0 if busy else IDLE_POLL_MS)
+                    ready = self.sock.poll(0 if busy else OBSERVED_POLL_MS if self.observer.watchers else IDLE_POLL_MS)
                 if ready:
                     self._drain()
                 # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their thread, to
                 # every client with requests in flight (none while idle)
                 self.heartbeats.targets = frozenset(self.owner.values()) - self.behind.keys()
                 if busy or self.core.has_work():
-                    self._send_outputs(self._step())
+                    outputs = self._step()
+                    if self.observer.watchers:
+                        self.observer.on_step(outputs)
+                    self._send_outputs(outputs)
+                if self.observer.watchers:
+                    for client, observed in self.observer.due():
+                        self._send(client, observed)
                 # 3. between steps, at most once per interval: the errors owed to clients that were behind
                 now = time.monotonic()
                 if now >= self.next_beat:
@@ -111,6 +129,9 @@ class EngineLoop:
                     self._pay_owed_errors()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
+            if self.trace_file is not None and self.core.tracer is not None:
+                self.core.tracer.write(self.trace_file)
+                log.info("trace written to %s", self.trace_file)
             self.close()
 
     def _step(self) -> Sequence[RequestOutput | Error]:
@@ -182,8 +203,23 @@ class EngineLoop:
             self._send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):
             self.core.reset_prefix_cache()
+        elif isinstance(msg, Observe):
+            self.observer.subscribe(client, msg.seconds)
+        elif isinstance(msg, Trace):
+            self._trace(client, msg.on)
         else:
             self._send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
+
+    def _trace(self, client: bytes, on: bool) -> None:
+        """On: record (the trace that records already, if one does). Off: answer with what was recorded,
+        and stop recording unless --trace-file records for the file."""
+        tracer = self.core.tracer
+        if on:
+            self.core.set_tracer(tracer or Tracer())
+            return
+        self._send(client, TraceData(tracer.trace() if tracer is not None else Tracer().trace()))
+        if self.trace_file is None:
+            self.core.set_tracer(None)
 
     def _send_outputs(self, outputs: Sequence[RequestOutput | Error]) -> None:
         by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
@@ -221,6 +257,7 @@ class EngineLoop:
             del self.owner[rid]
         self.core.abort(gone)
         self.behind.pop(client, None)
+        self.observer.drop(client)
 
     def _fell_behind(self, client: bytes, unsent: Message) -> None:
         """Aborting is the one bounded choice: holding its outputs here would grow without limit, and
@@ -231,6 +268,7 @@ class EngineLoop:
         for rid in mine:
             del self.owner[rid]
         self.core.abort(mine)
+        self.observer.drop(client)
         self.behind[client] = {}
         self._owe(client, unsent)
         for rid in mine:

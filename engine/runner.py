@@ -13,6 +13,7 @@ from engine.sampler import Sampler
 from engine.sequence import LogprobEntry, Sequence
 from engine.spec.verify import verify
 from engine.step import Drafts, StepOutput, StepPlan
+from engine.trace import no_mark
 from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -31,6 +32,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(device)
         self.proposer = proposer
+        self.mark = no_mark  # where a step's phases begin, for a trace (EngineCore.set_tracer)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -53,7 +55,9 @@ class ModelRunner:
             batch.add(seq.token_ids[start:end], start, seq.block_table, 1 if last else 0)
             if last:
                 sampling.append((seq, None))
+        self.mark("forward")
         logits = batch.forward(self.model, self.kv_cache.device, self.backend, self.device)  # [rows, V]
+        self.mark("sample")
         if not sampling:
             return StepOutput()
         try:

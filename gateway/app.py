@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from gateway import dashboard
 from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
@@ -36,6 +37,7 @@ def build_app(config: GatewayConfig, client: AsyncEngineClient) -> web.Applicati
     client.on_output = _on_output(app[ADMISSION], app[METRICS])
     app.add_routes(routes)
     app.router.add_get("/v1/ws", websocket_handler)
+    dashboard.setup(app)
     app.cleanup_ctx.append(_engine)
     app.cleanup_ctx.append(_background)
     return app
@@ -117,7 +119,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[CONFIG].api_key
     if key and request.path not in PUBLIC_PATHS:
         given = request.headers.get("Authorization", "")
-        if not given and request.path == "/v1/ws":  # browsers cannot set headers on a WebSocket
+        if not given and (request.path == "/v1/ws" or request.path in dashboard.PATHS):  # browsers set no headers
             given = f"Bearer {request.query.get('api_key', '')}"
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")

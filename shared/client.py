@@ -19,6 +19,7 @@ import os
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
 from typing import Any, cast
 
 import zmq
@@ -81,6 +82,9 @@ class AsyncEngineClient:
         self._resume_timer: asyncio.TimerHandle | None = None
         self._side_tasks: set[asyncio.Task[None]] = set()
         self._stats_waiters: deque[asyncio.Future[dict[str, float]]] = deque()
+        self._trace_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
+        # Called with every OBSERVED message while this client observes (observe()): the gateway's dashboard.
+        self.on_observed: Callable[[P.Observed], None] | None = None
         self._ready_evt = asyncio.Event()
         self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
         self._lost = False  # disconnected since the last handshake: greet the next connection
@@ -152,10 +156,11 @@ class AsyncEngineClient:
         self._ready_evt.clear()
         for rid, refusal in self._resumer.hold(self.resume_timeout > 0).items():
             self._streams.pop(rid).put(EngineDead(refusal_message(reason, refusal)))
-        while self._stats_waiters:
-            fut = self._stats_waiters.popleft()
-            if not fut.done():
-                fut.set_exception(EngineDead(reason))
+        for waiters in (self._stats_waiters, self._trace_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(EngineDead(reason))
         # ABORT, then HELLO, on the one ordered pipe: an engine that was only silent drops the held
         # requests before it answers READY, so every row for them after READY is from the resubmission.
         msgs: list[P.Message] = [P.Hello(client_name=self.identity.decode())]
@@ -274,6 +279,34 @@ class AsyncEngineClient:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise EngineDead(f"engine at {self.address} did not answer GET_STATS within {timeout:g}s") from None
+
+    async def observe(self, seconds: float) -> None:
+        """Ask the engine for step rows and queue/KV snapshots (OBSERVED, to on_observed) for the next
+        `seconds` (at most 10; renew before it lapses); 0 stops them. The engine computes none unasked."""
+        await self.wait_ready()
+        await self._send(P.Observe(seconds))
+
+    async def start_trace(self) -> None:
+        """The engine records a trace of its steps and requests from now on (engine/trace.py)."""
+        await self.wait_ready()
+        await self._send(P.Trace(True))
+
+    async def stop_trace(self, path: str | os.PathLike[str] | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """Stop the engine's trace -> the Chrome trace-event JSON object it recorded, also written to path
+        (on this machine) when given. Perfetto and chrome://tracing open the file."""
+        await self.wait_ready(timeout)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._trace_waiters.append(fut)
+        await self._send(P.Trace(False))
+        try:
+            trace = await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise EngineDead(f"engine at {self.address} did not answer TRACE within {timeout:g}s") from None
+        if path is not None:
+            import orjson
+
+            await asyncio.to_thread(Path(path).write_bytes, orjson.dumps(trace))
+        return trace
 
     # -- text-level calls ----------------------------------------------------------------------------
     async def get_tokenizer(self) -> Any:
@@ -410,6 +443,15 @@ class AsyncEngineClient:
                 if not fut.done():
                     fut.set_result(msg.gauges)
                     break
+        elif isinstance(msg, P.Observed):
+            if self.on_observed is not None:
+                self.on_observed(msg)
+        elif isinstance(msg, P.TraceData):
+            while self._trace_waiters:
+                tfut = self._trace_waiters.popleft()
+                if not tfut.done():
+                    tfut.set_result(msg.trace)
+                    break
         elif isinstance(msg, P.Ready):
             if msg.protocol_version != P.PROTOCOL_VERSION:
                 self.mark_dead(f"engine speaks protocol v{msg.protocol_version}, this client v{P.PROTOCOL_VERSION}")
@@ -461,9 +503,10 @@ class AsyncEngineClient:
         self._cancel_resume_timer()
         for stream in streams.values():
             stream.put(err)
-        while self._stats_waiters:
-            fut = self._stats_waiters.popleft()
-            if not fut.done():
-                fut.set_exception(err)
+        for waiters in (self._stats_waiters, self._trace_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
         if self._dead is not None:
             self._ready_evt.set()  # wake wait_ready() callers so that they raise _dead

@@ -19,7 +19,7 @@ from shared.config import (
 )
 
 # Flags whose value is None are left out, so the config's own defaults apply.
-_NOT_CONFIG = {"address", "log_level", "model", "curve_keys", "heartbeat_interval"}
+_NOT_CONFIG = {"address", "log_level", "model", "curve_keys", "heartbeat_interval", "trace_file"}
 
 
 def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_model: bool = True) -> None:
@@ -70,6 +70,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")
+    a("--trace-file", metavar="PATH", help="record every step's phases and every request's lifecycle, in Chrome "
+      "trace-event JSON (open it in Perfetto), and write the latest 200k events there when the engine stops "
+      "(docs/dashboard.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

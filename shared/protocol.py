@@ -20,6 +20,8 @@ from shared.sampling import SamplingParams, check_priority
 # ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
 # client's arrival_time (the engine orders by its own clock at receipt). 4: HEARTBEAT (engine -> client
 # while it has requests in flight), and READY announces the engine's message size limit and heartbeat.
+# OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a version change: they
+# are optional, and an engine that predates them answers an ERROR, which costs a client nothing else.
 PROTOCOL_VERSION = 4
 
 
@@ -35,6 +37,10 @@ class MsgType(bytes, enum.Enum):
     GET_STATS = b"G"
     RESET_PREFIX_CACHE = b"C"
     HEARTBEAT = b"B"
+    OBSERVE = b"V"
+    OBSERVED = b"W"
+    TRACE = b"T"
+    TRACE_DATA = b"D"
 
 
 @dataclass(slots=True)
@@ -145,8 +151,45 @@ class Heartbeat:
     treats the engine as lost (frozen, or its host gone without closing the connection)."""
 
 
+@dataclass(slots=True)
+class Observe:
+    """Client -> engine: send me OBSERVED messages for the next `seconds` (at most 10; 0 stops). A watcher
+    renews it while it wants more, so a client that vanished stops costing the engine anything soon."""
+
+    seconds: float
+
+
+@dataclass(slots=True)
+class Observed:
+    """Engine -> a client that OBSERVEs, at most every 0.1 s: the steps since the last one, one row each
+    [step, wall time, prefill tokens, decode tokens, sequences, seconds, preempted, blocks swapped out,
+    blocks swapped in, tokens sampled]; a snapshot of the queues and KV blocks (at most every 0.2 s, else
+    None; its layout: engine/observe.py); and latency samples in seconds (TTFT of requests that finished,
+    inter-token gaps)."""
+
+    steps: list[list[float]]
+    snapshot: dict[str, Any] | None
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Trace:
+    """Client -> engine: on, start recording a trace of steps and request lifecycles (engine/trace.py);
+    off, stop and answer TRACE_DATA with it."""
+
+    on: bool
+
+
+@dataclass(slots=True)
+class TraceData:
+    """Engine -> client: the answer to TRACE off, a Chrome trace-event JSON object."""
+
+    trace: dict[str, Any]
+
+
 Message = (Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats | ResetPrefixCache
-           | Heartbeat)
+           | Heartbeat | Observe | Observed | Trace | TraceData)
 
 _TYPES: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
@@ -160,6 +203,10 @@ _TYPES: dict[type, MsgType] = {
     Stats: MsgType.STATS,
     ResetPrefixCache: MsgType.RESET_PREFIX_CACHE,
     Heartbeat: MsgType.HEARTBEAT,
+    Observe: MsgType.OBSERVE,
+    Observed: MsgType.OBSERVED,
+    Trace: MsgType.TRACE,
+    TraceData: MsgType.TRACE_DATA,
 }
 
 
@@ -179,6 +226,10 @@ def encode(msg: Message) -> list[bytes]:
              o.events, o.logprobs, o.index]
             for o in msg.outputs
         ]
+    elif isinstance(msg, Observed):  # asdict would deep-copy the block map first
+        payload = [msg.steps, msg.snapshot, msg.ttft, msg.itl]
+    elif isinstance(msg, TraceData):
+        payload = msg.trace
     else:
         payload = asdict(msg)
     return [_TYPES[type(msg)].value, orjson.dumps(payload)]
@@ -240,6 +291,18 @@ def _decode_stop_choice(d: dict[str, Any]) -> StopChoice:
     return StopChoice(rid, index)
 
 
+def _seconds(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < float("inf"):
+        raise ProtocolError(f"seconds must be a non-negative number, not {v!r}")
+    return float(v)
+
+
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"on must be true or false, not {v!r}")
+    return v
+
+
 _DECODERS: dict[MsgType, Callable[[Any], Message]] = {
     MsgType.HELLO: lambda d: Hello(**d),
     MsgType.READY: lambda d: Ready(**d),
@@ -252,4 +315,8 @@ _DECODERS: dict[MsgType, Callable[[Any], Message]] = {
     MsgType.STATS: lambda d: Stats(gauges=dict(d["gauges"])),
     MsgType.RESET_PREFIX_CACHE: lambda d: ResetPrefixCache(),
     MsgType.HEARTBEAT: lambda d: Heartbeat(),
+    MsgType.OBSERVE: lambda d: Observe(_seconds(d["seconds"])),
+    MsgType.OBSERVED: lambda d: Observed(*d),
+    MsgType.TRACE: lambda d: Trace(_flag(d["on"])),
+    MsgType.TRACE_DATA: lambda d: TraceData(dict(d)),
 }

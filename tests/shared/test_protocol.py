@@ -31,6 +31,13 @@ MESSAGES: list[P.Message] = [
     P.ResetPrefixCache(),
     P.Outputs([P.RequestOutput("r3", [9], False, "stop", 4, 0, None, [[-0.5, [[9, -0.5], [4, -1.5]]]], 2)]),
     P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias={5: -1.0}, repetition_penalty=1.2)),
+    P.Observe(3.0),
+    P.Observe(0.0),
+    P.Observed([[1, 1.5, 8, 0, 1, 0.01, 0, 0, 0, 1]], None),
+    P.Observed([], {"step": 3, "blocks": [-2, -1, 0], "shared": [[2, 2]]}, [0.1], [0.02, 0.03]),
+    P.Trace(True),
+    P.Trace(False),
+    P.TraceData({"traceEvents": [{"name": "step 1", "ph": "X", "pid": 1, "tid": 1, "ts": 0.0, "dur": 5.0}]}),
 ]
 
 
@@ -47,6 +54,14 @@ def test_round_trip(msg: P.Message) -> None:
     frames = P.encode(msg)
     assert len(frames) == 2 and all(isinstance(f, bytes) for f in frames)
     assert P.decode(frames) == msg
+
+
+@pytest.mark.parametrize("frames", [[P.MsgType.OBSERVE.value, b'{"seconds": -1}'],
+                                    [P.MsgType.OBSERVE.value, b'{"seconds": true}'],
+                                    [P.MsgType.TRACE.value, b'{"on": 1}']])
+def test_observe_and_trace_refuse_bad_values(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        P.decode(frames)
 
 
 def test_every_message_type_is_covered() -> None:

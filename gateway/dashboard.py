@@ -1,0 +1,158 @@
+"""GET /dashboard: a live page of the engine's queues, KV blocks, steps and latencies; GET /dashboard/ws:
+the WebSocket that feeds it.
+
+The data path: while at least one viewer is connected, this gateway keeps an OBSERVE subscription with
+the engine alive (renewed every RENEW_EVERY seconds for SUBSCRIPTION seconds, so a gateway that dies
+stops the engine's work soon after); the engine sends OBSERVED messages (step rows, snapshots, latency
+samples: engine/observe.py) and each is encoded once and fanned out to every viewer. A viewer that reads
+slowly loses its oldest messages (a bounded queue each), never the others' or the gateway's memory.
+With no viewer, nothing is asked of the engine and it computes nothing for the dashboard.
+
+The page is gateway/static/dashboard.{html,css,js}, served as one document (CSS and script inlined): no
+build step, nothing fetched from elsewhere. It is behind the API key like the rest; a browser cannot set
+the Authorization header, so the page and its socket also take the key as ?api_key= (the page passes
+on the one it was opened with).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from importlib import resources
+
+import orjson
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from gateway.state import CLIENT, SERVED
+from shared.client import AsyncEngineClient
+from shared.errors import ConveyorError
+from shared.protocol import Observed
+
+log = logging.getLogger(__name__)
+SUBSCRIPTION = 3.0  # seconds each OBSERVE asks for
+RENEW_EVERY = 1.0
+VIEWER_QUEUE = 64  # messages a viewer may be behind before its oldest are dropped
+PATHS = ("/dashboard", "/dashboard/ws")  # may carry the API key as ?api_key= (a browser sets no headers)
+
+
+class Hub:
+    """The viewers of one gateway process, and the engine subscription kept while there are any."""
+
+    def __init__(self, client: AsyncEngineClient) -> None:
+        self.client = client
+        self.viewers: set[asyncio.Queue[bytes]] = set()
+        self.sockets: set[web.WebSocketResponse] = set()  # closed on shutdown: an open one would hold it up
+        self._renewer: asyncio.Task[None] | None = None
+        self.sent = 0  # messages fanned out (each counted once, whatever the number of viewers)
+
+    def join(self) -> asyncio.Queue[bytes]:
+        queue: asyncio.Queue[bytes] = asyncio.Queue(VIEWER_QUEUE)
+        self.viewers.add(queue)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = asyncio.create_task(self._renew())
+        return queue
+
+    def leave(self, queue: asyncio.Queue[bytes]) -> None:
+        self.viewers.discard(queue)
+
+    def on_observed(self, msg: Observed) -> None:
+        if not self.viewers:
+            return
+        data = orjson.dumps({"steps": msg.steps, "snapshot": msg.snapshot, "ttft": msg.ttft, "itl": msg.itl})
+        self.sent += 1
+        for queue in self.viewers:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(data)
+
+    async def _renew(self) -> None:
+        """Keep the engine's OBSERVE alive while anyone views; end it when the last viewer leaves."""
+        try:
+            while self.viewers:
+                if self.client.connected:
+                    with contextlib.suppress(ConveyorError):
+                        await self.client.observe(SUBSCRIPTION)
+                await asyncio.sleep(RENEW_EVERY)
+            if self.client.connected:
+                with contextlib.suppress(ConveyorError):
+                    await self.client.observe(0)
+        finally:
+            self._renewer = None
+
+    async def close(self) -> None:
+        self.viewers.clear()
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+
+
+HUB = web.AppKey("dashboard_hub", Hub)
+
+
+def setup(app: web.Application) -> None:
+    """Routes, the hub, and the engine client's OBSERVED callback, for build_app()."""
+    hub = app[HUB] = Hub(app[CLIENT])
+    app[CLIENT].on_observed = hub.on_observed
+    app.router.add_get("/dashboard", page)
+    app.router.add_get("/dashboard/ws", viewer)
+
+    async def closing(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await app[HUB].close()
+
+    async def close_sockets(app: web.Application) -> None:
+        for ws in list(app[HUB].sockets):
+            await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+    app.on_shutdown.append(close_sockets)
+    app.cleanup_ctx.append(closing)
+
+
+def _page_bytes() -> bytes:
+    static = resources.files("gateway") / "static"
+    html = (static / "dashboard.html").read_text(encoding="utf-8")
+    css = (static / "dashboard.css").read_text(encoding="utf-8")
+    js = (static / "dashboard.js").read_text(encoding="utf-8")
+    return html.replace("/*STYLE*/", css).replace("/*SCRIPT*/", js).encode()
+
+
+_PAGE: bytes | None = None
+
+
+async def page(request: web.Request) -> web.Response:
+    global _PAGE
+    if _PAGE is None:
+        _PAGE = _page_bytes()
+    return web.Response(body=_PAGE, content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store", "Content-Security-Policy":
+                                 "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+                                 "connect-src 'self'; img-src 'self' data:"})
+
+
+async def viewer(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=4096)
+    await ws.prepare(request)
+    hub = request.app[HUB]
+    served = request.app[SERVED]
+    await ws.send_str(orjson.dumps({"hello": {"model": served.name, "max_model_len": served.max_model_len}}).decode())
+    queue = hub.join()
+    hub.sockets.add(ws)
+
+    async def pump() -> None:
+        while True:
+            await ws.send_str((await queue.get()).decode())
+
+    sender = asyncio.create_task(pump())
+    try:
+        async for msg in ws:  # viewers send nothing; reading notices the close
+            if msg.type == WSMsgType.ERROR:
+                break
+    finally:
+        hub.leave(queue)
+        hub.sockets.discard(ws)
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionResetError):
+            await sender
+    return ws

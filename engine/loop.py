@@ -23,6 +23,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
+from engine.step import EngineFault
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -119,12 +120,17 @@ class EngineLoop:
         an error, its blocks freed, and the engine goes on serving new ones."""
         try:
             return self.core.step()
+        except EngineFault as e:  # this process cannot compute any more: tell every client, then exit
+            log.error("the engine cannot go on: %s; ending all %d requests and exiting", e, len(self.core.sequences))
+            self._send_outputs(self.core.fail_all(str(e)))
+            raise SystemExit(f"engine failed: {e}") from e
         except Exception as e:
             log.exception("the engine step failed outside any one request; ending all %d requests",
                           len(self.core.sequences))
             return self.core.fail_all(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
+        self.core.close()
         self.heartbeats.stop()
         self.sock.close(linger=0)
         if self.auth is not None:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from engine.dtype import resolve_dtype
 from engine.models.config import ModelConfig
-from engine.weights import _safetensors_files, dequantized_folder
+from engine.weights import _safetensors_files, _try_write_cache, dequantized_folder, read_gguf
 from shared.model_source import ModelSource
 
 
@@ -87,14 +87,16 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 
 def checkpoint_folder(source: ModelSource) -> Path:
-    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache (which a
-    TP=1 start writes; slicing a GGUF file itself would dequantize every tensor whole)."""
+    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
+    cache (once per file) is the one time the engine holds the whole model; the workers never do."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)
     if not (folder / "config.json").is_file():
-        raise ValueError(f"tensor parallelism reads safetensors; start {source.name} once without "
-                         "--tensor-parallel-size to dequantize it into the cache")
+        config, tensors = read_gguf(source.folder / source.gguf_file)
+        if not _try_write_cache(folder, config, tensors):
+            raise ValueError(f"tensor parallelism reads safetensors, and the dequantized cache {folder} of "
+                             f"{source.gguf_file} could not be written")
     return folder
 
 

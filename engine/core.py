@@ -194,6 +194,8 @@ class EngineCore:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_swapped": len(s.swapped),
+            # Tokens the waiting requests still have to prefill: the load a data-parallel router balances.
+            "num_queued_tokens": sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             "kv_usage": bm.usage,
             "cpu_kv_usage": bm.cpu.usage,
             "num_free_blocks": bm.num_free_blocks,

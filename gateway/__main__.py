@@ -252,9 +252,10 @@ async def run(args: argparse.Namespace) -> int:
             os.write(args.ready_fd, b"ready\n")
             os.close(args.ready_fd)
         print(f"conveyor: serving {app[SERVED].name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        policy = RestartPolicy(max_restarts=args.max_engine_restarts, ready_timeout=args.ready_timeout)
-        supervisors = [EngineSupervisor(e, c, policy) for e, c in
-                       ([(engine, clients[0])] if engine is not None else []) + list(zip(replicas, clients))]
+        supervised = ([(engine, clients[0])] if engine is not None else []) + list(zip(replicas, clients))
+        supervisors = [EngineSupervisor(e, c, RestartPolicy(max_restarts=args.max_engine_restarts,
+                                                            ready_timeout=args.ready_timeout))
+                       for e, c in supervised]  # `conveyor gateway` supervises nothing (it has no such flag)
         for supervisor in supervisors:  # each replica restarts on its own; the others serve meanwhile
             tasks.append(asyncio.create_task(supervisor.supervise(stop)))
         await stop.wait()

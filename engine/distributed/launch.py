@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Protocol
 
 from engine.distributed.rank import RankSpec
@@ -26,11 +27,20 @@ class WorkerHandle(Protocol):
         ...
 
 
+def worker_env(spec: RankSpec) -> dict[str, str]:
+    """A worker's environment: its thread count, and the engine's own code first on the path, so a worker
+    runs exactly the code of the engine that started it (on another node, the same path must hold the
+    same version: docs/scaling.md)."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {"OMP_NUM_THREADS": str(spec.num_threads), "PYTHONPATH": path}
+
+
 class ProcessWorker:
     """A worker as a child process of the engine (`python -m engine.distributed.worker`)."""
 
     def __init__(self, spec: RankSpec) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": str(spec.num_threads)}
+        env = {**os.environ, **worker_env(spec)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "engine.distributed.worker", "--spec", spec.to_json(), "--parent-pid",
              str(os.getpid())], env=env)
@@ -60,7 +70,7 @@ class RayWorker:
         self.ray = ray
         self.actor = actor_cls.options(scheduling_strategy=strategy, num_cpus=resources.get("CPU", 0),
                                        num_gpus=resources.get("GPU", 0),
-                                       runtime_env={"env_vars": {"OMP_NUM_THREADS": str(spec.num_threads)}}).remote()
+                                       runtime_env={"env_vars": worker_env(spec)}).remote()
         self.done = self.actor.serve.remote(spec.to_json())
 
     def exited(self) -> bool:

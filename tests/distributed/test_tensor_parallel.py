@@ -28,6 +28,14 @@ def stop(core: EngineCore) -> list[int]:
     return [w.proc.returncode for w in core.runner.workers]  # type: ignore[attr-defined]
 
 
+def stop_ray_engine(core: EngineCore) -> None:
+    """Closes an engine whose workers are Ray actors; asserts each ended by STOP (returned 0)."""
+    import ray
+
+    core.close()
+    assert [ray.get(w.done, timeout=30) for w in core.runner.workers] == [0]  # type: ignore[attr-defined]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_tp2_equals_tp1_under_preemption(checkpoint, request):

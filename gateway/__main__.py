@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds streams in flight wait for a lost engine to come back before they end with an "
                             "error; resumable ones carry on where they were (docs/reliability.md). 0: fail at once")
         p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
+                       help="how requests spread over several engines: prefix (default): by the prompt's first "
+                            "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
+                            "round_robin: in turn")
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
@@ -173,7 +177,7 @@ async def run(args: argparse.Namespace) -> int:
 
     from gateway.app import build_app
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
-    from gateway.router import Router
+    from gateway.router import Router, RouterConfig
     from gateway.state import SERVED
     from gateway.supervisor import EngineSupervisor, RestartPolicy
     from shared.client import AsyncEngineClient
@@ -202,7 +206,8 @@ async def run(args: argparse.Namespace) -> int:
                                      engine_timeout=args.engine_timeout,
                                      curve_keys=None if engine is not None or replicas else args.curve_keys)
                    for a in addresses]
-        client: AsyncEngineClient | Router = clients[0] if len(clients) == 1 else Router(clients)
+        client: AsyncEngineClient | Router = (clients[0] if len(clients) == 1 else
+                                              Router(clients, RouterConfig(policy=args.routing)))
     except ValueError as e:  # the key folder lacks a file: say which, no traceback
         print(f"conveyor: {e}", file=sys.stderr)
         for e_proc in ([engine] if engine is not None else []) + replicas:

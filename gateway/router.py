@@ -35,6 +35,7 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import Prompt
 
 log = logging.getLogger(__name__)
+ROUTING_POLICIES = ("prefix", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,15 @@ class RouterConfig:
     affinity_tokens: int = 32  # the prefix that decides a request's replica (two blocks of 16)
     imbalance_tokens: int = 2048  # queued tokens above the least loaded replica's that count as overloaded
     stats_interval: float = 0.5  # how often each replica's STATS are polled for its queue
+    # prefix: affinity as above; round_robin: each live replica in turn (the baseline bench/scale_out.py
+    # measures affinity against: fewer prefix-cache hits, the same balance).
+    policy: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.affinity_tokens < 1 or self.imbalance_tokens < 0 or self.stats_interval <= 0:
             raise ValueError("affinity_tokens must be >= 1, imbalance_tokens >= 0, stats_interval > 0")
+        if self.policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
 
 
 def prefix_key(token_ids: list[int], affinity_tokens: int) -> bytes:
@@ -167,6 +173,10 @@ class Router:
             raise EngineDead(f"no engine replica is connected ({self.address})")
         if not token_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if self.config.policy == "round_robin":
+            chosen = min(live, key=lambda r: r.num_routed)
+            chosen.num_routed += 1
+            return chosen
         by_address = {r.address: r for r in live}
         chosen = by_address[rendezvous(prefix_key(token_ids, self.config.affinity_tokens), list(by_address))]
         least = min(live, key=lambda r: (r.load, r.num_routed))

@@ -29,6 +29,7 @@ class Comm:
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout, wait_for_workers=False)
         # A c10d backend (ProcessGroupGloo / ProcessGroupNCCL); its allreduce/gather are not in torch's stubs.
         self.pg: Any = None
+        self.bytes_all_reduced = 0  # what this rank sent into all-reduces (docs/scaling.md measures it)
 
     def join(self) -> None:
         """Builds the process group: returns once every rank has joined; raises CollectiveError after the timeout."""
@@ -48,6 +49,7 @@ class Comm:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sums t over the ranks, in place. -> t."""
+        self.bytes_all_reduced += t.numel() * t.element_size()
         try:
             self._pg.allreduce([t]).wait()
         except RuntimeError as e:

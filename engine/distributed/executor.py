@@ -92,15 +92,17 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     comm = Comm(host, 0, 0, n, config.collective_timeout, device)
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     port = sock.bind_to_random_port(f"tcp://{host if ray is None else '*'}")
-    specs = [RankSpec(str(folder), config.dtype, config.device, config.attention_backend, kv.block_size,
-                      kv.num_blocks, kv.num_cpu_blocks, config.cache.kv_cache_dtype, threads, config.seed, r, n,
-                      host, comm.port, f"tcp://{host}:{port}", config.collective_timeout) for r in range(1, n)]
+
+    def spec(rank: int) -> RankSpec:
+        return RankSpec(str(folder), config.dtype, _device(device, rank, ray is not None), config.attention_backend,
+                        kv.block_size, kv.num_blocks, kv.num_cpu_blocks, config.cache.kv_cache_dtype, threads,
+                        config.seed, rank, n, host, comm.port, f"tcp://{host}:{port}", config.collective_timeout)
+
+    specs = [spec(r) for r in range(1, n)]
     workers: list[WorkerHandle] = [ProcessWorker(s) if ray is None else RayWorker(ray, placement, i, s, resources)
                                    for i, s in enumerate(specs)]
     try:
-        model = load_shard(RankSpec(str(folder), config.dtype, config.device, config.attention_backend,
-                                    kv.block_size, kv.num_blocks, kv.num_cpu_blocks, config.cache.kv_cache_dtype,
-                                    threads, config.seed, 0, n, host, comm.port, "", config.collective_timeout))
+        model = load_shard(spec(0))
         comm.join()
         identities = _wait_ready(sock, workers, config.collective_timeout)
     except BaseException:
@@ -111,6 +113,13 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     rank0 = RankRunner(model, kv, comm, device, config.attention_backend)
     log.info("tensor parallelism: %d ranks (%s), %d threads each", n, config.distributed_executor_backend, threads)
     return TPRunner(rank0, workers, sock, identities), cfg
+
+
+def _device(device: torch.device, rank: int, on_ray: bool) -> str:
+    """Rank r's device: GPU r of this node for local workers; a Ray actor sees only the GPU Ray gave it."""
+    if device.type != "cuda" or on_ray:
+        return str(device)
+    return f"cuda:{rank}"
 
 
 def _wait_ready(sock: zmq.Socket[bytes], workers: list[WorkerHandle], timeout_s: float) -> list[bytes]:

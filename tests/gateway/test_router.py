@@ -68,3 +68,9 @@ def test_dead_replica_leaves_the_ring() -> None:
         x.client.connected = False  # type: ignore[misc]
     with pytest.raises(EngineDead):
         r.route(prompt)
+
+
+def test_round_robin_ignores_prefixes() -> None:
+    r = Router([FakeClient(f"tcp://replica-{i}:5555") for i in range(2)],  # type: ignore[misc]
+               RouterConfig(policy="round_robin"))
+    assert [r.route(list(range(64))).address for _ in range(4)] == [x.address for x in r.replicas] * 2

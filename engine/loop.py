@@ -86,6 +86,7 @@ class EngineLoop:
         # The socket is used from two threads (the loop, the heartbeats): every use holds this lock.
         self.lock = threading.Lock()
         self.heartbeats = Heartbeats(self.sock, self.lock, heartbeat_interval)
+        self.close_linger_ms = 0  # what is unsent at close is dropped, unless the loop is exiting on a fault
 
     def run(self) -> None:
         # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
@@ -123,6 +124,7 @@ class EngineLoop:
         except EngineFault as e:  # this process cannot compute any more: tell every client, then exit
             log.error("the engine cannot go on: %s; ending all %d requests and exiting", e, len(self.core.sequences))
             self._send_outputs(self.core.fail_all(str(e)))
+            self.close_linger_ms = 2000  # those ERRORs must leave before the socket closes
             raise SystemExit(f"engine failed: {e}") from e
         except Exception as e:
             log.exception("the engine step failed outside any one request; ending all %d requests",
@@ -132,7 +134,7 @@ class EngineLoop:
     def close(self) -> None:
         self.core.close()
         self.heartbeats.stop()
-        self.sock.close(linger=0)
+        self.sock.close(linger=self.close_linger_ms)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

@@ -3,17 +3,21 @@ token for token through chunked prefill, prefix caching, swap and recompute pree
 beam search; every block free at the end, every worker still in step (it takes STOP and exits 0)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-import threading
+import subprocess
+import sys
 
 import pytest
 
 from engine.core import EngineCore
-from engine.step import EngineFault
+from shared.client import AsyncEngineClient
 from shared.config import build_config
+from shared.errors import ConveyorError
 from shared.sampling import SamplingParams
 from tests.distributed.workload import BLOCK, assert_all_free, run, workload
+from tests.e2e.servers import children, cmdline
 
 COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
 
@@ -61,34 +65,6 @@ def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_killed_worker_fails_the_engine_within_the_collective_timeout(tiny_llama_dir):
-    """SIGKILL a worker while requests are running: the next step raises EngineFault (no hang); the
-    loop then ends every request with an error and exits (engine/loop.py)."""
-    core = tp_engine(tiny_llama_dir, 2, num_blocks=64, collective_timeout=10)
-    outcome: list[BaseException | None] = []
-    try:
-        core.add("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-        core.step()
-        os.kill(core.runner.workers[0].pid, signal.SIGKILL)  # type: ignore[attr-defined]
-
-        def step_until_failure() -> None:
-            try:
-                while core.has_work():
-                    core.step()
-                outcome.append(None)
-            except BaseException as e:  # noqa: BLE001 - the outcome is what the test asserts
-                outcome.append(e)
-
-        t = threading.Thread(target=step_until_failure, daemon=True)
-        t.start()
-        t.join(timeout=60)  # generous: the collective timeout is 10 s, a dead peer is seen at once
-        assert not t.is_alive(), "the engine hung on a dead worker"
-        assert isinstance(outcome[0], EngineFault) and "rank 1 exited" in str(outcome[0]), outcome
-    finally:
-        stop(core)
-
-
-@pytest.mark.slow
 def test_smollm2_tp3_equals_tp1(smollm2_source):
     """SmolLM2 has 9 query and 3 K/V heads: 3 is its only split. Short prompts, few tokens."""
     from shared.tokenizer import load_tokenizer
@@ -107,3 +83,34 @@ def test_smollm2_tp3_equals_tp1(smollm2_source):
     assert out == reference
     assert_all_free(core)
     assert codes == [0, 0]
+
+
+@pytest.mark.slow
+def test_engine_process_reports_a_dead_worker_and_exits(tiny_llama_dir, tmp_path):
+    """The engine as a process: a worker SIGKILLed mid-generation -> the client's request ends with the
+    engine's ERROR naming the lost rank, and the engine exits non-zero (for its supervisor to restart)."""
+    address = f"ipc://{tmp_path}/tp.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "--address", address, "--model", str(tiny_llama_dir),
+                             "--tensor-parallel-size", "2", "--num-threads", "1", "--dtype", "float32",
+                             "--num-blocks", "64", "--collective-timeout", "10"])
+
+    async def main() -> str:
+        async with AsyncEngineClient(address, name="tp-test", ready_timeout=120) as client:
+            stream = await client.add(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=400,
+                                                                          ignore_eos=True))
+            await stream.__anext__()  # it runs
+            workers = [p for p in children(proc.pid) if "engine.distributed.worker" in cmdline(p)]
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            with pytest.raises(ConveyorError) as failed:
+                async for _ in stream:
+                    pass
+            return str(failed.value)
+
+    try:
+        message = asyncio.run(asyncio.wait_for(main(), 150))
+        assert "rank 1 exited" in message, message
+        assert proc.wait(30) != 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -32,7 +32,8 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout")
+                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
+                "routing")
 
 
 def build_parser() -> argparse.ArgumentParser:

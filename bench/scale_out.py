@@ -118,19 +118,19 @@ def row(label: str, results: list[Result], elapsed: float) -> str:
     ttfts = sorted(r.ttft for r in results)
     tokens = sum(r.tokens for r in results)
     hit = sum(r.cached_tokens for r in results) / max(1, sum(r.prompt_tokens for r in results))
-    return (f"  {label:<38} {tokens / elapsed:8.1f} tok/s   TTFT p50 {ttfts[len(ttfts) // 2] * 1e3:7.0f} ms  "
+    return (f"  {label:<42} {tokens / elapsed:8.1f} tok/s   TTFT p50 {ttfts[len(ttfts) // 2] * 1e3:7.0f} ms  "
             f"mean {sum(ttfts) / len(ttfts) * 1e3:7.0f} ms   prefix hits {hit:5.1%}")
 
 
-def compare(configs: list[tuple[str, list[str]]], prompts: list[list[int]], max_tokens: int, concurrency: int,
-            rounds: int) -> None:
+def compare(configs: list[tuple[str, list[str]]], rounds_prompts: list[list[list[int]]], max_tokens: int,
+            concurrency: int) -> None:
     """Every config's server up at once (an idle one uses no CPU), then the workload on each in turn, for
     `rounds` rounds: load from other work on a shared machine falls on all configs alike, not on whichever
     ran during a busy minute. Prints each config's best round and its worst throughput."""
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(Serve(argv)) for _, argv in configs]
         runs: list[list[tuple[list[Result], float]]] = [[] for _ in configs]
-        for _ in range(rounds):
+        for prompts in rounds_prompts:  # new prompts each round: a repeated one would hit the prefix cache
             for i, s in enumerate(servers):
                 runs[i].append(asyncio.run(load(s.url, prompts, max_tokens, concurrency)))
     for (label, _), results in zip(configs, runs):
@@ -187,22 +187,24 @@ def main() -> None:
           "may run beside it, so compare figures within this run only", flush=True)
     rng = random.Random(0)
     n, out_len = args.num_requests, 24
-    prompts = [[rng.randrange(100, 8000) for _ in range(48)] for _ in range(n)]
+    prompts = [[[rng.randrange(100, 8000) for _ in range(48)] for _ in range(n)] for _ in range(args.rounds)]
     common = ["--dtype", "float32", "--kv-cache-memory", "256MiB"]
     smol = ["--model", "SmolLM2-135M-Instruct", *common]
     print(f"1. served workload: {n} requests, 48-token prompts, {out_len} tokens each, {args.concurrency} in flight")
     print(f" SmolLM2-135M (best of {args.rounds} interleaved rounds):")
     smol_configs = [("DP=1, 2 threads (baseline)", [*smol, "--num-threads", "2"]),
+                    ("DP=1, 1 thread (how 2 threads fare here)", [*smol, "--num-threads", "1"]),
                     ("DP=2, 1 thread each", [*smol, "--data-parallel-size", "2"])]
     if not args.skip_tp3:
         smol_configs.append(("TP=3, 1 thread per rank", [*smol, "--tensor-parallel-size", "3", "--num-threads", "1"]))
-    compare(smol_configs, prompts, out_len, args.concurrency, args.rounds)
+    compare(smol_configs, prompts, out_len, args.concurrency)
     with tempfile.TemporaryDirectory() as tmp:
         tiny = str(tiny_model(Path(tmp) / "tiny-llama"))
         print(f" tiny random Llama (8 heads, 4 K/V heads, hidden 512, 4 layers; best of {args.rounds} rounds):")
         compare([("TP=1, 2 threads (baseline)", ["--model", tiny, *common, "--num-threads", "2"]),
+                 ("TP=1, 1 thread", ["--model", tiny, *common, "--num-threads", "1"]),
                  ("TP=2, 1 thread per rank", ["--model", tiny, *common, "--tensor-parallel-size", "2",
-                                              "--num-threads", "1"])], prompts, out_len, args.concurrency, args.rounds)
+                                              "--num-threads", "1"])], prompts, out_len, args.concurrency)
         print("3. " + all_reduce_bytes(tiny).strip())
     systems = [[rng.randrange(100, 8000) for _ in range(256)] for _ in range(4)]
     # A random system prompt per request: in a fixed cycle of 4, round-robin over 2 replicas would send each
@@ -211,7 +213,7 @@ def main() -> None:
     print("2. shared prefixes on DP=2: 4 system prompts of 256 tokens, 32 requests (+16 tokens each), 8 tokens out;"
           " one round (a second would find every prefix cached)")
     compare([("round-robin (baseline)", [*smol, "--data-parallel-size", "2", "--routing", "round_robin"]),
-             ("prefix affinity", [*smol, "--data-parallel-size", "2"])], shared, 8, args.concurrency, 1)
+             ("prefix affinity", [*smol, "--data-parallel-size", "2"])], [shared], 8, args.concurrency)
 
 if __name__ == "__main__":
     main()

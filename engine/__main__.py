@@ -46,7 +46,13 @@ def main(argv: list[str] | None = None) -> None:
     from engine.loop import EngineLoop
 
     try:
-        EngineLoop(EngineCore(config), args.address, keys, args.heartbeat_interval, args.trace_file).run()
+        core = EngineCore(config)
+    except ValueError as e:  # a setting this model cannot run with (a TP size that does not divide its heads, ...)
+        sys.exit(f"python -m engine: {e}")
+    except KeyboardInterrupt:  # SIGTERM while loading
+        return
+    try:
+        EngineLoop(core, args.address, keys, args.heartbeat_interval, args.trace_file).run()
     except KeyboardInterrupt:
         pass
 

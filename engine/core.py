@@ -19,7 +19,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
 from engine.spec import can_speculate, make_proposer
-from engine.step import Delta, StepPlan
+from engine.step import Delta, EngineFault, StepPlan
 from engine.trace import Tracer, no_mark
 from engine.weights import load_model
 from kernels import get_backend
@@ -52,11 +52,21 @@ class EngineCore:
         device = torch.device(config.device)
         self.source = resolve_model(config.model)
         t0 = time.perf_counter()
-        model, self.model_config = load_model(self.source, config.dtype, device, config.quantization)
+        tp_runner = None
+        if config.tensor_parallel_size > 1:  # the runner holds rank 0's shard and KV; workers hold the rest
+            if config.quantization in ("int8", "int4"):
+                raise ValueError("--quantization int8/int4 is not sharded yet: use --tensor-parallel-size 1")
+            from engine.distributed.executor import start_tensor_parallel
+
+            tp_runner, self.model_config = start_tensor_parallel(config, self.source, device)
+            model, kv = tp_runner.model, tp_runner.kv_cache
+        else:
+            model, self.model_config = load_model(self.source, config.dtype, device, config.quantization)
         mc = self.model_config
         dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
+        if tp_runner is None:
+            kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size
         self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks,
                                           config.cache.enable_prefix_caching)
@@ -72,7 +82,7 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, self.proposer)
-        self.runner = ModelRunner(model, kv, backend, device, self.proposer)
+        self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, num_blocks, block_size)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
@@ -145,6 +155,8 @@ class EngineCore:
             self.tracer.before_execute(plan)
         try:
             output = self.runner.execute(plan)  # swap, copy, one forward, one sample
+        except EngineFault:  # no request's fault, and no later step can run: the caller ends the engine
+            raise
         except Exception as e:  # the shared forward: only this step's requests can have caused it
             log.exception("step %d failed; ending the %d requests it computed", self.num_steps + 1, len(plan.seqs))
             deltas = self.scheduler.fail(plan, f"{type(e).__name__}: {e}")
@@ -172,6 +184,10 @@ class EngineCore:
                              req.num_cached_tokens, req.events if d.finished else None,
                              _wire_logprobs(d.logprobs), d.index)
 
+    def close(self) -> None:
+        """Stops what the engine started besides itself (tensor-parallel workers)."""
+        self.runner.close()
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks, or after swapping weights); running requests go on."""
         self.block_manager.reset_prefix_cache()
@@ -198,6 +214,8 @@ class EngineCore:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_swapped": len(s.swapped),
+            # Tokens the waiting requests still have to prefill: the load a data-parallel router balances.
+            "num_queued_tokens": sum(q.num_tokens - q.num_computed_tokens for q in s.waiting),
             "kv_usage": bm.usage,
             "cpu_kv_usage": bm.cpu.usage,
             "num_free_blocks": bm.num_free_blocks,

@@ -26,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
 from engine.observe import Observer
+from engine.step import EngineFault
 from engine.trace import Tracer
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
@@ -97,6 +98,7 @@ class EngineLoop:
         # The socket is used from two threads (the loop, the heartbeats): every use holds this lock.
         self.lock = threading.Lock()
         self.heartbeats = Heartbeats(self.sock, self.lock, heartbeat_interval)
+        self.close_linger_ms = 0  # what is unsent at close is dropped, unless the loop is exiting on a fault
 
     def run(self) -> None:
         # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
@@ -140,14 +142,20 @@ class EngineLoop:
         an error, its blocks freed, and the engine goes on serving new ones."""
         try:
             return self.core.step()
+        except EngineFault as e:  # this process cannot compute any more: tell every client, then exit
+            log.error("the engine cannot go on: %s; ending all %d requests and exiting", e, len(self.core.sequences))
+            self._send_outputs(self.core.fail_all(str(e)))
+            self.close_linger_ms = 2000  # those ERRORs must leave before the socket closes
+            raise SystemExit(f"engine failed: {e}") from e
         except Exception as e:
             log.exception("the engine step failed outside any one request; ending all %d requests",
                           len(self.core.sequences))
             return self.core.fail_all(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
+        self.core.close()
         self.heartbeats.stop()
-        self.sock.close(linger=0)
+        self.sock.close(linger=self.close_linger_ms)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

@@ -56,7 +56,7 @@ class ModelRunner:
             if last:
                 sampling.append((seq, None))
         self.mark("forward")
-        logits = batch.forward(self.model, self.kv_cache.device, self.backend, self.device)  # [rows, V]
+        logits = self._forward(batch)  # [rows, V]
         self.mark("sample")
         if not sampling:
             return StepOutput()
@@ -138,13 +138,24 @@ class ModelRunner:
         return StepOutput(tokens, accepted if spec else None,
                           logprobs if any(e is not None for e in logprobs) else None, errors)
 
+    def close(self) -> None:
+        """Nothing to stop here; TPRunner stops its workers."""
+
     def _swap(self, plan: StepPlan) -> None:
-        """Out before in: a block swapped out this step may be the very block another request swaps into."""
-        kv = self.kv_cache
-        for pairs, src, dst in ((plan.swap_out, kv.device, kv.cpu), (plan.swap_in, kv.cpu, kv.device)):
-            if pairs:
-                ids = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src block, dst block)
-                self.backend.swap_blocks(src, dst, ids[:, 0], ids[:, 1])
-        if plan.copies:  # copy-on-write, after the swaps: a copy's source may just have been swapped in
-            ids = torch.tensor(plan.copies, dtype=torch.int64)  # [N, 2] (shared block, its new copy)
-            self.backend.copy_blocks(kv.device, ids[:, 0], ids[:, 1])
+        move_blocks(self.backend, self.kv_cache, plan.swap_out, plan.swap_in, plan.copies)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """-> logits [rows, V]: one forward of the model (tensor parallelism runs it on every rank)."""
+        return batch.forward(self.model, self.kv_cache.device, self.backend, self.device)
+
+
+def move_blocks(backend: AttentionBackend, kv: KVCache, swap_out: list[tuple[int, int]],
+                swap_in: list[tuple[int, int]], copies: list[tuple[int, int]]) -> None:
+    """Out before in: a block swapped out this step may be the very block another request swaps into."""
+    for pairs, src, dst in ((swap_out, kv.device, kv.cpu), (swap_in, kv.cpu, kv.device)):
+        if pairs:
+            ids = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src block, dst block)
+            backend.swap_blocks(src, dst, ids[:, 0], ids[:, 1])
+    if copies:  # copy-on-write, after the swaps: a copy's source may just have been swapped in
+        ids = torch.tensor(copies, dtype=torch.int64)  # [N, 2] (shared block, its new copy)
+        backend.copy_blocks(kv.device, ids[:, 0], ids[:, 1])

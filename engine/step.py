@@ -16,6 +16,12 @@ from engine.request import Request
 from engine.sequence import LogprobEntry, Sequence
 
 
+class EngineFault(RuntimeError):
+    """The step cannot run in this process any more, whatever the requests (a tensor-parallel worker
+    died). Not a per-request failure: the loop ends every request with an error and exits, so that a
+    supervisor starts a whole engine again."""
+
+
 @dataclass(frozen=True, slots=True)
 class Drafts:
     """Tokens a proposer guesses come next in one sequence, verified this step. probs: [k, V], the

@@ -22,7 +22,9 @@ from typing import TYPE_CHECKING, Any
 from shared.engine_args import add_engine_args, engine_argv
 
 if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see there
+    from gateway.launcher import EngineProcess
     from gateway.state import GatewayConfig
+    from shared.client import AsyncEngineClient
 
 log = logging.getLogger("gateway")
 
@@ -30,7 +32,8 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout")
+                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
+                "routing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gateway-workers", type=int, default=1,
                        help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
                             "process detokenizes and streams its own requests")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas to start, each on its own cores (--num-threads defaults to cores / N); "
+                            "the gateway routes each request to one by prompt prefix, unless it is overloaded "
+                            "(docs/scaling.md)")
     serve.add_argument("--max-engine-restarts", type=int, default=5,
                        help="restart an engine that dies, with backoff (0.5 s doubling to 8 s), up to this many "
                             "crashes in a row (an engine that served 60 s starts a new count); past it the "
@@ -55,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = serve.add_argument_group("engine", "passed to `python -m engine`")
     add_engine_args(group, with_model=False)
     gateway = sub.add_parser("gateway", help="serve HTTP for an engine that runs elsewhere")
-    gateway.add_argument("--engine-address", required=True, help="e.g. tcp://engine:5555")
+    gateway.add_argument("--engine-address", required=True,
+                         help="e.g. tcp://engine:5555; several, comma-separated: replicas the gateway routes over")
     gateway.add_argument("--model", default=None, help="where to load the tokenizer from; default: the engine's model")
     gateway.add_argument("--reuse-port", action="store_true",
                          help="bind with SO_REUSEPORT (several processes, one port)")
@@ -80,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds streams in flight wait for a lost engine to come back before they end with an "
                             "error; resumable ones carry on where they were (docs/reliability.md). 0: fail at once")
         p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
+                       help="how requests spread over several engines: prefix (default): by the prompt's first "
+                            "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
+                            "round_robin: in turn")
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
@@ -128,6 +140,29 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     return argv
 
 
+def replica_processes(args: argparse.Namespace, n: int) -> list[EngineProcess]:
+    """n engines of `serve --data-parallel-size n`, each bound to its own share of the cores (so their
+    OpenMP threads never share one), each on its own ipc:// address."""
+    from gateway.launcher import EngineProcess, default_address
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if n > len(cpus):
+        raise SystemExit(f"conveyor: --data-parallel-size {n} is more than the {len(cpus)} cores available")
+    per = len(cpus) // n
+    argv = engine_args(args)
+    if args.num_threads is None:
+        argv += ["--num-threads", str(per)]
+    base = default_address().removesuffix(".sock")
+    return [EngineProcess(f"{base}-{i}.sock", argv, cpus=set(cpus[i * per:(i + 1) * per])) for i in range(n)]
+
+
+async def replicas_ready(replicas: list[EngineProcess], clients: list[AsyncEngineClient], router: Any,
+                         timeout: float) -> None:
+    """Every replica's READY (a replica that exits while loading fails start-up), then the router's start."""
+    await asyncio.gather(*(r.wait_ready(c, timeout) for r, c in zip(replicas, clients)))
+    await router.start(timeout=timeout)
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from gateway.admission import Limits
     from gateway.state import GatewayConfig
@@ -143,6 +178,7 @@ async def run(args: argparse.Namespace) -> int:
 
     from gateway.app import build_app
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
+    from gateway.router import Router, RouterConfig
     from gateway.state import SERVED
     from gateway.supervisor import EngineSupervisor, RestartPolicy
     from shared.client import AsyncEngineClient
@@ -152,22 +188,32 @@ async def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     engine, workers = None, None
-    if args.command == "serve" and args.engine_address is None:
+    replicas: list[EngineProcess] = []
+    dp = getattr(args, "data_parallel_size", 1)
+    if args.command == "serve" and args.engine_address is None and dp > 1:
+        replicas = replica_processes(args, dp)
+        for r in replicas:
+            r.start()
+        address = ",".join(r.address for r in replicas)
+    elif args.command == "serve" and args.engine_address is None:
         engine = EngineProcess(default_address(), engine_args(args))
         engine.start()
         address = engine.address
     else:
         address = args.engine_address
+    addresses = address.split(",")
     try:  # serve's own engine is on ipc://, which needs no keys
-        client = AsyncEngineClient(address, name="gateway", model=args.model, resume_timeout=args.resume_timeout,
-                                   engine_timeout=args.engine_timeout,
-                                   curve_keys=None if engine is not None else args.curve_keys)
+        clients = [AsyncEngineClient(a, name="gateway", model=args.model, resume_timeout=args.resume_timeout,
+                                     engine_timeout=args.engine_timeout,
+                                     curve_keys=None if engine is not None or replicas else args.curve_keys)
+                   for a in addresses]
+        client: AsyncEngineClient | Router = (clients[0] if len(clients) == 1 else
+                                              Router(clients, RouterConfig(policy=args.routing)))
     except ValueError as e:  # the key folder lacks a file: say which, no traceback
         print(f"conveyor: {e}", file=sys.stderr)
-        if engine is not None:
-            engine.stop()
+        for e_proc in ([engine] if engine is not None else []) + replicas:
+            e_proc.stop()
         return 2
-    supervisor = None
     config = gateway_config(args)
     runner = None
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
@@ -178,8 +224,12 @@ async def run(args: argparse.Namespace) -> int:
             workers.start()
         if args.model is not None:  # parse the tokenizer while the engine loads its weights
             tasks.append(asyncio.create_task(client.get_tokenizer()))
-        ready = asyncio.ensure_future(engine.wait_ready(client, args.ready_timeout) if engine
-                                      else client.start(timeout=args.ready_timeout))
+        ready: asyncio.Future[Any]
+        if replicas:
+            ready = asyncio.ensure_future(replicas_ready(replicas, clients, client, args.ready_timeout))
+        else:
+            ready = asyncio.ensure_future(engine.wait_ready(clients[0], args.ready_timeout)
+                                          if engine else client.start(timeout=args.ready_timeout))
         tasks.append(ready)
         await asyncio.wait({ready, tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
@@ -208,12 +258,14 @@ async def run(args: argparse.Namespace) -> int:
             os.write(args.ready_fd, b"ready\n")
             os.close(args.ready_fd)
         print(f"conveyor: serving {app[SERVED].name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        if engine is not None:
-            policy = RestartPolicy(max_restarts=args.max_engine_restarts, ready_timeout=args.ready_timeout)
-            supervisor = EngineSupervisor(engine, client, policy)
+        supervised = ([(engine, clients[0])] if engine is not None else []) + list(zip(replicas, clients))
+        supervisors = [EngineSupervisor(e, c, RestartPolicy(max_restarts=args.max_engine_restarts,
+                                                            ready_timeout=args.ready_timeout))
+                       for e, c in supervised]  # `conveyor gateway` supervises nothing (it has no such flag)
+        for supervisor in supervisors:  # each replica restarts on its own; the others serve meanwhile
             tasks.append(asyncio.create_task(supervisor.supervise(stop)))
         await stop.wait()
-        return 1 if (supervisor and supervisor.gave_up) or (workers and workers.failed) else 0
+        return 1 if any(s.gave_up for s in supervisors) or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1
@@ -228,9 +280,9 @@ async def run(args: argparse.Namespace) -> int:
             await runner.cleanup()
         log.info("http server stopped")
         await client.close()
-        if engine is not None:
-            await asyncio.to_thread(engine.stop)
-            log.info("engine stopped")
+        for e_proc in ([engine] if engine is not None else []) + replicas:
+            await asyncio.to_thread(e_proc.stop)
+            log.info("engine %s stopped", e_proc.address)
 
 
 async def ping(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from gateway import dashboard
 from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
+from gateway.router import Router
 from gateway.routes import routes
 from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, PUBLIC_PATHS, SERVED, GatewayConfig, Unauthorized
 from gateway.websocket import websocket_handler
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def build_app(config: GatewayConfig, client: AsyncEngineClient) -> web.Application:
+def build_app(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.Application:
     app = web.Application(middlewares=[_errors, _auth], client_max_size=config.max_body_size)
     app[CONFIG], app[CLIENT], app[SERVED] = config, client, Served()
     app[ADMISSION], app[METRICS] = Admission(config.limits), Metrics()

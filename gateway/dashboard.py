@@ -24,6 +24,7 @@ from importlib import resources
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from gateway.router import Router
 from gateway.state import CLIENT, SERVED
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError
@@ -93,8 +94,11 @@ HUB = web.AppKey("dashboard_hub", Hub)
 
 def setup(app: web.Application) -> None:
     """Routes, the hub, and the engine client's OBSERVED callback, for build_app()."""
-    hub = app[HUB] = Hub(app[CLIENT])
-    app[CLIENT].on_observed = hub.on_observed
+    client = app[CLIENT]
+    # With data-parallel replicas (gateway/router.py) the page shows the first one's batch and blocks.
+    watched = client.replicas[0].client if isinstance(client, Router) else client
+    hub = app[HUB] = Hub(watched)
+    watched.on_observed = hub.on_observed
     app.router.add_get("/dashboard", page)
     app.router.add_get("/dashboard/ws", viewer)
 

@@ -28,8 +28,11 @@ def default_address() -> str:
     return f"ipc:///tmp/conveyor-{os.getpid()}.sock"
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
+def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies (and bind
+    the child to `cpus`, inherited by every thread it starts)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -40,8 +43,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class EngineProcess:
-    def __init__(self, address: str, engine_args: list[str], stop_timeout: float = 10.0) -> None:
+    def __init__(self, address: str, engine_args: list[str], stop_timeout: float = 10.0,
+                 cpus: set[int] | None = None) -> None:
         self.address = address
+        self.cpus = cpus  # bind the engine to these cores (data-parallel replicas never share one)
         self.argv = [sys.executable, "-m", "engine", "--address", address, *engine_args]
         self.stop_timeout = stop_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -50,7 +55,7 @@ class EngineProcess:
         """The child inherits stderr, so model loading shows its own progress in the terminal."""
         self._remove_ipc_file()
         parent = os.getpid()
-        preexec = (lambda: _die_with_parent(parent)) if sys.platform.startswith("linux") else None
+        preexec = (lambda: _die_with_parent(parent, self.cpus)) if sys.platform.startswith("linux") else None
         log.info("starting engine: %s", " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, start_new_session=False, preexec_fn=preexec)
 

@@ -110,11 +110,31 @@ class _LocalHistogram:
             self.hist._sum.inc(total)  # noqa: SLF001
 
 
+# Per-replica gauges under data parallelism (gateway/router.py): STATS key -> help; labelled replica="<address>".
+REPLICA_GAUGES = {
+    "num_running": "Requests in the replica's running batch",
+    "num_waiting": "Requests waiting in the replica's queue",
+    "num_queued_tokens": "Prompt tokens the replica's waiting requests still have to prefill",
+    "kv_usage": "Fraction of the replica's device KV blocks in use",
+    "total_prefix_hits_tokens": "Prompt tokens the replica served from its prefix cache",
+}
+
+
+@dataclass
+class ReplicaRow:
+    """One replica at scrape time: its address, fresh STATS (None: it did not answer), requests routed to it."""
+
+    address: str
+    stats: dict[str, float] | None
+    num_routed: int
+
+
 class EngineCollector(Collector):
     """Exports the engine's latest STATS; refreshed by the /metrics handler just before each scrape."""
 
     def __init__(self) -> None:
         self.stats: dict[str, float] = {}
+        self.replicas: list[ReplicaRow] = []  # empty with one engine
         self.up = False
         self.hit_rate_fallback: float | None = None
 
@@ -143,6 +163,25 @@ class EngineCollector(Collector):
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 name = "conveyor_engine_" + "".join(c if c.isalnum() else "_" for c in key)
                 yield GaugeMetricFamily(name, f"engine STATS gauge {key!r}", value=float(value))
+        if self.replicas:
+            yield from self._replicas()
+
+    def _replicas(self) -> Iterable[Metric]:
+        up = GaugeMetricFamily("conveyor_replica_up", "1 when the replica answered the last STATS request",
+                               labels=["replica"])
+        routed = CounterMetricFamily("conveyor_replica_requests_routed", "Requests this gateway routed to the "
+                                     "replica", labels=["replica"])
+        gauges = {k: GaugeMetricFamily(f"conveyor_replica_{k.removeprefix('total_')}", doc, labels=["replica"])
+                  for k, doc in REPLICA_GAUGES.items()}
+        for row in self.replicas:
+            up.add_metric([row.address], float(row.stats is not None))
+            routed.add_metric([row.address], float(row.num_routed))
+            for k, family in gauges.items():
+                if row.stats is not None:
+                    family.add_metric([row.address], float(row.stats.get(k, 0.0)))
+        yield up
+        yield routed
+        yield from gauges.values()
 
 
 class Metrics:
@@ -247,8 +286,10 @@ class Metrics:
         self.rejected.labels(reason).inc()
 
     # -- exposition ---------------------------------------------------------------------------------
-    def render(self, engine_stats: dict[str, float] | None) -> bytes:
-        """The text exposition. engine_stats: the engine's fresh STATS, or None when it did not answer."""
+    def render(self, engine_stats: dict[str, float] | None, replicas: list[ReplicaRow] | None = None) -> bytes:
+        """The text exposition. engine_stats: the engine's fresh STATS, or None when it did not answer;
+        replicas: each data-parallel replica's, when there are several."""
+        self.engine.replicas = replicas or []
         self.engine.up = engine_stats is not None
         if engine_stats is not None:
             self.engine.stats = engine_stats

@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.metrics import CONTENT_TYPE
+from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import parse_chat, parse_completion, parse_messages
+from gateway.router import Router
 from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.streaming import chunks, complete, sse_response
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
@@ -86,7 +87,11 @@ async def metrics(request: web.Request) -> web.Response:
             stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
         except ConveyorError:
             pass  # exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
-    body = request.app[METRICS].render(stats)
+    replicas = None
+    if isinstance(client, Router):  # data parallelism: each replica's gauges too, labelled by address
+        rows = await client.replica_stats(timeout=request.app[CONFIG].health_timeout)
+        replicas = [ReplicaRow(r.address, st, r.num_routed) for r, st in zip(client.replicas, rows)]
+    body = request.app[METRICS].render(stats, replicas)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 

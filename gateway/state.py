@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.admission import Admission, Limits
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served
+from gateway.router import Router
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError
 
@@ -43,7 +44,8 @@ class GatewayConfig:
 
 
 CONFIG = web.AppKey("config", GatewayConfig)
-CLIENT = web.AppKey("client", AsyncEngineClient)
+# One engine's client, or a Router over several replicas' (gateway/router.py): the same calls.
+CLIENT: web.AppKey[AsyncEngineClient | Router] = web.AppKey("client")
 SERVED = web.AppKey("served", Served)  # filled in at start-up from the engine's READY
 ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", Metrics)

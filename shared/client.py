@@ -329,6 +329,10 @@ class AsyncEngineClient:
                 self._tokenizer = await asyncio.to_thread(load_tokenizer, source)
         return self._tokenizer
 
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Text calls use this tokenizer (one a router loaded once for all its replicas' clients)."""
+        self._tokenizer = tokenizer
+
     async def _decoder(self) -> Decoder:
         if self._fast_decoder is None:
             self._fast_decoder = FastDecoder.wrap(await self.get_tokenizer())

@@ -21,6 +21,9 @@ def _require(ok: bool, why: str) -> None:
         raise ValueError(why)
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Each knob says what it trades: throughput, inter-token latency (ITL), time to first token (TTFT)."""
@@ -141,8 +144,20 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Tensor parallelism (docs/scaling.md): the model split over this many ranks (heads and MLP units);
+    # each holds 1/N of the weights and of every K/V block, and pays two all-reduces per layer per step.
+    tensor_parallel_size: int = 1
+    # mp: workers are local processes; ray: Ray actors in a placement group (other nodes too).
+    distributed_executor_backend: str = "mp"
+    ray_address: str | None = None  # None: join the Ray cluster this process is in, or start a local one
+    # Seconds a collective may wait for a rank before the engine gives up on it (and exits).
+    collective_timeout: float = 60.0
 
     def __post_init__(self) -> None:
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
+        _require(self.collective_timeout > 0, "collective_timeout must be > 0")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")

@@ -8,6 +8,7 @@ from shared.config import (
     ATTENTION_BACKENDS,
     DEFAULT_MODEL,
     DTYPES,
+    EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     PREFILL_POLICIES,
@@ -67,6 +68,15 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--num-speculative-tokens", type=int, help="tokens proposed per sequence and step (default 4)")
     a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 1)")
     a("--ngram-max", type=int, help="longest suffix prompt lookup matches (default 4)")
+    a("--tensor-parallel-size", "-tp", type=int, help="split the model over N ranks by attention heads and MLP "
+      "units (N must divide the heads and K/V heads): 1/N of the weights and KV per rank, two all-reduces per "
+      "layer per step (default 1; docs/scaling.md)")
+    a("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, help="where tensor-parallel workers run: mp "
+      "(default) local processes; ray: Ray actors in a placement group, on other nodes too")
+    a("--ray-address", help="Ray cluster to place workers on (default: the one this process is in, else a "
+      "local one)")
+    a("--collective-timeout", type=float, help="seconds a tensor-parallel collective waits for a rank before "
+      "the engine fails (default 60)")
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")

@@ -1,0 +1,140 @@
+"""TPRunner: the ModelRunner the scheduler sees under --tensor-parallel-size N (execute(plan) ->
+StepOutput, unchanged), whose forward runs on N ranks: this process is rank 0 and samples; ranks
+1..N-1 are workers (launch.py) that take each step's inputs as one message and join the collectives.
+
+A rank that dies or stops answering ends the engine: the step raises EngineFault (engine/step.py) within
+the collective timeout; the loop fails every request and exits, and a supervisor restarts it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import zmq
+
+from engine.batch import Batch
+from engine.distributed.comm import CollectiveError, Comm
+from engine.distributed.launch import ProcessWorker, RayWorker, WorkerHandle, node_ip, ray_placement
+from engine.distributed.message import StepInputs, pack, stop_message
+from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv
+from engine.distributed.shard import Shard, check_divisible, checkpoint_folder, read_config
+from engine.distributed.worker import READY
+from engine.models.config import ModelConfig
+from engine.runner import ModelRunner
+from engine.step import EngineFault, StepPlan
+from shared.config import EngineConfig
+from shared.model_source import ModelSource
+
+log = logging.getLogger("conveyor.tp")
+
+
+class TPRunner(ModelRunner):
+    def __init__(self, rank0: RankRunner, workers: list[WorkerHandle], sock: zmq.Socket[bytes],
+                 identities: list[bytes]) -> None:
+        super().__init__(rank0.model, rank0.kv, rank0.backend, rank0.device)
+        self.rank0, self.workers, self.sock, self.identities = rank0, workers, sock, identities
+        self._moves: tuple[list[tuple[int, int]], ...] = ([], [], [])
+
+    def _swap(self, plan: StepPlan) -> None:
+        """Every rank moves its own heads' blocks: the moves ride in the step's message."""
+        self._moves = (plan.swap_out, plan.swap_in, plan.copies)
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        inputs = StepInputs.of(batch, *self._moves)
+        self._broadcast(pack(inputs))
+        try:
+            return self.rank0.run(inputs)
+        except CollectiveError as e:
+            raise EngineFault(f"{e}{self._dead()}") from e
+
+    def _broadcast(self, message: object) -> None:
+        dead = self._dead()
+        if dead:
+            raise EngineFault(f"a tensor-parallel worker is gone{dead}")
+        for ident in self.identities:
+            self.sock.send_multipart([ident, message], copy=False)  # type: ignore[list-item]
+
+    def _dead(self) -> str:
+        ranks = [i + 1 for i, w in enumerate(self.workers) if w.exited()]
+        return f" (rank {', '.join(map(str, ranks))} exited)" if ranks else ""
+
+    def close(self) -> None:
+        """STOP to every worker, then wait for them (killing any that do not end)."""
+        try:
+            self._broadcast(stop_message())
+        except EngineFault:
+            pass  # a dead worker needs no STOP; the others still get theirs below by being killed if stuck
+        for w in self.workers:
+            w.stop(timeout_s=10)
+        self.sock.close(linger=0)
+
+
+def start_tensor_parallel(config: EngineConfig, source: ModelSource,
+                          device: torch.device) -> tuple[TPRunner, ModelConfig]:
+    """Starts workers 1..N-1 and builds rank 0 here. -> (the runner, the full model's config)."""
+    n = config.tensor_parallel_size
+    folder = checkpoint_folder(source)
+    cfg = read_config(folder, config.dtype, device)
+    check_divisible(cfg, n)
+    if config.speculative.speculative is not None:
+        raise ValueError("speculative decoding is not supported with tensor parallelism yet")
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
+    shard0 = Shard(cfg, 0, n)
+    kv = make_kv(shard0, config.cache, device)  # rank 0's budget decides every rank's block count
+    ray = placement = None
+    host = "127.0.0.1"
+    if config.distributed_executor_backend == "ray":
+        resources = {"GPU": 1.0} if device.type == "cuda" else {"CPU": float(threads)}
+        ray, placement = ray_placement(config.ray_address, n, resources, config.collective_timeout)
+        host = node_ip(ray)
+    comm = Comm(host, 0, 0, n, config.collective_timeout, device)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
+    port = sock.bind_to_random_port(f"tcp://{host if ray is None else '*'}")
+
+    def spec(rank: int) -> RankSpec:
+        return RankSpec(str(folder), config.dtype, _device(device, rank, ray is not None), config.attention_backend,
+                        kv.block_size, kv.num_blocks, kv.num_cpu_blocks, config.cache.kv_cache_dtype, threads,
+                        config.seed, rank, n, host, comm.port, f"tcp://{host}:{port}", config.collective_timeout)
+
+    specs = [spec(r) for r in range(1, n)]
+    workers: list[WorkerHandle] = [ProcessWorker(s) if ray is None else RayWorker(ray, placement, i, s, resources)
+                                   for i, s in enumerate(specs)]
+    try:
+        model = load_shard(spec(0))
+        comm.join()
+        identities = _wait_ready(sock, workers, config.collective_timeout)
+    except BaseException:
+        for w in workers:
+            w.stop(timeout_s=0)
+        sock.close(linger=0)
+        raise
+    rank0 = RankRunner(model, kv, comm, device, config.attention_backend)
+    log.info("tensor parallelism: %d ranks (%s), %d threads each", n, config.distributed_executor_backend, threads)
+    return TPRunner(rank0, workers, sock, identities), cfg
+
+
+def _device(device: torch.device, rank: int, on_ray: bool) -> str:
+    """Rank r's device: GPU r of this node for local workers; a Ray actor sees only the GPU Ray gave it."""
+    if device.type != "cuda" or on_ray:
+        return str(device)
+    return f"cuda:{rank}"
+
+
+def _wait_ready(sock: zmq.Socket[bytes], workers: list[WorkerHandle], timeout_s: float) -> list[bytes]:
+    """-> the workers' identities in rank order, once each has loaded its shard. Raises EngineFault when
+    one exits first, or when they are not all ready within timeout_s."""
+    ready: dict[bytes, None] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < len(workers):
+        if any(w.exited() for w in workers):
+            raise EngineFault("a tensor-parallel worker exited while starting (see its log above)")
+        if time.monotonic() > deadline:
+            raise EngineFault(f"only {len(ready)} of {len(workers)} tensor-parallel workers were ready "
+                              f"within {timeout_s:g} s")
+        if sock.poll(200):
+            ident, body = sock.recv_multipart()
+            if body == READY:
+                ready[ident] = None
+    return [f"rank{r}".encode() for r in range(1, len(workers) + 1)]

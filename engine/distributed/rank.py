@@ -1,0 +1,109 @@
+"""What every tensor-parallel rank holds and does: its shard of the model, the K/V blocks of its
+heads, and one step run from a StepInputs. The engine (rank 0) and each worker run this same code, so
+the ranks cannot drift apart in what they compute."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.distributed.comm import Comm
+from engine.distributed.message import StepInputs
+from engine.distributed.model import ShardedLlama
+from engine.distributed.shard import Shard, read_config, read_shard
+from engine.kv_cache import KVCache
+from engine.runner import move_blocks
+from kernels import get_backend
+from kernels.backend import BatchLayout
+from shared.config import CacheConfig
+
+log = logging.getLogger("conveyor.tp")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to start, as plain JSON (a worker's command line or a Ray actor's call).
+    num_blocks and num_cpu_blocks are rank 0's, so every rank's pools hold the same block ids."""
+
+    folder: str
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_blocks: int
+    num_cpu_blocks: int
+    kv_cache_dtype: str
+    num_threads: int
+    seed: int
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    step_address: str  # the engine's ZeroMQ ROUTER the worker takes its step messages from
+    timeout_s: float
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+
+class RankRunner:
+    """One rank's model shard and K/V pools; run(inputs) computes one step on them."""
+
+    def __init__(self, model: ShardedLlama, kv: KVCache, comm: Comm, device: torch.device,
+                 attention_backend: str) -> None:
+        self.model, self.kv, self.comm, self.device = model, kv, comm, device
+        self.backend = get_backend(attention_backend, device)
+        model.comm = comm
+
+    @torch.inference_mode()
+    def run(self, s: StepInputs) -> torch.Tensor:
+        """Block moves, then the forward. -> logits [B, V] on rank 0, this rank's vocabulary columns elsewhere."""
+        move_blocks(self.backend, self.kv, s.swap_out, s.swap_in, s.copies)
+        dev = self.device
+        layout = BatchLayout(s.query_lens, s.context_lens, s.tables, self.kv.block_size,
+                             torch.tensor(s.slots, dtype=torch.int64, device=dev))
+        logits: torch.Tensor = self.model(torch.tensor(s.input_ids, dtype=torch.int64, device=dev),
+                                          torch.tensor(s.positions, dtype=torch.int64, device=dev),
+                                          self.kv.device, self.backend.plan(layout), self.backend,
+                                          torch.tensor(s.logits_rows, dtype=torch.int64, device=dev))
+        return logits
+
+
+def load_shard(spec: RankSpec) -> ShardedLlama:
+    """This rank's slice of the checkpoint, read sliced from the files."""
+    t0 = time.perf_counter()
+    device = torch.device(spec.device)
+    cfg = read_config(Path(spec.folder), spec.dtype, device)
+    dtype = getattr(torch, cfg.dtype)
+    shard = Shard(cfg, spec.rank, spec.world_size)
+    with torch.device("meta"):
+        model = ShardedLlama(shard)
+    cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
+            for n, t in read_shard(Path(spec.folder), shard))
+    model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
+    local = shard.local_config()
+    log.info("rank %d/%d: %d heads, %d K/V heads, %d MLP units, vocabulary rows %d.. loaded in %.2f s",
+             spec.rank, spec.world_size, local.num_heads, local.num_kv_heads, local.intermediate_size,
+             shard.vocab_start, time.perf_counter() - t0)
+    return model.requires_grad_(False).eval().to(device)
+
+
+def make_kv(shard: Shard, cache: CacheConfig, device: torch.device) -> KVCache:
+    """The K/V pools of this rank's K/V heads: 1/N of a TP=1 engine's bytes per block."""
+    local = shard.local_config()
+    return KVCache(cache, local.num_layers, local.num_kv_heads, local.head_dim, getattr(torch, local.dtype), device)
+
+
+def worker_cache(spec: RankSpec) -> CacheConfig:
+    """A worker's pools: exactly rank 0's block counts."""
+    return CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks, num_cpu_blocks=spec.num_cpu_blocks,
+                       kv_cache_dtype=spec.kv_cache_dtype)

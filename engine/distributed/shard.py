@@ -1,0 +1,126 @@
+"""Which part of each checkpoint tensor a tensor-parallel rank holds, and loading just that part.
+
+Megatron's split of a Llama layer: q/k/v and gate/up are column-parallel (rank r holds output rows
+of heads r*H/N.. and of intermediate units r*I/N..), o_proj and down_proj row-parallel (the matching
+input columns), so attention and the MLP need no communication until o_proj / down_proj, each
+followed by one all-reduce. The embedding and the LM head are split by vocabulary (rank r holds
+rows r*Vs.. of ceil(V/N) = Vs, the last shard zero-padded). Norms are replicated.
+
+Slices are read with safetensors' get_slice, so a rank reads its rows and columns from the file and
+never holds another rank's weights, nor the whole model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.dtype import resolve_dtype
+from engine.models.config import ModelConfig
+from engine.weights import _safetensors_files, _try_write_cache, dequantized_folder, read_gguf
+from shared.model_source import ModelSource
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `world_size`, for a model with this (full) config."""
+
+    cfg: ModelConfig
+    rank: int
+    world_size: int
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.cfg.vocab_size // self.world_size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    def local_config(self) -> ModelConfig:
+        """The config of this rank's part: 1/N of the heads, K/V heads, MLP units and vocabulary rows."""
+        n, c = self.world_size, self.cfg
+        return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
+                                   intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_per_rank)
+
+    def rows_and_cols(self, name: str) -> tuple[slice, slice | None] | None:
+        """HF tensor name -> (rows, columns or None) this rank reads; None: the whole tensor (replicated)."""
+        c, r = self.cfg, self.rank
+        hq = c.num_heads // self.world_size * c.head_dim
+        hkv = c.num_kv_heads // self.world_size * c.head_dim
+        inter = c.intermediate_size // self.world_size
+        part = name.rsplit(".", 1)[0].rsplit(".", 2)
+        module = ".".join(part[-2:])
+        columns = {"self_attn.q_proj": hq, "self_attn.k_proj": hkv, "self_attn.v_proj": hkv,
+                   "mlp.gate_proj": inter, "mlp.up_proj": inter}
+        if module in columns:  # column-parallel: output rows (weight and bias alike)
+            w = columns[module]
+            return slice(r * w, (r + 1) * w), None
+        if module in ("self_attn.o_proj", "mlp.down_proj"):
+            if name.endswith(".bias"):  # added once, after the all-reduce: every rank holds all of it
+                return None
+            w = hq if module == "self_attn.o_proj" else inter
+            return slice(None), slice(r * w, (r + 1) * w)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return slice(self.vocab_start, self.vocab_start + self.vocab_per_rank), None
+        return None
+
+
+def check_divisible(cfg: ModelConfig, n: int) -> None:
+    """Raises ValueError unless the model splits evenly over n ranks."""
+    if n < 1:
+        raise ValueError("tensor_parallel_size must be >= 1")
+    bad = [f"{what} ({count})" for what, count in (("attention heads", cfg.num_heads),
+                                                  ("key/value heads", cfg.num_kv_heads),
+                                                  ("MLP intermediate size", cfg.intermediate_size))
+           if count % n]
+    if bad:
+        splits = [d for d in range(1, cfg.num_kv_heads + 1)
+                  if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
+        raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
+                         f"sizes that do: {', '.join(map(str, splits))}")
+
+
+def checkpoint_folder(source: ModelSource) -> Path:
+    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
+    cache (once per file) is the one time the engine holds the whole model; the workers never do."""
+    if source.gguf_file is None:
+        return source.folder
+    folder = dequantized_folder(source)
+    if not (folder / "config.json").is_file():
+        config, tensors, groups = read_gguf(source.folder / source.gguf_file)
+        if not _try_write_cache(folder, config, tensors, groups):
+            raise ValueError(f"tensor parallelism reads safetensors, and the dequantized cache {folder} of "
+                             f"{source.gguf_file} could not be written")
+    return folder
+
+
+def read_config(folder: Path, dtype: str, device: torch.device) -> ModelConfig:
+    """The full model's config, with --dtype resolved as engine/weights.py resolves it."""
+    config = json.loads((folder / "config.json").read_text())
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    resolved = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
+    return dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(resolved).removeprefix("torch."))
+
+
+def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors, each cut to this rank's rows/columns as it is read from the file."""
+    for path in _safetensors_files(folder):
+        with safe_open(path, framework="pt", device="cpu") as h:
+            for name in h.keys():
+                cut = shard.rows_and_cols(name)
+                if cut is None:
+                    yield name, h.get_tensor(name)
+                    continue
+                rows, cols = cut
+                t = h.get_slice(name)[rows] if cols is None else h.get_slice(name)[rows, cols]
+                if rows.stop is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                    pad = shard.vocab_per_rank - t.shape[0]  # the last rank's rows past the vocabulary
+                    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+                yield name, t

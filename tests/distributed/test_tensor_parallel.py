@@ -1,0 +1,116 @@
+"""Tensor parallelism with local worker processes: greedy (and seeded) float32 output equal to TP=1
+token for token through chunked prefill, prefix caching, swap and recompute preemption, n > 1 and
+beam search; every block free at the end, every worker still in step (it takes STOP and exits 0)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from engine.core import EngineCore
+from shared.client import AsyncEngineClient
+from shared.config import build_config
+from shared.errors import ConveyorError
+from shared.sampling import SamplingParams
+from tests.distributed.workload import BLOCK, assert_all_free, run, workload
+from tests.e2e.servers import children, cmdline
+
+COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
+
+
+def tp_engine(folder, tp: int, **options) -> EngineCore:
+    return EngineCore(build_config(str(folder), tensor_parallel_size=tp, **{**COMMON, **options}))
+
+
+def stop(core: EngineCore) -> list[int]:
+    """Closes the engine; -> each worker's exit code (0: it took STOP, so it had followed every step)."""
+    core.close()
+    return [w.proc.returncode for w in core.runner.workers]  # type: ignore[attr-defined]
+
+
+def stop_ray_engine(core: EngineCore) -> None:
+    """Closes an engine whose workers are Ray actors; asserts each ended by STOP (returned 0)."""
+    import ray
+
+    core.close()
+    assert [ray.get(w.done, timeout=30) for w in core.runner.workers] == [0]  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_tp2_equals_tp1_under_preemption(checkpoint, request):
+    folder = request.getfixturevalue(checkpoint)
+    reqs = workload()
+    reference = run(tp_engine(folder, 1, num_blocks=1024, num_cpu_blocks=0), reqs)
+    core = tp_engine(folder, 2, num_blocks=20, num_cpu_blocks=6, preemption_mode="auto")
+    try:
+        out = run(core, reqs)
+        stats = core.stats()
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
+    assert stats["total_prefix_hits_tokens"] > 0
+    assert_all_free(core)
+    assert codes == [0]
+
+
+def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*heads.*sizes that do: 1, 2"):
+        tp_engine(tiny_llama_dir, 3)
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_equals_tp1(smollm2_source):
+    """SmolLM2 has 9 query and 3 K/V heads: 3 is its only split. Short prompts, few tokens."""
+    from shared.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(smollm2_source)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    ")]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    reqs = [(f"s{i}", p, params) for i, p in enumerate(prompts)]
+    reference = run(tp_engine(smollm2_source.name, 1, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=8),
+                    reqs)
+    core = tp_engine(smollm2_source.name, 3, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=8)
+    try:
+        out = run(core, reqs)
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert_all_free(core)
+    assert codes == [0, 0]
+
+
+@pytest.mark.slow
+def test_engine_process_reports_a_dead_worker_and_exits(tiny_llama_dir, tmp_path):
+    """The engine as a process: a worker SIGKILLed mid-generation -> the client's request ends with the
+    engine's ERROR naming the lost rank, and the engine exits non-zero (for its supervisor to restart)."""
+    address = f"ipc://{tmp_path}/tp.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "--address", address, "--model", str(tiny_llama_dir),
+                             "--tensor-parallel-size", "2", "--num-threads", "1", "--dtype", "float32",
+                             "--num-blocks", "64", "--collective-timeout", "10"])
+
+    async def main() -> str:
+        async with AsyncEngineClient(address, name="tp-test", ready_timeout=120) as client:
+            stream = await client.add(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=400,
+                                                                          ignore_eos=True))
+            await stream.__anext__()  # it runs
+            workers = [p for p in children(proc.pid) if "engine.distributed.worker" in cmdline(p)]
+            assert len(workers) == 1
+            os.kill(workers[0], signal.SIGKILL)
+            with pytest.raises(ConveyorError) as failed:
+                async for _ in stream:
+                    pass
+            return str(failed.value)
+
+    try:
+        message = asyncio.run(asyncio.wait_for(main(), 150))
+        assert "rank 1 exited" in message, message
+        assert proc.wait(30) != 0
+    finally:
+        proc.kill()
+        proc.wait()

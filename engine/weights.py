@@ -33,7 +33,8 @@ from tqdm import tqdm
 from engine.dtype import resolve_dtype
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import convert_hf_weights
-from engine.quant import auto_mode, gguf_groups, quantize_model, weight_bytes
+from engine.prepack import prepack_model, usable
+from engine.quant import LAYER_PROJECTIONS, auto_mode, gguf_groups, quantize_model, weight_bytes
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
@@ -58,10 +59,11 @@ _GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.s
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str,
-               quantization: str = "none") -> tuple[nn.Module, ModelConfig]:
+               quantization: str = "none", prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it computes in,
     cfg.quantization what its projections hold). dtype: a torch dtype, or a --dtype name ("auto" resolves
     against the checkpoint, engine/dtype.py). quantization: none | int8 | int4 | auto (engine/quant.py).
+    prepack: float projections in oneDNN's layout on a CPU (engine/prepack.py); off, they stay nn.Linear.
     GGUF sources load from the dequantized cache when it exists, and create it otherwise."""
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -73,7 +75,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
             config, tensors, groups = read_gguf(source.folder / source.gguf_file)
             if _try_write_cache(folder, config, tensors, groups):
                 log.info("dequantized %s into %s", source.gguf_file, folder)
-            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups)
+            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack)
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
@@ -82,7 +84,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
     groups_path = folder / _GROUPS_FILE
     groups = dict(_read_safetensors([groups_path])) if groups_path.is_file() else {}
     model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device, quantization,
-                        groups)
+                        groups, prepack)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
 
@@ -95,8 +97,9 @@ def dequantized_folder(source: ModelSource) -> Path:
 
 def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
            device: torch.device, quantization: str = "none",
-           groups: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, ModelConfig]:
-    """groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes)."""
+           groups: dict[str, torch.Tensor] | None = None, prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
+    """groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes). prepack:
+    plain projections in oneDNN's layout on a CPU (engine/prepack.py)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
     mode = (config.get("conveyor_quantization") or "none") if quantization == "auto" else quantization
@@ -117,7 +120,10 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         quantize_model(model, mode, dtype, _our_groups(cfg, groups or {}))
         for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
             p.data = p.data.to(dtype)
-    return model.requires_grad_(False).eval().to(device), cfg  # .to moves the RoPE table buffer
+    model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
+    if mode == "none" and prepack and usable(model, device):
+        prepack_model(model, LAYER_PROJECTIONS)
+    return model, cfg
 
 
 def _our_groups(cfg: ModelConfig, groups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

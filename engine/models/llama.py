@@ -27,6 +27,7 @@ from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
 from engine.models.rope import apply_rope, rope_table, to_interleaved
+from engine.prepack import PackedLinear
 from kernels.backend import AttentionBackend
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
@@ -45,6 +46,8 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     if isinstance(m, nn.Linear):
         h = torch.addmm(h, x, m.weight.t())
         return h if m.bias is None else h.add_(m.bias)
+    if isinstance(m, PackedLinear):
+        return m.add_to(h, x)
     return h + linear(x, m)
 
 

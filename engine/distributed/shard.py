@@ -72,9 +72,20 @@ class Shard:
 
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
-    """Raises ValueError unless the model splits evenly over n ranks."""
+    """Raises ValueError unless the model splits evenly over n ranks, and its family is one the sharded
+    forward (engine/distributed/model.py) computes: the Llama/Qwen2 graph, without the switches of the
+    later families, which it would otherwise ignore and answer wrongly."""
     if n < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
+    unsharded = [what for what, on in (("q/k norms", cfg.qk_norm), ("sandwich norms", cfg.sandwich_norms),
+                                       ("embedding scale", cfg.embed_scale is not None),
+                                       ("soft-capping", cfg.attn_softcap is not None or cfg.final_softcap is not None),
+                                       ("sliding windows", cfg.has_windows), ("experts", cfg.num_experts > 0),
+                                       ("GeGLU", cfg.hidden_act != "silu"),
+                                       ("attention scale", cfg.attn_scale is not None)) if on]
+    if n > 1 and unsharded:
+        raise ValueError(f"tensor parallelism runs the Llama/Qwen2 graph; {cfg.architecture} needs "
+                         f"{', '.join(unsharded)}: use --tensor-parallel-size 1")
     bad = [f"{what} ({count})" for what, count in (("attention heads", cfg.num_heads),
                                                   ("key/value heads", cfg.num_kv_heads),
                                                   ("MLP intermediate size", cfg.intermediate_size))

@@ -64,6 +64,19 @@ def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
         tp_engine(tiny_llama_dir, 3)
 
 
+def test_families_the_sharded_forward_does_not_compute_are_refused(tmp_path):
+    """Gemma 2's soft caps, windows, sandwich norms and GeGLU would be silently skipped by the Llama-graph
+    shards: refused by name before any worker starts."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from tests.conftest import save_tiny
+
+    folder = save_tiny(tmp_path, Gemma2Config, Gemma2ForCausalLM, head_dim=16, query_pre_attn_scalar=16,
+                       sliding_window=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs .*sandwich norms.*soft-capping.*sliding windows"):
+        tp_engine(folder, 2)
+
+
 @pytest.mark.slow
 def test_smollm2_tp3_equals_tp1(smollm2_source):
     """SmolLM2 has 9 query and 3 K/V heads: 3 is its only split. Short prompts, few tokens."""

@@ -39,7 +39,8 @@ from shared.model_source import ModelSource
 log = logging.getLogger("conveyor.weights")
 
 # GGUF architecture -> (HF architecture, HF model_type). llama.cpp files Mistral under "llama".
-_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -47,6 +48,8 @@ _GGUF_LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -99,12 +102,7 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
     """groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
-    mode = (config.get("conveyor_quantization") or "none") if quantization == "auto" else quantization
-    if mode != "none" and device.type != "cpu":
-        if quantization != "auto":
-            raise ValueError(f"--quantization {mode} runs PyTorch's CPU kernels: use --device cpu or "
-                             "--quantization none")
-        mode = "none"
+    mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)
     cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."),
                               quantization=mode)
     with torch.device("meta"):
@@ -118,6 +116,24 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
             p.data = p.data.to(dtype)
     return model.requires_grad_(False).eval().to(device), cfg  # .to moves the RoPE table buffer
+
+
+def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.device) -> str:
+    """--quantization -> what the projections hold. auto takes the file's (in_file, from read_gguf) where
+    PyTorch's kernels are fast: on the CPU, with 16-bit activations. With float32 activations they take a
+    scalar path several times slower than a float32 GEMM (docs/performance.md), so auto then dequantizes;
+    int8 / int4 named explicitly are honoured there too."""
+    if asked != "auto":
+        if asked != "none" and device.type != "cpu":
+            raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu or "
+                             "--quantization none")
+        return asked
+    if in_file != "none" and (device.type != "cpu" or dtype == torch.float32):
+        log.info("--quantization auto: serving the file's %s matrices dequantized to %s (the int kernels are "
+                 "fast only on the CPU with 16-bit activations; --quantization %s forces them)", in_file,
+                 str(dtype).removeprefix("torch."), in_file)
+        return "none"
+    return in_file
 
 
 def _our_groups(cfg: ModelConfig, groups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

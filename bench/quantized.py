@@ -12,7 +12,7 @@ by position) and the mean log-probability difference of float32's own greedy con
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct]
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
-bfloat16, and where PyTorch's int kernels are fast); int4-fp32 is the same int4 weights under float32
+bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
 activations, the kernels' slow path.
 """
 from __future__ import annotations
@@ -106,6 +106,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--with-fp32-activations", action="store_true",
+                   help="also int8 / int4 weights under float32 activations (PyTorch's slow path)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
@@ -118,12 +120,15 @@ def main() -> None:
     print(machine())
     print(cpu_features())
     configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"),
-               ("int4", "bfloat16", "int4"), ("int4-fp32", "float32", "int4")]
+               ("int4", "bfloat16", "int4")]
+    if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
+        configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
     results: dict[str, dict] = {}
     for name, dtype, quant in configs:
         ref = results["float32"]["greedy"] if results else None
         results[name] = child(args, dtype, quant, ref)
-        print(f"  measured {name}", file=sys.stderr)
+        figures = {k: v for k, v in results[name].items() if k not in ("greedy", "logprobs")}
+        print(f"  measured {name}: {json.dumps(figures)}", file=sys.stderr)
     base = results["float32"]
     print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / wall time of generate (prefill "
           f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "

@@ -109,13 +109,28 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         model = get_model_class(cfg.architecture)(cfg)
     # Quantized: matrices stay float32 until quantize_model replaces them, so codes come from exact values.
     load_dtype = dtype if mode == "none" else torch.float32
-    cast = ((n, t.to(device=device, dtype=load_dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
+    # Quantized: copies, so no float tensor keeps the checkpoint's memory map (and its pages) alive.
+    copy = mode != "none"
+    cast = ((n, t.to(device=device, dtype=load_dtype, copy=copy) if t.is_floating_point() else t.to(device))
+            for n, t in weights)
     model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     if mode != "none":
         quantize_model(model, mode, dtype, _our_groups(cfg, groups or {}))
         for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
             p.data = p.data.to(dtype)
+        _release_freed_memory()
     return model.requires_grad_(False).eval().to(device), cfg  # .to moves the RoPE table buffer
+
+
+def _release_freed_memory() -> None:
+    """Hands the float32 matrices freed by quantization back to the OS. glibc keeps freed heap memory
+    for reuse, so without this the process stays as large as the float32 model it no longer holds."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is reused by later allocations instead
+        log.debug("malloc_trim unavailable; freed weight memory stays with the process")
 
 
 def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.device) -> str:

@@ -40,7 +40,8 @@ from shared.model_source import ModelSource
 log = logging.getLogger("conveyor.weights")
 
 # GGUF architecture -> (HF architecture, HF model_type). llama.cpp files Mistral under "llama".
-_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+               "qwen3": ("Qwen3ForCausalLM", "qwen3")}
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -48,6 +49,8 @@ _GGUF_LAYER = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
@@ -102,28 +105,56 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
     plain projections in oneDNN's layout on a CPU (engine/prepack.py)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
-    mode = (config.get("conveyor_quantization") or "none") if quantization == "auto" else quantization
-    if mode != "none" and device.type != "cpu":
-        if quantization != "auto":
-            raise ValueError(f"--quantization {mode} runs PyTorch's CPU kernels: use --device cpu or "
-                             "--quantization none")
-        mode = "none"
+    mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)
     cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."),
                               quantization=mode)
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg)
     # Quantized: matrices stay float32 until quantize_model replaces them, so codes come from exact values.
     load_dtype = dtype if mode == "none" else torch.float32
-    cast = ((n, t.to(device=device, dtype=load_dtype) if t.is_floating_point() else t.to(device)) for n, t in weights)
+    # Quantized: copies, so no float tensor keeps the checkpoint's memory map (and its pages) alive.
+    copy = mode != "none"
+    cast = ((n, t.to(device=device, dtype=load_dtype, copy=copy) if t.is_floating_point() else t.to(device))
+            for n, t in weights)
     model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     if mode != "none":
         quantize_model(model, mode, dtype, _our_groups(cfg, groups or {}))
         for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
             p.data = p.data.to(dtype)
+        _release_freed_memory()
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     if mode == "none" and prepack and usable(model, device):
         prepack_model(model, LAYER_PROJECTIONS)
     return model, cfg
+
+
+def _release_freed_memory() -> None:
+    """Hands the float32 matrices freed by quantization back to the OS. glibc keeps freed heap memory
+    for reuse, so without this the process stays as large as the float32 model it no longer holds."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory is reused by later allocations instead
+        log.debug("malloc_trim unavailable; freed weight memory stays with the process")
+
+
+def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.device) -> str:
+    """--quantization -> what the projections hold. auto takes the file's (in_file, from read_gguf) where
+    PyTorch's kernels are fast: on the CPU, with 16-bit activations. With float32 activations they take a
+    scalar path several times slower than a float32 GEMM (docs/performance.md), so auto then dequantizes;
+    int8 / int4 named explicitly are honoured there too."""
+    if asked != "auto":
+        if asked != "none" and device.type != "cpu":
+            raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu or "
+                             "--quantization none")
+        return asked
+    if in_file != "none" and (device.type != "cpu" or dtype == torch.float32):
+        log.info("--quantization auto: serving the file's %s matrices dequantized to %s (the int kernels are "
+                 "fast only on the CPU with 16-bit activations; --quantization %s forces them)", in_file,
+                 str(dtype).removeprefix("torch."), in_file)
+        return "none"
+    return in_file
 
 
 def _our_groups(cfg: ModelConfig, groups: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

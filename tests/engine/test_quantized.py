@@ -30,11 +30,13 @@ from tests.reference import hf_greedy, transformers_gguf_model
 TOLERANCE = 0.3
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
-def write_gguf(folder: Path, path: Path) -> Path:
-    """A llama GGUF of the HF checkpoint in folder: Q4_0 projections, Q8_0 tied embedding, F32 norms."""
+def write_gguf(folder: Path, path: Path, arch: str = "llama") -> Path:
+    """A GGUF of the HF checkpoint in folder: Q4_0 projections, Q8_0 tied embedding, F32 norms. llama.cpp
+    permutes q/k rows only for "llama"."""
     import json
 
     from gguf import GGMLQuantizationType as Q
@@ -43,7 +45,7 @@ def write_gguf(folder: Path, path: Path) -> Path:
     from safetensors.torch import load_file
 
     c = json.loads((folder / "config.json").read_text())
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), arch)
     w.add_block_count(c["num_hidden_layers"])
     w.add_context_length(c["max_position_embeddings"])
     w.add_embedding_length(c["hidden_size"])
@@ -52,6 +54,9 @@ def write_gguf(folder: Path, path: Path) -> Path:
     w.add_head_count_kv(c["num_key_value_heads"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(10000.0)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(c["vocab_size"])
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(c["vocab_size"])])
@@ -64,7 +69,7 @@ def write_gguf(folder: Path, path: Path) -> Path:
         if name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             module = rest.rsplit(".", 1)[0]
-            if module in heads:
+            if module in heads and arch == "llama":
                 t = to_interleaved(t, heads[module])  # llama.cpp's q/k row order
             gname = f"blk.{i}.{_LAYER[module]}.weight"
         else:
@@ -87,6 +92,23 @@ def tiny_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
     return write_gguf(tiny_llama_dir, tmp_path_factory.mktemp("tiny-gguf") / "tiny-q4.gguf")
 
 
+def test_qwen3_gguf_loads_through_llama_cpp_names(tmp_path, make_tiny_checkpoint):
+    """Qwen3 as llama.cpp writes it (per-head q/k norms, rows not permuted), Q4_0 served as int4."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # head_dim left at Qwen3's 128: transformers' GGUF loader (the reference) ignores the file's key_length.
+    folder = make_tiny_checkpoint(tmp_path / "hf", Qwen3Config, Qwen3ForCausalLM, tie_word_embeddings=True)
+    source = resolve_model(str(write_gguf(folder, tmp_path / "tiny-qwen3.gguf", "qwen3")))
+    ids = random.Random(2).sample(range(3, 512), 30)
+    with torch.no_grad():
+        ref = transformers_gguf_model(source)(torch.tensor([ids])).logits[0]
+    plain, cfg = load_model(source, torch.float32, "cpu", "none")
+    assert cfg.architecture == "Qwen3ForCausalLM" and cfg.qk_norm
+    torch.testing.assert_close(logits(plain, cfg, ids), ref, atol=1e-4, rtol=1e-4)
+    model, cfg = load_model(source, torch.float32, "cpu", "int4")
+    assert cfg.quantization == "int4" and (logits(model, cfg, ids) - ref).abs().max() < TOLERANCE
+
+
 def logits(model, cfg, ids: list[int]) -> torch.Tensor:
     """Our model's logits at every position of one sequence, through the paged cache."""
     backend = TorchBackend("cpu")
@@ -104,11 +126,11 @@ def test_q4_0_and_q8_0_gguf_loads_small_and_matches_the_dequantized_model(tiny_g
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]  # [40, V] transformers: dequantize, then float32
     plain, _ = load_model(source, torch.float32, "cpu", "none")
-    for mode in ("auto", "int8"):
+    for mode in ("int4", "int8"):
         model, cfg = load_model(source, torch.float32, "cpu", mode)
         layer = model.model.layers[0]
-        kind = Int4Linear if mode == "auto" else Int8Linear  # auto: the file's 4-bit codes run as int4
-        assert cfg.quantization == ("int4" if mode == "auto" else "int8")
+        kind = Int4Linear if mode == "int4" else Int8Linear
+        assert cfg.quantization == mode
         assert isinstance(layer.qkv_proj, kind) and isinstance(layer.down_proj, kind)
         assert isinstance(model.model.embed_tokens, Int8Linear)
         assert weight_bytes(model) < weight_bytes(plain) / 3
@@ -118,6 +140,10 @@ def test_q4_0_and_q8_0_gguf_loads_small_and_matches_the_dequantized_model(tiny_g
     exact, cfg = load_model(source, torch.float32, "cpu", "int4")
     exact.model.embed_tokens = plain.model.embed_tokens
     torch.testing.assert_close(logits(exact, cfg, ids), ref, atol=1e-3, rtol=1e-3)
+    # auto: the file's 4-bit codes as int4 under 16-bit activations; dequantized under float32, where the
+    # int kernels are slow.
+    assert load_model(source, torch.bfloat16, "cpu", "auto")[1].quantization == "int4"
+    assert load_model(source, torch.float32, "cpu", "auto")[1].quantization == "none"
 
 
 def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
@@ -125,8 +151,8 @@ def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
     model of the same file, and most agree (re-quantizing the Q8_0 head may flip close calls)."""
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 50))] for _ in range(6)]
-    core = EngineCore(build_config(str(tiny_gguf), num_blocks=64, block_size=16, max_num_batched_tokens=32,
-                                   num_threads=1))
+    core = EngineCore(build_config(str(tiny_gguf), dtype="float32", quantization="int4", num_blocks=64,
+                                   block_size=16, max_num_batched_tokens=32, num_threads=1))
     assert core.model_config.quantization == "int4"
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -140,3 +166,21 @@ def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
     assert all(len(t) == 10 for t in ours)
     first = np.mean([a[0] == b[0] for a, b in zip(ours, ref)])
     assert first >= 5 / 6, (ours, ref)
+
+
+@pytest.mark.slow
+def test_default_model_served_quantized_answers_the_readme_example():
+    """README's offline example, served as the file's int4 codes and dequantized, both under --dtype auto
+    (bfloat16 where the CPU has it natively, which is also where --quantization auto picks int4). The two
+    greedy texts are printed (pytest -s) for the record, not asserted equal: int4 rounds differently."""
+    from engine.offline import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=16)
+    texts = {}
+    for quant in ("int4", "none"):
+        llm = LLM("SmolLM2-135M-Instruct", quantization=quant, kv_cache_memory="64MiB", num_threads=1)
+        texts[llm.core.model_config.quantization] = llm.generate(["The capital of France is"], params,
+                                                                 use_tqdm=False)[0].text
+        del llm
+    print(f"\nint4: {texts['int4']!r}\nfloat32 (dequantized): {texts['none']!r}")
+    assert "Paris" in texts["int4"]

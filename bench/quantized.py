@@ -1,0 +1,148 @@
+"""Quantized weights: memory, decode speed and accuracy of SmolLM2 served as float32, bfloat16, int8 and
+int4 weights, all in this run, each in its own process (so resident memory is its own).
+
+For each configuration: the weights' bytes and the process's resident memory once the engine is up
+(over the bare interpreter with torch imported, less the KV cache it preallocates); decode tokens/s at
+1 stream (a 32-token prompt, 64 new tokens) and at 32 streams (32 such prompts, 32 new tokens each), wall
+time of the whole generate call, prefill included; and the accuracy cost against the float32 model on a
+fixed set of 8 prompts: greedy agreement (share of the 24 generated positions equal to float32's, position
+by position) and the mean log-probability difference of float32's own greedy continuation
+(teacher-forced through each model).
+
+    python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct]
+
+int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
+bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
+activations, the kernels' slow path.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.common import cpu_features, machine, pin_threads  # noqa: E402
+
+PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):", "Once upon a time",
+           "Water boils at", "The quick brown fox", "Photosynthesis is the process", "1, 2, 3, 4,"]
+ACCURACY_TOKENS = 24
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int]) -> list[float]:
+    """log p(continuation[i] | ids + continuation[:i]) under model, one forward over the paged cache."""
+    import torch
+
+    from kernels.backend import BatchLayout
+    from kernels.torch_backend import TorchBackend
+
+    seq = ids + continuation
+    n, bs = len(seq), 16
+    blocks = (n + bs - 1) // bs
+    backend = TorchBackend("cpu")
+    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=getattr(torch, cfg.dtype))
+    layout = BatchLayout([n], [0], [list(range(blocks))], bs, torch.arange(n))
+    rows = torch.arange(len(ids) - 1, n - 1)
+    with torch.inference_mode():
+        logits = model(torch.tensor(seq), torch.arange(n), kv, backend.plan(layout), backend, rows)
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    return lp[torch.arange(len(continuation)), torch.tensor(continuation)].tolist()
+
+
+def one(args: argparse.Namespace) -> dict:
+    """Runs in a child process: one configuration, every figure."""
+    import torch
+
+    from engine.offline import LLM
+    from engine.quant import weight_bytes
+    from shared.model_source import resolve_model
+    from shared.sampling import SamplingParams
+    from shared.tokenizer import load_tokenizer
+
+    torch.set_num_threads(args.threads)
+    base = rss_bytes()
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
+              kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
+    model, cfg = llm.core.runner.model, llm.core.model_config
+    kv = llm.core.runner.kv_cache
+    kv_bytes = sum(t.numel() * t.element_size() for t in (kv.device, kv.cpu))
+    result = {"weights": weight_bytes(model), "rss": rss_bytes() - base - kv_bytes, "quantization": cfg.quantization}
+    tok = load_tokenizer(resolve_model(args.model))
+    prompts = [tok.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=ACCURACY_TOKENS, ignore_eos=True)
+    result["greedy"] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    # float32's greedy continuations (this model's own for float32), teacher-forced through this model
+    ref = json.loads(args.reference) if args.reference else result["greedy"]
+    result["logprobs"] = [teacher_forced_logprobs(model, cfg, p, c) for p, c in zip(prompts, ref)]
+    filler = [tok.encode(f"Write a long story about the number {i} and the sea. ") for i in range(32)]
+    filler = [(ids * 8)[:32] for ids in filler]
+    llm.generate(filler[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm
+    for streams, new in ((1, 64), (32, 32)):
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(filler[:streams], params, use_tqdm=False)
+        result[f"tok_s_{streams}"] = streams * new / (time.perf_counter() - t0)
+    return result
+
+
+def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None) -> dict:
+    cmd = [sys.executable, __file__, "--one", "--threads", str(args.threads), "--model", args.model,
+           "--dtype", dtype, "--quantization", quantization]
+    if reference is not None:
+        cmd += ["--reference", json.dumps(reference)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--with-fp32-activations", action="store_true",
+                   help="also int8 / int4 weights under float32 activations (PyTorch's slow path)")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--reference", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    pin_threads(args.threads)
+    if args.one:
+        print(json.dumps(one(args)))
+        return
+    print(machine())
+    print(cpu_features())
+    configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"),
+               ("int4", "bfloat16", "int4")]
+    if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
+        configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
+    results: dict[str, dict] = {}
+    for name, dtype, quant in configs:
+        ref = results["float32"]["greedy"] if results else None
+        results[name] = child(args, dtype, quant, ref)
+        figures = {k: v for k, v in results[name].items() if k not in ("greedy", "logprobs")}
+        print(f"  measured {name}: {json.dumps(figures)}", file=sys.stderr)
+    base = results["float32"]
+    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / wall time of generate (prefill "
+          f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
+          "against float32")
+    print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'RSS MiB':>8} {'tok/s 1':>8} {'x fp32':>6} "
+          f"{'tok/s 32':>9} {'x fp32':>6} {'greedy agree':>12} {'mean dlogprob':>13}")
+    for name, r in results.items():
+        agree = sum(a == b for x, y in zip(r["greedy"], base["greedy"]) for a, b in zip(x, y))
+        total = sum(len(x) for x in base["greedy"])
+        dlp = [a - b for x, y in zip(r["logprobs"], base["logprobs"]) for a, b in zip(x, y)]
+        print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} {r['rss'] / 2**20:>8.0f} "
+              f"{r['tok_s_1']:>8.1f} {r['tok_s_1'] / base['tok_s_1']:>6.2f} {r['tok_s_32']:>9.1f} "
+              f"{r['tok_s_32'] / base['tok_s_32']:>6.2f} {agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,7 +32,8 @@ from bench.scheduler_policies import Timed  # noqa: E402
 
 # Labels of the ranges this bench opens around the runner's parts.
 MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"
-GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm"}
+GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
+            "mkldnn::_linear_pointwise"}  # the last: prepacked weights (engine/prepack.py)
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention")
 GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
 WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_", "aten::_index_put_impl_"}
@@ -169,11 +170,15 @@ def step_flops(contexts: list[int], layers: int = 30, hidden: int = 576, inter: 
 def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     import torch
 
+    import engine.weights
     from engine.core import EngineCore
     from shared.config import build_config
 
+    if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/prepack.py)
+        engine.weights.usable = lambda *_: False  # type: ignore[assignment]
     core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=args.num_seqs,
-                                   max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB"))
+                                   max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB",
+                                   attention_backend=args.attention_backend, quantization="none"))
     print(f"\n## {dtype}: {args.num_seqs} sequences decoding over contexts {args.context[0]}..{args.context[1]}, "
           f"{args.steps} steps each pass", flush=True)
     fill(core, args.num_seqs, args.context, args.steps)
@@ -224,6 +229,8 @@ def main() -> None:
                     help="shortest,longest prompt; the sequences spread evenly between them")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--attention-backend", default="auto", help="auto | cpu | torch (the native kernel's baseline)")
+    ap.add_argument("--no-prepack", action="store_true", help="projections as plain nn.Linear (the baseline)")
     args = ap.parse_args()
     pin_threads(args.threads)
     import torch

@@ -1,8 +1,9 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
-With native=True (`--attention-backend cpu`, the default on CPUs) decodes and short queries go to the
-native kernel of kernels/cpu instead, which reads K/V blocks where they lie and needs none of what
-follows for them; prompt chunks still take SDPA, where the work is GEMM-shaped. Without it:
+With native=True (`--attention-backend cpu`, the default on CPUs) the decodes and short queries of a
+step whose contexts total at most NATIVE_MAX_CONTEXT tokens go to the native kernel of kernels/cpu,
+which reads K/V blocks where they lie; prompt chunks still take SDPA, where the work is GEMM-shaped.
+Otherwise:
 
 Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
 queries of 2..SHORT_QUERY tokens over a cached context (speculative verification, the tail of a
@@ -157,6 +158,10 @@ class TorchBackend:
 
     # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
     NATIVE_PART_TOKENS = 256
+    # The native kernel pays while the short queries' contexts are small (one or a few streams: no gather
+    # and no SDPA set-up per call); over larger batches SDPA's GEMM-shaped inner loops win. Measured with
+    # bench/step_profile.py --attention-backend cpu|torch (docs/performance.md, "The native attention kernel").
+    NATIVE_MAX_CONTEXT = 2048
 
     def __init__(self, device: torch.device | str = "cpu", native: bool = False) -> None:
         """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu)."""
@@ -186,7 +191,8 @@ class TorchBackend:
                 slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots, mask, ctx))
             start += q
-        if self.native and (decode or short):
+        few = sum(layout.context_lens[i] + layout.query_lens[i] for i, _ in decode + short) <= self.NATIVE_MAX_CONTEXT
+        if self.native and (decode or short) and few:
             return TorchMeta(slot_mapping=layout.slot_mapping.to(self.device), batched=[], all_decode=False,
                              prefills=prefills, native=self._native(layout, sorted(decode + short), prefills))
         batched = []

@@ -35,6 +35,10 @@ INFORMATIONAL: dict[str, type] = {"user": str, "metadata": dict, "safety_identif
                                   "prompt_cache_key": str}
 # OpenAI's chat/completions and completions fields this server does not implement.
 UNSUPPORTED: dict[str, str] = {
+    # honoured by chat (HONOURED[True]); completions have no messages to carry calls
+    "tools": "tool calling is a chat feature: use /v1/chat/completions",
+    "tool_choice": "tool calling is a chat feature: use /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is a chat feature: use /v1/chat/completions",
     "functions": "the legacy functions field is not supported: use tools",
     "function_call": "the legacy function_call field is not supported: use tool_choice",
     "audio": "audio output is not supported",
@@ -47,7 +51,8 @@ UNSUPPORTED: dict[str, str] = {
     "service_tier": "service tiers are not supported: there is one tier",
 }
 # Values of an unsupported field that ask for nothing beyond what the server does anyway.
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"store": (False,), "service_tier": ("auto", "default")}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"store": (False,), "service_tier": ("auto", "default"),
+                                        "parallel_tool_calls": (True,)}
 STREAM_OPTIONS = {"include_usage": bool}
 
 

@@ -125,7 +125,9 @@ def _tag(fn: dict[str, Any], parser: str) -> dict[str, Any]:
         begin, end = f'{{"name": {name}, "parameters": ', "}"
     else:
         begin, end = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
-    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
+    # max_whitespace_cnt: no runs of whitespace, which a small model under greedy decoding can emit forever
+    content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
 def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:

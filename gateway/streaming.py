@@ -138,6 +138,8 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             reason = out.finish_reason
             if calls:  # the content, then each call's name and arguments, then the finish reason
                 for delta in [{"content": text} if text or c.first else {}, *stream_deltas(calls)]:
+                    if not delta:
+                        continue
                     if c.first:
                         delta = {"role": "assistant", **delta}
                     choice = {"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}

@@ -5,7 +5,7 @@ time and output tok/s while all 64 run, and the share of the step spent filling 
 Then grammar compile times: the one-time tokenizer preparation, a cold compile of a typical schema, a
 cached one; and the longest step taken while 16 fresh schemas compile in the worker (no step waits).
 
-    python bench/structured.py [--threads 2] [--dtype float32] [--steps 24]
+    python bench/structured.py [--threads 2] [--dtype float32] [--steps 12] [--rounds 3]
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads  # noqa: E402
@@ -34,7 +35,7 @@ def fresh_schema(i: int) -> dict:
 
 
 def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[float, float]:
-    """-> (mean seconds per decode step with every sequence running, seconds of it in apply_masks)."""
+    """-> (seconds of each decode step with every sequence running, seconds of each in apply_masks)."""
     import engine.sampler as sampler_module
     from shared.constraints import json_schema
     from shared.sampling import SamplingParams
@@ -58,15 +59,17 @@ def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[flo
         core.add(f"r{num_constrained}-{i}", prompt, p)
     while len(core.scheduler.running) < batch or any(s.num_output_tokens == 0 for s in core.scheduler.running):
         core.step()  # prefill (and the grammar compile) outside the measurement
-    mask_time[0] = 0.0
-    t0 = time.perf_counter()
+    times, masks = [], []
     for _ in range(steps):
+        mask_time[0] = 0.0
+        t0 = time.perf_counter()
         core.step()
+        times.append(time.perf_counter() - t0)
+        masks.append(mask_time[0])
         assert len(core.scheduler.running) == batch, "a sequence ended during the measurement"
-    elapsed = time.perf_counter() - t0
     core.abort(list(core.sequences))
     sampler_module.apply_masks = real
-    return elapsed / steps, mask_time[0] / steps
+    return times, masks
 
 
 def compile_times(llm) -> dict[str, float]:
@@ -124,24 +127,35 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=12, help="decode steps measured per run")
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     pin_threads(args.threads)
     from engine.offline import LLM
 
-    llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, kv_cache_memory="1GiB",
+    llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, kv_cache_memory="768MiB", swap_space="64MiB",
               max_num_seqs=args.batch, enable_prefix_caching=False)
     print(f"# {machine()}\n# {cpu_features()}\n# {args.model}, {args.dtype}, {args.batch} sequences decoding")
     print(json.dumps({k: f"{v * 1e3:.2f} ms" for k, v in compile_times(llm).items()}))
     decode_steps(llm, 0, args.batch, 4)  # warm-up: shapes, allocator
-    base = None
-    print(f"{'constrained':>11} {'step ms':>8} {'tok/s':>7} {'vs 0':>7} {'mask ms':>8}")
-    for k in (0, args.batch // 4, args.batch):
-        step, mask = decode_steps(llm, k, args.batch, args.steps)
-        base = base or step
+    # Rounds interleave the three runs, so that a change in the machine's load hits all of them alike;
+    # medians over every step of every round.
+    sizes = (0, args.batch // 4, args.batch)
+    steps: dict[int, list[float]] = {k: [] for k in sizes}
+    masks: dict[int, list[float]] = {k: [] for k in sizes}
+    for _ in range(args.rounds):
+        for k in sizes:
+            t, m = decode_steps(llm, k, args.batch, args.steps)
+            steps[k] += t
+            masks[k] += m
+    base = median(steps[0])
+    print(f"{'constrained':>11} {'step ms':>8} {'tok/s':>7} {'vs 0':>7} {'mask ms':>8}   "
+          f"(medians of {len(steps[0])} steps)")
+    for k in sizes:
+        step, mask = median(steps[k]), median(masks[k])
         print(f"{k:>11} {step * 1e3:8.1f} {args.batch / step:7.0f} {100 * (step / base - 1):+6.1f}% {mask * 1e3:8.2f}")
-    median, worst, n = steps_during_compiles(llm, args.batch)
-    print(f"64 free sequences: median step {median * 1e3:.1f} ms before; while 16 fresh schemas compiled "
+    typical, worst, n = steps_during_compiles(llm, args.batch)
+    print(f"64 free sequences: median step {typical * 1e3:.1f} ms before; while 16 fresh schemas compiled "
           f"({n} steps) the longest step took {worst * 1e3:.1f} ms")
 
 

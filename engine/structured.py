@@ -165,6 +165,10 @@ _WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "
 
 # -------------------------------------------------------------------- the step's side
 
+# byte -> the penalties of its 8 tokens, least significant bit first (xgrammar's bit order): [256, 8]
+_PENALTY = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                    np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+
 
 def advance(seq: Sequence, token: int) -> bool:
     """seq's matcher takes the token it just appended. -> True when the grammar has ended (the sequence
@@ -191,10 +195,11 @@ def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         m = seqs[i].matcher
         assert m is not None
         m.fill_next_token_bitmask(bitmask, j)
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]  # [R, V] 0/1
-    # 0 -> 0xFF800000 (-inf as float32), 1 -> 0: an add without branches, several times faster on the CPU
-    # than masked_fill on a mask with many transitions (docs/structured_output.md).
-    penalty = torch.from_numpy(((bits.astype(np.int32) - 1) & np.int32(-8388608)).view(np.float32))  # [R, V]
+    # Each mask byte looks up its 8 penalties (0 allowed, -inf not): one gather and one add, without
+    # branches, several times faster on the CPU than masked_fill on a mask with many transitions
+    # (docs/structured_output.md).
+    rows_bytes = bitmask.numpy().view(np.uint8)  # [R, ceil(V / 32) * 4]
+    penalty = torch.from_numpy(_PENALTY[rows_bytes].reshape(len(rows), -1)[:, :vocab])  # [R, V] float32
     penalty = penalty.to(logits.device, logits.dtype)
     if len(rows) == logits.shape[0]:
         logits.add_(penalty)

@@ -244,3 +244,31 @@ def test_sampling_params_refuse_what_a_constraint_cannot_honour() -> None:
         Constraint("xml", "<a/>")
     p = SamplingParams(constraint=c)
     assert SamplingParams.from_dict(json.loads(json.dumps(p.to_dict()))) == p  # what the wire carries
+
+
+def test_apply_masks_sets_exactly_the_disallowed_tokens_to_minus_inf() -> None:
+    """Against a plain torch.where over random masks, with an unconstrained row left as it was."""
+    import numpy as np
+    import torch
+
+    from engine.structured import apply_masks
+
+    class Row:
+        def __init__(self, bits: torch.Tensor | None) -> None:
+            self.matcher = self if bits is not None else None
+            self.bits = bits
+
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, j: int) -> None:
+            bitmask[j] = self.bits
+
+    vocab, words = 100, 4  # 100 tokens in 4 int32 words, the last one partly padding
+    allowed = np.random.default_rng(0).random((3, words * 32)) < 0.3
+    packed = [torch.from_numpy(np.packbits(a.reshape(-1, 8), axis=1, bitorder="little").reshape(-1).view(np.int32))
+              for a in allowed]
+    seqs = [Row(packed[0]), Row(None), Row(packed[1]), Row(packed[2])]
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    apply_masks(logits, seqs)  # type: ignore[arg-type]
+    assert torch.equal(logits[1], before[1])
+    for i, r in ((0, 0), (2, 1), (3, 2)):
+        assert torch.equal(logits[i], torch.where(torch.from_numpy(allowed[r, :vocab]), before[i], float("-inf")))

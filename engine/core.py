@@ -20,6 +20,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
 from engine.spec import can_speculate, make_proposer
 from engine.step import Delta, EngineFault, StepPlan
+from engine.structured import Grammars
 from engine.trace import Tracer, no_mark
 from engine.weights import load_model
 from kernels import get_backend
@@ -29,6 +30,7 @@ from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
 from shared.protocol import Error, RequestOutput
 from shared.sampling import SamplingParams
+from shared.tokenizer import load_tokenizer
 
 log = logging.getLogger("conveyor.engine")
 
@@ -85,6 +87,8 @@ class EngineCore:
         self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, num_blocks, block_size)
         self.eos_token_ids = tuple(mc.eos_token_ids)
+        # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
+        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
@@ -108,7 +112,10 @@ class EngineCore:
         req.events["queued"] = time.time()
         root = Sequence(req)
         self.sequences[request_id] = root
-        self.scheduler.add(root)
+        if params.constraint is not None:
+            self.grammars.add(root)  # the scheduler gets it once its grammar is compiled (step)
+        else:
+            self.scheduler.add(root)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         """Idempotent: unknown or finished ids are ignored. -> one final output per live request."""
@@ -117,7 +124,8 @@ class EngineCore:
             root = self.sequences.pop(rid, None)
             if root is None:
                 continue
-            self.scheduler.abort(root)
+            if not self.grammars.drop(rid):
+                self.scheduler.abort(root)
             req = root.request
             outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
         return outs
@@ -141,16 +149,17 @@ class EngineCore:
         return errors
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.grammars.waiting)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput | Error]:
         """One step. -> each request's new tokens, or an ERROR for a request that failed in it."""
         t0 = time.perf_counter()
+        compiled = self._take_compiled()  # requests whose grammar is ready join the scheduler
         self.mark("schedule")
         plan = self.scheduler.schedule()  # who runs, how many tokens, which blocks
         if not plan:
-            return []
+            return compiled
         if self.tracer is not None:
             self.tracer.before_execute(plan)
         try:
@@ -167,7 +176,20 @@ class EngineCore:
         self._record(plan, time.perf_counter() - t0)
         if self.tracer is not None:
             self.tracer.end_step(self.num_steps, plan, outputs, self.sequences)
-        return outputs
+        return compiled + outputs
+
+    def _take_compiled(self) -> list[RequestOutput | Error]:
+        """Schedule the requests whose grammar compiled; an ERROR (400, the compiler's message) for those
+        whose constraint does not compile. With nothing else to run, wait a moment for a compile rather
+        than spin the loop (a new message waits at most that long)."""
+        if self.grammars.waiting and not self.scheduler.has_work():
+            self.grammars.wait(0.005)
+        ready, failed = self.grammars.ready()
+        for root in ready:
+            self.scheduler.add(root)
+        for rid, _, _ in failed:
+            del self.sequences[rid]
+        return [Error(rid, why, status) for rid, why, status in failed]
 
     def set_tracer(self, tracer: Tracer | None) -> None:
         """Record steps and request lifecycles into tracer from the next step on (None: stop recording)."""
@@ -233,6 +255,8 @@ class EngineCore:
             **{f"total_{k}": v for k, v in self.totals.items()},
             **self.last_step,
             **self._spec_stats(),
+            "num_waiting_grammar": len(self.grammars.waiting),
+            **{f"total_{k}": v for k, v in self.grammars.stats.items()},
         }
 
     def _spec_stats(self) -> dict[str, float]:

@@ -8,13 +8,16 @@ on what else is in the batch (nor on speculative decoding, see engine/spec/verif
 Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
 that order, in place on the logits. Logprobs (and the candidates of beam search, and the cumulative
 logprob best_of ranks by) are the raw model's log_softmax, taken before any of that, as OpenAI
-reports them. A step where every row is plain greedy pays one attribute check per row and an argmax.
+reports them; but rows under a structured-output constraint are masked first, in place (disallowed
+tokens -inf), so theirs are the log_softmax of the masked logits (docs/structured_output.md).
+A step where every row is plain greedy pays one attribute check per row and an argmax.
 """
 from __future__ import annotations
 
 import torch
 
 from engine.sequence import LogprobEntry, Sequence
+from engine.structured import apply_masks
 
 # Per sampled row, a LogprobEntry where the row's sequence wants logprobs (or belongs to a group),
 # else None; None altogether when no row wanted any (the common case).
@@ -29,6 +32,7 @@ class Sampler:
         """logits: [B, V] float32, one row per sequence that samples. -> (B token ids, their logprobs)."""
         if all(s.request.plain for s in seqs):
             return argmax(logits), None
+        apply_masks(logits, seqs)  # structured output: in place, before everything (logprobs included)
         lp_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None or s.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
         logits = self._process(logits, seqs)

@@ -32,7 +32,7 @@ import bisect
 import logging
 import time
 
-from engine import groups
+from engine import groups, structured
 from engine.block_manager import BlockManager
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus
 from engine.spec import Proposer
@@ -456,7 +456,8 @@ class Scheduler:
             seq.request.events.setdefault("first_token", time.time())
         p, num_tokens = seq.params, len(seq.token_ids)
         num_output = num_tokens - seq.num_prompt_tokens
-        if token in seq.stop_ids and num_output > p.min_tokens:
+        ended = seq.matcher is not None and structured.advance(seq, token)  # the grammar is complete
+        if ended or (token in seq.stop_ids and num_output > p.min_tokens):
             seq.status = SequenceStatus.FINISHED_STOPPED
         elif num_output >= p.max_tokens or num_tokens >= self.config.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH

@@ -12,6 +12,7 @@ every one of its sequences points to.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from engine.request import Request
 from shared.sampling import SamplingParams
@@ -49,7 +50,7 @@ _REASONS = {
 class Sequence:
     __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
                  "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
-                 "group", "block_table", "swapped", "block_hashes")
+                 "group", "block_table", "swapped", "block_hashes", "matcher")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -67,6 +68,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.swapped = False  # block_table holds CPU swap-pool blocks
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
+        # Structured output: an xgrammar GrammarMatcher that has consumed exactly the output tokens
+        # (engine/structured.py), set when the grammar is compiled; advanced by the scheduler alone.
+        self.matcher: Any = None
 
     def fork(self, index: int) -> Sequence:
         """A new sequence of the same request with the same tokens and counters; the block manager
@@ -79,6 +83,7 @@ class Sequence:
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.block_table = list(self.block_table)
         child.block_hashes = list(self.block_hashes)
+        child.matcher = None if self.matcher is None else self.matcher.fork()  # its own grammar state
         return child
 
     # What the sequence's request says, read on the per-step path.

@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared.engine_args import add_engine_args, engine_argv
@@ -92,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how requests spread over several engines: prefix (default): by the prompt's first "
                             "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
                             "round_robin: in turn")
+        p.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template to render every chat request with, instead of the model's")
+        p.add_argument("--tool-call-parser", default="auto", choices=["hermes", "llama3_json", "auto"],
+                       help="how tool calls are read from the output: Hermes/Qwen <tool_call> blocks, Llama 3 JSON, "
+                            "or whichever the text is")
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
@@ -169,8 +175,10 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     from shared.config import parse_memory
 
     limits = Limits(args.max_concurrent_requests, args.max_waiting_requests, args.max_queued_prompt_tokens)
+    template = Path(args.chat_template).read_text() if args.chat_template else None
     return GatewayConfig(args.host, args.port, args.served_model_name, args.api_key or None, limits,
-                         parse_memory(args.max_body_size, total=1), args.stream_interval)
+                         parse_memory(args.max_body_size, total=1), args.stream_interval,
+                         chat_template=template, tool_call_parser=args.tool_call_parser)
 
 
 async def run(args: argparse.Namespace) -> int:

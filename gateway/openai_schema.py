@@ -9,7 +9,11 @@ from dataclasses import dataclass
 from typing import Any, overload
 
 from gateway.request_fields import check_fields, check_stream_options
+from gateway.structured import constraint_of
+from gateway.templates import template_for
+from gateway.tools import Tools, parse_tools
 from shared.choices import TokenLogprob
+from shared.constraints import Constraint
 from shared.errors import ConveyorError, InvalidRequest
 from shared.sampling import MAX_LOGPROBS, MAX_N, MAX_TOKENS, SamplingParams, check_priority
 from shared.tokenizer import apply_chat_template, encode
@@ -30,6 +34,8 @@ class Served:
     name: str = ""
     max_model_len: int = 0
     tokenizer: Any = None
+    chat_template: str | None = None  # --chat-template: rendered instead of the model's template
+    tool_call_parser: str = "auto"
 
 
 @dataclass(slots=True)
@@ -39,6 +45,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     priority: int = 0  # vLLM's extra field: lower is served first
+    tools: Tools | None = None  # a chat request with tools (and tool_choice not "none")
 
 
 def parse_completion(body: Any, served: Served) -> ParsedRequest:
@@ -59,13 +66,20 @@ def parse_completion(body: Any, served: Served) -> ParsedRequest:
 
 def parse_chat(body: Any, served: Served) -> ParsedRequest:
     body = _check_common(body, served, chat=True)
-    ids = apply_chat_template(served.tokenizer, parse_messages(body.get("messages")))
+    tools = parse_tools(body, served.tool_call_parser)
+    messages = parse_messages(body.get("messages"))
+    uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    ids = apply_chat_template(served.tokenizer, messages, tools=tools.tools if tools else None,
+                              template=template_for(served.tokenizer, served.chat_template, uses_tools))
     given = {key: _int_field(body, key, None, 1, MAX_TOKENS) for key in ("max_completion_tokens", "max_tokens")}
     max_tokens = given["max_completion_tokens"] or given["max_tokens"]  # both type-checked, the newer name wins
     if max_tokens is not None:
         body = {**body, "max_tokens": max_tokens}
     rest = min(MAX_TOKENS, max(1, served.max_model_len - len(ids)))  # the default: the rest of the context
-    return _finish(body, ids, served, "messages", default_max_tokens=rest, chat=True)
+    parsed = _finish(body, ids, served, "messages", default_max_tokens=rest, chat=True,
+                     tool_constraint=tools.constraint() if tools else None)
+    parsed.tools = tools
+    return parsed
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -106,7 +120,7 @@ def _check_common(body: Any, served: Served, chat: bool) -> dict[str, Any]:
 
 
 def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, default_max_tokens: int,
-            chat: bool) -> ParsedRequest:
+            chat: bool, tool_constraint: Constraint | None = None) -> ParsedRequest:
     vocab = len(served.tokenizer)
     if not ids:
         raise InvalidRequest(f"the {what} is empty after tokenization", param=what)
@@ -127,6 +141,12 @@ def _finish(body: dict[str, Any], ids: list[int], served: Served, what: str, def
     stop = body.get("stop")
     stop = [] if stop is None else stop
     fields |= _sequence_fields(body, chat, stream)
+    constraint = constraint_of(body)
+    if tool_constraint is not None and constraint is not None:
+        raise InvalidRequest("tool_choice required or a named function cannot be combined with response_format "
+                             "or another structured-output constraint", param="tool_choice")
+    if (constraint := tool_constraint or constraint) is not None:
+        fields["constraint"] = constraint
     params = SamplingParams.from_dict({**fields, "max_tokens": max_tokens, "stop": stop})
     max_tokens = params.max_tokens  # validated now
     if len(ids) + max_tokens > served.max_model_len:
@@ -231,11 +251,14 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+                ) -> dict[str, Any]:
     """A whole message, or a stream chunk's delta (the role travels in each choice's first chunk)."""
     if not chunk:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     delta: dict[str, Any] = ({"role": "assistant", "content": text or ""} if first
                              else {"content": text} if text else {})
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

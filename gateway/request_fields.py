@@ -4,7 +4,7 @@ Four kinds of field, and nothing else:
 - honoured: parsed by openai_schema.py into the prompt, SamplingParams or the request's priority;
 - informational: OpenAI defines them as labels for its own bookkeeping (abuse monitoring, dashboards,
   its cache routing) that change no output; they are type-checked and otherwise unused;
-- unsupported: OpenAI features this server does not implement (tools, structured output, audio, ...):
+- unsupported: OpenAI features this server does not implement (audio, predicted outputs, ...):
   a 400 that names the field and says so, unless the value is null (OpenAI's "not given");
 - anything else: a 400 naming the unknown field (a typo such as `max_token` must not pass unnoticed).
 """
@@ -20,24 +20,27 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "stream", "stream_options",
     "top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "use_beam_search",
     "beam_width", "length_penalty", "early_stopping", "speculative", "priority",
+    # structured output (gateway/structured.py): OpenAI's, then vLLM's current and older spellings
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 # Honoured by one endpoint only; the other endpoint's parser answers these with a message that says
 # which endpoint takes them (best_of on chat, top_logprobs on completions), so they are known to both.
 HONOURED = {
     False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # echo/suffix: neutral values only
-    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of"},
+    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools", "tool_choice",
+                     "parallel_tool_calls"},
 }
 # name -> the JSON type it must have. Accepted and unused: they describe the caller, not the output.
 INFORMATIONAL: dict[str, type] = {"user": str, "metadata": dict, "safety_identifier": str,
                                   "prompt_cache_key": str}
 # OpenAI's chat/completions and completions fields this server does not implement.
 UNSUPPORTED: dict[str, str] = {
-    "response_format": "structured output (response_format) is not supported yet",
-    "tools": "tool calling is not supported yet",
-    "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet",
-    "function_call": "function calling is not supported yet",
-    "parallel_tool_calls": "tool calling is not supported yet",
+    # honoured by chat (HONOURED[True]); completions have no messages to carry calls
+    "tools": "tool calling is a chat feature: use /v1/chat/completions",
+    "tool_choice": "tool calling is a chat feature: use /v1/chat/completions",
+    "parallel_tool_calls": "tool calling is a chat feature: use /v1/chat/completions",
+    "functions": "the legacy functions field is not supported: use tools",
+    "function_call": "the legacy function_call field is not supported: use tool_choice",
     "audio": "audio output is not supported",
     "modalities": "output modalities are not supported: the output is text",
     "prediction": "predicted outputs are not supported",

@@ -15,6 +15,7 @@ from gateway.admission import Admission, Limits
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served
 from gateway.router import Router
+from gateway.tools import PARSERS
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError
 
@@ -33,6 +34,8 @@ class GatewayConfig:
     stream_interval: int = 1
     health_timeout: float = 2.0  # /ready answers 503 when the engine is slower than this
     stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
+    chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
+    tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -41,6 +44,8 @@ class GatewayConfig:
             raise ValueError("max_body_size must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {PARSERS}")
 
 
 CONFIG = web.AppKey("config", GatewayConfig)

@@ -12,6 +12,7 @@ and joins what arrives meanwhile (shared/client.py), so nothing queues up behind
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -31,6 +32,7 @@ from gateway.openai_schema import (
     usage,
 )
 from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
+from gateway.tools import ToolCall, ToolStream, stream_deltas
 from shared.choices import TextOutput, TokenLogprob
 from shared.errors import ConveyorError, EngineDead, Overloaded
 
@@ -111,6 +113,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
+    tool_streams: dict[int, ToolStream] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
@@ -118,6 +121,13 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             c = choices.get(out.index) or choices.setdefault(out.index, _Choice())
             if c.ended:
                 continue
+            calls: list[ToolCall] = []
+            if chat and req.tools is not None:  # content until a call may begin; the calls at the end
+                ts = tool_streams.get(out.index) or tool_streams.setdefault(out.index, ToolStream(req.tools))
+                out = dataclasses.replace(out, text=ts.feed(out.text))
+                if out.finish_reason is not None:
+                    rest, calls = ts.finish()
+                    out = dataclasses.replace(out, text=out.text + rest)
             c.add(out)
             c.ended = out.finish_reason is not None
             if not (c.first or c.ended or c.num_tokens >= interval):
@@ -126,6 +136,16 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                 continue  # text held back (an unfinished character, a possible stop string)
             text, lps = c.take(chat, want_lps)
             reason = out.finish_reason
+            if calls:  # the content, then each call's name and arguments, then the finish reason
+                for delta in [{"content": text} if text or c.first else {}, *stream_deltas(calls)]:
+                    if not delta:
+                        continue
+                    if c.first:
+                        delta = {"role": "assistant", **delta}
+                    choice = {"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+                    c.first, lps = False, None
+                    yield response_object(rid, created, model, chat, True, [choice])
+                text, reason = "", "tool_calls"
             choice = (chat_choice(out.index, text, reason, chunk=True, first=c.first, logprobs=lps) if chat
                       else completion_choice(out.index, text, reason, lps))
             c.first = False
@@ -152,6 +172,11 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
     for index in sorted(choices):
         c = choices[index]
         text, lps = c.take(chat, want_lps)
+        if chat and req.tools is not None:
+            content, calls = req.tools.parse(text)
+            body.append(chat_choice(index, content, "tool_calls" if calls else c.finish_reason, chunk=False,
+                                    logprobs=lps, tool_calls=[call.to_openai() for call in calls]))
+            continue
         body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps) if chat
                     else completion_choice(index, text, c.finish_reason, lps))
     return response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last))

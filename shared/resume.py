@@ -28,13 +28,16 @@ def resume_refusal(params: SamplingParams) -> str | None:
       logprobs the client never sees;
     - beam search: the beams' scores and the candidates they were pruned from live in the engine only;
     - presence / frequency penalties: they count output tokens only, and resubmitted tokens would count
-      as prompt (repetition_penalty counts prompt and output alike, so it resumes exactly)."""
+      as prompt (repetition_penalty counts prompt and output alike, so it resumes exactly);
+    - structured output: the matcher's state lives in the engine."""
     if params.use_beam_search:
         return "beam search"
     if params.n > 1 or (params.best_of or 1) > 1:
         return f"n={params.n}, best_of={params.best_of}"
     if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties count the output tokens only"
+    if params.constraint is not None:  # resubmitted tokens would be prompt, and the grammar start afresh
+        return "structured output: the grammar's state lives in the engine"
     return None
 
 

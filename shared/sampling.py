@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from shared.constraints import Constraint
 from shared.errors import InvalidRequest
 
 MAX_TOKENS = 1 << 20  # an upper bound before the model's context (the engine checks that too)
@@ -73,6 +74,9 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (when the engine runs it); the output distribution
     # is the same either way, so this only trades the proposer's work against fewer steps.
     speculative: bool = True
+    # Structured output (shared/constraints.py): the output must match it; the engine masks the sampler
+    # with an xgrammar matcher. None: free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
@@ -80,6 +84,7 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        object.__setattr__(self, "constraint", Constraint.from_wire(self.constraint))
         self.validate()
 
     @property
@@ -143,6 +148,12 @@ class SamplingParams:
         _check(type(self.early_stopping) is bool or self.early_stopping == "never", "early_stopping",
                f'must be true, false or "never", got {self.early_stopping!r}')
         _bool(self.speculative, "speculative")
+        if self.constraint is not None:
+            # Beam search would need a matcher per beam candidate; min_tokens masks the stop ids, which can
+            # be the only tokens the grammar allows once the output is complete.
+            _check(not self.use_beam_search, "use_beam_search", "cannot be used with structured output")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: the grammar "
+                   "decides when the output may end")
         if self.use_beam_search:
             self._validate_beam_search()
         else:

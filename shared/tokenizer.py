@@ -74,16 +74,20 @@ def has_chat_template(tok: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tok, "chat_template", None))
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue."""
-    if not has_chat_template(tok):
+def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None, template: str | None = None) -> list[int]:
+    """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue.
+    tools: OpenAI tool objects for the template; template: Jinja text used instead of the model's."""
+    if template is None and not has_chat_template(tok):
         raise InvalidRequest("this model has no chat template; use /v1/completions with a plain prompt",
                              param="messages")
     try:
         # Any: the return type differs across transformers versions (ids, or a BatchEncoding of them).
+        extra: dict[str, Any] = {"chat_template": template} if template is not None else {}
+        if tools:
+            extra["tools"] = tools
         ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                           return_dict=False)
+                                           return_dict=False, **extra)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad roles/content
         raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some transformers versions ignore return_dict

@@ -27,7 +27,6 @@ from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
 from engine.models.rope import apply_rope, rope_table, to_interleaved
-from engine.prepack import PackedLinear
 from kernels.backend import AttentionBackend
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
@@ -46,8 +45,10 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     if isinstance(m, nn.Linear):
         h = torch.addmm(h, x, m.weight.t())
         return h if m.bias is None else h.add_(m.bias)
-    if isinstance(m, PackedLinear):
-        return m.add_to(h, x)
+    add_to = getattr(m, "add_to", None)  # a prepacked matrix fuses the add too (engine/prepack.py)
+    if add_to is not None:
+        out: torch.Tensor = add_to(h, x)
+        return out
     return h + linear(x, m)
 
 

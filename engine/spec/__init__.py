@@ -37,10 +37,14 @@ class Proposer(Protocol):
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Requests whose next-token distribution depends only on the tokens before it. Penalties, logprobs
-    and several sequences per request take the plain path (their outputs are the same either way)."""
+    """Requests whose next-token distribution depends only on the tokens before it. Penalties, logprobs,
+    several sequences per request and structured output take the plain path (their outputs are the same
+    either way)."""
     p = params
-    return p.speculative and p.one_sequence and not p.has_penalties and p.logprobs is None
+    # A constrained request opts out: verifying drafts under its mask would need the matcher rolled back
+    # for every rejected draft (docs/structured_output.md).
+    return (p.speculative and p.one_sequence and not p.has_penalties and p.logprobs is None
+            and p.constraint is None)
 
 
 def make_proposer(config: SpeculativeConfig, target: ModelConfig, num_blocks: int, cache: CacheConfig,

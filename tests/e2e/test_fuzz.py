@@ -78,8 +78,8 @@ OPENAI = {
     "response_format": st.none(), "tools": st.none(), "top_logprobs": st.integers(0, 3),
 }
 BAD_OPENAI = {"max_tokens": BAD, **{k: BAD for k in OPENAI}, "unknown_field": WRONG, "model": st.just("gpt-4"),
-              "echo": st.just(True), "response_format": st.just({"type": "json_object"}), "tools": st.just([1]),
-              "tool_choice": st.just("auto")}
+              "echo": st.just(True), "response_format": st.just({"type": "xml"}), "tools": st.just([1]),
+              "tool_choice": st.just("auto"), "guided_regex": st.just("a(b")}
 
 
 def bodies(required: dict[str, Any], valid: dict[str, Any], bad: dict[str, Any]) -> st.SearchStrategy[dict[str, Any]]:

@@ -54,15 +54,19 @@ def test_unknown_field_is_named(path: str, base: dict[str, Any], field: str) -> 
 
 @pytest.mark.parametrize(("path", "base"), BOTH)
 @pytest.mark.parametrize(("field", "value"), [
-    ("response_format", {"type": "json_object"}), ("tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("tool_choice", "auto"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("parallel_tool_calls", False), ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "alloy"}),
+    ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"), ("verbosity", "low"),
     ("web_search_options", {}), ("store", True), ("service_tier", "flex"),
 ])
 def test_unsupported_openai_field_is_named(path: str, base: dict[str, Any], field: str, value: Any) -> None:
     err = refused(path, {**base, field: value})
     assert err["param"] == field and "not supported" in err["message"], err
+
+
+def test_tools_are_a_chat_field() -> None:
+    err = refused(*COMPLETIONS[:1], {**COMPLETIONS[1], "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert err["param"] == "tools" and "/v1/chat/completions" in err["message"]
 
 
 def test_the_tables_cover_openais_request_schemas() -> None:

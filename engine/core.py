@@ -182,7 +182,9 @@ class EngineCore:
         """Schedule the requests whose grammar compiled; an ERROR (400, the compiler's message) for those
         whose constraint does not compile. With nothing else to run, wait a moment for a compile rather
         than spin the loop (a new message waits at most that long)."""
-        if self.grammars.waiting and not self.scheduler.has_work():
+        if not self.grammars.waiting:  # the common step: no constrained request waits for its grammar
+            return []
+        if not self.scheduler.has_work():
             self.grammars.wait(0.005)
         ready, failed = self.grammars.ready()
         for root in ready:

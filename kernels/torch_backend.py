@@ -191,8 +191,7 @@ class TorchBackend:
                 slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots, mask, ctx))
             start += q
-        few = sum(layout.context_lens[i] + layout.query_lens[i] for i, _ in decode + short) <= self.NATIVE_MAX_CONTEXT
-        if self.native and (decode or short) and few:
+        if self.native and (decode or short) and self._few_tokens(layout, decode + short):
             return TorchMeta(slot_mapping=layout.slot_mapping.to(self.device), batched=[], all_decode=False,
                              prefills=prefills, native=self._native(layout, sorted(decode + short), prefills))
         batched = []
@@ -206,6 +205,10 @@ class TorchBackend:
             all_decode=not prefills and not short and len(batched) == 1,
             prefills=prefills,
         )
+
+    def _few_tokens(self, layout: BatchLayout, group: list[tuple[int, int]]) -> bool:
+        """Whether these sequences attend few enough context tokens for the native kernel to pay."""
+        return sum(layout.context_lens[i] + layout.query_lens[i] for i, _ in group) <= self.NATIVE_MAX_CONTEXT
 
     @staticmethod
     def _native(layout: BatchLayout, group: list[tuple[int, int]], prefills: list[_Prefill]) -> _Native:

@@ -117,7 +117,7 @@ def workload(url: str) -> list[Any]:
     """Six long prompts on one prefix (they swap), then an n=4 request among them; -> their bodies."""
     bodies = [{"prompt": PREFIX + [2000 + 10 * i + j for j in range(8)], "max_tokens": 120, "temperature": 0,
                "ignore_eos": True} for i in range(6)]
-    bodies.append({"prompt": list(range(3000, 3016)), "n": 4, "max_tokens": 24, "temperature": 1.0, "seed": 7,
+    bodies.append({"prompt": list(range(3000, 3016)), "n": 4, "max_tokens": 32, "temperature": 1.0, "seed": 7,
                    "ignore_eos": True, "priority": -1})
     with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
         return list(pool.map(lambda b: post(url, b), bodies))
@@ -175,35 +175,43 @@ def test_dashboard_shows_queues_blocks_and_steps_live(server: Server, page: Any,
     assert start["cells"] == start["kv_total"] == 24
     load = in_thread(lambda: workload(server.url))
 
-    def swapped() -> Any:
-        d = dom(page)
-        return d["rows"]["swapped"] and d["swapped"] == len(d["rows"]["swapped"]) and d["cpu_used_cells"] and d
-    seen = wait_until(swapped, "no request appeared in the swapped queue")
-    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-    print(f"screenshot: {tmp_path / 'dashboard.png'}")
-    if os.environ.get("CONVEYOR_DOCS_SCREENSHOT"):  # how docs/dashboard.png is made
-        shutil.copy(tmp_path / "dashboard.png", os.environ["CONVEYOR_DOCS_SCREENSHOT"])
-    assert seen["step"] > start["step"]
+    def swapped(d: dict[str, Any]) -> bool:
+        return bool(d["rows"]["swapped"]) and d["swapped"] == len(d["rows"]["swapped"]) and bool(d["cpu_used_cells"])
 
-    def n4_shares() -> bool:
-        d = dom(page)
+    def n4_shares(d: dict[str, Any]) -> bool:
         n4 = {r.split("#")[0] for q in d["rows"].values() for r in q if "#" in r}
         return bool(n4 & set(d["shared"]))
-    wait_until(n4_shares, "no shared block of the n=4 request while it ran")
 
-    def used_cells_match() -> bool:
-        d = dom(page)
-        return d["used_cells"] == d["kv_used"] > 0
-    wait_until(used_cells_match, "used cells never equalled the engine's used blocks")
+    def used_cells_match(d: dict[str, Any]) -> bool:
+        return bool(d["used_cells"] == d["kv_used"] > 0)
 
-    def counts_match_metrics() -> bool:
-        d = dom(page)
+    def counts_match_metrics(d: dict[str, Any]) -> bool:
         m = metrics(server.url)
         got = (d["running"], d["swapped"], d["waiting"])
         want = (m["conveyor_num_requests_running"], m["conveyor_num_requests_swapped"],
                 m["conveyor_num_requests_waiting"])
         return got == want and sum(got) > 0 and sum(len(r) for r in d["rows"].values()) == sum(got)
-    wait_until(counts_match_metrics, "the queue counts never equalled /metrics under load")
+
+    # Each state is looked for in every poll while the load runs, not one after another: a short-lived one
+    # (the n=4 request's shared blocks) may come and go while the test still waits for an earlier one.
+    checks = {"a request in the swapped queue": swapped, "a shared block of the n=4 request while it ran": n4_shares,
+              "used cells equal to the engine's used blocks": used_cells_match,
+              "queue counts equal to /metrics under load": counts_match_metrics}
+    seen: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + DEADLINE
+    while len(seen) < len(checks) and time.monotonic() < deadline:
+        d = dom(page)
+        for what, check in checks.items():
+            if what not in seen and check(d):
+                seen[what] = d
+                if what == "a request in the swapped queue":
+                    page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+        time.sleep(0.05)
+    assert not checks.keys() - seen.keys(), f"the page never showed: {sorted(checks.keys() - seen.keys())}"
+    print(f"screenshot: {tmp_path / 'dashboard.png'}")
+    if os.environ.get("CONVEYOR_DOCS_SCREENSHOT"):  # how docs/dashboard.png is made
+        shutil.copy(tmp_path / "dashboard.png", os.environ["CONVEYOR_DOCS_SCREENSHOT"])
+    assert seen["a request in the swapped queue"]["step"] > start["step"]
 
     bodies = load.result(timeout=180)
     assert [len(b["choices"]) for b in bodies] == [1] * 6 + [4]

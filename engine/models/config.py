@@ -78,6 +78,8 @@ class ModelConfig:
         arch = _architecture(d)
         if arch not in _SUPPORTED:
             raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(_SUPPORTED))}")
+        if arch in _GEMMA:
+            d = _gemma_legacy(arch, d)
         heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
         if d.get("mlp_bias"):
@@ -179,6 +181,26 @@ def _windows(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None,
     else:
         return ()
     return wins if any(w is not None for w in wins) else ()
+
+
+def _gemma_legacy(arch: str, d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma configs written before transformers had `layer_types` and per-layer-type RoPE (most Gemma 2
+    and 3 checkpoints on the hub) -> the current spelling, as transformers' config classes read them: a
+    window on every layer but each `sliding_window_pattern`-th (2 for Gemma 2, 6 for Gemma 3), and
+    Gemma 3's sliding layers rotating with `rope_local_base_freq` (10000) without the global scaling."""
+    d = dict(d)
+    if d.get("sliding_window") and not d.get("layer_types"):
+        period = int(d.get("sliding_window_pattern") or (2 if arch == "Gemma2ForCausalLM" else 6))
+        d["layer_types"] = ["sliding_attention" if (i + 1) % period else "full_attention"
+                            for i in range(d["num_hidden_layers"])]
+    rope = d.get("rope_parameters") or {}
+    if arch == "Gemma3ForCausalLM" and "full_attention" not in rope:
+        full = dict(rope or d.get("rope_scaling") or {})
+        full["rope_type"] = full.pop("type", full.get("rope_type", "default"))
+        full.setdefault("rope_theta", d.get("rope_theta", 10000.0))
+        local = {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq") or 10000.0}
+        d["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return d
 
 
 def _float_or_none(v: Any) -> float | None:

@@ -62,6 +62,27 @@ def test_config_normalises_family_differences():
     assert eos.eos_token_ids == [2, 7, 9] and not eos.attention_bias
 
 
+@pytest.mark.parametrize("legacy", [
+    {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "sliding_window_pattern": 3,
+     "rope_local_base_freq": 5000.0, "rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 8.0}},
+    {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "rope_theta": 1e6},  # pattern 6
+    {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"},  # every 2nd layer global
+])
+def test_gemma_configs_without_layer_types_read_as_transformers_reads_them(legacy):
+    """Hub configs written before `layer_types` existed: windows and local RoPE as transformers' own
+    config class derives them (its to_dict() spells them out), not every layer global."""
+    import transformers as T
+
+    d = {**LLAMA, "num_hidden_layers": 8, "sliding_window": 16, "hidden_activation": "gelu_pytorch_tanh",
+         "attn_logit_softcapping": None, "final_logit_softcapping": None, **legacy}
+    cls = T.Gemma3TextConfig if legacy["model_type"] == "gemma3_text" else T.Gemma2Config
+    theirs = cls(**{k: v for k, v in d.items() if k != "architectures"}).to_dict()
+    ours, reference = ModelConfig.from_hf(d), ModelConfig.from_hf({**theirs, "architectures": d["architectures"]})
+    assert ours.layer_windows == reference.layer_windows and ours.has_windows
+    assert (ours.rope_theta, ours.local_rope_theta, ours.rope_scaling) == (
+        reference.rope_theta, reference.local_rope_theta, reference.rope_scaling)
+
+
 def test_gguf_unpermute_inverts_llama_cpp_and_matches_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 

@@ -203,3 +203,45 @@ def test_forks_release_one_reference_each_and_hits_skip_blocks_out_of_the_window
     for seq in (parent, child, other):
         bm.free(seq)
     assert bm.num_free_blocks == bm.num_blocks and set(bm.ref_counts) == {0}
+
+
+def test_speculative_ngram_drafts_trim_and_release(checkpoints):
+    """Prompt lookup drafts (rejected ones trimmed) over released blocks: still transformers' tokens."""
+    folder, _ = checkpoints("mistral", ALL_WINDOWED["mistral"])
+    rng = random.Random(3)
+    prompts = []
+    for _ in range(3):
+        phrase = [rng.randrange(3, 512) for _ in range(rng.randint(4, 7))]
+        prompts.append([rng.randrange(3, 512) for _ in range(5)] + phrase * 8)
+    ref = hf_greedy(hf_folder_model(folder), prompts, MAX_TOKENS)
+    core = EngineCore(build_config(str(folder), num_blocks=12, block_size=BLOCK, max_num_batched_tokens=CHUNK,
+                                   num_cpu_blocks=16, speculative="ngram", num_threads=1))
+    seen = watch(core, -(-WINDOW // BLOCK) + 1)
+    out = run(core, [prompts], n_first=1)
+    assert [out[(f"0-{i}", 0)] for i in range(len(prompts))] == ref
+    assert core.stats()["total_spec_draft_tokens"] > 0 and seen["released"] > 0
+    assert_all_blocks_back(core)
+
+
+def test_beam_search_over_released_blocks_equals_transformers(checkpoints):
+    """Beams fork every step and share their live blocks; each releases its own references."""
+    from tests.engine.test_beam_search import assert_same, hf_beams
+
+    folder, _ = checkpoints("mistral", ALL_WINDOWED["mistral"])
+    model = hf_folder_model(folder)
+    prompts = [long_prompt()[:40], long_prompt()[40:85]]
+    params = SamplingParams(max_tokens=24, use_beam_search=True, beam_width=3, n=2, ignore_eos=True)
+    # 3 beams of 40-45 + 24 tokens would need 27 blocks each request; in their windows, 15 at most.
+    core = EngineCore(build_config(str(folder), num_blocks=17, block_size=BLOCK, max_num_batched_tokens=CHUNK,
+                                   num_cpu_blocks=32, num_threads=1))
+    seen = watch(core, -(-WINDOW // BLOCK) + 1)
+    out: dict[tuple[str, int], list[int]] = {}
+    for i, p in enumerate(prompts):
+        core.add(f"r{i}", p, params)
+    while core.has_work():
+        for o in core.step():
+            out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+    for i, p in enumerate(prompts):
+        assert_same([out[(f"r{i}", k)] for k in range(2)], hf_beams(model, p, params, None))
+    assert seen["released"] >= 5
+    assert_all_blocks_back(core)

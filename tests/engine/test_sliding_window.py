@@ -6,12 +6,14 @@ still runs; at the end every block is back in both pools. A model with a global 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import transformers as T
 
 from engine.block_manager import BlockManager, release_window
 from engine.core import EngineCore
+from engine.observe import Observer
 from engine.request import Request
 from engine.sequence import Sequence
 from shared.config import build_config
@@ -90,7 +92,8 @@ def watch(core: EngineCore, bound: int | None) -> dict[str, int]:
     return seen
 
 
-def run(core: EngineCore, waves: list[list[list[int]]], n_first: int = 2) -> dict[tuple[str, int], list[int]]:
+def run(core: EngineCore, waves: list[list[list[int]]], n_first: int = 2,
+        each_step: Callable[[], None] | None = None) -> dict[tuple[str, int], list[int]]:
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     pair = SamplingParams(temperature=0, n=n_first, max_tokens=MAX_TOKENS, ignore_eos=True)
     out: dict[tuple[str, int], list[int]] = {}
@@ -100,6 +103,8 @@ def run(core: EngineCore, waves: list[list[list[int]]], n_first: int = 2) -> dic
         while core.has_work():
             for o in core.step():
                 out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+            if each_step is not None:
+                each_step()
     return out
 
 
@@ -123,7 +128,13 @@ def test_all_windowed_models_release_blocks_and_equal_transformers(checkpoints, 
     bm = core.block_manager
     assert bm.window == WINDOW and bm.num_blocks == 9
     seen = watch(core, -(-WINDOW // BLOCK) + 1)
-    out = run(core, [first, second])
+    observer = Observer(core)
+
+    def dashboard_agrees() -> None:  # the dashboard's block map skips the placeholder entries
+        snap = observer.snapshot()
+        assert sum(h >= 0 for h in snap["blocks"]) == bm.num_blocks - bm.num_free_blocks
+
+    out = run(core, [first, second], each_step=dashboard_agrees)
     rids = [f"0-{i}" for i in range(len(first))] + [f"1-{i}" for i in range(len(second))]
     assert [out[(rid, 0)] for rid in rids] == ref[:-1]
     assert out[("0-0", 1)] == ref[0] and out[("1-0", 1)] == ref[len(first)]  # n = 2, greedy: the same twice

@@ -19,6 +19,7 @@ class Limits:
     max_num_seqs: int
     num_blocks: int
     block_size: int
+    max_seq_blocks: int | None = None  # the most blocks a sequence holds (BlockManager.max_live_blocks)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequest naming the field when the request can never run as asked."""
@@ -44,7 +45,10 @@ class Limits:
             # Beams step together, so all of them must fit the pool at once, even unshared (after a
             # preemption by recompute each beam holds its own copy of the prompt).
             length = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-            need = params.beam_width * -(-length // self.block_size)
+            blocks = -(-length // self.block_size)
+            if self.max_seq_blocks is not None:  # sliding windows: a beam holds its window's blocks at most
+                blocks = min(blocks, self.max_seq_blocks)
+            need = params.beam_width * blocks
             if need > self.num_blocks:
                 raise InvalidRequest(
                     f"beam search of width {params.beam_width} over up to {length} tokens needs {need} KV blocks; "

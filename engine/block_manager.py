@@ -17,6 +17,16 @@ writes a sequence's block table, `swapped` flag and block hashes, never its coun
 scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value. The copies the
 runner must make before the next forward collect in `swap_out` (device -> CPU: swaps and
 evictions), `swap_in` (CPU -> device) and `copies` (device -> device, copy-on-write).
+
+Sliding windows (`window`, set only when EVERY layer of the model has one: the largest of them): a
+block whose every position is older than what the sequence's next computed token can see (positions
+< num_computed_tokens - window + 1) is never read again, so `release_out_of_window` gives it back (a
+reference, as for any shared block) and points its table entry at `placeholder`, a block kept out of
+the pool that nobody writes and so holds zeros: kernels may gather it, the window masks it, and 0 * 0
+leaks nothing. `seq.released_blocks` counts those leading entries; everything that walks a table
+(fork, free, swap) skips them. A released full block keeps its hash like any freed one, so other
+requests can still hit it. A model with one global layer (Gemma's alternating layers) needs every
+block: there `window` is None and nothing is released.
 """
 from __future__ import annotations
 
@@ -25,6 +35,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.sequence import Sequence
+
+
+def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool, draft_model: bool) -> int | None:
+    """The window past which a sequence's blocks may be released, or None to keep every block: when a
+    layer is global (Gemma's alternating layers) it reads the whole context; a backend without windows
+    caps the context at the smallest window, so nothing would ever fall out; a draft model reads the
+    target's block table on its own cache and catches up from any position (after a preemption, from 0)."""
+    if not layer_windows or any(w is None for w in layer_windows) or not backend_windows or draft_model:
+        return None
+    return max(w for w in layer_windows if w is not None)
 
 
 class BlockPool:
@@ -106,8 +126,17 @@ class PrefixHit:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, free_order: Iterable[int] | None = None,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False) -> None:
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, window: int | None = None) -> None:
+        """num_blocks: the device cache's blocks. With a window the last of them is the placeholder and
+        the pool holds the others."""
         self.block_size = block_size
+        self.window = window
+        self.placeholder = num_blocks - 1 if window is not None else -1
+        if window is not None:
+            assert num_blocks > 1, "a windowed cache needs a block besides the placeholder"
+            num_blocks -= 1
+            if free_order is not None:
+                free_order = [b for b in free_order if b != num_blocks]
         self.device = BlockPool(num_blocks, free_order)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -145,6 +174,28 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # ------------------------------------------------------- sliding window
+    def releasable(self, num_computed: int) -> int:
+        """Leading blocks no layer reads again once num_computed tokens are computed: the next token, at
+        position num_computed, sees positions num_computed - window + 1 and later."""
+        return max(0, (num_computed - self.window + 1) // self.block_size) if self.window is not None else 0
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back seq's blocks that its window has passed (one reference each: a fork keeps its own)."""
+        r, old = self.releasable(seq.num_computed_tokens), seq.released_blocks
+        if r > old:
+            assert not seq.swapped and r <= len(seq.block_table)
+            self.device.release(seq.block_table[old:r])
+            seq.block_table[old:r] = [self.placeholder] * (r - old)
+            seq.released_blocks = r
+
+    def max_live_blocks(self, max_new_tokens: int) -> int | None:
+        """The most blocks one sequence holds while computing at most max_new_tokens tokens a step (its
+        window's and the new tokens'); None without a window (then: its whole context)."""
+        if self.window is None:
+            return None
+        return self.blocks_for(self.window + max_new_tokens + self.block_size - 2)
 
     # ------------------------------------------------------------- allocate
     def _needs_cow(self, seq: Sequence) -> bool:
@@ -188,6 +239,7 @@ class BlockManager:
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Release the blocks beyond seq's first num_tokens tokens (slots of rejected drafts)."""
         keep = self.blocks_for(num_tokens)
+        assert keep >= seq.released_blocks
         if len(seq.block_table) > keep:
             self.device.release(seq.block_table[keep:])
             del seq.block_table[keep:]
@@ -195,12 +247,14 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every block of parent (its table is already a copy of parent's)."""
         assert not parent.swapped and child.block_table == parent.block_table
-        for block_id in parent.block_table:
+        assert child.released_blocks == parent.released_blocks
+        for block_id in parent.block_table[parent.released_blocks:]:
             self.device.touch(block_id)
 
     def free(self, seq: Sequence) -> None:
-        (self.cpu if seq.swapped else self.device).release(seq.block_table)
+        (self.cpu if seq.swapped else self.device).release(seq.block_table[seq.released_blocks:])
         seq.block_table = []
+        seq.released_blocks = 0
         seq.swapped = False
 
     # --------------------------------------------------------- prefix cache
@@ -230,26 +284,33 @@ class BlockManager:
         return hit
 
     def can_allocate_hit(self, hit: PrefixHit, num_tokens: int) -> bool:
-        need = self.blocks_for(num_tokens) - len(hit.device)
-        return need <= self.device.num_free - hit.num_free_touched
+        # Table entries below r are out of the window already: neither taken nor allocated.
+        r, nd = self.releasable(hit.num_tokens(self.block_size)), len(hit.device)
+        touched = hit.num_free_touched if not r else sum(self.device.ref_counts[b] == 0 for b in hit.device[r:])
+        need = self.blocks_for(num_tokens) - max(r, nd)
+        return need <= self.device.num_free - touched
 
     def allocate_hit(self, seq: Sequence, hit: PrefixHit, num_tokens: int) -> int:
         """Start seq on its cached prefix (device hits shared, CPU hits swapped into new blocks), then
-        allocate up to num_tokens. -> the tokens the prefix covers: seq's computed tokens from now."""
+        allocate up to num_tokens. Hit blocks its window has passed already are not taken at all (the
+        placeholder stands in). -> the tokens the prefix covers: seq's computed tokens from now."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        for block_id in hit.device:
+        cached = hit.num_tokens(self.block_size)
+        r, nd = self.releasable(cached), len(hit.device)
+        cpu_hits = hit.cpu[max(0, r - nd):]
+        for block_id in hit.device[r:]:
             self.device.touch(block_id)
-        for cpu_id in hit.cpu:
+        for cpu_id in cpu_hits:
             self.cpu.touch(cpu_id)  # held: nothing may overwrite it before the runner reads it
             self._cpu_held.append(cpu_id)
-        seq.block_table = list(hit.device)
-        for cpu_id in hit.cpu:
+        seq.block_table = [self.placeholder] * r + hit.device[r:]
+        seq.released_blocks = r
+        for cpu_id in cpu_hits:
             block_id, h = self._take(), self.cpu.block_hash[cpu_id]
             assert h is not None, "a CPU-tier hit is a hashed block"
             self.device.set_hash(block_id, h)
             self.swap_in.append((cpu_id, block_id))
             seq.block_table.append(block_id)
-        cached = hit.num_tokens(self.block_size)
         if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # a first admission, not a recompute
             self.stats["prefix_queries"] += seq.num_prompt_tokens
             self.stats["prefix_hits"] += cached
@@ -274,6 +335,7 @@ class BlockManager:
     # ------------------------------------------------------------------ swap
     # A request's beams move as one (they step together): a block several of them share is copied once
     # and stays shared, so the group comes back into as many blocks as it left.
+    # Released (out-of-window) entries stay placeholders both ways: only live blocks move.
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return len(_distinct(seqs)) <= self.cpu.num_free
 
@@ -282,13 +344,14 @@ class BlockManager:
         moved: dict[int, int] = {}  # device block -> its CPU copy
         for seq in seqs:
             assert not seq.swapped
-            for b in seq.block_table:
+            r, live = seq.released_blocks, seq.block_table[seq.released_blocks:]
+            for b in live:
                 if b in moved:
                     self.cpu.touch(moved[b])
                 else:
                     moved[b] = self.cpu.take()[0]
-            self.device.release(seq.block_table)
-            seq.block_table = [moved[b] for b in seq.block_table]
+            self.device.release(live)
+            seq.block_table[r:] = [moved[b] for b in live]
             seq.swapped = True
         self.swap_out += moved.items()
 
@@ -307,16 +370,17 @@ class BlockManager:
         moved: dict[int, int] = {}  # CPU block -> its device block
         for seq in seqs:
             assert seq.swapped
-            for c in seq.block_table:
+            r, live = seq.released_blocks, seq.block_table[seq.released_blocks:]
+            for c in live:
                 if c in moved:
                     self.device.touch(moved[c])
                 else:
                     moved[c] = self._take()
-            self._cpu_held += seq.block_table  # released next step, after the runner has read them
-            seq.block_table = [moved[c] for c in seq.block_table]
+            self._cpu_held += live  # released next step, after the runner has read them
+            seq.block_table[r:] = [moved[c] for c in live]
             seq.swapped = False
         self.swap_in += moved.items()
 
 
 def _distinct(seqs: list[Sequence]) -> set[int]:
-    return {b for seq in seqs for b in seq.block_table}
+    return {b for seq in seqs for b in seq.block_table[seq.released_blocks:]}

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.admission import Limits
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, release_window
 from engine.kv_cache import KVCache
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -70,22 +70,29 @@ class EngineCore:
         if tp_runner is None:
             kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size
-        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks,
-                                          config.cache.enable_prefix_caching)
-        # A request must always fit the pool alone, or preemption could never make room for it.
-        self.max_model_len = min(self.max_model_len, num_blocks * block_size)
         backend = get_backend(config.attention_backend, device, dtype)
         self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "
                              "the cpu and torch attention backends cast between them (--attention-backend cpu)")
         self.proposer = make_proposer(config.speculative, mc, num_blocks, config.cache, dtype, device, backend)
-        if self.proposer is not None and self.proposer.max_model_len:  # a draft model's context
-            self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
+        draft_len = self.proposer.max_model_len if self.proposer is not None else None
+        if draft_len:  # a draft model's context
+            self.max_model_len = min(self.max_model_len, draft_len)
+        window = release_window(mc.layer_windows, backend.supports_window, draft_model=bool(draft_len))
+        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks,
+                                          config.cache.enable_prefix_caching, window)
+        # A request must always fit the pool alone, or preemption could never make room for it: its whole
+        # context, or with released windows its window and one step's tokens.
+        bm = self.block_manager
+        live = bm.max_live_blocks(config.scheduler.max_num_batched_tokens)
+        if live is None or live > bm.num_blocks:
+            self.max_model_len = min(self.max_model_len, bm.num_blocks * block_size)
         self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
                                    self.block_manager, self.proposer)
         self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
-        self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, num_blocks, block_size)
+        self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
+                             block_size, live)
         self.eos_token_ids = tuple(mc.eos_token_ids)
         # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
         self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
@@ -98,7 +105,7 @@ class EngineCore:
         self.tracer: Tracer | None = None  # engine/trace.py, while a trace records
         self.mark = no_mark
         log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
-                 time.perf_counter() - t0, self.source.name, self.max_model_len, num_blocks, block_size)
+                 time.perf_counter() - t0, self.source.name, self.max_model_len, bm.num_blocks, block_size)
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:

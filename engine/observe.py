@@ -134,7 +134,7 @@ class Observer:
                 rid = seq.request.request_id
                 holder = holders.setdefault(rid, len(holders))
                 table = cpu_blocks if seq.swapped else blocks
-                for b in seq.block_table:
+                for b in seq.block_table[seq.released_blocks:]:  # not the placeholder of released ones
                     table[b] = holder
                 if i < MAX_ROWS:
                     seqs.append(_row(seq, name, holder))

@@ -25,6 +25,12 @@ drafts (fewer near max_tokens, max_model_len or the end of the budget), which th
 and computes its last token plus the drafts: the budget counts every verified token. Drafts
 never cause a preemption: when the blocks for them are not free, the request decodes plainly.
 After verification the rejected drafts' blocks go back to the pool.
+
+Sliding windows: when every layer of the model has one, each sequence gives back the blocks its
+window has passed after every step it computes (BlockManager.release_out_of_window), so what a
+running sequence needs stays its window plus its next tokens. The accounting does not change: a
+table keeps one entry per block of the context, released ones included, so num_new_blocks still
+counts exactly the blocks to allocate.
 """
 from __future__ import annotations
 
@@ -406,7 +412,9 @@ class Scheduler:
         before = seq.num_computed_tokens
         seq.num_computed_tokens = computed = before + n
         if self.bm.enable_prefix_caching and computed // self.bm.block_size > before // self.bm.block_size:
-            self.bm.cache_blocks(seq, before)
+            self.bm.cache_blocks(seq, before)  # before the release below: a released block keeps its name
+        if self.bm.window is not None:
+            self.bm.release_out_of_window(seq)
         if sampled is None:  # a prompt chunk that does not reach the end samples nothing
             if groups.ready_to_fork(seq):  # a chunk that ends one short of the prompt
                 self._fork(seq)
@@ -445,6 +453,8 @@ class Scheduler:
         if self.bm.enable_prefix_caching:
             self.bm.cache_blocks(seq, before)
         self.bm.trim(seq, seq.num_tokens)
+        if self.bm.window is not None:
+            self.bm.release_out_of_window(seq)
 
     def _append(self, seq: Sequence, token: int, entry: LogprobEntry | None) -> None:
         seq.token_ids.append(token)

@@ -5,7 +5,8 @@ hands out budget to close the gap (a new prompt, a chunk of one, a recompute aft
 a decode step are all "compute the next n tokens").
 
 One writer per field: the scheduler writes the tokens, counters, status and logprob state; the
-block manager writes `block_table`, `swapped` and `block_hashes` (the blocks are its to own).
+block manager writes `block_table`, `released_blocks`, `swapped` and `block_hashes` (the blocks are
+its to own).
 A request that runs several sequences (n / best_of, beam search) has one SequenceGroup, which
 every one of its sequences points to.
 """
@@ -50,7 +51,7 @@ _REASONS = {
 class Sequence:
     __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
                  "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
-                 "group", "block_table", "swapped", "block_hashes", "matcher")
+                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -66,6 +67,9 @@ class Sequence:
         self.draft_computed = 0  # positions whose draft-model K/V this sequence has written
         self.group = None if request.params.one_sequence else SequenceGroup(request.params)  # forks share it
         self.block_table: list[int] = []
+        # Leading entries of block_table released because every layer's sliding window has passed them:
+        # they name the block manager's placeholder, not a block this sequence holds.
+        self.released_blocks = 0
         self.swapped = False  # block_table holds CPU swap-pool blocks
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
         # Structured output: an xgrammar GrammarMatcher that has consumed exactly the output tokens

@@ -28,6 +28,7 @@ from shared.config import EngineConfig
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.tp")
+DEATH_GRACE_S = 2.0  # how long a failed collective waits for a dead worker's exit to become visible
 
 
 class TPRunner(ModelRunner):
@@ -47,7 +48,9 @@ class TPRunner(ModelRunner):
         try:
             return self.rank0.run(inputs)
         except CollectiveError as e:
-            raise EngineFault(f"{e}{self._dead()}") from e
+            # A killed worker's sockets reset before its exit can be seen: give the exit a moment to show,
+            # so the error names the lost rank rather than only the failed collective.
+            raise EngineFault(f"{e}{self._dead(wait_s=DEATH_GRACE_S)}") from e
 
     def _broadcast(self, message: object) -> None:
         dead = self._dead()
@@ -56,9 +59,14 @@ class TPRunner(ModelRunner):
         for ident in self.identities:
             self.sock.send_multipart([ident, message], copy=False)  # type: ignore[list-item]
 
-    def _dead(self) -> str:
-        ranks = [i + 1 for i, w in enumerate(self.workers) if w.exited()]
-        return f" (rank {', '.join(map(str, ranks))} exited)" if ranks else ""
+    def _dead(self, wait_s: float = 0.0) -> str:
+        """' (rank N exited)' for workers that have ended, waiting up to wait_s for one to."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            ranks = [i + 1 for i, w in enumerate(self.workers) if w.exited()]
+            if ranks or time.monotonic() >= deadline:
+                return f" (rank {', '.join(map(str, ranks))} exited)" if ranks else ""
+            time.sleep(0.01)
 
     def close(self) -> None:
         """STOP to every worker, then wait for them (killing any that do not end)."""

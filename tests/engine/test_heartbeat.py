@@ -65,6 +65,9 @@ class SlowFirstStep:
     def stats(self) -> dict[str, float]:
         return {}
 
+    def close(self) -> None:  # the loop closes its core on the way out
+        pass
+
 
 def test_a_step_longer_than_the_silence_timeout_is_not_a_lost_engine(tmp_path: Path) -> None:
     core = SlowFirstStep()

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.quant")
 
 GROUP = 32
+# Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not all of
+# it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk as a whole).
+CHUNK_ROWS = 1024
 # Our parameter names (engine/models/llama.py) of the projections each decoder layer quantizes.
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]  # param name -> (scale, min) [N, K/32]: w = scale * q + min
@@ -37,13 +40,20 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
+        n = w.shape[0]
+        scale = torch.empty(n)
+        q = torch.empty(w.shape, dtype=torch.int8)
+        for r in range(0, n, CHUNK_ROWS):
+            rows = w[r:r + CHUNK_ROWS].float()
+            s = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [rows]
+            scale[r:r + CHUNK_ROWS] = s
+            q[r:r + CHUNK_ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
@@ -63,21 +73,27 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        w = weight.float()
+        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
         n, k = w.shape
-        wg = w.view(n, k // GROUP, GROUP)
-        if groups is None:  # from the values: the group's min to its max in 15 steps
-            lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [N, K/32]
-            scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
-        else:
-            scale, low = groups[0].float(), groups[1].float()
-        q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+        scales, lows, packed = [], [], []
+        for r in range(0, n, CHUNK_ROWS):
+            wg = w[r:r + CHUNK_ROWS].float().view(-1, k // GROUP, GROUP)
+            if groups is None:  # from the values: the group's min to its max in 15 steps
+                lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [rows, K/32]
+                scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
+            else:
+                scale, low = groups[0][r:r + CHUNK_ROWS].float(), groups[1][r:r + CHUNK_ROWS].float()
+            q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            scales.append(scale)
+            lows.append(low)
+        scale, low = torch.cat(scales), torch.cat(lows)  # [N, K/32]
         zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
         self.qweight: torch.Tensor
         self.scales_zeros: torch.Tensor
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("qweight", packed[0] if len(packed) == 1 else torch.cat(packed))
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous().to(self.scales_zeros.dtype)

@@ -104,28 +104,39 @@ class Int4Linear(nn.Module):
 def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
              groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
     """One float projection -> its int8 or int4 replacement (int8 where int4 does not apply)."""
-    bias = linear.bias if isinstance(linear, nn.Linear) else None
-    w = linear.weight
-    if mode == "int4" and isinstance(linear, nn.Linear) and w.shape[1] % GROUP == 0:
-        return Int4Linear(w, bias, dtype, groups)
-    return Int8Linear(w, bias, dtype)
+    module = quantize_matrix(linear.weight, mode if isinstance(linear, nn.Linear) else "int8", dtype, groups)
+    if isinstance(linear, nn.Linear) and linear.bias is not None:
+        module.bias = nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+    return module
+
+
+def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
+                    groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8Linear | Int4Linear:
+    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not apply)."""
+    if mode == "int4" and weight.shape[1] % GROUP == 0:
+        return Int4Linear(weight, None, dtype, groups)
+    return Int8Linear(weight, None, dtype)
+
+
+def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
+    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's projections and the
+    LM head in mode, the embedding as int8 rows (see module doc). A tied LM head is the embedding."""
+    targets = {f"model.layers.{i}.{name}": mode for i, layer in enumerate(model.model.layers)
+               for name in LAYER_PROJECTIONS if isinstance(getattr(layer, name, None), nn.Linear)}
+    if isinstance(model.lm_head, nn.Linear):
+        targets["lm_head"] = mode
+    targets["model.embed_tokens"] = "int8"
+    return targets
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype, groups: Groups | None = None) -> None:
-    """Replaces every decoder layer's projections, the LM head and the embedding in place; each float
-    matrix is freed as its quantized form takes its place. groups: exact int4 groups of GGUF Q4_0/Q4_1
-    matrices, by our parameter name."""
+    """Replaces the quantized_targets of a loaded float model in place. engine/weights.py quantizes
+    while it loads instead, so the float model never exists; this is the same result from a float model
+    (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by our parameter name."""
     groups = groups or {}
-    m = model.model
-    for i, layer in enumerate(m.layers):
-        for name in LAYER_PROJECTIONS:
-            proj = getattr(layer, name, None)
-            if isinstance(proj, nn.Linear):
-                setattr(layer, name, quantize(proj, mode, dtype, groups.get(f"model.layers.{i}.{name}.weight")))
-    if isinstance(model.lm_head, nn.Linear):
-        model.lm_head = quantize(model.lm_head, mode, dtype, groups.get("lm_head.weight"))  # type: ignore[assignment]
-    m.embed_tokens = quantize(m.embed_tokens, "int8", dtype)  # type: ignore[assignment]  # looked up by row: int8 rows (see module doc)
-    log.info("weights quantized: %s projections, int8 embedding", mode)
+    for path, kind in quantized_targets(model, mode).items():
+        float_module = model.get_submodule(path)
+        model.set_submodule(path, quantize(float_module, kind, dtype, groups.get(f"{path}.weight")))  # type: ignore[arg-type]
 
 
 def weight_bytes(model: nn.Module) -> int:

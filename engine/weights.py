@@ -1,10 +1,10 @@
 """Weight loading: HF folders (config.json + *.safetensors) and GGUF files. Never downloads anything.
 
 The model is built on the meta device and takes the loaded tensors as its parameters
-(load_state_dict(assign=True)), so weights are allocated once. A float model keeps the safetensors
-memory map's tensors as they are; a quantized one (engine/quant.py) reads each tensor into memory of
-its own and quantizes every projection as soon as its matrix (a fused one once its last part arrives)
-is there, so it never holds more than one float32 matrix beside its codes.
+(load_state_dict(assign=True)), so weights are allocated once. Tensors are read into memory of their
+own, one at a time (not memory-mapped: see _read_copies). A quantized model (engine/quant.py) quantizes
+every projection as soon as its matrix (a fused one once its last part arrives) is there, so it never
+holds more than one float32 matrix beside its codes.
 
 A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into a
 plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
@@ -24,13 +24,12 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -95,21 +94,15 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
         if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
             # No cache (read-only or full disk): the whole dequantized file is held once, in memory.
             config, tensors, groups = read_gguf(source.folder / source.gguf_file)
-            model, cfg = _build(config, None, lambda _: _drain(tensors), dtype, device, quantization, groups,
-                                prepack)
+            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack)
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    groups_path = folder / _GROUPS_FILE
-    groups = dict(_read_safetensors([groups_path])) if groups_path.is_file() else {}
-    files = _safetensors_files(folder)
-
-    def weights(private: bool) -> Weights:
-        return _read_copies(files) if private else _read_safetensors(files)
-
-    model, cfg = _build(config, gen, weights, dtype, device, quantization, groups, prepack)
+    groups_file = folder / _GROUPS_FILE
+    model, cfg = _build(config, gen, _read_copies(_safetensors_files(folder)), dtype, device, quantization,
+                        groups_file if groups_file.is_file() else None, prepack)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
 
@@ -120,13 +113,14 @@ def dequantized_folder(source: ModelSource) -> Path:
     return source.cache_dir / f"weights-v{_CACHE_FORMAT}"
 
 
-def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Callable[[bool], Weights],
-           dtype: torch.dtype | str, device: torch.device, quantization: str = "none",
-           groups: dict[str, torch.Tensor] | None = None, prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
-    """weights(private): the HF-named tensors; private asks for tensors of their own (not views of a
-    file map) in an order that completes each fused group before the next begins (quantized loads).
-    groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes). prepack:
-    plain projections in oneDNN's layout on a CPU (engine/prepack.py)."""
+def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
+           device: torch.device, quantization: str = "none",
+           groups: dict[str, torch.Tensor] | Path | None = None,
+           prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
+    """weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
+    groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
+    safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
+    on a CPU (engine/prepack.py)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
     mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)
@@ -136,14 +130,17 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Callable
         model = get_model_class(cfg.architecture)(cfg)
     if mode == "none":
         cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
-                for n, t in weights(False))
+                for n, t in weights)
         model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     else:
-        _load_quantized(model, cfg, weights(True), mode, dtype, _our_groups(cfg, groups or {}))
-        _release_freed_memory()
+        if isinstance(groups, Path):
+            groups = dict(_read_copies([groups])) if mode == "int4" else None
+        _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
+        groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     if mode == "none" and prepack and usable(model, device):
         prepack_model(model, LAYER_PROJECTIONS)
+    _release_freed_memory()
     return model, cfg
 
 
@@ -195,8 +192,8 @@ def _on_quantized(name: str, weight: torch.Tensor) -> None:
 
 
 def _release_freed_memory() -> None:
-    """Hands the float32 matrices freed by quantization back to the OS. glibc keeps freed heap memory
-    for reuse, so without this the process stays as large as the float32 model it no longer holds."""
+    """Hands what the load freed (float32 matrices once quantized, cast or packed) back to the OS. glibc
+    keeps freed heap memory for reuse, so without this the process stays larger than the model it holds."""
     import ctypes
 
     try:
@@ -244,21 +241,11 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Streams tensors one at a time, so conversion can fuse and free as it goes."""
-    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
-    total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for h in handles:
-            for name in h.keys():
-                yield name, h.get_tensor(name)
-                bar.update()
-
-
 def _read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files, in
-    load_order, so a quantized load frees each float matrix's pages as it drops the matrix: a map's pages
-    stay resident, and counted, until the whole file is unmapped."""
+    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file lives:
+    a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep the whole
+    file's pages beside its own copies. Read, each matrix's memory goes when the model drops it."""
     entries = []
     for f in files:
         with open(f, "rb") as fh:

@@ -19,6 +19,8 @@ import engine.weights
 from engine.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
 from engine.weights import _our_groups, dequantized_folder, load_model, read_gguf
 from shared.model_source import resolve_model
+from tests.conftest import save_tiny
+from tests.engine.test_families import FAMILIES
 from tests.engine.test_quantized import write_gguf
 
 
@@ -67,9 +69,18 @@ def _int4_by_formula(w: torch.Tensor, groups) -> tuple[torch.Tensor, torch.Tenso
 @pytest.mark.parametrize(("checkpoint", "mode", "dtype"), [
     ("gguf", "int4", torch.bfloat16), ("gguf", "int8", torch.float32),
     ("qwen2", "int4", torch.float32), ("qwen2", "int8", torch.bfloat16),  # untied LM head, q/k/v biases
+    ("phi3", "int4", torch.float32),  # q/k/v and gate/up fused in the checkpoint
+    ("gemma2", "int8", torch.bfloat16),  # norms stored as 1 + w
+    ("qwen3moe-top2-of-4", "int4", torch.bfloat16),  # experts stay in dtype
 ])
-def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mode, dtype, tiny_gguf, tiny_qwen2_dir):
-    source = resolve_model(str(tiny_gguf if checkpoint == "gguf" else tiny_qwen2_dir))
+def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mode, dtype, tiny_gguf, tiny_qwen2_dir,
+                                                                 tmp_path):
+    if checkpoint in FAMILIES:
+        config_cls, model_cls, overrides = FAMILIES[checkpoint]
+        path = save_tiny(tmp_path / checkpoint, config_cls, model_cls, **overrides)
+    else:
+        path = tiny_gguf if checkpoint == "gguf" else tiny_qwen2_dir
+    source = resolve_model(str(path))
     model, cfg = load_model(source, dtype, "cpu", mode)
     assert cfg.quantization == mode
     ref, floats, groups, targets = _reference(source, mode, dtype)
@@ -78,7 +89,8 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
     for name, t in theirs.items():
         assert t.dtype == ours[name].dtype and torch.equal(ours[name], t), name
     # The codes and scales, against the formulas applied to each whole dequantized float32 matrix.
-    assert len(targets) == 4 * cfg.num_layers + 1 + (not cfg.tie_word_embeddings)
+    dense = cfg.num_layers - len(cfg.sparse_layers)  # layers with gate_up and down (not a mixture of experts)
+    assert len(targets) == 2 * cfg.num_layers + 2 * dense + 1 + (not cfg.tie_word_embeddings)
     for path in targets:
         module, w = model.get_submodule(path), floats[f"{path}.weight"]
         if isinstance(module, Int4Linear):
@@ -105,7 +117,8 @@ def _track(monkeypatch, name: str) -> list[weakref.ref]:
     reader = getattr(engine.weights, name)
 
     def watch(item):
-        seen.append(weakref.ref(item[1]))
+        if not item[0].endswith((".scale", ".min")):  # int4 groups (small, kept for the whole load)
+            seen.append(weakref.ref(item[1]))
         return item
 
     monkeypatch.setattr(engine.weights, name, lambda *args: map(watch, reader(*args)))

@@ -9,7 +9,10 @@ fixed set of 8 prompts: greedy agreement (share of the 24 generated positions eq
 by position) and the mean log-probability difference of float32's own greedy continuation
 (teacher-forced through each model).
 
-    python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct]
+Loading is measured apart, in a process that only loads the model: its peak resident memory
+(ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
+
+    python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
 bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
@@ -57,6 +60,22 @@ def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int])
     return lp[torch.arange(len(continuation)), torch.tensor(continuation)].tolist()
 
 
+def load_only(args: argparse.Namespace) -> dict:
+    """Runs in a child process: load the model, nothing else. -> peak and final resident memory of the load."""
+    import resource
+
+    import torch
+
+    from engine.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    base = rss_bytes()
+    model, cfg = load_model(resolve_model(args.model), args.dtype, "cpu", args.quantization)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"load_peak": peak - base, "load_rss": rss_bytes() - base}
+
+
 def one(args: argparse.Namespace) -> dict:
     """Runs in a child process: one configuration, every figure."""
     import torch
@@ -86,6 +105,8 @@ def one(args: argparse.Namespace) -> dict:
     filler = [(ids * 8)[:32] for ids in filler]
     llm.generate(filler[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm
     for streams, new in ((1, 64), (32, 32)):
+        if streams not in args.streams:
+            continue
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         t0 = time.perf_counter()
         llm.generate(filler[:streams], params, use_tqdm=False)
@@ -94,12 +115,15 @@ def one(args: argparse.Namespace) -> dict:
 
 
 def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None) -> dict:
-    cmd = [sys.executable, __file__, "--one", "--threads", str(args.threads), "--model", args.model,
-           "--dtype", dtype, "--quantization", quantization]
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model, "--dtype", dtype,
+           "--quantization", quantization, "--streams", ",".join(map(str, args.streams))]
     if reference is not None:
         cmd += ["--reference", json.dumps(reference)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = {}
+    for mode in ("--load-only", "--one"):
+        out = subprocess.run([*cmd, mode], check=True, capture_output=True, text=True).stdout
+        result.update(json.loads(out.strip().splitlines()[-1]))
+    return result
 
 
 def main() -> None:
@@ -108,14 +132,17 @@ def main() -> None:
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--with-fp32-activations", action="store_true",
                    help="also int8 / int4 weights under float32 activations (PyTorch's slow path)")
+    p.add_argument("--streams", type=lambda v: [int(n) for n in v.split(",")], default=[1, 32],
+                   help="decode rows to measure: 1, 32 or 1,32 (default)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
     args = p.parse_args()
     pin_threads(args.threads)
-    if args.one:
-        print(json.dumps(one(args)))
+    if args.one or args.load_only:
+        print(json.dumps(one(args) if args.one else load_only(args)))
         return
     print(machine())
     print(cpu_features())
@@ -133,15 +160,19 @@ def main() -> None:
     print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / wall time of generate (prefill "
           f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
           "against float32")
-    print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'RSS MiB':>8} {'tok/s 1':>8} {'x fp32':>6} "
-          f"{'tok/s 32':>9} {'x fp32':>6} {'greedy agree':>12} {'mean dlogprob':>13}")
+
+    def ratio(r: dict, key: str) -> str:
+        return f"{r[key]:>8.1f} {r[key] / base[key]:>6.2f}" if key in r else f"{'-':>8} {'-':>6}"
+
+    print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'load peak':>9} {'loaded':>7} {'RSS MiB':>8} "
+          f"{'tok/s 1':>8} {'x fp32':>6} {'tok/s 32':>8} {'x fp32':>6} {'greedy agree':>12} {'mean dlogprob':>13}")
     for name, r in results.items():
         agree = sum(a == b for x, y in zip(r["greedy"], base["greedy"]) for a, b in zip(x, y))
         total = sum(len(x) for x in base["greedy"])
         dlp = [a - b for x, y in zip(r["logprobs"], base["logprobs"]) for a, b in zip(x, y)]
-        print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} {r['rss'] / 2**20:>8.0f} "
-              f"{r['tok_s_1']:>8.1f} {r['tok_s_1'] / base['tok_s_1']:>6.2f} {r['tok_s_32']:>9.1f} "
-              f"{r['tok_s_32'] / base['tok_s_32']:>6.2f} {agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f}")
+        print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} {r['load_peak'] / 2**20:>9.0f} "
+              f"{r['load_rss'] / 2**20:>7.0f} {r['rss'] / 2**20:>8.0f} {ratio(r, 'tok_s_1')} {ratio(r, 'tok_s_32')} "
+              f"{agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f}")
 
 
 if __name__ == "__main__":

@@ -52,9 +52,13 @@ class PackedLinear(nn.Module):
 
 
 def usable(model: nn.Module, device: torch.device) -> bool:
-    """Whether this torch, device and dtype can take packed weights."""
+    """Whether this torch, device and dtype can take packed weights. oneDNN packs bfloat16 only on CPUs
+    with bfloat16 instructions (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); elsewhere (AVX2 alone) the reorder
+    raises, and bfloat16 stays on F.linear."""
     dtype = next(model.parameters()).dtype
-    return device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...]) -> int:

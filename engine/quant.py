@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.quant")
 
 GROUP = 32
+# Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not all of
+# it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk as a whole).
+CHUNK_ROWS = 1024
 # Our parameter names (engine/models/llama.py) of the projections each decoder layer quantizes.
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]  # param name -> (scale, min) [N, K/32]: w = scale * q + min
@@ -37,13 +40,20 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         super().__init__()
-        w = weight.float()
-        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
+        n = w.shape[0]
+        scale = torch.empty(n)
+        q = torch.empty(w.shape, dtype=torch.int8)
+        for r in range(0, n, CHUNK_ROWS):
+            rows = w[r:r + CHUNK_ROWS].float()
+            s = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [rows]
+            scale[r:r + CHUNK_ROWS] = s
+            q[r:r + CHUNK_ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
@@ -63,21 +73,27 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        w = weight.float()
+        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
         n, k = w.shape
-        wg = w.view(n, k // GROUP, GROUP)
-        if groups is None:  # from the values: the group's min to its max in 15 steps
-            lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [N, K/32]
-            scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
-        else:
-            scale, low = groups[0].float(), groups[1].float()
-        q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+        scales, lows, packed = [], [], []
+        for r in range(0, n, CHUNK_ROWS):
+            wg = w[r:r + CHUNK_ROWS].float().view(-1, k // GROUP, GROUP)
+            if groups is None:  # from the values: the group's min to its max in 15 steps
+                lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [rows, K/32]
+                scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
+            else:
+                scale, low = groups[0][r:r + CHUNK_ROWS].float(), groups[1][r:r + CHUNK_ROWS].float()
+            q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
+            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            scales.append(scale)
+            lows.append(low)
+        scale, low = torch.cat(scales), torch.cat(lows)  # [N, K/32]
         zero = low + 8 * scale  # (q - 8) * scale + zero == q * scale + low
         self.qweight: torch.Tensor
         self.scales_zeros: torch.Tensor
-        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("qweight", packed[0] if len(packed) == 1 else torch.cat(packed))
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
-        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous().to(self.scales_zeros.dtype)
@@ -88,28 +104,39 @@ class Int4Linear(nn.Module):
 def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
              groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
     """One float projection -> its int8 or int4 replacement (int8 where int4 does not apply)."""
-    bias = linear.bias if isinstance(linear, nn.Linear) else None
-    w = linear.weight
-    if mode == "int4" and isinstance(linear, nn.Linear) and w.shape[1] % GROUP == 0:
-        return Int4Linear(w, bias, dtype, groups)
-    return Int8Linear(w, bias, dtype)
+    module = quantize_matrix(linear.weight, mode if isinstance(linear, nn.Linear) else "int8", dtype, groups)
+    if isinstance(linear, nn.Linear) and linear.bias is not None:
+        module.bias = nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+    return module
+
+
+def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
+                    groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8Linear | Int4Linear:
+    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not apply)."""
+    if mode == "int4" and weight.shape[1] % GROUP == 0:
+        return Int4Linear(weight, None, dtype, groups)
+    return Int8Linear(weight, None, dtype)
+
+
+def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
+    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's projections and the
+    LM head in mode, the embedding as int8 rows (see module doc). A tied LM head is the embedding."""
+    targets = {f"model.layers.{i}.{name}": mode for i, layer in enumerate(model.model.layers)
+               for name in LAYER_PROJECTIONS if isinstance(getattr(layer, name, None), nn.Linear)}
+    if isinstance(model.lm_head, nn.Linear):
+        targets["lm_head"] = mode
+    targets["model.embed_tokens"] = "int8"
+    return targets
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype, groups: Groups | None = None) -> None:
-    """Replaces every decoder layer's projections, the LM head and the embedding in place; each float
-    matrix is freed as its quantized form takes its place. groups: exact int4 groups of GGUF Q4_0/Q4_1
-    matrices, by our parameter name."""
+    """Replaces the quantized_targets of a loaded float model in place. engine/weights.py quantizes
+    while it loads instead, so the float model never exists; this is the same result from a float model
+    (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by our parameter name."""
     groups = groups or {}
-    m = model.model
-    for i, layer in enumerate(m.layers):
-        for name in LAYER_PROJECTIONS:
-            proj = getattr(layer, name, None)
-            if isinstance(proj, nn.Linear):
-                setattr(layer, name, quantize(proj, mode, dtype, groups.get(f"model.layers.{i}.{name}.weight")))
-    if isinstance(model.lm_head, nn.Linear):
-        model.lm_head = quantize(model.lm_head, mode, dtype, groups.get("lm_head.weight"))  # type: ignore[assignment]
-    m.embed_tokens = quantize(m.embed_tokens, "int8", dtype)  # type: ignore[assignment]  # looked up by row: int8 rows (see module doc)
-    log.info("weights quantized: %s projections, int8 embedding", mode)
+    for path, kind in quantized_targets(model, mode).items():
+        float_module = model.get_submodule(path)
+        model.set_submodule(path, quantize(float_module, kind, dtype, groups.get(f"{path}.weight")))  # type: ignore[arg-type]
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,14 +1,18 @@
 """Weight loading: HF folders (config.json + *.safetensors) and GGUF files. Never downloads anything.
 
 The model is built on the meta device and takes the loaded tensors as its parameters
-(load_state_dict(assign=True)), so weights are allocated once.
+(load_state_dict(assign=True)), so weights are allocated once. Tensors are read into memory of their
+own, one at a time (not memory-mapped: see _read_copies). A quantized model (engine/quant.py) quantizes
+every projection as soon as its matrix (a fused one once its last part arrives) is there, so it never
+holds more than one float32 matrix beside its codes.
 
-A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata),
-then written as a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row
-order) in dequantized_folder(source); config.json's torch_dtype says what precision the file's
-matrices carried, for --dtype auto. Every later start reads that folder like any HF model, in well
-under a second. The folder appears atomically (written beside it, then renamed), so a
-crash or a concurrent start never leaves a half-written cache that looks complete.
+A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into a
+plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
+dequantized_folder(source), one tensor at a time; config.json's torch_dtype says what precision the
+file's matrices carried, for --dtype auto. Every start, the first included, then reads that folder
+like any HF model, in well under a second. The folder appears atomically (written beside it, then
+renamed), so a crash or a concurrent start never leaves a half-written cache that looks complete. Only
+where it cannot be written (read-only or full disk) is the whole dequantized file held in memory.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -25,16 +30,24 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from engine.dtype import resolve_dtype
 from engine.models import ModelConfig, get_model_class
-from engine.models.convert import convert_hf_weights
+from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
+from engine.models.llama import LlamaForCausalLM
 from engine.prepack import prepack_model, usable
-from engine.quant import LAYER_PROJECTIONS, auto_mode, gguf_groups, quantize_model, weight_bytes
+from engine.quant import (
+    LAYER_PROJECTIONS,
+    Groups,
+    auto_mode,
+    gguf_groups,
+    quantize_matrix,
+    quantized_targets,
+    weight_bytes,
+)
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
@@ -70,10 +83,16 @@ _GGUF_LAYER_BY_ARCH = {
     "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                  "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
 }
-_GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")  # Phi-3 LongRoPE: read into the config
+_GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")
+_EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")  # fused into _FUSED_EXPERTS on reading
+_FUSED_EXPERTS = "mlp.experts.gate_up_proj"  # Phi-3 LongRoPE: read into the config
 _GEMMA_ARCHS = ("gemma2", "gemma3")
 Weights = Iterable[tuple[str, torch.Tensor]]
+GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # (HF name, fp32 tensor, its int4 groups)
 _CACHE_FORMAT = 3  # bump when what the dequantized folder holds changes (3: int4 groups, quantization)
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
 _GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
 
 
@@ -90,20 +109,18 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
         folder = source.folder
     else:
         folder = dequantized_folder(source)
-        if not (folder / "config.json").is_file():
+        if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
+            # No cache (read-only or full disk): the whole dequantized file is held once, in memory.
             config, tensors, groups = read_gguf(source.folder / source.gguf_file)
-            if _try_write_cache(folder, config, tensors, groups):
-                log.info("dequantized %s into %s", source.gguf_file, folder)
             model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack)
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    groups_path = folder / _GROUPS_FILE
-    groups = dict(_read_safetensors([groups_path])) if groups_path.is_file() else {}
-    model, cfg = _build(config, gen, _read_safetensors(_safetensors_files(folder)), dtype, device, quantization,
-                        groups, prepack)
+    groups_file = folder / _GROUPS_FILE
+    model, cfg = _build(config, gen, _read_copies(_safetensors_files(folder)), dtype, device, quantization,
+                        groups_file if groups_file.is_file() else None, prepack)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
 
@@ -116,9 +133,12 @@ def dequantized_folder(source: ModelSource) -> Path:
 
 def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
            device: torch.device, quantization: str = "none",
-           groups: dict[str, torch.Tensor] | None = None, prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
-    """groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes). prepack:
-    plain projections in oneDNN's layout on a CPU (engine/prepack.py)."""
+           groups: dict[str, torch.Tensor] | Path | None = None,
+           prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
+    """weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
+    groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
+    safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
+    on a CPU (engine/prepack.py)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
     mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)
@@ -126,27 +146,72 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
                               quantization=mode)
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg)
-    # Quantized: matrices stay float32 until quantize_model replaces them, so codes come from exact values.
-    load_dtype = dtype if mode == "none" else torch.float32
-    # Quantized: copies, so no float tensor keeps the checkpoint's memory map (and its pages) alive.
-    copy = mode != "none"
-    cast = ((n, t.to(device=device, dtype=load_dtype, copy=copy) if t.is_floating_point() else t.to(device))
-            for n, t in weights)
-    model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
-    if mode != "none":
-        quantize_model(model, mode, dtype, _our_groups(cfg, groups or {}))
-        for p in model.parameters():  # what was not quantized (norms, MoE experts) computes in dtype
-            p.data = p.data.to(dtype)
-        _release_freed_memory()
+    if mode == "none":
+        cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
+                for n, t in weights)
+        model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
+    else:
+        if isinstance(groups, Path):
+            groups = dict(_read_copies([groups])) if mode == "int4" else None
+        _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
+        groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     if mode == "none" and prepack and usable(model, device):
         prepack_model(model, LAYER_PROJECTIONS)
+    _release_freed_memory()
     return model, cfg
 
 
+def _load_quantized(model: LlamaForCausalLM, cfg: ModelConfig, weights: Weights, mode: str, dtype: torch.dtype,
+                    groups: Groups) -> None:
+    """Loads the CPU model with its projections quantized as they stream in: each matrix (a fused one once
+    its last part arrives) is read as float32, so its codes come from exact values, quantized, and dropped
+    before the next is read. The peak is the quantized model plus about one float32 matrix, never the
+    float32 model. What is not quantized (norms, biases, MoE experts) computes in dtype."""
+    targets = quantized_targets(model, mode)  # module path -> int8 | int4
+    expected = set(model.state_dict())
+    modules: dict[str, nn.Module] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in iter_converted(cfg, _float32(weights)):
+        path = name.removesuffix(".weight")
+        if path in targets:
+            modules[path] = quantize_matrix(t, targets[path], dtype, groups.get(name))
+            _on_quantized(name, t)
+        else:
+            state[name] = t.to(dtype) if t.is_floating_point() else t
+        del t
+    got = state.keys() | {f"{path}.weight" for path in modules}
+    if got != expected:
+        raise RuntimeError(f"checkpoint does not match {cfg.architecture}: missing {sorted(expected - got)}, "
+                           f"unexpected {sorted(got - expected)}")
+    for path, module in modules.items():
+        bias = state.pop(f"{path}.bias", None)
+        if bias is not None:
+            module.bias = nn.Parameter(bias, requires_grad=False)
+        model.set_submodule(path, module)
+    model.load_state_dict(state, strict=False, assign=True)
+    log.info("weights quantized as they loaded: %s projections, int8 embedding", mode)
+
+
+def _float32(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """Float tensors as float32. A map, not a generator: a generator's frame would keep the last tensor it
+    yielded (the last part of a fused group) alive while the caller quantizes the fused matrix."""
+    return map(_float32_item, weights)
+
+
+def _float32_item(item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    name, t = item
+    return name, t.float() if t.is_floating_point() else t
+
+
+def _on_quantized(name: str, weight: torch.Tensor) -> None:
+    """Called with each float32 matrix as it is quantized, before it is dropped (tests watch what is
+    alive at that moment)."""
+
+
 def _release_freed_memory() -> None:
-    """Hands the float32 matrices freed by quantization back to the OS. glibc keeps freed heap memory
-    for reuse, so without this the process stays as large as the float32 model it no longer holds."""
+    """Hands what the load freed (float32 matrices once quantized, cast or packed) back to the OS. glibc
+    keeps freed heap memory for reuse, so without this the process stays larger than the model it holds."""
     import ctypes
 
     try:
@@ -194,20 +259,55 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Streams tensors one at a time, so conversion can fuse and free as it goes."""
-    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
-    total = sum(len(h.keys()) for h in handles)
-    with tqdm(total=total, desc="loading weights", unit="tensor", disable=None, leave=False) as bar:
-        for h in handles:
-            for name in h.keys():
-                yield name, h.get_tensor(name)
-                bar.update()
+def _read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files, in
+    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file lives:
+    a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep the whole
+    file's pages beside its own copies. Read, each matrix's memory goes when the model drops it."""
+    entries = []
+    for f in files:
+        with open(f, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        header.pop("__metadata__", None)
+        for name, info in header.items():
+            begin, end = info["data_offsets"]
+            entries.append((load_order(name), name, f, 8 + size + begin, end - begin, info))
+    entries.sort(key=lambda e: e[0])
+    handles: dict[Path, Any] = {}
+    try:
+        for _, name, f, offset, nbytes, info in tqdm(entries, desc="loading weights", unit="tensor", disable=None,
+                                                     leave=False):
+            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))  # noqa: SIM115 (closed below)
+            yield name, _read_tensor(fh, offset, nbytes, info)  # no local keeps it while the caller holds it
+    finally:
+        for fh in handles.values():
+            fh.close()
+
+
+def _read_tensor(fh: Any, offset: int, nbytes: int, info: dict[str, Any]) -> torch.Tensor:
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    fh.seek(offset)
+    if fh.readinto(buf.numpy().data) != nbytes:
+        raise ValueError(f"{fh.name} is truncated")
+    return buf.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def load_order(name: str) -> tuple[Any, ...]:
+    """Sort key of HF names: layer by layer, the parts of each fused group next to one another (q, k, v;
+    gate, up), so a streamed load never holds one group's parts while it reads another's."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        rest = ".".join(parts[3:])
+        module, _, kind = rest.rpartition(".")
+        ours, shard = HF_NAMES.get(module, (module, None))
+        return (1, int(parts[2]), ours, kind, shard or 0, rest)
+    return (0 if name.startswith("model.") else 2, name)
 
 
 def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields and removes, so each dequantized tensor is freed once the model holds its converted form."""
-    for name in list(tensors):
+    for name in sorted(tensors, key=load_order):
         yield name, tensors.pop(name)
 
 
@@ -219,24 +319,61 @@ def _log_loaded(source: ModelSource, model: nn.Module, cfg: ModelConfig, origin:
 # ---------------------------------------------------------------------------------------- GGUF
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order, the exact int4 groups of its
-    Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order).
+    Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order). Holds the whole
+    dequantized model: write_gguf_cache streams the same tensors to disk instead."""
+    config, _, tensors = _open_gguf(path)
+    groups: dict[str, torch.Tensor] = {}
+    out = {}
+    for name, w, g in tensors:
+        out[name] = w
+        groups.update(g)
+    return config, out, groups
+
+
+def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTensors]:
+    """-> (HF config.json dict, HF name -> shape of every tensor from the header alone, in the order the
+    stream yields them, a stream of (HF name, fp32 tensor in HF's q/k row order, its exact int4 groups by
+    '{hf name}.scale' / '.min', empty unless Q4_0/Q4_1)), each dequantized only when it is asked for.
 
     Undoes what llama.cpp's converter did per family: q/k rows of "llama" permuted to its interleaved
     RoPE order (the others use NEOX, HF's order, and are stored as is); 1 added to every Gemma RMSNorm
     weight (Gemma's norm is x * (1 + w)); Qwen3-MoE's experts stacked into [E, out, in] tensors, whose
-    gate and up are fused here into one [E, 2I, hidden] ([gate; up] rows per expert) as HF v5 holds them."""
+    gate and up are fused into one [E, 2I, hidden] ([gate; up] rows per expert) as HF v5 holds them:
+    the fused tensor comes where the second of the two stands in the file."""
     from gguf import GGUFReader
-    from gguf.quants import dequantize
 
     t0 = time.perf_counter()
     reader = GGUFReader(path)
     config = _gguf_config(reader)
     log.info("read GGUF metadata of %s in %.2f s", path.name, time.perf_counter() - t0)
     arch = reader.fields["general.architecture"].contents()
+    shapes: dict[str, list[int]] = {}
+    halves: dict[str, list[int]] = {}  # fused expert name -> the shape of the half read so far
+    for t in reader.tensors:
+        if t.name.rsplit(".", 1)[0] in _GGUF_CONFIG_TENSORS:
+            continue
+        name, module = _gguf_to_hf_name(t.name, arch)
+        shape = [int(n) for n in reversed(t.shape)]
+        if module in _EXPERT_HALVES:
+            name = name.replace(module, _FUSED_EXPERTS)
+            if name not in halves:
+                halves[name] = shape
+                continue
+            shape = [shape[0], shape[1] + halves.pop(name)[1], *shape[2:]]
+        shapes[name] = shape
+    if halves:
+        raise ValueError(f"GGUF expert tensors without their gate/up counterpart: {sorted(halves)}")
+    config["tie_word_embeddings"] = "lm_head.weight" not in shapes
+    config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
+    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
+    return config, shapes, _dequantize_gguf(reader, config, arch)
+
+
+def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTensors:
+    from gguf.quants import dequantize
+
     unpermute = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     permuted = arch == "llama"
-    tensors: dict[str, torch.Tensor] = {}
-    groups: dict[str, torch.Tensor] = {}
     experts: dict[str, torch.Tensor] = {}  # the gate or up stack that waits for its other half
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
         if t.name.rsplit(".", 1)[0] in _GGUF_CONFIG_TENSORS:
@@ -247,30 +384,28 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
         if a.dtype != np.float32 or not a.flags.writeable:  # F32/F16 come as views of the file map
             a = np.array(a, dtype=np.float32)
         w = torch.from_numpy(a)
+        del a
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
         if arch in _GEMMA_ARCHS and module.endswith(("norm", "layernorm")):
             w = w - 1
-        if module in ("mlp.experts.gate_proj", "mlp.experts.up_proj"):  # [E, I, hidden] each
-            fused = name.replace(module, "mlp.experts.gate_up_proj")
+        if module in _EXPERT_HALVES:  # [E, I, hidden] each
+            fused = name.replace(module, _FUSED_EXPERTS)
             other = experts.pop(fused, None)
             if other is None:
                 experts[fused] = w
                 continue
             gate, up = (w, other) if module == "mlp.experts.gate_proj" else (other, w)
             w, name = torch.cat((gate, up), dim=1), fused
-        tensors[name] = w
-        g = gguf_groups(t.data, t.tensor_type.name, a.shape[-1]) if a.ndim == 2 else None
+            del gate, up, other
+        groups = {}
+        g = gguf_groups(t.data, t.tensor_type.name, w.shape[-1]) if w.ndim == 2 else None
         for suffix, part in zip((".scale", ".min"), g or ()):
             if permuted and module in unpermute:
                 part = from_interleaved(part, unpermute[module])
             groups[name + suffix] = part
-    if experts:
-        raise ValueError(f"GGUF expert tensors without their gate/up counterpart: {sorted(experts)}")
-    config["tie_word_embeddings"] = "lm_head.weight" not in tensors
-    config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
-    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
-    return config, tensors, groups
+        yield name, w, groups
+        del w
 
 
 def _gguf_dtype(matrix_types: set[Any]) -> str:
@@ -412,24 +547,56 @@ def _gemma_config(arch: str, get: Any, layers: int, hidden: int, heads: int, hea
     return out
 
 
-def _try_write_cache(folder: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     groups: dict[str, torch.Tensor]) -> bool:
-    """Writes the HF folder atomically. A failure (read-only or full disk) costs only the next start's
-    speed, so it is logged, not raised."""
+def write_gguf_cache(path: Path, folder: Path) -> bool:
+    """Dequantizes the GGUF file into the HF folder, one tensor at a time: each is written and dropped
+    before the next is dequantized (the safetensors header, written first, needs only the shapes, which
+    the GGUF header has). The folder appears atomically. A failure (read-only or full disk) costs only
+    speed, so it is logged, not raised: -> whether the folder is there."""
     tmp = None
     try:
+        config, shapes, tensors = _open_gguf(path)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        groups = _write_safetensors(tmp / "model.safetensors", shapes, tensors)
         if groups:
             save_file(groups, str(tmp / _GROUPS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
+        log.info("dequantized %s into %s", path.name, folder)
         return True
     except OSError as e:
-        if not (folder / "config.json").is_file():
-            log.warning("could not write the weight cache %s (%s); the next start dequantizes again", folder, e)
+        if (folder / "config.json").is_file():
+            return True
+        log.warning("could not write the weight cache %s (%s); the next start dequantizes again", folder, e)
         return False
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_safetensors(path: Path, shapes: dict[str, list[int]], tensors: GgufTensors) -> dict[str, torch.Tensor]:
+    """Writes the float32 tensors that stream in, in shapes' order, as one safetensors file; -> the groups
+    that came with them. The layout is safetensors' own: an 8-byte header size, a JSON header padded
+    to 8 bytes, then every tensor's bytes back to back."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shapes.items():
+        nbytes = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    groups: dict[str, torch.Tensor] = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        start = f.tell()
+        for name, w, g in tensors:
+            begin, end = header[name]["data_offsets"]
+            if f.tell() - start != begin or list(w.shape) != header[name]["shape"]:
+                raise ValueError(f"GGUF tensor {name!r} is out of order or not the shape its header says")
+            f.write(w.contiguous().numpy().data)
+            groups.update(g)
+            del w
+        if f.tell() - start != offset:
+            raise ValueError(f"GGUF {path.name}: fewer tensors than its header lists")
+    return groups

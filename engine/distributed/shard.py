@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from engine.dtype import resolve_dtype
 from engine.models.config import ModelConfig
-from engine.weights import _safetensors_files, _try_write_cache, dequantized_folder, read_gguf
+from engine.weights import _safetensors_files, dequantized_folder, write_gguf_cache
 from shared.model_source import ModelSource
 
 
@@ -99,15 +99,13 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 def checkpoint_folder(source: ModelSource) -> Path:
     """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
-    cache (once per file) is the one time the engine holds the whole model; the workers never do."""
+    cache streams one tensor at a time (engine/weights.py), so no process holds the whole model."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)
-    if not (folder / "config.json").is_file():
-        config, tensors, groups = read_gguf(source.folder / source.gguf_file)
-        if not _try_write_cache(folder, config, tensors, groups):
-            raise ValueError(f"tensor parallelism reads safetensors, and the dequantized cache {folder} of "
-                             f"{source.gguf_file} could not be written")
+    if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
+        raise ValueError(f"tensor parallelism reads safetensors, and the dequantized cache {folder} of "
+                         f"{source.gguf_file} could not be written")
     return folder
 
 

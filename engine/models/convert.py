@@ -7,7 +7,7 @@ Qwen3-MoE's per-expert matrices are stacked into one [E, ...] tensor per layer.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -45,7 +45,14 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
     """Fuses each group as soon as it is complete, so peak memory stays near one model's worth when
     weights are streamed. partial: drop incomplete fused groups instead of raising (per-matrix
     side data, such as quantization groups, that only some matrices have)."""
-    out: dict[str, torch.Tensor] = {}
+    return dict(iter_converted(cfg, weights, partial))
+
+
+def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
+                   partial: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """convert_hf_weights one tensor at a time: each is yielded as soon as it is complete (a fused one
+    when its last part arrives), and this generator holds no reference to it, nor to its parts, once
+    the caller asks for the next, so a caller that consumes each (quantizes it) keeps only that one."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
     gemma = cfg.architecture in _GEMMA
     for name, t in weights:
@@ -54,18 +61,20 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
         if gemma and name.endswith("norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w)
         if not name.startswith("model.layers."):
-            out[name] = t
+            yield name, t
+            del t
             continue
         _, _, idx, rest = name.split(".", 3)  # model.layers.{idx}.{module}.{weight|bias}
         if rest.startswith("mlp.experts.") and rest.count(".") == 4:  # mlp.experts.{e}.{proj}.weight
             _, _, e, proj, _ = rest.split(".")
             stacked, part = _EXPERT_NAMES[proj]
             key = f"model.layers.{idx}.{stacked}"
-            group = pending.setdefault(key, {})
-            group[int(e) * 2 + part] = t
-            if len(group) == cfg.num_experts * (2 if stacked == "moe.gate_up" else 1):
-                out[key] = _stack_experts(group, cfg.num_experts, stacked == "moe.gate_up")
-                del pending[key]
+            pending.setdefault(key, {})[int(e) * 2 + part] = t
+            del t
+            if len(pending[key]) == cfg.num_experts * (2 if stacked == "moe.gate_up" else 1):
+                out = _stack_experts(pending.pop(key), cfg.num_experts, stacked == "moe.gate_up")
+                yield key, out
+                del out
             continue
         module, kind = rest.rsplit(".", 1) if rest.endswith((".weight", ".bias")) else (rest, "")
         if module not in HF_NAMES:
@@ -74,16 +83,22 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
         t = _to_interleaved(cfg, module, t)
         key = f"model.layers.{idx}.{ours}" + (f".{kind}" if kind else "")
         if shard is None:
-            out[key] = t
+            yield key, t
+            del t
             continue
-        group = pending.setdefault(key, {})
-        group[shard] = t
-        if len(group) == (3 if ours == "qkv_proj" else 2):
-            out[key] = torch.cat([group[i] for i in range(len(group))])
-            del pending[key]
+        pending.setdefault(key, {})[shard] = t
+        del t
+        if len(pending[key]) == (3 if ours == "qkv_proj" else 2):
+            out = _cat_shards(pending.pop(key))
+            yield key, out
+            del out
     if pending and not partial:
         raise ValueError(f"incomplete fused weights: {sorted(pending)}")
-    return out
+
+
+def _cat_shards(group: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The shards in index order along dim 0 (the dict, the caller's last reference to them, dies here)."""
+    return torch.cat([group[i] for i in range(len(group))])
 
 
 def _to_interleaved(cfg: ModelConfig, module: str, t: torch.Tensor) -> torch.Tensor:

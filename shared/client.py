@@ -128,13 +128,16 @@ class AsyncEngineClient:
         """Idempotent. Open streams end with EngineDead; sockets close without lingering."""
         self._dead = EngineDead("client closed")
         self._fail_all(self._dead)
+        if self._ctx is not None:
+            # Before the monitor loop ends and closes its PAIR: an event for a closed PAIR (the engine going
+            # away at this moment) blocks libzmq's I/O thread for good, and this call with it (libzmq#3575).
+            self._sock.disable_monitor()
         tasks = [*self._tasks, *self._side_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
         if self._ctx is not None:
-            self._sock.disable_monitor()
             self._ctx.destroy(linger=0)
             self._ctx = None
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -250,3 +251,42 @@ def test_sync_client_generate_choices() -> None:
         outs = client.generate_choices("hi", SamplingParams(max_tokens=20, n=2))
         assert [(o.index, o.text, o.logprobs) for o in outs] == [(0, " a b", None), (1, " c", None)]
         assert outs[0].num_output_tokens == 3
+
+
+_CLOSE_WHILE_ENGINE_GOES = """
+import asyncio, threading
+import shared.client as C
+from tests.fakes import FakeEngine
+
+async def main():
+    eng = FakeEngine().__enter__()
+    client = C.AsyncEngineClient(eng.address)
+    monitor_loop = client._monitor_loop
+
+    async def engine_goes_as_the_monitor_closes(monitor):
+        try:
+            await monitor_loop(monitor)
+        finally:  # the monitor's PAIR is closed now; the engine's socket closes; let the I/O thread see it
+            eng.stop()
+            threading.Event().wait(0.2)
+
+    client._monitor_loop = engine_goes_as_the_monitor_closes
+    await client.start(10)
+    await client.close()
+
+for _ in range(3):
+    asyncio.run(main())
+print("closed")
+"""
+
+
+def test_close_returns_when_the_engine_goes_away_during_it() -> None:
+    """libzmq blocks its I/O thread for good on a monitor event for a closed PAIR (libzmq#3575), and the
+    client's close() with it, holding the GIL: a gateway or test whose engine died as it shut down hung.
+    In a subprocess, so a hang fails this test instead of stopping the suite."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_ENGINE_GOES], capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr[-2000:]

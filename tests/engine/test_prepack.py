@@ -1,0 +1,55 @@
+"""Prepacked projections (engine/prepack.py): oneDNN's packed kernel for few rows, MKL on the kept plain
+matrix from plain_from rows on. Both sides of the threshold must give F.linear's numbers, with and without
+a bias, alone and with the residual added inside the GEMM."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import prepack
+from engine.prepack import PackedLinear
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN absent from this torch")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 8, 33])
+def test_packed_linear_equals_f_linear_on_either_side_of_the_threshold(rows: int, with_bias: bool) -> None:
+    torch.manual_seed(rows)
+    w, b = torch.randn(48, 32), torch.randn(48) if with_bias else None
+    x, h = torch.randn(rows, 32), torch.randn(rows, 48)
+    packed = PackedLinear(w, b, plain_from=8)  # rows 1 and 7 on the packed kernel, 8 and 33 on the plain matrix
+    torch.testing.assert_close(packed(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.add_to(h.clone(), x), h + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = nn.Linear(32, 48, bias=False)
+
+
+class _Model(nn.Module):
+    """The attributes prepack_model reads: model.layers, model.embed_tokens, lm_head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.model.embed_tokens = nn.Embedding(64, 32)
+        self.lm_head = None
+
+
+def test_plain_copies_are_kept_only_for_small_float32_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prepack, "PLAIN_FROM_ROWS", {torch.backends.cpu.get_cpu_capability(): 16})
+    model = _Model()
+    prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
+    layer = model.model.layers[0].qkv_proj
+    assert isinstance(layer, PackedLinear) and layer.plain is not None and layer.plain_from == 16
+    monkeypatch.setattr(prepack, "PLAIN_MAX_BYTES", 2 * 48 * 32 * 4 - 1)  # one byte short of both matrices
+    model = _Model()
+    prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
+    assert all(layer.qkv_proj.plain is None for layer in model.model.layers)
+    assert model.lm_head.plain is None  # type: ignore[attr-defined]

@@ -156,7 +156,8 @@ class AsyncEngineClient:
             return
         log.warning("engine lost: %s", reason)
         self._lost = True
-        self._ready_evt.clear()
+        if self._refused is None:  # a refused handshake's disconnect: the refusal stays wait_ready()'s answer
+            self._ready_evt.clear()
         for rid, refusal in self._resumer.hold(self.resume_timeout > 0).items():
             self._streams.pop(rid).put(EngineDead(refusal_message(reason, refusal)))
         for waiters in (self._stats_waiters, self._trace_waiters):
@@ -221,6 +222,8 @@ class AsyncEngineClient:
         try:
             await asyncio.wait_for(self._ready_evt.wait(), timeout)
         except TimeoutError:
+            if self._refused is not None:
+                raise EngineDead(self._refused) from None
             why = "lost the connection and it did not come back" if self._lost else "did not answer HELLO"
             hint = " (with CURVE keys: is DIR/client/engine.key this engine's public key?)" if self._keys else ""
             raise EngineDead(f"engine at {self.address} {why} within {timeout:g}s{hint}") from None

@@ -6,94 +6,40 @@ own, one at a time (not memory-mapped: see _read_copies). A quantized model (eng
 every projection as soon as its matrix (a fused one once its last part arrives) is there, so it never
 holds more than one float32 matrix beside its codes.
 
-A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into a
-plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
-dequantized_folder(source), one tensor at a time; config.json's torch_dtype says what precision the
-file's matrices carried, for --dtype auto. Every start, the first included, then reads that folder
-like any HF model, in well under a second. The folder appears atomically (written beside it, then
-renamed), so a crash or a concurrent start never leaves a half-written cache that looks complete. Only
-where it cannot be written (read-only or full disk) is the whole dequantized file held in memory.
+A GGUF file is read by engine/gguf.py, which dequantizes it once into a plain HF folder in
+dequantized_folder(source); every start then loads that folder like any HF model.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
-import os
-import shutil
 import struct
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
 from engine.dtype import resolve_dtype
+from engine.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
 from engine.prepack import prepack_model, usable
-from engine.quant import (
-    LAYER_PROJECTIONS,
-    Groups,
-    auto_mode,
-    gguf_groups,
-    quantize_matrix,
-    quantized_targets,
-    weight_bytes,
-)
+from engine.quant import LAYER_PROJECTIONS, Groups, quantize_matrix, quantized_targets, weight_bytes
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
 
-# GGUF architecture -> (HF architecture, HF model_type). llama.cpp files Mistral under "llama"; its
-# "mistral3" is Mistral 3 (YaRN, attention temperature), a family Conveyor does not serve.
-_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-               "phi3": ("Phi3ForCausalLM", "phi3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-               "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
-_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_GGUF_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3, gemma3
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Where a family's llama.cpp names mean something else or add to the above.
-_GEMMA_LAYER = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-_GGUF_LAYER_BY_ARCH = {
-    "gemma2": _GEMMA_LAYER,
-    "gemma3": _GEMMA_LAYER,
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as HF ships them
-    # experts stacked [E, out, in]; gate and up are fused into transformers v5's gate_up_proj by read_gguf
-    "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                 "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
-}
-_GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")
-_EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")  # fused into _FUSED_EXPERTS on reading
-_FUSED_EXPERTS = "mlp.experts.gate_up_proj"  # Phi-3 LongRoPE: read into the config
-_GEMMA_ARCHS = ("gemma2", "gemma3")
 Weights = Iterable[tuple[str, torch.Tensor]]
-GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # (HF name, fp32 tensor, its int4 groups)
 _CACHE_FORMAT = 3  # bump when what the dequantized folder holds changes (3: int4 groups, quantization)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool}
-_GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str,
@@ -314,289 +260,3 @@ def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor
 def _log_loaded(source: ModelSource, model: nn.Module, cfg: ModelConfig, origin: Path, t0: float) -> None:
     log.info("loaded %s (%.0f MiB of weights, %s, quantization %s) from %s in %.2f s", source.name,
              weight_bytes(model) / 2**20, cfg.dtype, cfg.quantization, origin, time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------------------------------- GGUF
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order, the exact int4 groups of its
-    Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order). Holds the whole
-    dequantized model: write_gguf_cache streams the same tensors to disk instead."""
-    config, _, tensors = _open_gguf(path)
-    groups: dict[str, torch.Tensor] = {}
-    out = {}
-    for name, w, g in tensors:
-        out[name] = w
-        groups.update(g)
-    return config, out, groups
-
-
-def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTensors]:
-    """-> (HF config.json dict, HF name -> shape of every tensor from the header alone, in the order the
-    stream yields them, a stream of (HF name, fp32 tensor in HF's q/k row order, its exact int4 groups by
-    '{hf name}.scale' / '.min', empty unless Q4_0/Q4_1)), each dequantized only when it is asked for.
-
-    Undoes what llama.cpp's converter did per family: q/k rows of "llama" permuted to its interleaved
-    RoPE order (the others use NEOX, HF's order, and are stored as is); 1 added to every Gemma RMSNorm
-    weight (Gemma's norm is x * (1 + w)); Qwen3-MoE's experts stacked into [E, out, in] tensors, whose
-    gate and up are fused into one [E, 2I, hidden] ([gate; up] rows per expert) as HF v5 holds them:
-    the fused tensor comes where the second of the two stands in the file."""
-    from gguf import GGUFReader
-
-    t0 = time.perf_counter()
-    reader = GGUFReader(path)
-    config = _gguf_config(reader)
-    log.info("read GGUF metadata of %s in %.2f s", path.name, time.perf_counter() - t0)
-    arch = reader.fields["general.architecture"].contents()
-    shapes: dict[str, list[int]] = {}
-    halves: dict[str, list[int]] = {}  # fused expert name -> the shape of the half read so far
-    for t in reader.tensors:
-        if t.name.rsplit(".", 1)[0] in _GGUF_CONFIG_TENSORS:
-            continue
-        name, module = _gguf_to_hf_name(t.name, arch)
-        shape = [int(n) for n in reversed(t.shape)]
-        if module in _EXPERT_HALVES:
-            name = name.replace(module, _FUSED_EXPERTS)
-            if name not in halves:
-                halves[name] = shape
-                continue
-            shape = [shape[0], shape[1] + halves.pop(name)[1], *shape[2:]]
-        shapes[name] = shape
-    if halves:
-        raise ValueError(f"GGUF expert tensors without their gate/up counterpart: {sorted(halves)}")
-    config["tie_word_embeddings"] = "lm_head.weight" not in shapes
-    config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
-    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
-    return config, shapes, _dequantize_gguf(reader, config, arch)
-
-
-def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTensors:
-    from gguf.quants import dequantize
-
-    unpermute = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
-    permuted = arch == "llama"
-    experts: dict[str, torch.Tensor] = {}  # the gate or up stack that waits for its other half
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
-        if t.name.rsplit(".", 1)[0] in _GGUF_CONFIG_TENSORS:
-            continue
-        name, module = _gguf_to_hf_name(t.name, arch)
-        a = dequantize(t.data, t.tensor_type)  # [rows, cols] float32 (GGUF lists shapes reversed)
-        assert a.shape == tuple(int(n) for n in reversed(t.shape)), (t.name, a.shape, t.shape)
-        if a.dtype != np.float32 or not a.flags.writeable:  # F32/F16 come as views of the file map
-            a = np.array(a, dtype=np.float32)
-        w = torch.from_numpy(a)
-        del a
-        if permuted and module in unpermute:
-            w = from_interleaved(w, unpermute[module])
-        if arch in _GEMMA_ARCHS and module.endswith(("norm", "layernorm")):
-            w = w - 1
-        if module in _EXPERT_HALVES:  # [E, I, hidden] each
-            fused = name.replace(module, _FUSED_EXPERTS)
-            other = experts.pop(fused, None)
-            if other is None:
-                experts[fused] = w
-                continue
-            gate, up = (w, other) if module == "mlp.experts.gate_proj" else (other, w)
-            w, name = torch.cat((gate, up), dim=1), fused
-            del gate, up, other
-        groups = {}
-        g = gguf_groups(t.data, t.tensor_type.name, w.shape[-1]) if w.ndim == 2 else None
-        for suffix, part in zip((".scale", ".min"), g or ()):
-            if permuted and module in unpermute:
-                part = from_interleaved(part, unpermute[module])
-            groups[name + suffix] = part
-        yield name, w, groups
-        del w
-
-
-def _gguf_dtype(matrix_types: set[Any]) -> str:
-    """The precision the file's matrices carry (norms are F32 in every file, so only matrices count):
-    float32 only when they are F32. Quantized codes (4 to 8 bits times fp16 scales) lose far less to
-    bfloat16 rounding than to their own quantization, so they read as bfloat16."""
-    from gguf import GGMLQuantizationType as Q
-
-    if matrix_types <= {Q.F32}:
-        return "float32"
-    return "float16" if matrix_types <= {Q.F32, Q.F16} else "bfloat16"
-
-
-def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k permutation: within each head, rows (2j, 2j+1) -> (j, j + D/2).
-    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works for weights and biases."""
-    d_half = w.shape[0] // num_heads // 2
-    return w.reshape(num_heads, d_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _gguf_to_hf_name(name: str, arch: str) -> tuple[str, str]:
-    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'self_attn.q_proj'). Stacked
-    experts keep HF v5's names, which have no '.weight'."""
-    base, kind = name.rsplit(".", 1)
-    if base in _GGUF_GLOBAL:
-        return f"{_GGUF_GLOBAL[base]}.{kind}", base
-    parts = base.split(".")
-    layer = {**_GGUF_LAYER, **_GGUF_LAYER_BY_ARCH.get(arch, {})}
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
-        module = layer[parts[2]]
-        suffix = "" if module.startswith("mlp.experts.") else f".{kind}"
-        return f"model.layers.{parts[1]}.{module}{suffix}", module
-    if base == "rope_freqs":
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style RoPE scaling stored as factors) is not supported")
-    raise ValueError(f"unexpected GGUF tensor {name!r} for architecture {arch!r}")
-
-
-def _gguf_config(reader: Any) -> dict[str, Any]:
-    """GGUF metadata -> an HF config.json dict ({arch}.* keys, tokenizer.ggml.* token ids), with what
-    llama.cpp assumes for a family where the file is silent (Gemma's window patterns and local RoPE
-    base, its attention scale, Qwen3-MoE's renormalised top-k)."""
-
-    def get(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHS)}")
-    hf_arch, model_type = _GGUF_ARCHS[arch]
-    hidden, heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
-    head_dim = get(f"{arch}.attention.key_length") or hidden // heads
-    rope_dims = get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim}: partial RoPE is not supported")
-    by_name = {t.name: t for t in reader.tensors}
-    embd = by_name.get("token_embd.weight")
-    vocab = int(embd.shape[-1]) if embd is not None else (
-        get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
-    rope_type = get(f"{arch}.rope.scaling.type", "none")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": get(f"{arch}.rope.freq_base", 10000.0)}
-    if rope_type == "linear":
-        rope.update(rope_type="linear", factor=get(f"{arch}.rope.scaling.factor"))
-    elif rope_type != "none":
-        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported")
-    if "rope_factors_long.weight" in by_name:  # Phi-3 LongRoPE: llama.cpp knows it by these tensors
-        if rope_type != "none":
-            raise ValueError(f"GGUF LongRoPE factors together with rope scaling {rope_type!r} are not supported")
-        from gguf.quants import dequantize
-
-        factors = {k: dequantize(by_name[f"rope_factors_{k}.weight"].data, by_name[f"rope_factors_{k}.weight"]
-                                 .tensor_type).astype(np.float64).tolist() for k in ("long", "short")}
-        rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"],
-                    original_max_position_embeddings=get(f"{arch}.rope.scaling.original_context_length"),
-                    attention_factor=get(f"{arch}.rope.scaling.attn_factor"))
-    # The ids that end generation: eos, plus end-of-turn / end-of-message where the file names them.
-    eos = [get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    layers = get(f"{arch}.block_count")
-    config = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": get(f"{arch}.feed_forward_length") or get(f"{arch}.expert_feed_forward_length"),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_parameters": rope,
-        "max_position_embeddings": get(f"{arch}.context_length"),
-        "hidden_act": "silu",
-        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
-    }
-    if arch == "phi3":
-        window = get(f"{arch}.attention.sliding_window", 0)  # 0: none (how the converter writes Phi-4)
-        config["sliding_window"] = window or None
-    elif arch == "qwen3moe":
-        gated = {int(n.split(".")[1]) for n in by_name if n.endswith(".ffn_gate_inp.weight")}
-        config.update(num_experts=get(f"{arch}.expert_count"), num_experts_per_tok=get(f"{arch}.expert_used_count"),
-                      moe_intermediate_size=get(f"{arch}.expert_feed_forward_length"),
-                      norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top-k weights
-                      decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if i not in gated])
-    elif arch in _GEMMA_ARCHS:
-        config.update(_gemma_config(arch, get, layers, hidden, heads, head_dim, rope))
-    return config
-
-
-def _gemma_config(arch: str, get: Any, layers: int, hidden: int, heads: int, head_dim: int,
-                  rope: dict[str, Any]) -> dict[str, Any]:
-    """What llama.cpp's Gemma 2 / 3 loaders read or assume: a window on all but every 2nd (Gemma 2) /
-    6th (Gemma 3) layer unless the file gives attention.sliding_window_pattern (a period, or a flag per
-    layer: true = sliding); Gemma 3's sliding layers rotate with base 10000 unless rope.freq_base_swa
-    says otherwise, and without the global layers' scaling; q is scaled by 1/sqrt(head_dim), except for
-    the 27B models (46 / 62 layers), which use 1/sqrt(hidden / heads); Gemma 2's soft-caps default to 50
-    (scores) and 30 (logits) when the file omits them."""
-    gemma2 = arch == "gemma2"
-    window = get(f"{arch}.attention.sliding_window", 4096 if gemma2 else None)
-    pattern = get(f"{arch}.attention.sliding_window_pattern", 2 if gemma2 else 6)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"GGUF sliding_window_pattern has {len(pattern)} entries for {layers} layers")
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [int(pattern) > 0 and i % int(pattern) < int(pattern) - 1 for i in range(layers)]
-    big = layers == (46 if gemma2 else 62)
-    out: dict[str, Any] = {
-        "hidden_act": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": hidden // heads if big else head_dim,
-        "sliding_window": window or None,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "attn_logit_softcapping": get(f"{arch}.attn_logit_softcapping", 50.0) if gemma2 else None,
-        "final_logit_softcapping": get(f"{arch}.final_logit_softcapping", 30.0 if gemma2 else None),
-    }
-    if not gemma2:
-        local = {"rope_type": "default", "rope_theta": get(f"{arch}.rope.freq_base_swa", 10000.0)}
-        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
-    return out
-
-
-def write_gguf_cache(path: Path, folder: Path) -> bool:
-    """Dequantizes the GGUF file into the HF folder, one tensor at a time: each is written and dropped
-    before the next is dequantized (the safetensors header, written first, needs only the shapes, which
-    the GGUF header has). The folder appears atomically. A failure (read-only or full disk) costs only
-    speed, so it is logged, not raised: -> whether the folder is there."""
-    tmp = None
-    try:
-        config, shapes, tensors = _open_gguf(path)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
-        groups = _write_safetensors(tmp / "model.safetensors", shapes, tensors)
-        if groups:
-            save_file(groups, str(tmp / _GROUPS_FILE), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
-        log.info("dequantized %s into %s", path.name, folder)
-        return True
-    except OSError as e:
-        if (folder / "config.json").is_file():
-            return True
-        log.warning("could not write the weight cache %s (%s); the next start dequantizes again", folder, e)
-        return False
-    finally:
-        if tmp is not None and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_safetensors(path: Path, shapes: dict[str, list[int]], tensors: GgufTensors) -> dict[str, torch.Tensor]:
-    """Writes the float32 tensors that stream in, in shapes' order, as one safetensors file; -> the groups
-    that came with them. The layout is safetensors' own: an 8-byte header size, a JSON header padded
-    to 8 bytes, then every tensor's bytes back to back."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape in shapes.items():
-        nbytes = 4 * int(np.prod(shape))
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    groups: dict[str, torch.Tensor] = {}
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        start = f.tell()
-        for name, w, g in tensors:
-            begin, end = header[name]["data_offsets"]
-            if f.tell() - start != begin or list(w.shape) != header[name]["shape"]:
-                raise ValueError(f"GGUF tensor {name!r} is out of order or not the shape its header says")
-            f.write(w.contiguous().numpy().data)
-            groups.update(g)
-            del w
-        if f.tell() - start != offset:
-            raise ValueError(f"GGUF {path.name}: fewer tensors than its header lists")
-    return groups

@@ -21,8 +21,9 @@ import torch
 from safetensors import safe_open
 
 from engine.dtype import resolve_dtype
+from engine.gguf import write_gguf_cache
 from engine.models.config import ModelConfig
-from engine.weights import _safetensors_files, dequantized_folder, write_gguf_cache
+from engine.weights import _safetensors_files, dequantized_folder
 from shared.model_source import ModelSource
 
 
@@ -99,7 +100,7 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 def checkpoint_folder(source: ModelSource) -> Path:
     """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
-    cache streams one tensor at a time (engine/weights.py), so no process holds the whole model."""
+    cache streams one tensor at a time (engine/gguf.py), so no process holds the whole model."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)

@@ -14,10 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import engine.gguf
 import engine.quant
 import engine.weights
+from engine.gguf import read_gguf
 from engine.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
-from engine.weights import _our_groups, dequantized_folder, load_model, read_gguf
+from engine.weights import _our_groups, dequantized_folder, load_model
 from shared.model_source import resolve_model
 from tests.conftest import save_tiny
 from tests.engine.test_families import FAMILIES
@@ -110,18 +112,19 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
         assert groups and all(isinstance(model.get_submodule(p.removesuffix(".weight")), Int4Linear) for p in groups)
 
 
-def _track(monkeypatch, name: str) -> list[weakref.ref]:
-    """Wraps the reader engine.weights.<name> so every tensor it yields is watched through a weak reference.
-    The wrapper is a map, which (like the loader's own stages) keeps no reference to what it passed on."""
+def _track(monkeypatch, module, name: str) -> list[weakref.ref]:
+    """Wraps the reader module.<name> so every tensor it yields is watched through a weak reference; module is
+    the one whose code looks the name up, or the wrapper is never called. The wrapper is a map, which (like
+    the loader's own stages) keeps no reference to what it passed on."""
     seen: list[weakref.ref] = []
-    reader = getattr(engine.weights, name)
+    reader = getattr(module, name)
 
     def watch(item):
         if not item[0].endswith((".scale", ".min")):  # int4 groups (small, kept for the whole load)
             seen.append(weakref.ref(item[1]))
         return item
 
-    monkeypatch.setattr(engine.weights, name, lambda *args: map(watch, reader(*args)))
+    monkeypatch.setattr(module, name, lambda *args: map(watch, reader(*args)))
     return seen
 
 
@@ -132,8 +135,8 @@ def _alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_qwen2_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))  # the GGUF's first load: its cache is written here
-    dequantized = _track(monkeypatch, "_dequantize_gguf")
-    read = _track(monkeypatch, "_read_copies")
+    dequantized = _track(monkeypatch, engine.gguf, "_dequantize_gguf")  # looked up by engine.gguf._open_gguf
+    read = _track(monkeypatch, engine.weights, "_read_copies")  # looked up by engine.weights.load_model
     quantized: list[str] = []
     most_at_read = 0
 
@@ -170,7 +173,7 @@ def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_
     file holds exactly what read_gguf (the whole file in memory) returns."""
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     source = resolve_model(str(tiny_gguf))
-    reader = engine.weights._dequantize_gguf
+    reader = engine.gguf._dequantize_gguf
     refs: list[weakref.ref] = []
     most = 0
 
@@ -182,10 +185,10 @@ def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_
             yield item
             del item
 
-    monkeypatch.setattr(engine.weights, "_dequantize_gguf", watched)
-    assert engine.weights.write_gguf_cache(tiny_gguf, dequantized_folder(source))
+    monkeypatch.setattr(engine.gguf, "_dequantize_gguf", watched)
+    assert engine.gguf.write_gguf_cache(tiny_gguf, dequantized_folder(source))
     assert most == 0 and len(refs) > 1
-    monkeypatch.setattr(engine.weights, "_dequantize_gguf", reader)
+    monkeypatch.setattr(engine.gguf, "_dequantize_gguf", reader)
     config, tensors, groups = read_gguf(tiny_gguf)
     folder = dequantized_folder(source)
     written = load_file(folder / "model.safetensors")

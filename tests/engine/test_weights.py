@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from engine.gguf import from_interleaved
 from engine.models import MODELS, ModelConfig, get_model_class
 from engine.models.llama import LlamaForCausalLM, to_interleaved
-from engine.weights import dequantized_folder, from_interleaved, load_model
+from engine.weights import dequantized_folder, load_model
 from tests.reference import transformers_gguf_model
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,

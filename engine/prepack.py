@@ -57,19 +57,23 @@ class PackedLinear(nn.Module):
                              persistent=False)  # a buffer, so the model's size counts it
         self.plain: torch.Tensor | None
         self.register_buffer("plain", weight.detach() if plain_from is not None else None, persistent=False)
-        self.plain_from = plain_from if plain_from is not None else 1 << 62
+        self.plain_from = plain_from
         self.bias = bias
 
+    def _plain_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The plain matrix when x has rows enough for MKL to be the faster kernel, else None."""
+        return self.plain if self.plain_from is not None and x.shape[0] >= self.plain_from else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] >= self.plain_from:
-            return F.linear(x, self.plain, self.bias)
+        if (plain := self._plain_for(x)) is not None:
+            return F.linear(x, plain, self.bias)
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return y
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b), the addition fused into the GEMM."""
-        if self.plain is not None and x.shape[0] >= self.plain_from:
-            out = torch.addmm(h, x, self.plain.t())
+        if (plain := self._plain_for(x)) is not None:
+            out = torch.addmm(h, x, plain.t())
             return out if self.bias is None else out.add_(self.bias)
         if self.bias is not None:
             return h + self.forward(x)

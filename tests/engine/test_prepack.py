@@ -42,7 +42,7 @@ class _Model(nn.Module):
         self.lm_head = None
 
 
-def test_plain_copies_are_kept_only_for_small_float32_models(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_copies_are_kept_only_while_the_projections_are_small(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepack, "PLAIN_FROM_ROWS", {torch.backends.cpu.get_cpu_capability(): 16})
     model = _Model()
     prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]

@@ -236,7 +236,7 @@ def test_speculative_ngram_drafts_trim_and_release(checkpoints):
 
 def test_beam_search_over_released_blocks_equals_transformers(checkpoints):
     """Beams fork every step and share their live blocks; each releases its own references."""
-    from tests.engine.test_beam_search import assert_same, hf_beams
+    from tests.engine.test_beam_search import assert_same, engine_beams, hf_beams
 
     folder, _ = checkpoints("mistral", ALL_WINDOWED["mistral"])
     model = hf_folder_model(folder)
@@ -246,13 +246,7 @@ def test_beam_search_over_released_blocks_equals_transformers(checkpoints):
     core = EngineCore(build_config(str(folder), num_blocks=17, block_size=BLOCK, max_num_batched_tokens=CHUNK,
                                    num_cpu_blocks=32, num_threads=1))
     seen = watch(core, -(-WINDOW // BLOCK) + 1)
-    out: dict[tuple[str, int], list[int]] = {}
-    for i, p in enumerate(prompts):
-        core.add(f"r{i}", p, params)
-    while core.has_work():
-        for o in core.step():
-            out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
-    for i, p in enumerate(prompts):
-        assert_same([out[(f"r{i}", k)] for k in range(2)], hf_beams(model, p, params, None))
+    for ours, p in zip(engine_beams(core, prompts, params), prompts):
+        assert_same(ours, hf_beams(model, p, params, None))
     assert seen["released"] >= 5
     assert_all_blocks_back(core)

@@ -2,7 +2,6 @@
 in-process, engine/loop.py drives it from ZeroMQ."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -88,8 +87,7 @@ class EngineCore:
         live = bm.max_live_blocks(config.scheduler.max_num_batched_tokens)
         if live is None or live > bm.num_blocks:
             self.max_model_len = min(self.max_model_len, bm.num_blocks * block_size)
-        self.scheduler = Scheduler(dataclasses.replace(config.scheduler, max_model_len=self.max_model_len),
-                                   self.block_manager, self.proposer)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.proposer)
         self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)

@@ -61,8 +61,10 @@ def _victim_order(seq: Sequence) -> tuple[int, int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, proposer: Proposer | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
+        self.max_model_len = max_model_len  # the engine's limit, narrowed by model, backend, pool, draft
         self.bm = block_manager
         self.proposer = proposer
         # Speculative decoding counters: verification steps (a request with drafts), drafts, accepted.
@@ -208,7 +210,7 @@ class Scheduler:
         if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
             return None
         k = min(self.proposer.k, budget, p.max_tokens - seq.num_output_tokens - 1,
-                self.config.max_model_len - seq.num_tokens - 1)
+                self.max_model_len - seq.num_tokens - 1)
         if k <= 0:
             return None
         drafts = self.proposer.plan(seq, k)
@@ -380,7 +382,7 @@ class Scheduler:
             if cands[0][0].status.finished:
                 continue
             try:
-                step = groups.beam_step(cands, self.config.max_model_len)
+                step = groups.beam_step(cands, self.max_model_len)
                 deltas += self._apply_beam_step(step) if step is not None else []
             except Exception as e:
                 log.exception("request %s: beam search failed", cands[0][0].request.request_id)
@@ -469,7 +471,7 @@ class Scheduler:
         ended = seq.matcher is not None and structured.advance(seq, token)  # the grammar is complete
         if ended or (token in seq.stop_ids and num_output > p.min_tokens):
             seq.status = SequenceStatus.FINISHED_STOPPED
-        elif num_output >= p.max_tokens or num_tokens >= self.config.max_model_len:
+        elif num_output >= p.max_tokens or num_tokens >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
 
     def _finish(self, seq: Sequence) -> None:

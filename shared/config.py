@@ -37,7 +37,6 @@ class SchedulerConfig:
     # prefill_first: new prompts get a step of their own (lowest TTFT, decodes stall);
     # mixed: whole prompts join the decode step (simple; a long prompt stalls every decode once).
     prefill_policy: str = "chunked"
-    max_model_len: int = 2048
     # Admit new requests only every N steps: fewer batch changes (steadier ITL), worse TTFT.
     schedule_interval: int = 1
     # TGI's knob: while requests run, admit new ones only when waiting >= ratio * running (0 = off).
@@ -55,7 +54,6 @@ class SchedulerConfig:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
         _require(self.prefill_policy in PREFILL_POLICIES, f"prefill_policy must be one of {PREFILL_POLICIES}")
-        _require(self.max_model_len >= 2, "max_model_len must be >= 2")
         _require(self.schedule_interval >= 1, "schedule_interval must be >= 1")
         _require(self.waiting_served_ratio >= 0, "waiting_served_ratio must be >= 0")
         _require(self.max_long_prefills >= 1, "max_long_prefills must be >= 1")
@@ -162,6 +160,7 @@ class EngineConfig:
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -190,10 +189,32 @@ def build_config(model: str, **options: Any) -> EngineConfig:
     validated EngineConfig. Unknown names are a TypeError, bad values a ValueError."""
     parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, EngineConfig: {}}
     for key, value in options.items():
-        owner = next((cls for cls in parts if key in {f.name for f in fields(cls)}), None)
-        if owner is None or key in ("scheduler", "cache", "model") or (owner is EngineConfig and key == "speculative"):
+        owners = [cls for cls in parts if key in _option_names(cls)]
+        if not owners:
             raise TypeError(f"unknown engine option {key!r}")
-        parts[owner][key] = value
+        parts[owners[0]][key] = value
     return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
                         cache=CacheConfig(**parts[CacheConfig]),
                         speculative=SpeculativeConfig(**parts[SpeculativeConfig]), **parts[EngineConfig])
+
+
+def _option_names(cls: type) -> set[str]:
+    """The flat option names a config class owns: EngineConfig's model and nested configs are not
+    options (SpeculativeConfig's own `speculative`, the method, is)."""
+    names = {f.name for f in fields(cls)}
+    return names - {"model", "scheduler", "cache", "speculative"} if cls is EngineConfig else names
+
+
+def check_one_owner() -> None:
+    """Each option lives in exactly one config class: a name in two would reach only the first, and
+    the other copy would silently keep its default (how --max-model-len was once ignored)."""
+    classes = (SchedulerConfig, CacheConfig, SpeculativeConfig, EngineConfig)
+    seen: dict[str, str] = {}
+    for cls in classes:
+        for name in _option_names(cls):
+            if name in seen:
+                raise TypeError(f"engine option {name!r} is owned by both {seen[name]} and {cls.__name__}")
+            seen[name] = cls.__name__
+
+
+check_one_owner()

@@ -122,3 +122,12 @@ def test_prompt_that_can_never_fit_is_rejected_and_others_continue(tiny_llama_di
     while core.has_work():
         got += [t for o in core.step() for t in o.new_token_ids]
     assert len(got) == 5
+
+
+def test_max_model_len_option_narrows_the_engine_limit(tiny_llama_dir) -> None:  # noqa: ANN001
+    """The offline API's max_model_len reaches the scheduler and the admission limits alike."""
+    from engine.offline import LLM
+
+    llm = LLM(str(tiny_llama_dir), num_threads=1, kv_cache_memory="8MiB", max_model_len=40)
+    core = llm.core
+    assert core.max_model_len == core.scheduler.max_model_len == core.limits.max_model_len == 40

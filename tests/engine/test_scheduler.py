@@ -29,7 +29,7 @@ def run_step(s: Scheduler, token: int = 7):
 
 
 def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_model_len=10_000, **cfg), BlockManager(num_blocks, block_size))
+    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size), 10_000)
 
 
 @pytest.mark.parametrize("policy", ["chunked", "prefill_first", "mixed"])
@@ -153,8 +153,8 @@ def test_long_prompt_cap_lets_short_prompts_overtake():
 
 
 def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_again_at_once():
-    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=10_000)
-    s = Scheduler(config, BlockManager(6, 4, num_cpu_blocks=16))
+    config = SchedulerConfig(max_num_batched_tokens=64)
+    s = Scheduler(config, BlockManager(6, 4, num_cpu_blocks=16), 10_000)
     reqs = [make_request(f"r{i}", 7, max_tokens=6, arrival=i) for i in range(3)]
     for r in reqs:
         s.add(r)

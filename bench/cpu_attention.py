@@ -13,7 +13,11 @@ machine's copy bandwidth measured first. Uniform contexts are the control: there
 cost nothing. Last, the backend as it is over a bfloat16 cache under float32 queries
 (--kv-cache-dtype bfloat16), against the float32 cache.
 
-    python bench/cpu_attention.py
+With --native: the native kernel (kernels/cpu) against gather + SDPA, batches of decodes by context
+size, in bfloat16 and float32, side by side in one run (what TorchBackend.NATIVE_MAX_CONTEXT once
+guessed at).
+
+    python bench/cpu_attention.py [--native]
 """
 from __future__ import annotations
 
@@ -53,10 +57,48 @@ def median_ms(fn, runs: int) -> float:
     return statistics.median(times)
 
 
+def native_cases() -> list[Case]:
+    """Decode batches by size and context: the step's total context is what the old limit looked at."""
+    return [Case(f"{b:3d} decodes x L={n}", [1] * b, [n - 1] * b)
+            for b, n in [(1, 128), (1, 4096), (8, 256), (8, 1024), (32, 64), (32, 408), (32, 1024), (64, 2048)]]
+
+
+def native_vs_sdpa(runs: int) -> None:
+    """One layer's store + attention: the native kernel against gather + SDPA, per dtype and batch."""
+    import torch
+
+    import kernels.torch_backend as tb
+
+    sdpa, native = tb.TorchBackend("cpu"), tb.TorchBackend("cpu", native=True, native_max_context=None)
+    if not native.native:
+        print("native kernel unavailable here: nothing to compare")
+        return
+    print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
+          f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size}, median of {runs}")
+    print(f"{'case':24s} {'dtype':9s} {'ctx tokens':>10s} {'gather+SDPA':>12s} {'native':>9s} {'speed-up':>9s} "
+          f"{'native GB/s':>12s}")
+    gen = torch.Generator().manual_seed(0)
+    for case in native_cases():
+        for dtype in (torch.bfloat16, torch.float32):
+            layout, q, k, v, kc, vc = build_batch(case, SMOLLM2, dtype, torch.device("cpu"), gen)
+            scale = SMOLLM2.head_dim ** -0.5
+            metas = sdpa.plan(layout), native.plan(layout)
+            assert metas[1].native is not None and metas[0].native is None
+            outs = [b.forward(q, k, v, kc, vc, m, scale) for b, m in zip((sdpa, native), metas)]
+            torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=2e-2, rtol=2e-2)
+            ms = [median_ms(functools.partial(b.forward, q, k, v, kc, vc, m, scale), runs)
+                  for b, m in zip((sdpa, native), metas)]
+            nbytes, _ = attention_traffic(case, SMOLLM2, dtype.itemsize)
+            ctx = sum(case.context_lens) + len(case.context_lens)
+            print(f"{case.name:24s} {str(dtype)[6:]:9s} {ctx:10d} {ms[0]:9.3f} ms {ms[1]:6.3f} ms "
+                  f"{ms[0] / ms[1]:8.2f}x {nbytes / ms[1] / 1e6:12.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--native", action="store_true", help="native kernel vs gather + SDPA, bf16 and fp32")
     args = ap.parse_args()
     pin_threads(args.threads)
     import torch
@@ -65,6 +107,9 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
+    if args.native:
+        native_vs_sdpa(args.runs)
+        return
     src = torch.empty(1 << 26)  # 256 MiB
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() * 4 / median_ms(lambda: dst.copy_(src), 5) / 1e6

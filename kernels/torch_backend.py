@@ -20,6 +20,7 @@ step and run one SDPA each. What each of these choices measured: docs/performanc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +168,13 @@ class TorchBackend:
         the knob stays for bench/step_profile.py --native-max-context, to time the old path beside it."""
         self.device = torch.device(device)
         self.native_max_context = native_max_context
+        # The native kernel's code path: auto (the best this CPU runs) or portable | avx2 | avx512 |
+        # avx512_bf16 (docs/kernels.md); CONVEYOR_ATTENTION_ISA names one for a bench's side-by-side run.
+        self.native_isa = os.environ.get("CONVEYOR_ATTENTION_ISA", "auto")
+        # Prompt chunks through the native kernel too (one kernel, one fixed order of a row's context for
+        # every kind of row: a token's output does not depend on how its prompt was split or cached);
+        # CONVEYOR_NATIVE_PROMPTS=0 sends them to SDPA, the bench's baseline.
+        self.native_prompts = os.environ.get("CONVEYOR_NATIVE_PROMPTS", "1") != "0"
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
         if native and self.device.type == "cpu":
             from kernels import cpu
@@ -180,7 +188,7 @@ class TorchBackend:
         for i, (q, ctx) in enumerate(zip(layout.query_lens, layout.context_lens)):
             if q == 1:
                 decode.append((i, start))
-            elif q <= SHORT_QUERY and ctx > 0:
+            elif (q <= SHORT_QUERY and ctx > 0) or (self.native and self.native_prompts):
                 short.append((i, start))
             else:
                 L = ctx + q
@@ -266,7 +274,7 @@ class TorchBackend:
             n = meta.native
             torch.ops.conveyor_cpu.paged_attention(
                 out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len, n.seq_len, scale,
-                self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0)
+                self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0, self.native_isa)
             if n.covers_all:
                 return out
         for b in meta.batched:

@@ -1,8 +1,8 @@
 """PyTorch attention over the paged KV cache: the CPU path and the oracle for the Triton kernels.
 
-With native=True (`--attention-backend cpu`, the default on CPUs) the decodes and short queries of a
-step whose contexts total at most NATIVE_MAX_CONTEXT tokens (per CPU kind) go to the native kernel of kernels/cpu,
-which reads K/V blocks where they lie; prompt chunks still take SDPA, where the work is GEMM-shaped.
+With native=True (`--attention-backend cpu`, the default on CPUs) the decodes and short queries of every
+step go to the native kernel of kernels/cpu, which reads K/V blocks where they lie; prompt chunks still
+take SDPA, where the work is GEMM-shaped.
 Otherwise:
 
 Short queries go through batched SDPA calls per layer: decode tokens (query length 1) in one, and
@@ -20,6 +20,7 @@ step and run one SDPA each. What each of these choices measured: docs/performanc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -158,21 +159,22 @@ class TorchBackend:
 
     # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
     NATIVE_PART_TOKENS = 256
-    # The most context tokens a step's short queries may attend for the native kernel to take them, by
-    # torch's CPU capability. On AVX-512 CPUs its SDPA (512-bit, GEMM-shaped inner loops) won over large
-    # batches against the kernel's first version; on AVX2 CPUs the kernel wins at every batch measured (up
-    # to 64 decodes over 500..1000 tokens). bench/step_profile.py --native-max-context N|none measures both
-    # sides (docs/performance.md, "The native attention kernel"). None: no limit.
-    NATIVE_MAX_CONTEXT: dict[str, int | None] = {"AVX512": 2048, "AVX2": None}
-
     def __init__(self, device: torch.device | str = "cpu", native: bool = False,
-                 native_max_context: int | None | str = "auto") -> None:
+                 native_max_context: int | None = None) -> None:
         """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu).
-        native_max_context: its limit (above); "auto" looks it up for this CPU (2048 where unmeasured)."""
+        native_max_context: the most context tokens a step's short queries may attend for the native kernel
+        to take them; None (the default): no limit. The kernel beats gather + SDPA at every batch and context
+        measured, in bfloat16 and float32, on AVX-512 and AVX2 CPUs (python bench/cpu_attention.py --native);
+        the knob stays for bench/step_profile.py --native-max-context, to time the old path beside it."""
         self.device = torch.device(device)
-        self.native_max_context: int | None = (
-            self.NATIVE_MAX_CONTEXT.get(torch.backends.cpu.get_cpu_capability(), 2048)
-            if native_max_context == "auto" else int(native_max_context) if native_max_context is not None else None)
+        self.native_max_context = native_max_context
+        # The native kernel's code path: auto (the best this CPU runs) or portable | avx2 | avx512 |
+        # avx512_bf16 (docs/kernels.md); CONVEYOR_ATTENTION_ISA names one for a bench's side-by-side run.
+        self.native_isa = os.environ.get("CONVEYOR_ATTENTION_ISA", "auto")
+        # Prompt chunks through the native kernel too (one kernel, one fixed order of a row's context for
+        # every kind of row: a token's output does not depend on how its prompt was split or cached);
+        # CONVEYOR_NATIVE_PROMPTS=0 sends them to SDPA, the bench's baseline.
+        self.native_prompts = os.environ.get("CONVEYOR_NATIVE_PROMPTS", "1") != "0"
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
         if native and self.device.type == "cpu":
             from kernels import cpu
@@ -186,7 +188,7 @@ class TorchBackend:
         for i, (q, ctx) in enumerate(zip(layout.query_lens, layout.context_lens)):
             if q == 1:
                 decode.append((i, start))
-            elif q <= SHORT_QUERY and ctx > 0:
+            elif (q <= SHORT_QUERY and ctx > 0) or (self.native and self.native_prompts):
                 short.append((i, start))
             else:
                 L = ctx + q
@@ -272,7 +274,7 @@ class TorchBackend:
             n = meta.native
             torch.ops.conveyor_cpu.paged_attention(
                 out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len, n.seq_len, scale,
-                self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0)
+                self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0, self.native_isa)
             if n.covers_all:
                 return out
         for b in meta.batched:

@@ -22,6 +22,7 @@ import torch
 
 log = logging.getLogger("conveyor.kernels")
 SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-DNDEBUG", "-w"]
 
 
@@ -52,7 +53,7 @@ def _command(out: Path) -> list[str]:
 def build() -> Path:
     """-> the shared library, compiled now if this source, torch and CPU have no cached build."""
     key = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), _cpu_flags().encode(),
+    for part in [*(s.read_bytes() for s in [*SOURCES, *HEADERS]), torch.__version__.encode(), _cpu_flags().encode(),
                  " ".join(FLAGS).encode()]:
         key.update(part)
     folder = _cache_dir()

@@ -1,0 +1,143 @@
+// The AVX-512 BF16 path: bfloat16 queries against a bfloat16 cache, scored with vdpbf16ps straight on
+// the cache's rows (no widened copy), float32 softmax and V accumulation (16 lanes). paged_attention.cpp
+// includes it inside a `#pragma GCC target` region with avx512bf16, and calls it only where the CPU
+// reports avx512_bf16 and the head dim is a multiple of 32.
+// The G query heads of one KV head go through the block together: each key's scores for all G rows
+// come from the block's K rows while they sit in L1, and each V row is widened once for all G rows.
+
+namespace bf16 {
+
+using bf = c10::BFloat16;
+
+// Lane i: the sum of a[i]'s 16 lanes (a transposing reduction: 15 shuffles and adds for 16 keys).
+inline __m512 hadd16(__m512 a, __m512 b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+inline __m512 reduce16(__m512* a) {
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = hadd16(a[2 * i], a[2 * i + 1]);
+  return a[0];
+}
+
+// exp(x) for x <= 0, 16 lanes: the portable path's polynomial; below -87 (masked keys: -inf) exactly 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f),
+                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_mul_ps(live, y, _mm512_castsi512_ps(e));
+}
+
+inline __m512 widen16(const bf* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi].
+inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
+  const int64_t D = p.D, stride = p.Hkv * D, chunks = D / 32;
+  __m512bh qv[8];
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int64_t i0 = 0; i0 < p.BS; i0 += 16) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) {
+      a[i] = _mm512_setzero_ps();
+      if (i0 + i >= p.BS) continue;
+      const bf* ki = k + (i0 + i) * stride;
+      for (int64_t c = 0; c < chunks; ++c) a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(ki + 32 * c));
+    }
+    __m512 s = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(p.scale));
+    if (p.cap > 0.f) {
+      alignas(64) float t[16];
+      _mm512_store_ps(t, s);
+      for (float& x : t) x = p.cap * __builtin_tanhf(x / p.cap);
+      s = _mm512_load_ps(t);
+    }
+    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __mmask16 seen = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
+                           _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
+    _mm512_storeu_ps(sr + i0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), s));
+  }
+}
+
+// sr -> exp(sr - new max) in place; updates m and l; -> alpha, the factor the accumulator is rescaled by.
+inline float softmax_update(float* sr, int64_t n16, float* m, float* l) {
+  __m512 mx = _mm512_set1_ps(-__builtin_inff());
+  for (int64_t i = 0; i < n16; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + i));
+  const float bmax = _mm512_reduce_max_ps(mx);
+  const float new_max = *m > bmax ? *m : bmax;
+  const float alpha = __builtin_expf(*m - new_max);
+  *m = new_max;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n16; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + i), _mm512_set1_ps(new_max)));
+    _mm512_storeu_ps(sr + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  return alpha;
+}
+
+// acc rows g0..g0+rows-1 (at most 4), dims [d, d + 16 * w): rescaled by alpha, plus the weighted V rows.
+template <int W>
+inline void pv(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
+               int64_t rows, float* acc, int64_t d, int64_t lo, int64_t hi) {
+  const int64_t D = p.D, stride = p.Hkv * D;
+  __m512 a[4][W];
+  for (int64_t g = 0; g < rows; ++g)
+    for (int w = 0; w < W; ++w)
+      a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * w), _mm512_set1_ps(alpha[g]));
+  for (int64_t i = lo; i <= hi; ++i) {
+    __m512 vi[W];
+    for (int w = 0; w < W; ++w) vi[w] = widen16(v + i * stride + d + 16 * w);
+    for (int64_t g = 0; g < rows; ++g) {
+      const __m512 wi = _mm512_set1_ps(sr[g * n16 + i]);
+      for (int w = 0; w < W; ++w) a[g][w] = _mm512_fmadd_ps(wi, vi[w], a[g][w]);
+    }
+  }
+  for (int64_t g = 0; g < rows; ++g)
+    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + g * D + d + 16 * w, a[g][w]);
+}
+
+void block(const conveyor::Params& p, const conveyor::Span& s) {
+  const int64_t G = p.G, D = p.D, n16 = (p.BS + 15) / 16 * 16;
+  thread_local float* sr = nullptr;  // [G][n16] scores, then weights: grown, never freed
+  thread_local int64_t capacity = 0;
+  if (capacity < G * n16) {
+    delete[] sr;
+    sr = new float[G * n16];
+    capacity = G * n16;
+  }
+  float alpha[64];
+  const bf* k = static_cast<const bf*>(s.k);
+  const bf* v = static_cast<const bf*>(s.v);
+  for (int64_t j = 0; j < s.n; ++j) {
+    int64_t lo, hi;
+    conveyor::visible_keys(p, s.pos0 + j, s.b0, &lo, &hi);
+    if (lo > hi) continue;
+    const int64_t r0 = j * G;
+    for (int64_t g = 0; g < G; ++g) {
+      scores(p, static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head, k, lo, hi, sr + g * n16);
+      alpha[g] = softmax_update(sr + g * n16, n16, s.m + r0 + g, s.l + r0 + g);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      const int64_t rows = G - g0 < 4 ? G - g0 : 4;
+      float* acc = s.acc + (r0 + g0) * D;
+      int64_t d = 0;
+      for (; d + 64 <= D; d += 64) pv<4>(p, v, sr + g0 * n16, n16, alpha + g0, rows, acc, d, lo, hi);
+      if (d < D) pv<2>(p, v, sr + g0 * n16, n16, alpha + g0, rows, acc, d, lo, hi);
+    }
+  }
+}
+
+}  // namespace bf16

@@ -1,0 +1,169 @@
+// The portable path of the paged attention kernel: plain C++ with GCC's vector types (8 floats), so the
+// same text compiles for any x86 level. paged_attention.cpp includes it once per level inside a
+// `#pragma GCC target("arch=...")` region and its own namespace (portable, avx2, avx512), so each copy
+// uses only that level's instructions and runs where the CPU has them (checked at run time).
+// Float32 math throughout: a bfloat16 cache is widened into scratch once per call, the queries are
+// widened and scaled; a block's scores eight keys at a time (eight accumulators, one transposing
+// reduction), the exponentials as a vectorised polynomial over the whole block, each row's V update with
+// its accumulator in registers across the keys it sees.
+
+using v8 = float __attribute__((vector_size(32)));
+using i8 = int __attribute__((vector_size(32)));
+
+inline float widen_(float x) { return x; }
+inline float widen_(c10::BFloat16 x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x.x) << 16); }
+
+inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+inline v8 splat8(float x) { return v8{x, x, x, x, x, x, x, x}; }
+inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+inline float max_(float a, float b) { return a > b ? a : b; }
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  v8 s0{}, s1{};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    s0 += load8(a + d) * load8(b + d);
+    s1 += load8(a + d + 8) * load8(b + d + 8);
+  }
+  for (; d + 8 <= D; d += 8) s0 += load8(a + d) * load8(b + d);
+  float s = hsum(s0 + s1);
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// Lane i of the result: the sum of a_i's lanes (pairwise adds, one transposing reduction for eight keys).
+inline v8 hadd8(v8 a, v8 b) {
+  return __builtin_shuffle(a, b, i8{0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
+}
+inline v8 reduce8(const v8* a) {
+  const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));
+  const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
+  return __builtin_shuffle(lo, hi, i8{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, i8{4, 5, 6, 7, 12, 13, 14, 15});
+}
+
+// out[0:8] = q . k_i for the eight keys k_i = k + i * stride (D a multiple of 8).
+inline void dot8(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
+  v8 acc[8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 qd = load8(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] += qd * load8(k + i * stride + d);
+  }
+  store8(out, reduce8(acc));
+}
+
+// acc[0:D] += sum_i w[i] * v[i * stride :][:D] over the keys given, the accumulator in registers.
+inline void accumulate(float* acc, const float* w, const float* v, int64_t stride, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    v8 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
+    for (int64_t i = 0; i < n; ++i) {
+      const v8 wi = splat8(w[i]);
+      const float* vi = v + i * stride + d;
+      a0 += wi * load8(vi), a1 += wi * load8(vi + 8), a2 += wi * load8(vi + 16), a3 += wi * load8(vi + 24);
+    }
+    store8(acc + d, a0), store8(acc + d + 8, a1), store8(acc + d + 16, a2), store8(acc + d + 24, a3);
+  }
+  for (; d + 8 <= D; d += 8) {
+    v8 a0 = load8(acc + d);
+    for (int64_t i = 0; i < n; ++i) a0 += splat8(w[i]) * load8(v + i * stride + d);
+    store8(acc + d, a0);
+  }
+  for (; d < D; ++d) {
+    float a = acc[d];
+    for (int64_t i = 0; i < n; ++i) a += w[i] * v[i * stride + d];
+    acc[d] = a;
+  }
+}
+
+// exp(x) for x <= 0 within about 2e-7 relative (Cody-Waite reduction, Cephes' degree-7 polynomial, 2^n in
+// the exponent bits); below -87, and for -inf (a masked key), exactly 0. Branch-free, so loops vectorise.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.f;
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x < -87.f ? 0.f : y * scale;
+}
+
+// One row's scores against the whole block (every key, seen or not: the arithmetic of a key's score
+// never depends on which keys the row sees), then the masked online-softmax update and its V rows.
+inline void attend_row(const conveyor::Params& p, const float* qr, const float* keys, int64_t kstride,
+                       const float* values, int64_t vstride, int64_t lo, int64_t hi, float* sr, float* m,
+                       float* l, float* acc) {
+  const int64_t BS = p.BS, D = p.D;
+  int64_t i8 = 0;
+  if (D % 8 == 0)
+    for (; i8 + 8 <= BS; i8 += 8) dot8(qr, keys + i8 * kstride, kstride, D, sr + i8);
+  for (int64_t i = i8; i < BS; ++i) sr[i] = dot(qr, keys + i * kstride, D);
+  float block_max = -__builtin_inff();
+  for (int64_t i = 0; i < BS; ++i) {
+    float score = sr[i];
+    if (p.cap > 0.f) score = p.cap * __builtin_tanhf(score / p.cap);
+    sr[i] = i >= lo && i <= hi ? score : -__builtin_inff();
+    block_max = max_(block_max, sr[i]);
+  }
+  const float new_max = max_(*m, block_max);
+  const float alpha = __builtin_expf(*m - new_max);  // exp(-inf) = 0 on a row's first block
+  *m = new_max;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < BS; ++i) {
+    sr[i] = exp_nonpositive(sr[i] - new_max);
+    sum += sr[i];
+  }
+  *l = *l * alpha + sum;
+  if (alpha != 1.f) {
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+  }
+  accumulate(acc, sr + lo, values + lo * vstride, vstride, hi - lo + 1, D);
+}
+
+template <typename Q, typename KV>
+void block(const conveyor::Params& p, const conveyor::Span& s) {
+  const int64_t BS = p.BS, D = p.D, G = p.G, stride = p.Hkv * D;
+  thread_local float* scratch = nullptr;  // kf, vf [BS * D] each, q [D], scores [BS]: grown, never freed
+  thread_local int64_t capacity = 0;
+  const int64_t need = 2 * BS * D + D + BS;
+  if (capacity < need) {
+    delete[] scratch;
+    scratch = new float[need];
+    capacity = need;
+  }
+  float *kf = scratch, *vf = kf + BS * D, *qf = vf + BS * D, *sr = qf + D;
+  const float *keys = kf, *values = vf;
+  int64_t kstride = D;
+  if constexpr (sizeof(KV) == sizeof(float)) {
+    keys = reinterpret_cast<const float*>(s.k), values = reinterpret_cast<const float*>(s.v), kstride = stride;
+  } else {
+    const KV* kb = static_cast<const KV*>(s.k);
+    const KV* vb = static_cast<const KV*>(s.v);
+    for (int64_t i = 0; i < BS; ++i)
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) kf[i * D + d] = widen_(kb[i * stride + d]), vf[i * D + d] = widen_(vb[i * stride + d]);
+  }
+  for (int64_t j = 0; j < s.n; ++j) {
+    int64_t lo, hi;
+    conveyor::visible_keys(p, s.pos0 + j, s.b0, &lo, &hi);
+    if (lo > hi) continue;  // a block after the token (causal) or before its window
+    for (int64_t g = 0; g < G; ++g) {
+      const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
+      for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
+      const int64_t r = j * G + g;
+      attend_row(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
+    }
+  }
+}

@@ -1,0 +1,152 @@
+"""The native CPU attention kernel (kernels/cpu), each of its code paths, against attention written out by
+hand in float64 (softmax(q k^T * scale) v per sequence and head, K/V read position by position through
+the block table), on scrambled block tables with NaN in every slot no sequence owns.
+
+Paths: portable, avx2, avx512 (the same C++ compiled for each x86 level: float32 math) and avx512_bf16
+(bfloat16 q and cache, head dim a multiple of 32: vdpbf16ps on the cache's rows). A path this CPU cannot
+run is skipped, with the reason. Tolerances: float32 1e-5 (absolute and relative), bfloat16 1e-2 (inputs
+and output rounded to bfloat16; every product exact in float32, sums in float32).
+
+Then the property issue #30 asks of attention: a token's output has the same bits whether it is a decode
+row, inside a prompt chunk (chunked anywhere), or attends a prefix written earlier, in a batch of any
+other sequences."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.torch_backend import TorchBackend
+from tests.kernels.paged_batch import PagedBatch, random_batch
+
+ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
+
+
+@pytest.fixture(scope="module")
+def runnable() -> list[str]:
+    backend = TorchBackend("cpu", native=True)
+    assert backend.native, "the native CPU kernel did not build (kernels/cpu)"
+    return list(torch.ops.conveyor_cpu.attention_isas())
+
+
+def native(isa: str, runnable: list[str], dtype: torch.dtype) -> TorchBackend:
+    if isa not in runnable:
+        pytest.skip(f"this CPU cannot run the {isa} path (it reports {', '.join(runnable)})")
+    if isa == "avx512_bf16" and dtype != torch.bfloat16:
+        pytest.skip("avx512_bf16 takes bfloat16 q and cache only")
+    backend = TorchBackend("cpu", native=True)
+    backend.native_isa = isa
+    return backend
+
+
+def reference(batch: PagedBatch, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
+              softcap: float | None) -> torch.Tensor:
+    """Exact attention in float64 over what the caches hold. -> [T, H, D]"""
+    lay, h = batch.layout, batch.q.shape[1]
+    nb, bs, hkv, d = k_cache.shape
+    flat_k, flat_v = k_cache.reshape(nb * bs, hkv, d).double(), v_cache.reshape(nb * bs, hkv, d).double()
+    out, row = [], 0
+    for q_len, ctx, table in zip(lay.query_lens, lay.context_lens, lay.block_tables):
+        pos = torch.arange(ctx + q_len)
+        slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+        keys = flat_k[slots].repeat_interleave(h // hkv, dim=1)  # [L, H, D]
+        vals = flat_v[slots].repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum("qhd,lhd->hql", batch.q[row:row + q_len].double(), keys) * batch.scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        qpos = torch.arange(ctx, ctx + q_len)[:, None]
+        visible = (pos[None, :] <= qpos) & ((pos[None, :] > qpos - window) if window else True)
+        out.append(torch.einsum("hql,lhd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vals))
+        row += q_len
+    return torch.cat(out)
+
+
+def check(backend: TorchBackend, batch, dtype: torch.dtype, window: int | None = None,
+          softcap: float | None = None) -> None:
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()  # poisoned: NaN wherever no sequence is
+    meta = backend.plan(batch.layout)
+    assert meta.native is not None and meta.native.covers_all  # every row through the kernel
+    out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, meta, batch.scale, window, softcap)
+    clean_k, clean_v = (torch.nan_to_num(c, nan=0.0) for c in (k_cache, v_cache))
+    want = reference(batch, clean_k, clean_v, window, softcap)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+# Contexts across block and partition (256 tokens) edges, up to 4,096 tokens of context in all.
+CONTEXTS = [0, 15, 16, 17, 255, 256, 257, 1000, 4095]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group,head_dim,block_size", [(1, 64, 16), (3, 64, 16), (8, 128, 16), (4, 128, 32)])
+def test_decodes_equal_attention_by_hand(isa, dtype, group, head_dim, block_size, runnable):
+    batch = random_batch([1] * len(CONTEXTS), CONTEXTS, block_size=block_size, num_kv_heads=2, group=group,
+                         head_dim=head_dim, dtype=dtype, seed=group + head_dim)
+    check(native(isa, runnable, dtype), batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+def test_short_queries_and_prompt_chunks_equal_attention_by_hand(isa, dtype, runnable):
+    """Speculative verification (2..16 tokens), prompts without context and chunks over a cached prefix."""
+    query_lens, context_lens = [4, 16, 17, 40, 1, 100], [30, 0, 250, 700, 3, 0]
+    batch = random_batch(query_lens, context_lens, block_size=16, num_kv_heads=2, group=3, head_dim=64,
+                         dtype=dtype, seed=4)
+    check(native(isa, runnable, dtype), batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window,softcap", [(7, None), (None, 30.0), (300, 5.0)])
+def test_sliding_windows_and_soft_capping(isa, dtype, window, softcap, runnable):
+    query_lens, context_lens = [1, 1, 1, 5, 33], [6, 299, 900, 40, 280]
+    batch = random_batch(query_lens, context_lens, block_size=16, num_kv_heads=2, group=2, head_dim=64,
+                         dtype=dtype, seed=6)
+    check(native(isa, runnable, dtype), batch, dtype, window, softcap)
+
+
+def attend(isa: str, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: list[int],
+           pieces: list[tuple[int, int]], window: int, softcap: float) -> torch.Tensor:
+    """One kernel call in which each (start, end) of pieces is a sequence whose tokens start..end-1 are
+    queries over the cached positions 0..start-1 (the same blocks for all). -> [sum of lengths, H, D]"""
+    rows = torch.cat([q[a:b] for a, b in pieces])
+    out = torch.full_like(rows, float("nan"))
+    starts = torch.tensor([0] + [b - a for a, b in pieces[:-1]]).cumsum(0).to(torch.int32)
+    int32 = torch.int32
+    torch.ops.conveyor_cpu.paged_attention(
+        out, rows, kc, vc, torch.tensor([table] * len(pieces), dtype=int32), starts,
+        torch.tensor([b - a for a, b in pieces], dtype=int32), torch.tensor([b for _, b in pieces], dtype=int32),
+        q.shape[-1] ** -0.5, TorchBackend.NATIVE_PART_TOKENS, window, softcap, isa)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (100, 20.0)])
+def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, window, softcap, runnable):
+    """Issue #30: the whole prompt at once; every token as a decode row (all in one batch); the prompt in
+    chunks cut at random places (some of at most 16 tokens, which take the decode-style tasks, some longer);
+    and the same beside other sequences: every row's output bitwise equal."""
+    native(isa, runnable, dtype)  # skips what this CPU cannot run
+    gen = torch.Generator().manual_seed(30)
+    length, bs, hkv, group, d = 600, 16, 2, 3, 64
+    blocks = -(-length // bs) + 4
+    table = torch.randperm(blocks, generator=gen)[: -(-length // bs)].tolist()
+    kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(length, hkv * group, d, generator=gen).to(dtype)
+    whole = attend(isa, q, kc, vc, table, [(0, length)], window, softcap)
+    assert not whole.isnan().any()
+    decodes = attend(isa, q, kc, vc, table, [(p, p + 1) for p in range(length)], window, softcap)
+    assert torch.equal(decodes, whole)
+    for _ in range(3):
+        cuts = sorted(set(torch.randint(1, length, (6,), generator=gen).tolist()) | {0, length, 5, 12})
+        pieces = list(zip(cuts, cuts[1:]))
+        chunked = attend(isa, q, kc, vc, table, pieces, window, softcap)
+        assert torch.equal(chunked, whole), pieces
+        # Beside other sequences' rows (a decode, a short query, a prompt), in another order.
+        others = [(40, 41), (200, 207), (0, 90)]
+        mixed = attend(isa, q, kc, vc, table, others + pieces[::-1], window, softcap)
+        ours = torch.cat([whole[a:b] for a, b in pieces[::-1]])
+        assert torch.equal(mixed[sum(b - a for a, b in others):], ours)

@@ -188,7 +188,7 @@ async def run(args: argparse.Namespace) -> int:
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
     from gateway.router import Router, RouterConfig
     from gateway.state import SERVED
-    from gateway.supervisor import EngineSupervisor, RestartPolicy
+    from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
 
@@ -270,10 +270,10 @@ async def run(args: argparse.Namespace) -> int:
         supervisors = [EngineSupervisor(e, c, RestartPolicy(max_restarts=args.max_engine_restarts,
                                                             ready_timeout=args.ready_timeout))
                        for e, c in supervised]  # `conveyor gateway` supervises nothing (it has no such flag)
-        for supervisor in supervisors:  # each replica restarts on its own; the others serve meanwhile
-            tasks.append(asyncio.create_task(supervisor.supervise(stop)))
+        if supervisors:  # each replica restarts on its own; the others serve meanwhile, and on past a give-up
+            tasks.append(asyncio.create_task(stop_when_all_give_up(supervisors, stop)))
         await stop.wait()
-        return 1 if any(s.gave_up for s in supervisors) or (workers and workers.failed) else 0
+        return 1 if (supervisors and all(s.gave_up for s in supervisors)) or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1

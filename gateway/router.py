@@ -9,10 +9,10 @@ Routing, per request:
 2. Unless that replica is overloaded: its queued tokens (waiting prompts' tokens from its last STATS,
    plus the prompt tokens routed to it since) exceed the least loaded replica's by more than
    `imbalance_tokens`; then the least loaded one takes it (a cache miss costs less than the queue).
-A request stays on its replica for its whole life: its stream, its aborts, its n > 1 choices and stop
-strings all go through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is
-gone is not connected, so it is out of the ring; its requests end with an error or resume, as with one
-engine (shared/resume.py).
+A request stays on its replica: its stream, its aborts, its n > 1 choices and stop strings all go
+through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is gone is not
+connected, so it is out of the ring; its resumable requests move at once to a live replica and resume
+there (prompt + delivered tokens, shared/resume.py), the others end with an error, as with one engine.
 
 Router offers what the gateway uses of AsyncEngineClient, so routes, streaming and WebSockets are the
 same for one engine and for N.
@@ -86,6 +86,8 @@ class Router:
         if not clients:
             raise ValueError("a router needs at least one engine")
         self.replicas = [Replica(c) for c in clients]
+        for c in clients:
+            c.on_held = self._move_held
         self.config = config or RouterConfig()
         self.address = ",".join(r.address for r in self.replicas)
         self.ready: Ready | None = None
@@ -188,11 +190,30 @@ class Router:
         chosen.num_routed += 1
         return chosen
 
+    # -- a replica lost ---------------------------------------------------------------------------------
+    def _move_held(self, lost: AsyncEngineClient) -> None:
+        """A replica's engine is lost with requests held for resuming: resume each on a live replica now
+        (prompt + delivered tokens, shared/resume.py), routed as a new request would be. With no replica
+        live they wait for whichever comes back first (the stats poller retries)."""
+        if not any(r.client.connected for r in self.replicas if r.client is not lost):
+            return
+        moved = lost.hand_over()
+        for rec, stream in moved:
+            target = self.route(rec.add.prompt_token_ids)
+            if not target.client.adopt(rec, stream):
+                stream.put(EngineDead(f"the engine at {lost.address} was lost and request "
+                                      f"{rec.add.request_id!r} could not move to {target.address}: retry it"))
+        if moved:
+            log.warning("replica %s lost: %d request(s) resumed on the live replicas", lost.address, len(moved))
+
     async def _poll_stats(self) -> None:
         """Each replica's queue, fresh every stats_interval; the tokens routed since then are counted
-        on top until the next answer includes them."""
+        on top until the next answer includes them. Requests held for a lost replica move to a live one."""
         while True:
             await asyncio.sleep(self.config.stats_interval)
+            for r in self.replicas:
+                if not r.client.connected and r.client.has_held:
+                    self._move_held(r.client)
             for r, stats in zip(self.replicas, await self.replica_stats(timeout=self.config.stats_interval * 4)):
                 if stats is not None:
                     r.queued_tokens, r.routed_tokens = float(stats.get("num_queued_tokens", 0.0)), 0

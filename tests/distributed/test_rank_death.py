@@ -87,7 +87,7 @@ def assert_resumed(got: list[Stream], want: list[Stream]) -> None:
 def test_streams_survive_a_killed_tp_worker(tiny_chat_model: Path, tmp_path: Path) -> None:
     log = tmp_path / "server.log"
     with Server(["serve", "--model", str(tiny_chat_model), "-tp", "2", "--num-threads", "1", "--dtype", "float32",
-                 "--kv-cache-memory", "32MiB", "--swap-space", "16MiB", "--collective-timeout", "20",
+                 "--kv-cache-memory", "32MiB", "--swap-space", "16MiB", "--collective-timeout", "120",
                  "--log-level", "warning"], log_path=log) as server:
         reference = asyncio.run(asyncio.wait_for(streams_with_kill(server.url, None), 300))
         for s in reference:
@@ -105,7 +105,7 @@ def test_streams_survive_a_killed_tp_worker(tiny_chat_model: Path, tmp_path: Pat
 
 # -- the SDK alone: the engine exits, an outside supervisor (here: the test) starts it again ---------------
 ENGINE_FLAGS = ["--tensor-parallel-size", "2", "--num-threads", "1", "--dtype", "float32", "--num-blocks", "64",
-                "--swap-space", "0", "--collective-timeout", "20"]
+                "--swap-space", "0", "--collective-timeout", "120"]
 
 
 def start_engine(address: str, model: Path, backend: str) -> subprocess.Popen[bytes]:

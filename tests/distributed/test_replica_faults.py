@@ -106,7 +106,7 @@ def start_engine(address: str, model: Path) -> subprocess.Popen[bytes]:
 async def metrics(url: str, name: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
         m = parse(await resp.text())
-    return {k.split('replica="')[1].rstrip('"}'): v for k, v in m.items() if k.startswith(name + "{")}
+    return {k.split("replica=")[1].rstrip("}").strip('"'): v for k, v in m.items() if k.startswith(name + "{")}
 
 
 async def until(check: Callable[[], Any], timeout: float = 180) -> Any:
@@ -125,7 +125,8 @@ def test_gateway_starts_with_a_replica_down_admits_it_later_and_loses_nothing_wh
     expected = tiny_offline(prompts, 8)
     try:
         with Server(["gateway", "--engine-address", f"{a},{b}", "--model", str(tiny_chat_model),
-                     "--log-level", "warning"], log_path=tmp_path / "gateway.log") as gw:
+                     "--log-level", "warning"],
+                    log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "gateway.log") as gw:
 
             async def serve_all() -> list[str]:
                 async with aiohttp.ClientSession() as session:

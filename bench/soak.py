@@ -49,7 +49,8 @@ import orjson  # noqa: E402
 VOCAB = 49152  # SmolLM2's tokenizer, and so the tiny model's vocabulary
 GREEDY_PROMPTS = ["The soak test", "Once upon a time", "def main():", "1, 2, 3, 4,", "Paris is the"]
 RESUMING = r"resuming (\d+) request"  # the gateway's log line when it resubmits requests to a new engine
-MOVED = r"lost: (\d+) request\(s\) resumed on the live replicas"  # ... when it moves them to another replica
+# ... and when it moves them to a live replica
+MOVED = r"lost: (\d+) request\(s\) resumed on the live replicas"
 WORDS = "the a river stone light engine queue token block cache stream model step batch word".split()
 MALFORMED: list[dict[str, Any] | bytes] = [  # each must be answered 400; the issue's three crashes first
     {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [100000]},
@@ -92,8 +93,9 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     in_flight: int = 0
     kills: list[float] = field(default_factory=list)
-    # engine pids (one engine, or both replicas: "a,b") -> its counter's last value; under dp a replica
-    # that outlives a kill is counted in both sets, so a stalled count there is an upper bound
+    # engine pids (one engine, or both replicas: "a,b") -> its counter's last value; under dp a
+    # replica that outlives a kill is counted in both sets, so a stalled count there is an upper
+    # bound
     stalled: dict[str, float] = field(default_factory=dict)
     preempted: dict[str, float] = field(default_factory=dict)
     pids: list[str] = field(default_factory=list)
@@ -297,8 +299,8 @@ def build_tiny_model(folder: Path) -> Path:
 
 
 TOPOLOGIES = ("single", "tp", "dp")  # what --topology starts, and so what its kills hit
-TOPOLOGY_FLAGS = {"single": ["--speculative", "ngram"], "tp": ["-tp", "2", "--collective-timeout", "120"],
-                  "dp": ["-dp", "2"]}
+TOPOLOGY_FLAGS = {"single": ["--speculative", "ngram"],
+                  "tp": ["-tp", "2", "--collective-timeout", "120"], "dp": ["-dp", "2"]}
 
 
 def engines(gateway: int) -> list[int]:
@@ -317,15 +319,17 @@ ENGINES = [1]  # engines `serve` runs (2 under dp); set once from --topology
 
 
 def victim(gateway: int, topology: str, k: int) -> int | None:
-    """What the k-th kill hits: the engine (single); one tensor-parallel worker of it (tp: the engine then
-    exits and is restarted whole); replica k % 2 (dp: its streams move to the other replica)."""
+    """What the k-th kill hits: the engine (single); one tensor-parallel worker of it (tp: the
+    engine then exits and is restarted whole); replica k % 2 (dp: its streams move to the other
+    replica)."""
     from tests.e2e.servers import children, cmdline
 
     pids = engines(gateway)
     if len(pids) != ENGINES[0]:
         return None
     if topology == "tp":
-        workers = [p for p in children(pids[0]) if "engine.distributed.worker" in " ".join(cmdline(p))]
+        workers = [p for p in children(pids[0])
+                   if "engine.distributed.worker" in " ".join(cmdline(p))]
         return workers[0] if workers else None
     return pids[k % len(pids)]
 
@@ -373,8 +377,8 @@ async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topol
             await scrape(session, url, gateway, run)  # the dying engine's last counters
             os.kill(pid, signal.SIGKILL)
             run.kills.append(time.monotonic())
-            print(f"  SIGKILL {topology} pid {pid} after {len(run.outcomes)} answers, {run.in_flight} in flight",
-                  flush=True)
+            print(f"  SIGKILL {topology} pid {pid} after {len(run.outcomes)} answers, "
+                  f"{run.in_flight} in flight", flush=True)
 
 
 async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
@@ -403,7 +407,7 @@ async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
 
 
 async def final_stats(addresses: list[str]) -> dict[str, float]:
-    """The engines' STATS, summed, once each holds nothing (or after 60 s, whatever it holds then)."""
+    """The engines' STATS, summed, once each holds nothing (or after 60 s, whatever it holds)."""
     from shared.client import AsyncEngineClient
     from tests.e2e.servers import is_idle
 
@@ -455,8 +459,8 @@ def report(run: Run, stats: dict[str, float], log: str, wall: float, gateway_ali
           f"lost {kinds['lost']}; {sum(o.retries for o in run.outcomes)} retries after a 503/429")
     moved = sum(int(n) for n in re.findall(MOVED, log))
     print(f"engine restarts: {log.count('engine_restart exit=')} (log; {len(run.kills)} SIGKILLs, "
-          f"{len(run.pids)} engine sets seen); resumed streams: {resubmitted} resubmitted to a restarted "
-          f"engine, {moved} moved to a live replica (log), "
+          f"{len(run.pids)} engine sets seen); resumed streams: {resubmitted} resubmitted to a "
+          f"restarted engine, {moved} moved to a live replica (log), "
           f"{sum(1 for o in done if any(o.start < k < o.end for k in run.kills))} in flight at a kill and completed")
     print(f"preemptions: {int(sum(run.preempted.values()))}; stalled steps: {stalled}; leaked blocks at the end: "
           f"{leaked}; {queued}; gateway alive: {gateway_alive}")
@@ -484,8 +488,8 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=300.0, help="seconds a request may take before it is lost")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--topology", choices=TOPOLOGIES, default="single",
-                   help="single: one engine (--speculative ngram), kills hit it; tp: -tp 2, kills hit its worker "
-                        "rank; dp: -dp 2, kills hit each replica in turn")
+                   help="single: one engine (--speculative ngram), kills hit it; tp: -tp 2, kills "
+                        "hit its worker rank; dp: -dp 2, kills hit each replica in turn")
     args = p.parse_args()
     ENGINES[0] = 2 if args.topology == "dp" else 1
     from tests.e2e.servers import ROOT, Server
@@ -495,7 +499,8 @@ def main() -> int:
         model = args.model or str(build_tiny_model(Path(tmp) / "tiny-chat"))
         argv = ["serve", "--model", model, "--num-threads", "1", "--num-kv-blocks", str(args.num_kv_blocks),
                 "--block-size", "16", "--swap-space", "256KiB", "--max-num-seqs", "32",
-                "--max-num-batched-tokens", "256", *TOPOLOGY_FLAGS[args.topology], "--log-level", "warning"]
+                "--max-num-batched-tokens", "256", *TOPOLOGY_FLAGS[args.topology],
+                "--log-level", "warning"]
         print(f"conveyor {' '.join(argv)}", flush=True)
         log = Path(tmp) / "server.log"
         env = {"PYTHONPATH": str(ROOT), "CONVEYOR_CACHE": os.environ["CONVEYOR_CACHE"]}
@@ -503,8 +508,8 @@ def main() -> int:
             t0 = time.monotonic()
             run = asyncio.run(drive(args, srv.url, srv.pid))
             wall = time.monotonic() - t0
-            addresses = ([f"ipc:///tmp/conveyor-{srv.pid}-{i}.sock" for i in range(2)] if args.topology == "dp"
-                         else [f"ipc:///tmp/conveyor-{srv.pid}.sock"])
+            addresses = ([f"ipc:///tmp/conveyor-{srv.pid}-{i}.sock" for i in range(2)]
+                         if args.topology == "dp" else [f"ipc:///tmp/conveyor-{srv.pid}.sock"])
             stats = asyncio.run(final_stats(addresses))
             alive = srv.proc is not None and srv.proc.poll() is None
         return report(run, stats, log.read_text(errors="replace"), wall, alive)

@@ -93,8 +93,9 @@ HUBS = web.AppKey("dashboard_hubs", list[Hub])
 
 
 def setup(app: web.Application) -> None:
-    """Routes, one hub per engine (each data-parallel replica's own: the page shows one replica, the one
-    its ?replica=N names, and says which), and each client's OBSERVED callback, for build_app()."""
+    """Routes, one hub per engine (each data-parallel replica's own: the page shows one replica, the
+    one its ?replica=N names, and says which), and each client's OBSERVED callback, for
+    build_app()."""
     client = app[CLIENT]
     watched = [r.client for r in client.replicas] if isinstance(client, Router) else [client]
     hubs = [Hub(c) for c in watched]
@@ -155,8 +156,8 @@ async def viewer(request: web.Request) -> web.WebSocketResponse:
     hub = hubs[index]
     served = request.app[SERVED]
     replica = {"index": index, "addresses": [h.client.address for h in hubs]}
-    await ws.send_str(orjson.dumps({"hello": {"model": served.name, "max_model_len": served.max_model_len,
-                                              "replica": replica}}).decode())
+    hello = {"model": served.name, "max_model_len": served.max_model_len, "replica": replica}
+    await ws.send_str(orjson.dumps({"hello": hello}).decode())
     queue = hub.join()
     hub.sockets.add(ws)
 

@@ -11,8 +11,9 @@ Routing, per request:
    `imbalance_tokens`; then the least loaded one takes it (a cache miss costs less than the queue).
 A request stays on its replica: its stream, its aborts, its n > 1 choices and stop strings all go
 through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is gone is not
-connected, so it is out of the ring; its resumable requests move at once to a live replica and resume
-there (prompt + delivered tokens, shared/resume.py), the others end with an error, as with one engine.
+connected, so it is out of the ring; its resumable requests move at once to a live replica and
+resume there (prompt + delivered tokens, shared/resume.py), the others end with an error, as with
+one engine.
 
 Router offers what the gateway uses of AsyncEngineClient, so routes, streaming and WebSockets are the
 same for one engine and for N.
@@ -85,8 +86,8 @@ class Replica:
 
     @property
     def live(self) -> bool:
-        """In the ring: its engine answered the handshake and has not been lost since (the socket, the
-        heartbeat or a supervisor says so at once)."""
+        """In the ring: its engine answered the handshake and has not been lost since (the socket,
+        the heartbeat or a supervisor says so at once)."""
         return self.client.connected and self.refused is None
 
 
@@ -119,9 +120,10 @@ class Router:
             r.client.on_output = fn
 
     async def start(self, timeout: float | None = None) -> Ready:
-        """Returns once any replica answered the handshake (EngineDead when none did within timeout). The
-        others join the ring whenever they first answer, and any replica lost later rejoins when it comes
-        back: the gateway starts with whichever replicas are up, and never needs a restart for them."""
+        """Returns once any replica answered the handshake (EngineDead when none did within
+        timeout). The others join the ring whenever they first answer, and any replica lost later
+        rejoins when it comes back: the gateway starts with whichever replicas are up, and never
+        needs a restart for them."""
         for r in self.replicas:
             if r.joiner is None:
                 r.joiner = asyncio.create_task(self._join(r))
@@ -130,13 +132,15 @@ class Router:
         try:
             await asyncio.wait_for(self._first.wait(), timeout)
         except TimeoutError:
-            raise EngineDead(f"no engine replica answered HELLO within {timeout:g}s ({self.address})") from None
+            raise EngineDead(f"no engine replica answered HELLO within {timeout:g}s "
+                             f"({self.address})") from None
         assert self.ready is not None
         return self.ready
 
     async def _join(self, r: Replica) -> None:
-        """Waits for this replica's first READY (its client greets it again by itself after each loss);
-        one serving another model than the first replica's is kept out of the ring, with a log line."""
+        """Waits for this replica's first READY (its client greets it again by itself after each
+        loss); one serving another model than the first replica's is kept out of the ring, with a
+        log line."""
         while True:
             try:
                 ready = await r.client.start(timeout=JOIN_RETRY_S)
@@ -146,8 +150,10 @@ class Router:
                 await asyncio.sleep(1.0)  # a client dead for good answers at once: do not spin
         if self.ready is None:
             self.ready = ready
-        elif (ready.model_name, ready.max_model_len) != (self.ready.model_name, self.ready.max_model_len):
-            r.refused = (f"it serves {ready.model_name} (max_model_len {ready.max_model_len}), the others "
+        elif (ready.model_name, ready.max_model_len) != (self.ready.model_name,
+                                                         self.ready.max_model_len):
+            r.refused = (f"it serves {ready.model_name} (max_model_len {ready.max_model_len}), the "
+                         "others "
                          f"{self.ready.model_name} ({self.ready.max_model_len})")
             log.error("replica_refused replica=%s why=%s", r.address, r.refused)
             return
@@ -164,8 +170,8 @@ class Router:
         await asyncio.gather(*(r.client.close() for r in self.replicas))
 
     async def get_tokenizer(self) -> Any:
-        """Loaded once and given to every replica's client: from the gateway's --model when given, else
-        from the model of the first replica that answered."""
+        """Loaded once and given to every replica's client: from the gateway's --model when given,
+        else from the model of the first replica that answered."""
         await self._first.wait()
         loader = next(r.client for r in self.replicas if r.client.ready is not None)
         tok = self._tokenizer = await loader.get_tokenizer()
@@ -232,11 +238,11 @@ class Router:
         chosen.num_routed += 1
         return chosen
 
-    # -- a replica lost ---------------------------------------------------------------------------------
+    # -- a replica lost -------------------------------------------------------------------------
     def _move_held(self, lost: AsyncEngineClient) -> None:
-        """A replica's engine is lost with requests held for resuming: resume each on a live replica now
-        (prompt + delivered tokens, shared/resume.py), routed as a new request would be. With no replica
-        live they wait for whichever comes back first (the stats poller retries)."""
+        """A replica's engine is lost with requests held for resuming: resume each on a live replica
+        now (prompt + delivered tokens, shared/resume.py), routed as a new request would be. With no
+        replica live they wait for whichever comes back first (the stats poller retries)."""
         if not any(r.live for r in self.replicas if r.client is not lost):
             return
         moved = lost.hand_over()
@@ -244,13 +250,16 @@ class Router:
             target = self.route(rec.add.prompt_token_ids)
             if not target.client.adopt(rec, stream):
                 stream.put(EngineDead(f"the engine at {lost.address} was lost and request "
-                                      f"{rec.add.request_id!r} could not move to {target.address}: retry it"))
+                                      f"{rec.add.request_id!r} could not move to "
+                                      f"{target.address}: retry it"))
         if moved:
-            log.warning("replica %s lost: %d request(s) resumed on the live replicas", lost.address, len(moved))
+            log.warning("replica %s lost: %d request(s) resumed on the live replicas", lost.address,
+                        len(moved))
 
     async def _poll_stats(self) -> None:
         """Each replica's queue, fresh every stats_interval; the tokens routed since then are counted
-        on top until the next answer includes them. Requests held for a lost replica move to a live one."""
+        on top until the next answer includes them. Requests held for a lost replica move to a live
+        one."""
         while True:
             await asyncio.sleep(self.config.stats_interval)
             for r in self.replicas:

@@ -108,7 +108,8 @@ class EngineSupervisor:
 
 async def stop_when_all_give_up(supervisors: list[EngineSupervisor], stop: asyncio.Event) -> None:
     """Supervises every engine, each on its own; sets stop once all have given up. One data-parallel
-    replica in a crash loop leaves the ring, and the others serve on (its requests moved to them)."""
+    replica in a crash loop leaves the ring, and the others serve on (its requests moved to
+    them)."""
     events = [asyncio.Event() for _ in supervisors]
     tasks = [asyncio.create_task(s.supervise(e)) for s, e in zip(supervisors, events)]
     try:

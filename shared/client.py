@@ -85,8 +85,9 @@ class AsyncEngineClient:
         self._trace_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
         # Called with every OBSERVED message while this client observes (observe()): the gateway's dashboard.
         self.on_observed: Callable[[P.Observed], None] | None = None
-        # Called when the engine is lost with requests held for resuming: a router of several replicas
-        # moves them to a live one at once (hand_over / adopt) instead of waiting for this one's return.
+        # Called when the engine is lost with requests held for resuming: a router of several
+        # replicas moves them to a live one at once (hand_over / adopt) instead of waiting for this
+        # one's return.
         self.on_held: Callable[[AsyncEngineClient], None] | None = None
         self._ready_evt = asyncio.Event()
         self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
@@ -185,7 +186,7 @@ class AsyncEngineClient:
         return bool(self._resumer.held)
 
     def hand_over(self) -> list[tuple[InFlight, RequestStream]]:
-        """The requests held for this client's lost engine, removed from it for another client to adopt."""
+        """The requests held for this client's lost engine, removed from it for another to adopt."""
         moved = []
         for rid in sorted(self._resumer.held):
             stream = self._streams.pop(rid, None)
@@ -197,13 +198,14 @@ class AsyncEngineClient:
         return moved
 
     def adopt(self, rec: InFlight, stream: RequestStream) -> bool:
-        """Continue another client's held request on this client's engine (prompt + delivered tokens, as a
-        resume), on the caller's same stream. -> False when this client cannot take it now."""
+        """Continue another client's held request on this client's engine (prompt + delivered
+        tokens, as a resume), on the caller's same stream. -> False when this client cannot take it
+        now."""
         rid = rec.add.request_id
         if not self.connected or rid in self._streams:
             return False
         again = rec.resubmit()
-        if isinstance(again, P.RequestOutput):  # every token was delivered: only the final row was lost
+        if isinstance(again, P.RequestOutput):  # all tokens delivered: only the final row was lost
             stream.put(again)
             return True
         stream.owner = self
@@ -406,9 +408,11 @@ class AsyncEngineClient:
             async for out in stream:
                 for text_out in choices.feed(out):
                     if text_out.finished and not stream.done:
-                        await owner().abort(stream.request_id)  # stop strings ended every choice first
+                        # stop strings ended every choice first
+                        await owner().abort(stream.request_id)
                     elif text_out.finish_reason is not None and out.finish_reason is None and not text_out.finished:
-                        await owner().stop_choice(stream.request_id, text_out.index)  # a stop string ended it
+                        # a stop string ended it
+                        await owner().stop_choice(stream.request_id, text_out.index)
                     yield text_out
                     if text_out.finished:
                         return

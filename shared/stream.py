@@ -21,8 +21,9 @@ class RequestStream:
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.done = False
-        # The client that took this request over from the one that started it (a data-parallel replica
-        # whose engine was lost, gateway/router.py): its aborts go there. None: the one that started it.
+        # The client that took this request over from the one that started it (a data-parallel
+        # replica whose engine was lost, gateway/router.py): its aborts go there. None: the one that
+        # started it.
         self.owner: object | None = None
         self._pending: list[P.RequestOutput] = []
         self._error: ConveyorError | None = None

@@ -98,10 +98,11 @@ def load_shard(spec: RankSpec) -> ShardedLlama:
 
 
 def per_rank_cache(cache: CacheConfig, world_size: int, device: torch.device) -> CacheConfig:
-    """--kv-cache-memory and --swap-space are the engine's totals over its ranks: a rank's block holds 1/N
-    of the K/V heads, so 1/N of each budget per rank gives every rank the block count (and the tokens) of
-    one engine with the whole budget. A fraction of free memory is of the host's, which the ranks share
-    on CPU; on CUDA the device pool's fraction is of each rank's own GPU, as one engine's would be."""
+    """--kv-cache-memory and --swap-space are the engine's totals over its ranks: a rank's block
+    holds 1/N of the K/V heads, so 1/N of each budget per rank gives every rank the block count (and
+    the tokens) of one engine with the whole budget. A fraction of free memory is of the host's,
+    which the ranks share on CPU; on CUDA the device pool's fraction is of each rank's own GPU, as
+    one engine's would be."""
     if cache.num_blocks is not None and cache.num_cpu_blocks is not None:
         return cache
     host = available_memory(torch.device("cpu"))

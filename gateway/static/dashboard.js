@@ -25,14 +25,17 @@
     ws.onmessage = (ev) => receive(JSON.parse(ev.data));
   }
 
-  // Which engine this page shows; with several data-parallel replicas, a choice of the others (a new
-  // page for the one picked: its blocks and queues are another engine's).
+  // Which engine this page shows; with several data-parallel replicas, a choice of the others
+  // (a new page for the one picked: its blocks and queues are another engine's).
   function showReplica(r) {
     const pick = $("replica");
     pick.replaceChildren(...r.addresses.map((a, i) => new Option(`${i}: ${a}`, String(i))));
     pick.value = String(r.index);
     $("replica-pick").hidden = r.addresses.length < 2;
-    pick.onchange = () => { params.set("replica", pick.value); location.search = params.toString(); };
+    pick.onchange = () => {
+      params.set("replica", pick.value);
+      location.search = params.toString();
+    };
   }
 
   function setStatus(up) {
@@ -53,7 +56,11 @@
   }
 
   function receive(msg) {
-    if (msg.hello) { $("model").textContent = msg.hello.model; showReplica(msg.hello.replica); return; }
+    if (msg.hello) {
+      $("model").textContent = msg.hello.model;
+      showReplica(msg.hello.replica);
+      return;
+    }
     const now = Date.now() / 1000;
     for (const row of msg.steps) {
       steps.push(row);

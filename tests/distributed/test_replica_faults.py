@@ -1,8 +1,10 @@
-"""Data-parallel replicas that die or come and go while serving: a SIGKILLed replica's streams resume at
-once on the live one (text identical to an uninterrupted run, float32 greedy, one usage block, no error
-event) while new requests keep being served, and `--max-engine-restarts 0` leaves the gateway serving
-on the replica that is left. `conveyor gateway` starts with one of its two replicas down, admits it
-when it comes up (it takes traffic), and loses nothing when a replica goes away."""
+"""Data-parallel replicas that die or come and go while serving: a SIGKILLed replica's streams
+resume at once on the live one (text identical to an uninterrupted run, float32 greedy, one usage
+block, no error event) while new requests keep being served, and `--max-engine-restarts 0` leaves
+the gateway serving on the replica that is left. `conveyor gateway` starts with one of its two
+replicas down, admits it when it comes up (it takes traffic), and loses nothing when a replica goes
+away."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +26,14 @@ from tests.e2e.servers import ROOT, Server, alive, children, cmdline, engine_sta
 
 pytestmark = pytest.mark.slow
 # Longer than the router's affinity prefix (32 tokens): the four streams land on one replica.
-PREFIX = ("You are a careful assistant. Answer in one short sentence, cite nothing, and never repeat the "
-          "question back. The user's documents follow, each on its own line. ")
-PROMPTS = [PREFIX + t for t in ("The quick brown fox", "Once upon a time", "In the beginning", "Numbers: 1, 2,")]
+PREFIX = (
+    "You are a careful assistant. Answer in one short sentence, cite nothing, and never repeat the "
+    "question back. The user's documents follow, each on its own line. "
+)
+PROMPTS = [
+    PREFIX + t
+    for t in ("The quick brown fox", "Once upon a time", "In the beginning", "Numbers: 1, 2,")
+]
 
 
 def replica_pid(server: Server, address: str) -> int:
@@ -50,9 +57,11 @@ async def complete(session: aiohttp.ClientSession, url: str, prompt: str) -> str
         return str((await resp.json())["choices"][0]["text"])
 
 
-async def run(url: str, kill: Callable[[], int] | None, during: list[str]) -> tuple[list[Stream], list[str]]:
-    """The four streams at once; with kill, SIGKILL what it names once each is mid-decode, then serve the
-    `during` prompts as new requests while the streams move."""
+async def run(
+    url: str, kill: Callable[[], int] | None, during: list[str]
+) -> tuple[list[Stream], list[str]]:
+    """The four streams at once; with kill, SIGKILL what it names once each is mid-decode, then
+    serve the `during` prompts as new requests while the streams move."""
     streams = [Stream() for _ in PROMPTS]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         tasks = [asyncio.create_task(sse(session, url, p, s)) for p, s in zip(PROMPTS, streams)]
@@ -67,11 +76,27 @@ async def run(url: str, kill: Callable[[], int] | None, during: list[str]) -> tu
     return streams, texts
 
 
-def test_a_dead_replicas_streams_resume_on_the_live_one(tiny_chat_model: Path, tmp_path: Path,
-                                                        tiny_offline: Callable[[list[str], int], list[str]]) -> None:
-    with Server(["serve", "--model", str(tiny_chat_model), "-dp", "2", "--max-engine-restarts", "0",
-                 "--dtype", "float32", "--kv-cache-memory", "32MiB", "--log-level", "warning"],
-                log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "server.log") as server:
+def test_a_dead_replicas_streams_resume_on_the_live_one(
+    tiny_chat_model: Path, tmp_path: Path, tiny_offline: Callable[[list[str], int], list[str]]
+) -> None:
+    with Server(
+        [
+            "serve",
+            "--model",
+            str(tiny_chat_model),
+            "-dp",
+            "2",
+            "--max-engine-restarts",
+            "0",
+            "--dtype",
+            "float32",
+            "--kv-cache-memory",
+            "32MiB",
+            "--log-level",
+            "warning",
+        ],
+        log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "server.log",
+    ) as server:
         addresses = [f"ipc:///tmp/conveyor-{server.pid}-{i}.sock" for i in range(2)]
         reference, _ = asyncio.run(asyncio.wait_for(run(server.url, None, []), 300))
         during = [f"Question {i}: what is {i} plus {i * 7}?" for i in range(3)]
@@ -86,10 +111,13 @@ def test_a_dead_replicas_streams_resume_on_the_live_one(tiny_chat_model: Path, t
             assert g.errors == [] and g.done, g.errors
             assert "".join(g.text) == "".join(w.text)
             assert len(g.usages) == 1
-            assert [g.usages[0][k] for k in ("prompt_tokens", "completion_tokens")] == \
-                [w.usages[0][k] for k in ("prompt_tokens", "completion_tokens")]
+            assert [g.usages[0][k] for k in ("prompt_tokens", "completion_tokens")] == [
+                w.usages[0][k] for k in ("prompt_tokens", "completion_tokens")
+            ]
         assert texts == tiny_offline(during, 8)
-        assert server.proc is not None and server.proc.poll() is None, "one replica left must keep serving"
+        assert server.proc is not None and server.proc.poll() is None, (
+            "one replica left must keep serving"
+        )
         [live] = [a for a in addresses if a != lost[0]]
         assert not any(alive(p) and lost[0] in cmdline(p) for p in children(server.pid))
         stats = asyncio.run(wait_engine_idle(live, timeout=30))
@@ -98,15 +126,36 @@ def test_a_dead_replicas_streams_resume_on_the_live_one(tiny_chat_model: Path, t
 
 
 def start_engine(address: str, model: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "engine", "--address", address, "--model", str(model),
-                             "--dtype", "float32", "--num-threads", "1", "--kv-cache-memory", "32MiB",
-                             "--log-level", "warning"], cwd=ROOT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "--address",
+            address,
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--num-threads",
+            "1",
+            "--kv-cache-memory",
+            "32MiB",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+    )
 
 
 async def metrics(url: str, name: str) -> dict[str, float]:
     async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
         m = parse(await resp.text())
-    return {k.split("replica=")[1].rstrip("}").strip('"'): v for k, v in m.items() if k.startswith(name + "{")}
+    return {
+        k.split("replica=")[1].rstrip("}").strip('"'): v
+        for k, v in m.items()
+        if k.startswith(name + "{")
+    }
 
 
 async def until(check: Callable[[], Any], timeout: float = 180) -> Any:
@@ -118,19 +167,31 @@ async def until(check: Callable[[], Any], timeout: float = 180) -> Any:
 
 
 def test_gateway_starts_with_a_replica_down_admits_it_later_and_loses_nothing_when_one_goes(
-        tiny_chat_model: Path, tmp_path: Path, tiny_offline: Callable[[list[str], int], list[str]]) -> None:
+    tiny_chat_model: Path, tmp_path: Path, tiny_offline: Callable[[list[str], int], list[str]]
+) -> None:
     a, b = f"ipc://{tmp_path}/a.sock", f"ipc://{tmp_path}/b.sock"
     engines = {a: start_engine(a, tiny_chat_model)}
     prompts = [f"Question {i}: what is {i} plus {i * 7}?" for i in range(12)]
     expected = tiny_offline(prompts, 8)
     try:
-        with Server(["gateway", "--engine-address", f"{a},{b}", "--model", str(tiny_chat_model),
-                     "--log-level", "warning"],
-                    log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "gateway.log") as gw:
+        with Server(
+            [
+                "gateway",
+                "--engine-address",
+                f"{a},{b}",
+                "--model",
+                str(tiny_chat_model),
+                "--log-level",
+                "warning",
+            ],
+            log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "gateway.log",
+        ) as gw:
 
             async def serve_all() -> list[str]:
                 async with aiohttp.ClientSession() as session:
-                    return list(await asyncio.gather(*(complete(session, gw.url, p) for p in prompts)))
+                    return list(
+                        await asyncio.gather(*(complete(session, gw.url, p) for p in prompts))
+                    )
 
             assert asyncio.run(serve_all()) == expected  # on A alone
             engines[b] = start_engine(b, tiny_chat_model)
@@ -139,8 +200,12 @@ def test_gateway_starts_with_a_replica_down_admits_it_later_and_loses_nothing_wh
             before = asyncio.run(metrics(gw.url, "conveyor_replica_requests_routed_total"))
             assert asyncio.run(serve_all()) == expected
             after = asyncio.run(metrics(gw.url, "conveyor_replica_requests_routed_total"))
-            assert after[b] > before.get(b, 0) and after[a] > before[a], (before, after)  # the ring rebalanced
-            # B goes away under four streams: they finish on A, identical; new requests keep being served.
+            assert after[b] > before.get(b, 0) and after[a] > before[a], (
+                before,
+                after,
+            )  # the ring rebalanced
+            # B goes away under four streams: they finish on A, identical; new requests keep being
+            # served.
             reference, _ = asyncio.run(run(gw.url, None, []))
             lost: list[str] = []
 
@@ -168,7 +233,8 @@ async def _down(url: str, address: str) -> bool:
 
 
 async def dashboard_hello(url: str, replica: int) -> Any:
-    """The dashboard's first message on ?replica=N: which replica it shows, of which. N past the end: 400."""
+    """The dashboard's first message on ?replica=N: which replica it shows, of which (past the
+    end: 400)."""
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{url}/dashboard/ws?replica=2") as resp:
             assert resp.status == 400

@@ -90,18 +90,19 @@ def test_smollm2_tp3_equals_tp1(smollm2_source):
 
 
 def test_kv_budgets_are_totals_over_the_ranks(tiny_llama_dir, caplog):
-    """--kv-cache-memory and --swap-space under TP=2 take what they say in all (each rank half), and hold
-    the blocks, so the tokens, of one engine with the same budgets; the start-up log says the totals."""
+    """--kv-cache-memory and --swap-space under TP=2 take what they say in all (each rank half), and
+    hold the blocks, so the tokens, of one engine with the same budgets; the log says the totals."""
     budget = dict(kv_cache_memory="4MiB", swap_space="2MiB")
     one = tp_engine(tiny_llama_dir, 1, **budget).block_manager
     with caplog.at_level("INFO", logger="conveyor.tp"):
         two = tp_engine(tiny_llama_dir, 2, **budget)
     try:
         kv = two.runner.rank0.kv  # type: ignore[attr-defined]
-        assert (two.block_manager.num_blocks, two.block_manager.cpu.num_blocks) == (one.num_blocks,
-                                                                                  one.cpu.num_blocks)
+        bm = two.block_manager
+        assert (bm.num_blocks, bm.cpu.num_blocks) == (one.num_blocks, one.cpu.num_blocks)
         assert one.num_blocks > 1 and one.cpu.num_blocks > 1
-        assert 4 * 2**20 - 2 * kv.device.nbytes < 2 * kv.device.nbytes / one.num_blocks  # < a block short
+        block = 2 * kv.device.nbytes / one.num_blocks  # one block's bytes over both ranks
+        assert 4 * 2**20 - 2 * kv.device.nbytes < block  # the budget, less than a block short
         assert 2 * kv.device.nbytes <= 4 * 2**20 and 2 * kv.cpu.nbytes <= 2 * 2**20
     finally:
         codes = stop(two)

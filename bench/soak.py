@@ -1,6 +1,7 @@
 """Soak: thousands of mixed requests against a real `conveyor serve` whose engine is SIGKILLed twice.
 
     python bench/soak.py [--requests 10000] [--clients 32] [--model PATH_OR_NAME] [--seed 0]
+                         [--topology single|tp|dp] [--freeze SECONDS]
 
 It starts `conveyor serve` as a user would (a subprocess in its own session, torn down at the end) on a
 tiny random Llama with SmolLM2's tokenizer (or --model), a KV pool small enough that preemption (swap
@@ -9,7 +10,10 @@ and recompute) is constant, and `--speculative ngram`. A bounded pool of aiohttp
 chat, long prompts, streamed (SSE or WebSocket) or not, some opting out of speculation. One request in 50
 is malformed (bad JSON, out-of-range or unknown fields, token ids past the vocabulary); 20% of the
 others go away at a random moment. At a third and two thirds of the run the engine is SIGKILLed: the
-gateway restarts it and resumes the streams in flight.
+gateway restarts it and resumes the streams in flight. `--topology tp` serves with `-tp 2` (no
+speculation: refused with TP) and kills its worker rank, which takes the engine down and back up
+whole; `--topology dp` serves with `-dp 2` and kills each replica in turn, whose streams move to the
+other at once; `--freeze S` SIGSTOPs the same target for S seconds instead of killing it.
 
 Every request ends in exactly one class, and the run fails (exit 1) unless lost, leaked and stalled are 0:
   completed   a final answer: [DONE] after the last chunk, or a whole JSON response
@@ -362,9 +366,10 @@ async def monitor(url: str, gateway: int, run: Run, stop: asyncio.Event) -> None
                 pass
 
 
-async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topology: str) -> None:
+async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topology: str,
+                 freeze: float) -> None:
     """SIGKILLs an engine (or a rank of one) at even fractions of the run, each time with at least 8
-    requests in flight."""
+    requests in flight; with freeze > 0, SIGSTOPs it for that many seconds instead, then SIGCONT."""
     async with aiohttp.ClientSession() as session:
         for k in range(1, kills + 1):
             for _ in range(36000):  # an hour at most; the end of the run cancels this task sooner
@@ -375,10 +380,16 @@ async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topol
             if pid is None:
                 continue
             await scrape(session, url, gateway, run)  # the dying engine's last counters
-            os.kill(pid, signal.SIGKILL)
             run.kills.append(time.monotonic())
-            print(f"  SIGKILL {topology} pid {pid} after {len(run.outcomes)} answers, "
+            what = f"SIGSTOP for {freeze:g} s" if freeze else "SIGKILL"
+            print(f"  {what} {topology} pid {pid} after {len(run.outcomes)} answers, "
                   f"{run.in_flight} in flight", flush=True)
+            if not freeze:
+                os.kill(pid, signal.SIGKILL)
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(freeze)
+            os.kill(pid, signal.SIGCONT)
 
 
 async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
@@ -386,7 +397,8 @@ async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
     jobs = [make_job(i, rng) for i in range(args.requests)]
     run, stop = Run(), asyncio.Event()
     watch = asyncio.create_task(monitor(url, gateway, run, stop))
-    kill = asyncio.create_task(killer(url, gateway, len(jobs), args.kills, run, args.topology))
+    kill = asyncio.create_task(killer(url, gateway, len(jobs), args.kills, run, args.topology,
+                                      args.freeze))
     todo = iter(jobs)
     # One connection per request: a client that goes away really closes its socket, as a browser tab does.
     connector = aiohttp.TCPConnector(force_close=True, limit=args.clients)
@@ -490,6 +502,9 @@ def main() -> int:
     p.add_argument("--topology", choices=TOPOLOGIES, default="single",
                    help="single: one engine (--speculative ngram), kills hit it; tp: -tp 2, kills "
                         "hit its worker rank; dp: -dp 2, kills hit each replica in turn")
+    p.add_argument("--freeze", type=float, default=0.0, metavar="SECONDS",
+                   help="instead of each SIGKILL, SIGSTOP the same process for this long, then "
+                        "SIGCONT")
     args = p.parse_args()
     ENGINES[0] = 2 if args.topology == "dp" else 1
     from tests.e2e.servers import ROOT, Server

@@ -108,3 +108,24 @@ def test_kv_budgets_are_totals_over_the_ranks(tiny_llama_dir, caplog):
         codes = stop(two)
     assert codes == [0]
     assert f"KV pools over all ranks: {one.num_blocks} blocks" in caplog.text
+
+
+def test_per_rank_budgets_split_totals_but_not_a_gpus_own_fraction(monkeypatch):
+    """Bytes and host-memory fractions are shared by the ranks (each gets 1/N); a fraction of a
+    GPU's free memory is each rank's own GPU's, as for one engine on one GPU."""
+    import torch
+
+    from engine.distributed import rank
+    from shared.config import CacheConfig
+
+    def free(device: torch.device) -> int:
+        return 1000 if device.type == "cuda" else 8000
+
+    monkeypatch.setattr(rank, "available_memory", free)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    split = rank.per_rank_cache(CacheConfig(kv_cache_memory="4000", swap_space="0.5"), 4, cpu)
+    assert (split.kv_cache_memory, split.swap_space) == ("1000", "1000")
+    host = rank.per_rank_cache(CacheConfig(kv_cache_memory="0.5", swap_space="0"), 2, cpu)
+    assert (host.kv_cache_memory, host.swap_space) == ("2000", "0")
+    gpu = rank.per_rank_cache(CacheConfig(kv_cache_memory="0.5", swap_space="800"), 2, cuda)
+    assert (gpu.kv_cache_memory, gpu.swap_space) == ("500", "400")

@@ -1,6 +1,7 @@
 """Soak: thousands of mixed requests against a real `conveyor serve` whose engine is SIGKILLed twice.
 
     python bench/soak.py [--requests 10000] [--clients 32] [--model PATH_OR_NAME] [--seed 0]
+                         [--topology single|tp|dp] [--freeze SECONDS]
 
 It starts `conveyor serve` as a user would (a subprocess in its own session, torn down at the end) on a
 tiny random Llama with SmolLM2's tokenizer (or --model), a KV pool small enough that preemption (swap
@@ -9,7 +10,10 @@ and recompute) is constant, and `--speculative ngram`. A bounded pool of aiohttp
 chat, long prompts, streamed (SSE or WebSocket) or not, some opting out of speculation. One request in 50
 is malformed (bad JSON, out-of-range or unknown fields, token ids past the vocabulary); 20% of the
 others go away at a random moment. At a third and two thirds of the run the engine is SIGKILLed: the
-gateway restarts it and resumes the streams in flight.
+gateway restarts it and resumes the streams in flight. `--topology tp` serves with `-tp 2` (no
+speculation: refused with TP) and kills its worker rank, which takes the engine down and back up
+whole; `--topology dp` serves with `-dp 2` and kills each replica in turn, whose streams move to the
+other at once; `--freeze S` SIGSTOPs the same target for S seconds instead of killing it.
 
 Every request ends in exactly one class, and the run fails (exit 1) unless lost, leaked and stalled are 0:
   completed   a final answer: [DONE] after the last chunk, or a whole JSON response
@@ -49,6 +53,8 @@ import orjson  # noqa: E402
 VOCAB = 49152  # SmolLM2's tokenizer, and so the tiny model's vocabulary
 GREEDY_PROMPTS = ["The soak test", "Once upon a time", "def main():", "1, 2, 3, 4,", "Paris is the"]
 RESUMING = r"resuming (\d+) request"  # the gateway's log line when it resubmits requests to a new engine
+# ... and when it moves them to a live replica
+MOVED = r"lost: (\d+) request\(s\) resumed on the live replicas"
 WORDS = "the a river stone light engine queue token block cache stream model step batch word".split()
 MALFORMED: list[dict[str, Any] | bytes] = [  # each must be answered 400; the issue's three crashes first
     {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [100000]},
@@ -91,9 +97,12 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     in_flight: int = 0
     kills: list[float] = field(default_factory=list)
-    stalled: dict[int, float] = field(default_factory=dict)  # engine pid -> its counter's last value
-    preempted: dict[int, float] = field(default_factory=dict)
-    pids: list[int] = field(default_factory=list)
+    # engine pids (one engine, or both replicas: "a,b") -> its counter's last value; under dp a
+    # replica that outlives a kill is counted in both sets, so a stalled count there is an upper
+    # bound
+    stalled: dict[str, float] = field(default_factory=dict)
+    preempted: dict[str, float] = field(default_factory=dict)
+    pids: list[str] = field(default_factory=list)
 
 
 def shape_fields(shape: str, rng: random.Random) -> dict[str, Any]:
@@ -293,11 +302,40 @@ def build_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def engine_pid(gateway: int) -> int | None:
+TOPOLOGIES = ("single", "tp", "dp")  # what --topology starts, and so what its kills hit
+TOPOLOGY_FLAGS = {"single": ["--speculative", "ngram"],
+                  "tp": ["-tp", "2", "--collective-timeout", "120"], "dp": ["-dp", "2"]}
+
+
+def engines(gateway: int) -> list[int]:
     from tests.e2e.servers import children, cmdline
 
-    pids = [p for p in children(gateway) if cmdline(p)[1:3] == ["-m", "engine"]]
-    return pids[0] if len(pids) == 1 else None
+    return [p for p in children(gateway) if cmdline(p)[1:3] == ["-m", "engine"]]
+
+
+def engine_pid(gateway: int) -> str | None:
+    """The engines' pids as one key (a new one after each restart); None while some are missing."""
+    pids = engines(gateway)
+    return ",".join(map(str, pids)) if len(pids) == ENGINES[0] else None
+
+
+ENGINES = [1]  # engines `serve` runs (2 under dp); set once from --topology
+
+
+def victim(gateway: int, topology: str, k: int) -> int | None:
+    """What the k-th kill hits: the engine (single); one tensor-parallel worker of it (tp: the
+    engine then exits and is restarted whole); replica k % 2 (dp: its streams move to the other
+    replica)."""
+    from tests.e2e.servers import children, cmdline
+
+    pids = engines(gateway)
+    if len(pids) != ENGINES[0]:
+        return None
+    if topology == "tp":
+        workers = [p for p in children(pids[0])
+                   if "engine.distributed.worker" in " ".join(cmdline(p))]
+        return workers[0] if workers else None
+    return pids[k % len(pids)]
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, gateway: int, run: Run) -> None:
@@ -328,21 +366,30 @@ async def monitor(url: str, gateway: int, run: Run, stop: asyncio.Event) -> None
                 pass
 
 
-async def killer(url: str, gateway: int, total: int, kills: int, run: Run) -> None:
-    """SIGKILLs the engine at even fractions of the run, each time with at least 8 requests in flight."""
+async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topology: str,
+                 freeze: float) -> None:
+    """SIGKILLs an engine (or a rank of one) at even fractions of the run, each time with at least 8
+    requests in flight; with freeze > 0, SIGSTOPs it for that many seconds instead, then SIGCONT."""
     async with aiohttp.ClientSession() as session:
         for k in range(1, kills + 1):
             for _ in range(36000):  # an hour at most; the end of the run cancels this task sooner
                 if len(run.outcomes) >= total * k // (kills + 1) and run.in_flight >= 8:
                     break
                 await asyncio.sleep(0.1)
-            pid = engine_pid(gateway)
+            pid = victim(gateway, topology, k)
             if pid is None:
                 continue
             await scrape(session, url, gateway, run)  # the dying engine's last counters
-            os.kill(pid, signal.SIGKILL)
             run.kills.append(time.monotonic())
-            print(f"  SIGKILL engine {pid} after {len(run.outcomes)} answers, {run.in_flight} in flight", flush=True)
+            what = f"SIGSTOP for {freeze:g} s" if freeze else "SIGKILL"
+            print(f"  {what} {topology} pid {pid} after {len(run.outcomes)} answers, "
+                  f"{run.in_flight} in flight", flush=True)
+            if not freeze:
+                os.kill(pid, signal.SIGKILL)
+                continue
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(freeze)
+            os.kill(pid, signal.SIGCONT)
 
 
 async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
@@ -350,7 +397,8 @@ async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
     jobs = [make_job(i, rng) for i in range(args.requests)]
     run, stop = Run(), asyncio.Event()
     watch = asyncio.create_task(monitor(url, gateway, run, stop))
-    kill = asyncio.create_task(killer(url, gateway, len(jobs), args.kills, run))
+    kill = asyncio.create_task(killer(url, gateway, len(jobs), args.kills, run, args.topology,
+                                      args.freeze))
     todo = iter(jobs)
     # One connection per request: a client that goes away really closes its socket, as a browser tab does.
     connector = aiohttp.TCPConnector(force_close=True, limit=args.clients)
@@ -370,18 +418,22 @@ async def drive(args: argparse.Namespace, url: str, gateway: int) -> Run:
     return run
 
 
-async def final_stats(address: str) -> dict[str, float]:
-    """The engine's STATS once it holds nothing (or after 60 s, whatever it holds then)."""
+async def final_stats(addresses: list[str]) -> dict[str, float]:
+    """The engines' STATS, summed, once each holds nothing (or after 60 s, whatever it holds)."""
     from shared.client import AsyncEngineClient
     from tests.e2e.servers import is_idle
 
-    async with AsyncEngineClient(address, name="soak", ready_timeout=30) as client:
-        for _ in range(600):
-            stats = await client.get_stats()
-            if is_idle(stats):
-                break
-            await asyncio.sleep(0.1)
-        return stats
+    total: dict[str, float] = {}
+    for address in addresses:
+        async with AsyncEngineClient(address, name="soak", ready_timeout=30) as client:
+            for _ in range(600):
+                stats = await client.get_stats()
+                if is_idle(stats):
+                    break
+                await asyncio.sleep(0.1)
+        for k, v in stats.items():
+            total[k] = total.get(k, 0.0) + v
+    return total
 
 
 # -- the report -----------------------------------------------------------------------------------------
@@ -417,8 +469,10 @@ def report(run: Run, stats: dict[str, float], log: str, wall: float, gateway_ali
     print(f"{len(run.outcomes)} requests in {wall:.0f} s: completed {kinds['completed']}, aborted {kinds['aborted']}, "
           f"refused {kinds['refused']}, unresumable {kinds['unresumable']}, errors {kinds['error']}, "
           f"lost {kinds['lost']}; {sum(o.retries for o in run.outcomes)} retries after a 503/429")
+    moved = sum(int(n) for n in re.findall(MOVED, log))
     print(f"engine restarts: {log.count('engine_restart exit=')} (log; {len(run.kills)} SIGKILLs, "
-          f"{len(run.pids)} engine pids seen); resumed streams: {resubmitted} resubmitted (log), "
+          f"{len(run.pids)} engine sets seen); resumed streams: {resubmitted} resubmitted to a "
+          f"restarted engine, {moved} moved to a live replica (log), "
           f"{sum(1 for o in done if any(o.start < k < o.end for k in run.kills))} in flight at a kill and completed")
     print(f"preemptions: {int(sum(run.preempted.values()))}; stalled steps: {stalled}; leaked blocks at the end: "
           f"{leaked}; {queued}; gateway alive: {gateway_alive}")
@@ -445,7 +499,14 @@ def main() -> int:
     p.add_argument("--num-kv-blocks", type=int, default=96, help="16-token blocks: small, so preemption is constant")
     p.add_argument("--deadline", type=float, default=300.0, help="seconds a request may take before it is lost")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--topology", choices=TOPOLOGIES, default="single",
+                   help="single: one engine (--speculative ngram), kills hit it; tp: -tp 2, kills "
+                        "hit its worker rank; dp: -dp 2, kills hit each replica in turn")
+    p.add_argument("--freeze", type=float, default=0.0, metavar="SECONDS",
+                   help="instead of each SIGKILL, SIGSTOP the same process for this long, then "
+                        "SIGCONT")
     args = p.parse_args()
+    ENGINES[0] = 2 if args.topology == "dp" else 1
     from tests.e2e.servers import ROOT, Server
 
     with tempfile.TemporaryDirectory(prefix="conveyor-soak-") as tmp:
@@ -453,7 +514,8 @@ def main() -> int:
         model = args.model or str(build_tiny_model(Path(tmp) / "tiny-chat"))
         argv = ["serve", "--model", model, "--num-threads", "1", "--num-kv-blocks", str(args.num_kv_blocks),
                 "--block-size", "16", "--swap-space", "256KiB", "--max-num-seqs", "32",
-                "--max-num-batched-tokens", "256", "--speculative", "ngram", "--log-level", "warning"]
+                "--max-num-batched-tokens", "256", *TOPOLOGY_FLAGS[args.topology],
+                "--log-level", "warning"]
         print(f"conveyor {' '.join(argv)}", flush=True)
         log = Path(tmp) / "server.log"
         env = {"PYTHONPATH": str(ROOT), "CONVEYOR_CACHE": os.environ["CONVEYOR_CACHE"]}
@@ -461,7 +523,9 @@ def main() -> int:
             t0 = time.monotonic()
             run = asyncio.run(drive(args, srv.url, srv.pid))
             wall = time.monotonic() - t0
-            stats = asyncio.run(final_stats(f"ipc:///tmp/conveyor-{srv.pid}.sock"))
+            addresses = ([f"ipc:///tmp/conveyor-{srv.pid}-{i}.sock" for i in range(2)]
+                         if args.topology == "dp" else [f"ipc:///tmp/conveyor-{srv.pid}.sock"])
+            stats = asyncio.run(final_stats(addresses))
             alive = srv.proc is not None and srv.proc.poll() is None
         return report(run, stats, log.read_text(errors="replace"), wall, alive)
 

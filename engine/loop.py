@@ -98,7 +98,7 @@ class EngineLoop:
         # The socket is used from two threads (the loop, the heartbeats): every use holds this lock.
         self.lock = threading.Lock()
         self.heartbeats = Heartbeats(self.sock, self.lock, heartbeat_interval)
-        self.close_linger_ms = 0  # what is unsent at close is dropped, unless the loop is exiting on a fault
+        self.close_linger_ms = 0  # unsent at close is dropped (a client resumes what it missed)
 
     def run(self) -> None:
         # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
@@ -142,10 +142,12 @@ class EngineLoop:
         an error, its blocks freed, and the engine goes on serving new ones."""
         try:
             return self.core.step()
-        except EngineFault as e:  # this process cannot compute any more: tell every client, then exit
-            log.error("the engine cannot go on: %s; ending all %d requests and exiting", e, len(self.core.sequences))
-            self._send_outputs(self.core.fail_all(str(e)))
-            self.close_linger_ms = 2000  # those ERRORs must leave before the socket closes
+        except EngineFault as e:  # this process cannot compute any more: exit; clients resume
+            # No ERROR to the clients: their connection drops with this process, so they hold their
+            # requests and resubmit them to the engine a supervisor starts again (shared/resume.py),
+            # as after a SIGKILL. A collective library's message is for this log, not for a client.
+            log.error("the engine cannot go on: %s; exiting with %d requests in flight for their "
+                      "clients to resume", e, len(self.core.sequences))
             raise SystemExit(f"engine failed: {e}") from e
         except Exception as e:
             log.exception("the engine step failed outside any one request; ending all %d requests",

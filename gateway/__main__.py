@@ -34,7 +34,7 @@ LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this 
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
                 "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
-                "routing")
+                "routing", "affinity_tokens", "imbalance_tokens")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how requests spread over several engines: prefix (default): by the prompt's first "
                             "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
                             "round_robin: in turn")
+        p.add_argument("--affinity-tokens", type=int, default=32, metavar="N",
+                       help="with several engines: the prompt's first N tokens pick its replica "
+                            "(default 32)")
+        p.add_argument("--imbalance-tokens", type=int, default=2048, metavar="N",
+                       help="with several engines: a replica whose queued prompt tokens exceed the "
+                            "least loaded one's by more than N gives the request to that one "
+                            "(default 2048)")
         p.add_argument("--chat-template", default=None, metavar="FILE",
                        help="a Jinja chat template to render every chat request with, instead of the model's")
         p.add_argument("--tool-call-parser", default="auto", choices=["hermes", "llama3_json", "auto"],
@@ -188,7 +195,7 @@ async def run(args: argparse.Namespace) -> int:
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
     from gateway.router import Router, RouterConfig
     from gateway.state import SERVED
-    from gateway.supervisor import EngineSupervisor, RestartPolicy
+    from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
 
@@ -215,8 +222,9 @@ async def run(args: argparse.Namespace) -> int:
                                      engine_timeout=args.engine_timeout,
                                      curve_keys=None if engine is not None or replicas else args.curve_keys)
                    for a in addresses]
-        client: AsyncEngineClient | Router = (clients[0] if len(clients) == 1 else
-                                              Router(clients, RouterConfig(policy=args.routing)))
+        routing = RouterConfig(args.affinity_tokens, args.imbalance_tokens, policy=args.routing)
+        client: AsyncEngineClient | Router = (clients[0] if len(clients) == 1
+                                              else Router(clients, routing))
     except ValueError as e:  # the key folder lacks a file: say which, no traceback
         print(f"conveyor: {e}", file=sys.stderr)
         for e_proc in ([engine] if engine is not None else []) + replicas:
@@ -270,10 +278,12 @@ async def run(args: argparse.Namespace) -> int:
         supervisors = [EngineSupervisor(e, c, RestartPolicy(max_restarts=args.max_engine_restarts,
                                                             ready_timeout=args.ready_timeout))
                        for e, c in supervised]  # `conveyor gateway` supervises nothing (it has no such flag)
-        for supervisor in supervisors:  # each replica restarts on its own; the others serve meanwhile
-            tasks.append(asyncio.create_task(supervisor.supervise(stop)))
+        # Each replica restarts on its own; the others serve meanwhile, and on past its give-up.
+        if supervisors:
+            tasks.append(asyncio.create_task(stop_when_all_give_up(supervisors, stop)))
         await stop.wait()
-        return 1 if any(s.gave_up for s in supervisors) or (workers and workers.failed) else 0
+        gave_up = bool(supervisors) and all(s.gave_up for s in supervisors)
+        return 1 if gave_up or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1

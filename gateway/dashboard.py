@@ -89,25 +89,28 @@ class Hub:
                 await self._renewer
 
 
-HUB = web.AppKey("dashboard_hub", Hub)
+HUBS = web.AppKey("dashboard_hubs", list[Hub])
 
 
 def setup(app: web.Application) -> None:
-    """Routes, the hub, and the engine client's OBSERVED callback, for build_app()."""
+    """Routes, one hub per engine (each data-parallel replica's own: the page shows one replica, the
+    one its ?replica=N names, and says which), and each client's OBSERVED callback, for
+    build_app()."""
     client = app[CLIENT]
-    # With data-parallel replicas (gateway/router.py) the page shows the first one's batch and blocks.
-    watched = client.replicas[0].client if isinstance(client, Router) else client
-    hub = app[HUB] = Hub(watched)
-    watched.on_observed = hub.on_observed
+    watched = [r.client for r in client.replicas] if isinstance(client, Router) else [client]
+    hubs = [Hub(c) for c in watched]
+    app[HUBS] = hubs
+    for c, hub in zip(watched, hubs):
+        c.on_observed = hub.on_observed
     app.router.add_get("/dashboard", page)
     app.router.add_get("/dashboard/ws", viewer)
 
     async def closing(app: web.Application) -> AsyncIterator[None]:
         yield
-        await app[HUB].close()
+        await asyncio.gather(*(hub.close() for hub in app[HUBS]))
 
     async def close_sockets(app: web.Application) -> None:
-        for ws in list(app[HUB].sockets):
+        for ws in [ws for hub in app[HUBS] for ws in hub.sockets]:
             await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
 
     app.on_shutdown.append(close_sockets)
@@ -126,6 +129,7 @@ _PAGE: bytes | None = None
 
 
 async def page(request: web.Request) -> web.Response:
+    _replica(request)
     global _PAGE
     if _PAGE is None:
         _PAGE = _page_bytes()
@@ -135,12 +139,25 @@ async def page(request: web.Request) -> web.Response:
                                  "connect-src 'self'; img-src 'self' data:"})
 
 
+def _replica(request: web.Request) -> int:
+    """?replica=N (default 0): which engine's hub; 400 naming the range otherwise."""
+    n = len(request.app[HUBS])
+    text = request.query.get("replica", "0")
+    if not (text.isdigit() and int(text) < n):
+        raise web.HTTPBadRequest(text=f"replica must be an integer in [0, {n - 1}]")
+    return int(text)
+
+
 async def viewer(request: web.Request) -> web.WebSocketResponse:
+    index = _replica(request)
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=4096)
     await ws.prepare(request)
-    hub = request.app[HUB]
+    hubs = request.app[HUBS]
+    hub = hubs[index]
     served = request.app[SERVED]
-    await ws.send_str(orjson.dumps({"hello": {"model": served.name, "max_model_len": served.max_model_len}}).decode())
+    replica = {"index": index, "addresses": [h.client.address for h in hubs]}
+    hello = {"model": served.name, "max_model_len": served.max_model_len, "replica": replica}
+    await ws.send_str(orjson.dumps({"hello": hello}).decode())
     queue = hub.join()
     hub.sockets.add(ws)
 

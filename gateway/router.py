@@ -9,10 +9,11 @@ Routing, per request:
 2. Unless that replica is overloaded: its queued tokens (waiting prompts' tokens from its last STATS,
    plus the prompt tokens routed to it since) exceed the least loaded replica's by more than
    `imbalance_tokens`; then the least loaded one takes it (a cache miss costs less than the queue).
-A request stays on its replica for its whole life: its stream, its aborts, its n > 1 choices and stop
-strings all go through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is
-gone is not connected, so it is out of the ring; its requests end with an error or resume, as with one
-engine (shared/resume.py).
+A request stays on its replica: its stream, its aborts, its n > 1 choices and stop strings all go
+through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is gone is not
+connected, so it is out of the ring; its resumable requests move at once to a live replica and
+resume there (prompt + delivered tokens, shared/resume.py), the others end with an error, as with
+one engine.
 
 Router offers what the gateway uses of AsyncEngineClient, so routes, streaming and WebSockets are the
 same for one engine and for N.
@@ -32,10 +33,11 @@ from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.protocol import Ready, RequestOutput
 from shared.sampling import SamplingParams
-from shared.tokenizer import Prompt
+from shared.tokenizer import Prompt, is_token_ids
 
 log = logging.getLogger(__name__)
 ROUTING_POLICIES = ("prefix", "round_robin")
+JOIN_RETRY_S = 30.0  # a replica not up yet is waited for in rounds of this long (a log line each)
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,18 @@ class Replica:
         self.routed_tokens = 0  # prompt tokens routed to it since that STATS
         self.num_routed = 0  # requests routed to it, ever
         self.stats: dict[str, float] | None = None
+        self.refused: str | None = None  # why it is kept out of the ring for good (another model)
+        self.joiner: asyncio.Task[None] | None = None  # waits for its first handshake
 
     @property
     def load(self) -> float:
         return self.queued_tokens + self.routed_tokens
+
+    @property
+    def live(self) -> bool:
+        """In the ring: its engine answered the handshake and has not been lost since (the socket,
+        the heartbeat or a supervisor says so at once)."""
+        return self.client.connected and self.refused is None
 
 
 class Router:
@@ -86,15 +96,19 @@ class Router:
         if not clients:
             raise ValueError("a router needs at least one engine")
         self.replicas = [Replica(c) for c in clients]
+        for c in clients:
+            c.on_held = self._move_held
         self.config = config or RouterConfig()
         self.address = ",".join(r.address for r in self.replicas)
         self.ready: Ready | None = None
+        self._first = asyncio.Event()  # some replica answered the handshake
+        self._tokenizer: Any = None
         self._poller: asyncio.Task[None] | None = None
 
     # -- what the gateway uses of AsyncEngineClient ------------------------------------------------------
     @property
     def connected(self) -> bool:
-        return any(r.client.connected for r in self.replicas)
+        return any(r.live for r in self.replicas)
 
     @property
     def on_output(self) -> Callable[[RequestOutput], None] | None:
@@ -106,28 +120,62 @@ class Router:
             r.client.on_output = fn
 
     async def start(self, timeout: float | None = None) -> Ready:
-        """Every replica's handshake; they must serve the same model."""
-        readies = await asyncio.gather(*(r.client.start(timeout=timeout) for r in self.replicas))
-        names = {(x.model_name, x.max_model_len) for x in readies}
-        if len(names) > 1:
-            raise EngineDead(f"the replicas serve different models: {sorted(names)}")
-        self.ready = readies[0]
+        """Returns once any replica answered the handshake (EngineDead when none did within
+        timeout). The others join the ring whenever they first answer, and any replica lost later
+        rejoins when it comes back: the gateway starts with whichever replicas are up, and never
+        needs a restart for them."""
+        for r in self.replicas:
+            if r.joiner is None:
+                r.joiner = asyncio.create_task(self._join(r))
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_stats())
+        try:
+            await asyncio.wait_for(self._first.wait(), timeout)
+        except TimeoutError:
+            raise EngineDead(f"no engine replica answered HELLO within {timeout:g}s "
+                             f"({self.address})") from None
+        assert self.ready is not None
         return self.ready
 
+    async def _join(self, r: Replica) -> None:
+        """Waits for this replica's first READY (its client greets it again by itself after each
+        loss); one serving another model than the first replica's is kept out of the ring, with a
+        log line."""
+        while True:
+            try:
+                ready = await r.client.start(timeout=JOIN_RETRY_S)
+                break
+            except EngineDead as e:
+                log.info("replica %s not up yet: %s", r.address, e)
+                await asyncio.sleep(1.0)  # a client dead for good answers at once: do not spin
+        if self.ready is None:
+            self.ready = ready
+        elif (ready.model_name, ready.max_model_len) != (self.ready.model_name,
+                                                         self.ready.max_model_len):
+            r.refused = (f"it serves {ready.model_name} (max_model_len {ready.max_model_len}), the "
+                         "others "
+                         f"{self.ready.model_name} ({self.ready.max_model_len})")
+            log.error("replica_refused replica=%s why=%s", r.address, r.refused)
+            return
+        log.warning("replica_joined replica=%s live=%d/%d", r.address,
+                    sum(x.live for x in self.replicas), len(self.replicas))
+        self._first.set()
+
     async def close(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
+        tasks = [t for t in (self._poller, *(r.joiner for r in self.replicas)) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._poller = None
         await asyncio.gather(*(r.client.close() for r in self.replicas))
 
     async def get_tokenizer(self) -> Any:
-        """Loaded once, by the first replica's client, and given to the others."""
-        tok = await self.replicas[0].client.get_tokenizer()
-        for r in self.replicas[1:]:
+        """Loaded once and given to every replica's client: from the gateway's --model when given,
+        else from the model of the first replica that answered."""
+        await self._first.wait()
+        loader = next(r.client for r in self.replicas if r.client.ready is not None)
+        tok = self._tokenizer = await loader.get_tokenizer()
+        for r in self.replicas:
             r.client.use_tokenizer(tok)
         return tok
 
@@ -145,7 +193,7 @@ class Router:
     async def replica_stats(self, timeout: float = 5.0) -> list[dict[str, float] | None]:
         """Each replica's fresh STATS, in replica order; None for one that did not answer."""
         async def one(r: Replica) -> dict[str, float] | None:
-            if not r.client.connected:
+            if not r.live:
                 return None
             with contextlib.suppress(ConveyorError):
                 r.stats = await r.client.get_stats(timeout=timeout)
@@ -154,12 +202,14 @@ class Router:
         return list(await asyncio.gather(*(one(r) for r in self.replicas)))
 
     async def reset_prefix_cache(self) -> None:
-        await asyncio.gather(*(r.client.reset_prefix_cache() for r in self.replicas if r.client.connected))
+        await asyncio.gather(*(r.client.reset_prefix_cache() for r in self.replicas if r.live))
 
     async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
                           priority: int = 0) -> AsyncGenerator[TextOutput, None]:
         """AsyncEngineClient.stream_text on the replica route() picks; everything about the request
         (aborts, stop strings of its choices) goes to that replica."""
+        if self._tokenizer is None and not is_token_ids(prompt):
+            await self.get_tokenizer()
         ids = await self.replicas[0].client.encode_prompt(prompt)
         replica = self.route(ids)
         async for out in replica.client.stream_text(ids, params, request_id, priority):
@@ -168,7 +218,7 @@ class Router:
     # -- routing -------------------------------------------------------------------------------------------
     def route(self, token_ids: list[int]) -> Replica:
         """The prefix's replica unless it is overloaded, then the least loaded. Counts the request there."""
-        live = [r for r in self.replicas if r.client.connected]
+        live = [r for r in self.replicas if r.live]
         if not live:
             raise EngineDead(f"no engine replica is connected ({self.address})")
         if not token_ids:
@@ -188,11 +238,33 @@ class Router:
         chosen.num_routed += 1
         return chosen
 
+    # -- a replica lost -------------------------------------------------------------------------
+    def _move_held(self, lost: AsyncEngineClient) -> None:
+        """A replica's engine is lost with requests held for resuming: resume each on a live replica
+        now (prompt + delivered tokens, shared/resume.py), routed as a new request would be. With no
+        replica live they wait for whichever comes back first (the stats poller retries)."""
+        if not any(r.live for r in self.replicas if r.client is not lost):
+            return
+        moved = lost.hand_over()
+        for rec, stream in moved:
+            target = self.route(rec.add.prompt_token_ids)
+            if not target.client.adopt(rec, stream):
+                stream.put(EngineDead(f"the engine at {lost.address} was lost and request "
+                                      f"{rec.add.request_id!r} could not move to "
+                                      f"{target.address}: retry it"))
+        if moved:
+            log.warning("replica %s lost: %d request(s) resumed on the live replicas", lost.address,
+                        len(moved))
+
     async def _poll_stats(self) -> None:
         """Each replica's queue, fresh every stats_interval; the tokens routed since then are counted
-        on top until the next answer includes them."""
+        on top until the next answer includes them. Requests held for a lost replica move to a live
+        one."""
         while True:
             await asyncio.sleep(self.config.stats_interval)
+            for r in self.replicas:
+                if not r.client.connected and r.client.has_held:
+                    self._move_held(r.client)
             for r, stats in zip(self.replicas, await self.replica_stats(timeout=self.config.stats_interval * 4)):
                 if stats is not None:
                     r.queued_tokens, r.routed_tokens = float(stats.get("num_queued_tokens", 0.0)), 0

@@ -104,3 +104,23 @@ class EngineSupervisor:
         if self.engine.exit_code() is None:
             self._ready_at = time.monotonic()
             log.warning("engine_ready restarts_total=%d", self.restarts)
+
+
+async def stop_when_all_give_up(supervisors: list[EngineSupervisor], stop: asyncio.Event) -> None:
+    """Supervises every engine, each on its own; sets stop once all have given up. One data-parallel
+    replica in a crash loop leaves the ring, and the others serve on (its requests moved to
+    them)."""
+    events = [asyncio.Event() for _ in supervisors]
+    tasks = [asyncio.create_task(s.supervise(e)) for s, e in zip(supervisors, events)]
+    try:
+        while not all(e.is_set() for e in events):
+            await asyncio.wait([asyncio.ensure_future(e.wait()) for e in events if not e.is_set()],
+                               return_when=asyncio.FIRST_COMPLETED)
+            left = sum(not e.is_set() for e in events)
+            if left:
+                log.error("engine_out_of_service engines_left=%d action=serve_on", left)
+        stop.set()
+    finally:
+        for t in tasks:
+            t.cancel()
+

@@ -30,7 +30,7 @@ from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.detokenizer import Decoder, FastDecoder
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
-from shared.resume import Resumer, refusal_message
+from shared.resume import InFlight, Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
 from shared.stream import RequestStream
 from shared.tokenizer import Prompt, encode_prompt, is_token_ids
@@ -85,6 +85,10 @@ class AsyncEngineClient:
         self._trace_waiters: deque[asyncio.Future[dict[str, Any]]] = deque()
         # Called with every OBSERVED message while this client observes (observe()): the gateway's dashboard.
         self.on_observed: Callable[[P.Observed], None] | None = None
+        # Called when the engine is lost with requests held for resuming: a router of several
+        # replicas moves them to a live one at once (hand_over / adopt) instead of waiting for this
+        # one's return.
+        self.on_held: Callable[[AsyncEngineClient], None] | None = None
         self._ready_evt = asyncio.Event()
         self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
         self._lost = False  # disconnected since the last handshake: greet the next connection
@@ -173,6 +177,42 @@ class AsyncEngineClient:
             if self._resume_timer is None:
                 self._resume_timer = asyncio.get_running_loop().call_later(self.resume_timeout, self._resume_expired)
         self._spawn(self._send_all(msgs))
+        if self._resumer.held and self.on_held is not None:
+            self.on_held(self)
+
+    @property
+    def has_held(self) -> bool:
+        """Requests wait for a lost engine to come back."""
+        return bool(self._resumer.held)
+
+    def hand_over(self) -> list[tuple[InFlight, RequestStream]]:
+        """The requests held for this client's lost engine, removed from it for another to adopt."""
+        moved = []
+        for rid in sorted(self._resumer.held):
+            stream = self._streams.pop(rid, None)
+            rec = self._resumer.inflight.pop(rid, None)
+            if stream is not None and rec is not None:
+                moved.append((rec, stream))
+        self._resumer.held = set()
+        self._cancel_resume_timer()
+        return moved
+
+    def adopt(self, rec: InFlight, stream: RequestStream) -> bool:
+        """Continue another client's held request on this client's engine (prompt + delivered
+        tokens, as a resume), on the caller's same stream. -> False when this client cannot take it
+        now."""
+        rid = rec.add.request_id
+        if not self.connected or rid in self._streams:
+            return False
+        again = rec.resubmit()
+        if isinstance(again, P.RequestOutput):  # all tokens delivered: only the final row was lost
+            stream.put(again)
+            return True
+        stream.owner = self
+        self._streams[rid] = stream
+        self._resumer.inflight[rid] = rec
+        self._spawn(self._send_all([again]))
+        return True
 
     def _resume(self) -> None:
         """An engine answered the handshake after a loss: resubmit every held request still wanted."""
@@ -361,19 +401,24 @@ class AsyncEngineClient:
             self._token_strings = TokenStrings(decoder)
         stream = await self.add(ids, params, request_id, priority)
         choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings)
+        def owner() -> AsyncEngineClient:  # another client, once a router moved the request to it
+            return cast(AsyncEngineClient, stream.owner or self)
+
         try:
             async for out in stream:
                 for text_out in choices.feed(out):
                     if text_out.finished and not stream.done:
-                        await self.abort(stream.request_id)  # stop strings ended every choice first
+                        # stop strings ended every choice first
+                        await owner().abort(stream.request_id)
                     elif text_out.finish_reason is not None and out.finish_reason is None and not text_out.finished:
-                        await self.stop_choice(stream.request_id, text_out.index)  # a stop string ended it
+                        # a stop string ended it
+                        await owner().stop_choice(stream.request_id, text_out.index)
                     yield text_out
                     if text_out.finished:
                         return
         finally:
             if not stream.done:
-                await self.abort(stream.request_id)
+                await owner().abort(stream.request_id)
 
     async def generate_choices(self, prompt: Prompt, params: SamplingParams,
                                request_id: str | None = None) -> list[TextOutput]:

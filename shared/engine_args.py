@@ -57,12 +57,14 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
       "recompute: free them and prefill again; auto: swap while the CPU pool has room")
     a("--block-size", type=int, help=f"tokens per KV block (default {c.block_size})")
     a("--kv-cache-memory",
-      help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default {c.kv_cache_memory})")
+      help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default "
+      f"{c.kv_cache_memory}); with --tensor-parallel-size, the total over the ranks")
     a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="auto (default): the model's dtype; bfloat16 under a "
       "float32 model: twice the KV blocks and faster decode attention on CPU, at bfloat16's precision")
     a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int,
       help="exact KV block count (overrides --kv-cache-memory)")
-    a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only")
+    a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only; "
+      "with --tensor-parallel-size, the total over the ranks")
     a("--speculative", help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller "
       "model, same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
     a("--num-speculative-tokens", type=int, help="tokens proposed per sequence and step (default 4)")

@@ -16,11 +16,15 @@ class RequestStream:
     ever-growing queue. A merged delta moves behind the others, so the request's finished one stays last.
     """
 
-    __slots__ = ("request_id", "done", "_pending", "_error", "_waiter")
+    __slots__ = ("request_id", "done", "owner", "_pending", "_error", "_waiter")
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.done = False
+        # The client that took this request over from the one that started it (a data-parallel
+        # replica whose engine was lost, gateway/router.py): its aborts go there. None: the one that
+        # started it.
+        self.owner: object | None = None
         self._pending: list[P.RequestOutput] = []
         self._error: ConveyorError | None = None
         # The consumer's wake-up, while it waits: a bare future costs less than an asyncio.Event, and this

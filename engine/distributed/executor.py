@@ -2,8 +2,11 @@
 StepOutput, unchanged), whose forward runs on N ranks: this process is rank 0 and samples; ranks
 1..N-1 are workers (launch.py) that take each step's inputs as one message and join the collectives.
 
-A rank that dies or stops answering ends the engine: the step raises EngineFault (engine/step.py) within
-the collective timeout; the loop fails every request and exits, and a supervisor restarts it.
+A rank that dies or stops answering ends the engine: the step raises EngineFault (engine/step.py)
+within the collective timeout on rank 0 (the survivors' collectives fail too, and they exit); the
+loop exits without answering its requests, so its clients hold them and resume them on the engine a
+supervisor starts again, with all its ranks (shared/resume.py), as after a SIGKILL of the engine
+itself.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from engine.batch import Batch
 from engine.distributed.comm import CollectiveError, Comm
 from engine.distributed.launch import ProcessWorker, RayWorker, WorkerHandle, node_ip, ray_placement
 from engine.distributed.message import StepInputs, pack, stop_message
-from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv
+from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv, per_rank_cache
 from engine.distributed.shard import Shard, check_divisible, checkpoint_folder, read_config
 from engine.distributed.worker import READY
 from engine.models.config import ModelConfig
@@ -29,6 +32,7 @@ from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.tp")
 DEATH_GRACE_S = 2.0  # how long a failed collective waits for a dead worker's exit to become visible
+STOP_GRACE_S = 2.0  # how long the survivors of a dead worker get to take STOP before being killed
 
 
 class TPRunner(ModelRunner):
@@ -69,13 +73,13 @@ class TPRunner(ModelRunner):
             time.sleep(0.01)
 
     def close(self) -> None:
-        """STOP to every worker, then wait for them (killing any that do not end)."""
-        try:
-            self._broadcast(stop_message())
-        except EngineFault:
-            pass  # a dead worker needs no STOP; the others still get theirs below by being killed if stuck
+        """STOP to every worker (a dead one's is dropped), then wait for them, killing any that do
+        not end: soon when one is dead already (the others have nothing left to do), else in 10s."""
+        for ident in self.identities:
+            self.sock.send_multipart([ident, stop_message()], copy=False)  # type: ignore[list-item]
+        grace = STOP_GRACE_S if self._dead() else 10.0
         for w in self.workers:
-            w.stop(timeout_s=10)
+            w.stop(timeout_s=grace)
         self.sock.close(linger=0)
 
 
@@ -90,7 +94,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
         raise ValueError("speculative decoding is not supported with tensor parallelism yet")
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
-    kv = make_kv(shard0, config.cache, device)  # rank 0's budget decides every rank's block count
+    # its block counts are every rank's
+    kv = make_kv(shard0, per_rank_cache(config.cache, n, device), device)
     ray = placement = None
     host = "127.0.0.1"
     if config.distributed_executor_backend == "ray":
@@ -119,7 +124,10 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
         sock.close(linger=0)
         raise
     rank0 = RankRunner(model, kv, comm, device, config.attention_backend)
-    log.info("tensor parallelism: %d ranks (%s), %d threads each", n, config.distributed_executor_backend, threads)
+    log.info("tensor parallelism: %d ranks (%s), %d threads each; KV pools over all ranks: "
+             "%d blocks = %d tokens (%.0f MiB), swap %.0f MiB", n,
+             config.distributed_executor_backend, threads, kv.num_blocks,
+             kv.num_blocks * kv.block_size, n * kv.device.nbytes / 2**20, n * kv.cpu.nbytes / 2**20)
     return TPRunner(rank0, workers, sock, identities), cfg
 
 

@@ -16,11 +16,11 @@ from engine.distributed.comm import Comm
 from engine.distributed.message import StepInputs
 from engine.distributed.model import ShardedLlama
 from engine.distributed.shard import Shard, read_config, read_shard
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, available_memory
 from engine.runner import move_blocks
 from kernels import get_backend
 from kernels.backend import BatchLayout
-from shared.config import CacheConfig
+from shared.config import CacheConfig, parse_memory
 
 log = logging.getLogger("conveyor.tp")
 
@@ -95,6 +95,22 @@ def load_shard(spec: RankSpec) -> ShardedLlama:
              spec.rank, spec.world_size, local.num_heads, local.num_kv_heads, local.intermediate_size,
              shard.vocab_start, time.perf_counter() - t0)
     return model.requires_grad_(False).eval().to(device)
+
+
+def per_rank_cache(cache: CacheConfig, world_size: int, device: torch.device) -> CacheConfig:
+    """--kv-cache-memory and --swap-space are the engine's totals over its ranks: a rank's block
+    holds 1/N of the K/V heads, so 1/N of each budget per rank gives every rank the block count (and
+    the tokens) of one engine with the whole budget. A fraction of free memory is of the host's,
+    which the ranks share on CPU; on CUDA the device pool's fraction is of each rank's own GPU, as
+    one engine's would be."""
+    if cache.num_blocks is not None and cache.num_cpu_blocks is not None:
+        return cache
+    host = available_memory(torch.device("cpu"))
+    kv = parse_memory(cache.kv_cache_memory, total=available_memory(device))
+    if not (device.type == "cuda" and parse_memory(cache.kv_cache_memory, total=1) == 0):
+        kv //= world_size  # bytes (or a fraction of host memory) are the total over the ranks
+    swap = parse_memory(cache.swap_space, total=host) // world_size
+    return dataclasses.replace(cache, kv_cache_memory=str(max(kv, 1)), swap_space=str(swap))
 
 
 def make_kv(shard: Shard, cache: CacheConfig, device: torch.device) -> KVCache:

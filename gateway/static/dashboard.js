@@ -18,10 +18,24 @@
     const url = new URL("/dashboard/ws", location.href);
     url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
     if (key) url.searchParams.set("api_key", key);
+    if (params.get("replica")) url.searchParams.set("replica", params.get("replica"));
     const ws = new WebSocket(url);
     ws.onopen = () => setStatus(true);
     ws.onclose = () => { setStatus(false); setTimeout(connect, 1000); };
     ws.onmessage = (ev) => receive(JSON.parse(ev.data));
+  }
+
+  // Which engine this page shows; with several data-parallel replicas, a choice of the others
+  // (a new page for the one picked: its blocks and queues are another engine's).
+  function showReplica(r) {
+    const pick = $("replica");
+    pick.replaceChildren(...r.addresses.map((a, i) => new Option(`${i}: ${a}`, String(i))));
+    pick.value = String(r.index);
+    $("replica-pick").hidden = r.addresses.length < 2;
+    pick.onchange = () => {
+      params.set("replica", pick.value);
+      location.search = params.toString();
+    };
   }
 
   function setStatus(up) {
@@ -42,7 +56,11 @@
   }
 
   function receive(msg) {
-    if (msg.hello) { $("model").textContent = msg.hello.model; return; }
+    if (msg.hello) {
+      $("model").textContent = msg.hello.model;
+      showReplica(msg.hello.replica);
+      return;
+    }
     const now = Date.now() / 1000;
     for (const row of msg.steps) {
       steps.push(row);

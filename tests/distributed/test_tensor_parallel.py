@@ -3,21 +3,12 @@ token for token through chunked prefill, prefix caching, swap and recompute pree
 beam search; every block free at the end, every worker still in step (it takes STOP and exits 0)."""
 from __future__ import annotations
 
-import asyncio
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
 from engine.core import EngineCore
-from shared.client import AsyncEngineClient
 from shared.config import build_config
-from shared.errors import ConveyorError
 from shared.sampling import SamplingParams
 from tests.distributed.workload import BLOCK, assert_all_free, run, workload
-from tests.e2e.servers import children, cmdline
 
 COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
 
@@ -98,32 +89,43 @@ def test_smollm2_tp3_equals_tp1(smollm2_source):
     assert codes == [0, 0]
 
 
-@pytest.mark.slow
-def test_engine_process_reports_a_dead_worker_and_exits(tiny_llama_dir, tmp_path):
-    """The engine as a process: a worker SIGKILLed mid-generation -> the client's request ends with the
-    engine's ERROR naming the lost rank, and the engine exits non-zero (for its supervisor to restart)."""
-    address = f"ipc://{tmp_path}/tp.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "--address", address, "--model", str(tiny_llama_dir),
-                             "--tensor-parallel-size", "2", "--num-threads", "1", "--dtype", "float32",
-                             "--num-blocks", "64", "--collective-timeout", "10"])
-
-    async def main() -> str:
-        async with AsyncEngineClient(address, name="tp-test", ready_timeout=120) as client:
-            stream = await client.add(list(range(3, 40)), SamplingParams(temperature=0, max_tokens=400,
-                                                                          ignore_eos=True))
-            await stream.__anext__()  # it runs
-            workers = [p for p in children(proc.pid) if "engine.distributed.worker" in cmdline(p)]
-            assert len(workers) == 1
-            os.kill(workers[0], signal.SIGKILL)
-            with pytest.raises(ConveyorError) as failed:
-                async for _ in stream:
-                    pass
-            return str(failed.value)
-
+def test_kv_budgets_are_totals_over_the_ranks(tiny_llama_dir, caplog):
+    """--kv-cache-memory and --swap-space under TP=2 take what they say in all (each rank half), and
+    hold the blocks, so the tokens, of one engine with the same budgets; the log says the totals."""
+    budget = dict(kv_cache_memory="4MiB", swap_space="2MiB")
+    one = tp_engine(tiny_llama_dir, 1, **budget).block_manager
+    with caplog.at_level("INFO", logger="conveyor.tp"):
+        two = tp_engine(tiny_llama_dir, 2, **budget)
     try:
-        message = asyncio.run(asyncio.wait_for(main(), 150))
-        assert "rank 1 exited" in message, message
-        assert proc.wait(30) != 0
+        kv = two.runner.rank0.kv  # type: ignore[attr-defined]
+        bm = two.block_manager
+        assert (bm.num_blocks, bm.cpu.num_blocks) == (one.num_blocks, one.cpu.num_blocks)
+        assert one.num_blocks > 1 and one.cpu.num_blocks > 1
+        block = 2 * kv.device.nbytes / one.num_blocks  # one block's bytes over both ranks
+        assert 4 * 2**20 - 2 * kv.device.nbytes < block  # the budget, less than a block short
+        assert 2 * kv.device.nbytes <= 4 * 2**20 and 2 * kv.cpu.nbytes <= 2 * 2**20
     finally:
-        proc.kill()
-        proc.wait()
+        codes = stop(two)
+    assert codes == [0]
+    assert f"KV pools over all ranks: {one.num_blocks} blocks" in caplog.text
+
+
+def test_per_rank_budgets_split_totals_but_not_a_gpus_own_fraction(monkeypatch):
+    """Bytes and host-memory fractions are shared by the ranks (each gets 1/N); a fraction of a
+    GPU's free memory is each rank's own GPU's, as for one engine on one GPU."""
+    import torch
+
+    from engine.distributed import rank
+    from shared.config import CacheConfig
+
+    def free(device: torch.device) -> int:
+        return 1000 if device.type == "cuda" else 8000
+
+    monkeypatch.setattr(rank, "available_memory", free)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    split = rank.per_rank_cache(CacheConfig(kv_cache_memory="4000", swap_space="0.5"), 4, cpu)
+    assert (split.kv_cache_memory, split.swap_space) == ("1000", "1000")
+    host = rank.per_rank_cache(CacheConfig(kv_cache_memory="0.5", swap_space="0"), 2, cpu)
+    assert (host.kv_cache_memory, host.swap_space) == ("2000", "0")
+    gpu = rank.per_rank_cache(CacheConfig(kv_cache_memory="0.5", swap_space="800"), 2, cuda)
+    assert (gpu.kv_cache_memory, gpu.swap_space) == ("500", "400")

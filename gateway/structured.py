@@ -2,7 +2,8 @@
 
 Spellings accepted, at most one per request:
 - OpenAI: `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
-  "strict", "description"}}, on chat and completions alike (as vLLM);
+  "strict", "description"}}, on chat and completions alike (as vLLM); `{"type": "json_object", "schema": {...}}`
+  (instructor's JSON_SCHEMA mode, several hosted APIs) is that schema, an object at the top;
 - vLLM's current extra: `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object"};
 - vLLM's older extras: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 Only the shape is checked here; whether a schema, regex or grammar compiles is the engine's compiler's to
@@ -43,8 +44,13 @@ def _response_format(value: Any) -> Constraint | None:
     kind = value["type"]
     if kind == "text":
         return None
-    if kind == "json_object":
-        return Constraint("json_object")
+    if kind == "json_object":  # with `schema`: instructor's JSON_SCHEMA mode and several hosted APIs
+        schema = value.get("schema")
+        if schema is None:
+            return Constraint("json_object")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.schema must be a JSON schema object", param="response_format.schema")
+        return constraints.json_schema({"type": "object", **schema} if "type" not in schema else schema)
     if kind != "json_schema":
         raise InvalidRequest(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"[:300],
                              param="response_format")
@@ -65,10 +71,7 @@ def _response_format(value: Any) -> Constraint | None:
 def _structured_outputs(value: Any) -> Constraint | None:
     if not isinstance(value, dict):
         raise InvalidRequest("structured_outputs must be an object", param="structured_outputs")
-    unknown = sorted(k for k in value if k not in _STRUCTURED_KEYS)
-    if unknown:
-        raise InvalidRequest(f"structured_outputs.{str(unknown[0])[:50]} is not supported (give one of "
-                             f"{', '.join(_STRUCTURED_KEYS)})", param="structured_outputs")
+    # unknown keys were refused by request_fields.check_keys
     given = [k for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequest(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KEYS)}",

@@ -28,7 +28,7 @@ _COMMON = frozenset({
 HONOURED = {
     False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # echo/suffix: neutral values only
     True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools", "tool_choice",
-                     "parallel_tool_calls"},
+                     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"},
 }
 # name -> the JSON type it must have. Accepted and unused: they describe the caller, not the output.
 INFORMATIONAL: dict[str, type] = {"user": str, "metadata": dict, "safety_identifier": str,
@@ -44,7 +44,8 @@ UNSUPPORTED: dict[str, str] = {
     "audio": "audio output is not supported",
     "modalities": "output modalities are not supported: the output is text",
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "reasoning effort is not supported: the model is not a reasoning model",
+    "reasoning_effort": "reasoning effort is not supported (a template's thinking switch goes in "
+                        "chat_template_kwargs, e.g. {\"enable_thinking\": false})",
     "verbosity": "verbosity is not supported",
     "web_search_options": "web search is not supported",
     "store": "storing completions is not supported: nothing is stored",

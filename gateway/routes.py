@@ -14,6 +14,7 @@ from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router
 from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.streaming import chunks, complete, sse_response
+from gateway.templates import template_for, template_kwargs
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
@@ -101,8 +102,12 @@ async def tokenize(request: web.Request) -> web.Response:
     body, served = await read_json(request), request.app[SERVED]
     _check_body(body, TOKENIZE, "/tokenize", served)
     if "messages" in body:
-        ids = apply_chat_template(served.tokenizer, parse_messages(body["messages"]),
-                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        messages = parse_messages(body["messages"])
+        template = template_for(served.tokenizer, served.chat_template,
+                                any(m["role"] == "tool" or m.get("tool_calls") for m in messages))
+        ids = apply_chat_template(served.tokenizer, messages, template=template,
+                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                                  kwargs=template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template))
     elif isinstance(body.get("prompt"), str):
         ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
     else:

@@ -115,3 +115,16 @@ def test_what_openai_clients_send_back_passes() -> None:
                 status, out = await post(http, "/tokenize", {"messages": body["messages"], "model": None})
                 assert status == 200, out
     run(main())
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"include_reasoning": True}, "include_reasoning"),  # no --reasoning-parser: a reasoning field is refused
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),  # never read
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ({"chat_template_kwargs": []}, "chat_template_kwargs"),
+])
+def test_reasoning_fields_without_a_parser_and_template_kwargs_the_template_ignores(
+        extra: dict[str, Any], param: str) -> None:
+    err = refused(CHAT[0], _chat(**extra))
+    assert err["param"] == param, err

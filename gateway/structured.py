@@ -42,6 +42,10 @@ def _response_format(value: Any) -> Constraint | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise InvalidRequest("response_format must be an object with a string 'type'", param="response_format")
     kind = value["type"]
+    for key, owner in (("schema", "json_object"), ("json_schema", "json_schema")):  # the keys' table: NESTED
+        if value.get(key) is not None and kind != owner:
+            raise InvalidRequest(f"response_format.{key} belongs to type {owner!r}, not {kind!r}"[:300],
+                                 param=f"response_format.{key}")
     if kind == "text":
         return None
     if kind == "json_object":  # with `schema`: instructor's JSON_SCHEMA mode and several hosted APIs

@@ -128,3 +128,14 @@ def test_reasoning_fields_without_a_parser_and_template_kwargs_the_template_igno
         extra: dict[str, Any], param: str) -> None:
     err = refused(CHAT[0], _chat(**extra))
     assert err["param"] == param, err
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "json_schema", "json_schema": FORMAT["json_schema"], "schema": {}}, "response_format.schema"),
+    ({"type": "json_object", "json_schema": FORMAT["json_schema"]}, "response_format.json_schema"),
+    ({"type": "text", "schema": {"type": "object"}}, "response_format.schema"),
+    ({"type": "json_object", "schema": "{}"}, "response_format.schema"),
+])
+def test_a_response_format_key_of_another_type_is_refused(fmt: dict[str, Any], param: str) -> None:
+    err = refused(CHAT[0], _chat(response_format=fmt))
+    assert err["param"] == param, err

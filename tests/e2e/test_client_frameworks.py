@@ -82,3 +82,49 @@ def test_langchain_with_structured_output(server: Server, method: str) -> None:
                      seed=3, max_retries=0)
     pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet.")
     assert isinstance(pet, Pet)
+
+
+def test_langchain_tool_loop_streamed(server: Server) -> None:
+    """bind_tools with a forced call, the tool's result sent back (LangChain's own message dicts: every
+    key it sends must be known), then a streamed answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:  # an enum: a random model's string never ends
+        """Weather in a city."""
+        return f"sunny in {city}"
+
+    llm = ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1", api_key="none", max_tokens=120, temperature=0,
+                     max_retries=0)
+    ask = [HumanMessage("Weather in Oslo?", name="ann")]
+    call = llm.bind_tools([get_weather], tool_choice="get_weather").invoke(ask)
+    assert call.tool_calls and call.tool_calls[0]["name"] == "get_weather", call
+    history = [*ask, call, ToolMessage(get_weather.invoke(call.tool_calls[0]["args"]),
+                                       tool_call_id=call.tool_calls[0]["id"])]
+    parts = list(llm.bind_tools([get_weather]).stream(history))
+    whole = llm.bind_tools([get_weather]).invoke(history)
+    assert "".join(str(p.content) for p in parts) == whole.content
+
+
+def test_openai_agents_sdk_on_chat_completions(server: Server) -> None:
+    """The Agents SDK's chat-completions model: a forced tool call, its result sent back, an answer."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Oslo", "Paris"]) -> str:
+        """Weather in a city."""
+        calls.append(city)
+        return "sunny"
+
+    model = OpenAIChatCompletionsModel(MODEL, AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0))
+    agent = Agent(name="w", instructions="Answer briefly.", model=model, tools=[get_weather],
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                               temperature=0))
+    result = Runner.run_sync(agent, "Weather in Oslo?", max_turns=4)
+    assert len(calls) == 1 and isinstance(result.final_output, str)  # reset_tool_choice: auto after the call

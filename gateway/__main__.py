@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how tool calls are read from the output: Hermes/Qwen <tool_call> blocks, Llama 3 JSON, "
                             "or whichever the text is")
         p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                       help="split a reasoning model's <think>...</think> from its answer: reasoning_content in "
-                            "chat completions (docs/api.md); default: none (reasoning fields are refused)")
+                       help="split a reasoning model's <think>...</think> from its answer: "
+                            "reasoning_content in chat completions (docs/api.md); default: none "
+                            "(reasoning fields are refused)")
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)

@@ -73,8 +73,9 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     messages = parse_messages(body.get("messages"))
     uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     template = template_for(served.tokenizer, served.chat_template, uses_tools)
-    ids = apply_chat_template(served.tokenizer, messages, tools=tools.tools if tools else None, template=template,
-                              kwargs=template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template))
+    kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
+    ids = apply_chat_template(served.tokenizer, messages, tools=tools.tools if tools else None,
+                              template=template, kwargs=kwargs)
     given = {key: _int_field(body, key, None, 1, MAX_TOKENS) for key in ("max_completion_tokens", "max_tokens")}
     max_tokens = given["max_completion_tokens"] or given["max_tokens"]  # both type-checked, the newer name wins
     if max_tokens is not None:
@@ -88,15 +89,17 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
 
 
 def _reasoning(body: dict[str, Any], served: Served, ids: list[int]) -> Reasoning | None:
-    """--reasoning-parser: how this output starts (the prompt's tail says whether it opened <think>)."""
+    """--reasoning-parser: how this output starts (the prompt's tail says whether it opened
+    <think>)."""
     include = body.get("include_reasoning")
     if include is not None and not isinstance(include, bool):
         raise InvalidRequest(f"include_reasoning must be true or false, got {_show(include)}",
                              param="include_reasoning")
     if served.reasoning_parser is None:
         if include is not None:
-            raise InvalidRequest("include_reasoning is not supported: this server splits no reasoning "
-                                 "(start it with --reasoning-parser)", param="include_reasoning")
+            raise InvalidRequest("include_reasoning is not supported: this server splits no "
+                                 "reasoning (start it with --reasoning-parser)",
+                                 param="include_reasoning")
         return None
     tail = served.tokenizer.decode(ids[-256:], skip_special_tokens=False)
     opened = served.reasoning_parser == "deepseek_r1" or prompt_opens(tail)
@@ -275,8 +278,8 @@ def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: 
                 logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
                 reasoning: str | None = None) -> dict[str, Any]:
     """A whole message, or a stream chunk's delta (the role travels in each choice's first chunk).
-    reasoning: None without a reasoning parser; else the message's reasoning_content (null when empty),
-    and a delta's when there is some."""
+    reasoning: None without a reasoning parser; else the message's reasoning_content (null when
+    empty), and a delta's when there is some."""
     if not chunk:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if reasoning is not None:

@@ -1,22 +1,22 @@
-"""Reasoning models: a chat answer's `<think>...</think>` part split from the answer, over a text stream.
+"""Reasoning models: a chat answer's `<think>...</think>` part split from the answer, over a stream.
 
 One piece for every front door: `ReasoningStream.feed(text) -> (reasoning, content)` turns the
-detokenized text of one choice, in deltas of any size, into the reasoning and the content that may go
-out now, and `finish()` flushes what a possible tag held back. `split_reasoning` is the same over a
-whole text; whichever way a text is cut into deltas, the joined stream equals it
+detokenized text of one choice, in deltas of any size, into the reasoning and the content that may
+go out now, and `finish()` flushes what a possible tag held back. `split_reasoning` is the same over
+a whole text; whichever way a text is cut into deltas, the joined stream equals it
 (tests/gateway/test_stream_splits.py). Chat completions render the parts as `reasoning_content`
-(gateway/streaming.py); the Responses API can render them as a `reasoning` item, Anthropic's Messages
-as a `thinking` block.
+(gateway/streaming.py); the Responses API can render them as a `reasoning` item, Anthropic's
+Messages as a `thinking` block.
 
-`--reasoning-parser` `qwen3` or `deepseek_r1` (the format of Qwen3, QwQ and the DeepSeek-R1 distills):
-- reasoning is what comes before `</think>`, when the output starts inside a think block: the output
-  begins with `<think>` (leading whitespace aside), or the prompt opened one and did not close it (a
-  template whose generation prompt ends with `<think>\\n`, as DeepSeek-R1's), or the parser is
-  `deepseek_r1` (R1 thinks first always; its older template did not open the block, and the model may
-  not write the open tag either);
+`--reasoning-parser` `qwen3` or `deepseek_r1` (Qwen3, QwQ and the DeepSeek-R1 distills):
+- reasoning is what comes before `</think>`, when the output starts inside a think block: the
+  output begins with `<think>` (leading whitespace aside), or the prompt opened one and did not
+  close it (a template whose generation prompt ends with `<think>\\n`, as DeepSeek-R1's), or the
+  parser is `deepseek_r1` (R1 thinks first always; its older template did not open the block, and
+  the model may not write the open tag either);
 - content is everything after `</think>`, or the whole output when no think block opened it (Qwen3
-  with `chat_template_kwargs: {"enable_thinking": false}`, whose template closes an empty block in the
-  prompt). An output cut before `</think>` is all reasoning.
+  with `chat_template_kwargs: {"enable_thinking": false}`, whose template closes an empty block in
+  the prompt). An output cut before `</think>` is all reasoning.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ OPEN, CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """One chat request's reasoning settings: how its output starts, and whether reasoning is returned."""
+    """One chat request's reasoning settings: how its output starts, and whether reasoning is
+    returned."""
 
     parser: str
     opened: bool  # the output starts inside a think block (the prompt opened it, or deepseek_r1)
@@ -36,7 +37,8 @@ class Reasoning:
 
 
 def prompt_opens(prompt_text: str) -> bool:
-    """Does the rendered prompt end inside a think block (its last `<think>` after its last `</think>`)?"""
+    """Does the rendered prompt end inside a think block (its last `<think>` after its last
+    `</think>`)?"""
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
 
 

@@ -58,7 +58,7 @@ STREAM_OPTIONS = {"include_usage": bool}
 
 
 class Refused:
-    """A known nested key this server does not implement: a 400 saying why, unless the value is null."""
+    """A known nested key this server does not implement: a 400 saying why, unless it is null."""
 
     __slots__ = ("why",)
 
@@ -66,44 +66,49 @@ class Refused:
         self.why = why
 
 
-# The keys every nested object may carry, one table for every route. A shape is a dict (an object: its
-# allowed keys -> their shapes), a one-element list (a list whose items have that shape), None (a value
-# not walked: a scalar, or free-form such as a JSON schema, `metadata` or `logit_bias`, checked by its
-# parser) or Refused. Only the keys are checked here; types and values are the parsers' to check (a
-# value of another type than its shape is left to them). Keys follow OpenAI's API reference, with what
-# the openai SDK, LangChain, instructor and pydantic-ai send back (an SDK message's model_dump carries
-# `refusal`, `annotations`, `audio: null` and `function_call: null`).
+# The keys every nested object may carry, one table for every route. A shape is a dict (an object:
+# its allowed keys -> their shapes), a one-element list (a list whose items have that shape), None
+# (a value not walked: a scalar, or free-form such as a JSON schema, `metadata` or `logit_bias`,
+# checked by its parser) or Refused. Only the keys are checked here; types and values are the
+# parsers' to check (a value of another type than its shape is left to them). Keys follow OpenAI's
+# API reference, with what the openai SDK, LangChain, instructor and pydantic-ai send back (an SDK
+# message's model_dump carries `refusal`, `annotations`, `audio: null` and `function_call: null`).
 Shape = dict[str, Any] | list[Any] | Refused | None
 _FUNCTION = {"name": None, "description": None, "parameters": None, "strict": None}
 _TOOL_CALL = {"id": None, "type": None, "function": {"name": None, "arguments": None}}
-_PART = {"type": None, "text": None, "image_url": Refused("image input is not supported: text parts only"),
+_PART = {"type": None, "text": None,
+         "image_url": Refused("image input is not supported: text parts only"),
          "input_audio": Refused("audio input is not supported: text parts only"),
          "file": Refused("file input is not supported: text parts only")}
 MESSAGE: Shape = {
-    "role": None, "content": [_PART], "name": None, "tool_calls": [_TOOL_CALL], "tool_call_id": None,
-    "refusal": None, "annotations": None,
-    "reasoning_content": None, "reasoning": None,  # a reasoning model's earlier turn, for its template
+    "role": None, "content": [_PART], "name": None, "tool_calls": [_TOOL_CALL],
+    "tool_call_id": None, "refusal": None, "annotations": None,
+    "reasoning_content": None, "reasoning": None,  # a reasoning model's earlier turn (template)
     "audio": Refused("audio in messages is not supported"),
     "function_call": Refused("the legacy function_call is not supported: use tool_calls"),
 }
+_JSON_SCHEMA = {"name": None, "schema": None, "strict": None, "description": None}
 _NESTED_COMMON: dict[str, Shape] = {
-    "response_format": {"type": None, "schema": None,
-                        "json_schema": {"name": None, "schema": None, "strict": None, "description": None}},
+    "response_format": {"type": None, "schema": None, "json_schema": _JSON_SCHEMA},
     "stream_options": {"include_usage": None},
-    "structured_outputs": {"json": None, "regex": None, "choice": None, "grammar": None, "json_object": None},
+    "structured_outputs": {"json": None, "regex": None, "choice": None, "grammar": None,
+                           "json_object": None},
 }
-TOKENIZE: Shape = {"model": None, "prompt": None, "messages": [MESSAGE], "add_generation_prompt": None,
-                   "add_special_tokens": None, "chat_template_kwargs": None}
+TOKENIZE: Shape = {"model": None, "prompt": None, "messages": [MESSAGE],
+                   "add_generation_prompt": None, "add_special_tokens": None,
+                   "chat_template_kwargs": None}
 DETOKENIZE: Shape = {"model": None, "tokens": None}
 NESTED: dict[str, dict[str, Shape]] = {
     "/v1/completions": _NESTED_COMMON,
-    "/v1/chat/completions": {**_NESTED_COMMON, "messages": [MESSAGE], "tools": [{"type": None, "function": _FUNCTION}],
+    "/v1/chat/completions": {**_NESTED_COMMON, "messages": [MESSAGE],
+                             "tools": [{"type": None, "function": _FUNCTION}],
                              "tool_choice": {"type": None, "function": {"name": None}}},
 }
 
 
 def check_keys(value: Any, shape: Shape, path: str, where: str) -> None:
-    """Refuse a key `shape` does not know, at any depth, naming its whole path (`messages[1].content[0].foo`)."""
+    """Refuse a key `shape` does not know, at any depth, naming its whole path
+    (`messages[1].content[0].foo`)."""
     if isinstance(shape, dict) and isinstance(value, dict):
         for key, item in value.items():
             sub = f"{path}.{str(key)[:100]}" if path else str(key)[:100]
@@ -151,5 +156,6 @@ def check_stream_options(opts: Any) -> bool:
         raise InvalidRequest("stream_options must be an object", param="stream_options")
     for key, value in opts.items():  # the keys are known: check_keys ran
         if value is not None and not isinstance(value, STREAM_OPTIONS[key]):
-            raise InvalidRequest(f"stream_options.{key} must be true or false", param=f"stream_options.{key}")
+            raise InvalidRequest(f"stream_options.{key} must be true or false",
+                                 param=f"stream_options.{key}")
     return bool(opts.get("include_usage"))

@@ -105,9 +105,9 @@ async def tokenize(request: web.Request) -> web.Response:
         messages = parse_messages(body["messages"])
         template = template_for(served.tokenizer, served.chat_template,
                                 any(m["role"] == "tool" or m.get("tool_calls") for m in messages))
-        ids = apply_chat_template(served.tokenizer, messages, template=template,
-                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                                  kwargs=template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template))
+        kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
+        ids = apply_chat_template(served.tokenizer, messages, template=template, kwargs=kwargs,
+                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
         ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
     else:
@@ -133,5 +133,5 @@ def _check_body(body: Any, shape: Shape, where: str, served: Served) -> None:
         raise InvalidRequest("the request body must be a JSON object")
     check_keys(body, shape, "", where)
     if body.get("model") is not None and body["model"] != served.name:
-        raise InvalidRequest(f"The model `{str(body['model'])[:100]}` does not exist. This server serves "
-                             f"`{served.name}`.", param="model", code="model_not_found")
+        raise InvalidRequest(f"The model `{str(body['model'])[:100]}` does not exist. This server "
+                             f"serves `{served.name}`.", param="model", code="model_not_found")

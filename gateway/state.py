@@ -37,7 +37,7 @@ class GatewayConfig:
     stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
     chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
-    reasoning_parser: str | None = None  # splits <think> reasoning from the answer (gateway/reasoning.py)
+    reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -74,7 +74,8 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
 class _Choice:
     """What one choice has received and not sent yet (--stream-interval), and what a response needs."""
 
-    __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset", "finish_reason")
+    __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset",
+                 "finish_reason")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -113,13 +114,14 @@ class _Choice:
 
 
 class _Split:
-    """One streamed chat choice's text -> (reasoning, content, tool calls at the end): the reasoning
-    parser first (--reasoning-parser), then the tool-call parser on the content (a request with tools)."""
+    """One streamed chat choice's text -> (reasoning, content, tool calls at the end): the
+    reasoning parser first (--reasoning-parser), then the tool-call parser on the content."""
 
     __slots__ = ("reasoning", "tools", "include")
 
     def __init__(self, req: ParsedRequest) -> None:
-        self.reasoning = ReasoningStream(req.reasoning.opened) if req.reasoning is not None else None
+        opened = req.reasoning.opened if req.reasoning is not None else None
+        self.reasoning = ReasoningStream(opened) if opened is not None else None
         self.include = req.reasoning is not None and req.reasoning.include
         self.tools = ToolStream(req.tools) if req.tools is not None else None
 
@@ -157,7 +159,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                 continue
             calls: list[ToolCall] = []
             thought = ""
-            if chat and (req.tools is not None or req.reasoning is not None):  # held back while a tag may begin
+            if chat and (req.tools is not None or req.reasoning is not None):  # may hold back tags
                 split = splits.get(out.index) or splits.setdefault(out.index, _Split(req))
                 thought, text, calls = split.feed(out.text, out.finish_reason is not None)
                 out = dataclasses.replace(out, text=text)
@@ -171,7 +173,8 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             thought, reason = c.take_reasoning(), out.finish_reason
             if calls:  # the content, then each call's name and arguments, then the finish reason
                 head = {"content": text} if text or c.first else {}
-                for delta in [head | ({"reasoning_content": thought} if thought else {}), *stream_deltas(calls)]:
+                head |= {"reasoning_content": thought} if thought else {}
+                for delta in [head, *stream_deltas(calls)]:
                     if not delta:
                         continue
                     if c.first:
@@ -180,8 +183,8 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                     c.first, lps = False, None
                     yield response_object(rid, created, model, chat, True, [choice])
                 text, thought, reason = "", "", "tool_calls"
-            choice = (chat_choice(out.index, text, reason, True, c.first, lps, reasoning=thought) if chat
-                      else completion_choice(out.index, text, reason, lps))
+            choice = (chat_choice(out.index, text, reason, True, c.first, lps, reasoning=thought)
+                      if chat else completion_choice(out.index, text, reason, lps))
             c.first = False
             yield response_object(rid, created, model, chat, True, [choice])
         if req.include_usage and last is not None:
@@ -212,10 +215,12 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
             thought = thought if req.reasoning.include else None
         if chat and req.tools is not None:
             content, calls = req.tools.parse(text)
-            body.append(chat_choice(index, content, "tool_calls" if calls else c.finish_reason, chunk=False,
-                                    logprobs=lps, tool_calls=[call.to_openai() for call in calls], reasoning=thought))
+            reason = "tool_calls" if calls else c.finish_reason
+            body.append(chat_choice(index, content, reason, False, logprobs=lps, reasoning=thought,
+                                    tool_calls=[call.to_openai() for call in calls]))
             continue
-        body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps, reasoning=thought) if chat
+        body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps,
+                                reasoning=thought) if chat
                     else completion_choice(index, text, c.finish_reason, lps))
     return response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last))
 

@@ -15,9 +15,10 @@ from typing import Any
 from shared.errors import InvalidRequest
 
 # Set by the server itself: a request may not override them through chat_template_kwargs.
-RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
-                      "tokenize", "return_dict", "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask",
-                      "padding", "truncation", "max_length", "return_tensors"})
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "return_dict", "chat_template",
+                      "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
+                      "max_length", "return_tensors"})
 
 HERMES_CHATML = """\
 {%- if tools %}<|im_start|>system
@@ -75,8 +76,8 @@ def template_for(tokenizer: Any, override: str | None, uses_tools: bool) -> str 
 
 def template_kwargs(value: Any, tokenizer: Any, template: str | None) -> dict[str, Any]:
     """A request's chat_template_kwargs (e.g. {"enable_thinking": false}) -> the template's extra
-    variables. A key the template never reads would be ignored silently: it is a 400 (when the template
-    parses with plain Jinja; one using transformers' own tags is not checked)."""
+    variables. A key the template never reads would be ignored silently: it is a 400 (when the
+    template parses with plain Jinja; one using transformers' own tags is not checked)."""
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -86,7 +87,8 @@ def template_kwargs(value: Any, tokenizer: Any, template: str | None) -> dict[st
     for key in value:
         where = f"chat_template_kwargs.{str(key)[:100]}"
         if key in RESERVED:
-            raise InvalidRequest(f"{where}: the server sets it; use the request's own field", param=where)
+            raise InvalidRequest(f"{where}: the server sets it; use the request's own field",
+                                 param=where)
         if read is not None and key not in read:
             raise InvalidRequest(f"{where}: the chat template never reads it", param=where)
     return dict(value)

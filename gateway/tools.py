@@ -136,7 +136,7 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     if parser in ("hermes", "auto") and OPEN_TAG in text:
         calls = [_call(m.group(1), "arguments") for m in _HERMES.finditer(text)]
         if calls and all(c is not None for c in calls):
-            # trailing whitespace goes with the calls; a stream cannot take back what it sent before them
+            # trailing whitespace goes with the calls: a stream cannot take back what it sent
             content = _HERMES.sub("", text).rstrip()
             return content or None, [c for c in calls if c is not None]
         if parser == "hermes":
@@ -164,10 +164,10 @@ def _call(raw: str, args_key: str) -> ToolCall | None:
 
 
 class ToolStream:
-    """One streamed choice of a request with tools: content goes out as it comes until a call may begin,
-    then the rest is held and parsed at the end (the calls go out then: each its name first, then its
-    arguments, OpenAI's delta shape). Trailing whitespace and a possible open tag are held back, so the
-    joined content equals parse() of the whole text however the text is cut into deltas
+    """One streamed choice of a request with tools: content goes out as it comes until a call may
+    begin, then the rest is held and parsed at the end (the calls go out then: each its name first,
+    then its arguments, OpenAI's delta shape). Trailing whitespace and a possible open tag are held
+    back, so the joined content equals parse() of the whole text however it is cut into deltas
     (tests/gateway/test_stream_splits.py)."""
 
     def __init__(self, tools: Tools) -> None:
@@ -181,7 +181,7 @@ class ToolStream:
         self.held += text
         if self.calling:
             return ""
-        llama = self.tools.parser != "hermes" and not self.sent  # a Llama 3 JSON call may still begin
+        llama = self.tools.parser != "hermes" and not self.sent  # a Llama 3 call may still begin
         body = self.held.lstrip()
         if llama and body.startswith(("{", PYTHON_TAG)):
             start = 0  # a Llama 3 JSON call is the whole output
@@ -194,7 +194,8 @@ class ToolStream:
             return out
         if llama and PYTHON_TAG.startswith(body):
             return ""  # only whitespace, or what may become the python tag, so far
-        keep = _partial_tag(self.held) if self.tools.parser != "llama3_json" else 0  # a possible "<tool_call>"
+        hermes = self.tools.parser != "llama3_json"
+        keep = _partial_tag(self.held) if hermes else 0  # what may become "<tool_call>"
         before = self.held[:len(self.held) - keep]
         keep += len(before) - len(before.rstrip())  # and whitespace a call would swallow
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]

@@ -1,7 +1,9 @@
-"""The streaming parsers give the same result whatever the delta sizes (property-based, hypothesis): a
-delta can carry several tokens (a slow reader's merged deltas, speculative decoding), or one character
-of a tag. For every way of cutting a text into deltas, the joined stream equals the parsers' answer for
-the whole text, which is what a non-streaming response carries."""
+"""The streaming parsers give the same result whatever the delta sizes (property-based,
+hypothesis): a delta can carry several tokens (a slow reader's merged deltas, speculative
+decoding), or one character of a tag. For every way of cutting a text into deltas, the joined
+stream equals the parsers' answer for the whole text, which is what a non-streaming response
+carries."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +16,20 @@ from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.tools import ToolStream, parse_tools
 
 NAMES = ["get_weather", "get_time"]
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
-ARGS = st.dictionaries(st.sampled_from(["city", "n", "x y", "<tool_call>"]),
-                       st.one_of(st.integers(-5, 5), st.text(alphabet="ab <>/{}\"\n", max_size=6)), max_size=3)
+TOOLS = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES
+]
+ARGS = st.dictionaries(
+    st.sampled_from(["city", "n", "x y", "<tool_call>"]),
+    st.one_of(st.integers(-5, 5), st.text(alphabet='ab <>/{}"\n', max_size=6)),
+    max_size=3,
+)
 TEXT = st.text(alphabet="ab {}<>/\n", max_size=12)  # content with the tags' characters in it
 # Pieces of reasoning outputs: the tags whole, their fragments, and ordinary text.
-THINK = st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", "b c", " ", "\n"]),
-                 max_size=12).map("".join)
+THINK = st.lists(
+    st.sampled_from(["<think>", "</think>", "<", "</", "think", ">", "a", "b c", " ", "\n"]),
+    max_size=12,
+).map("".join)
 
 
 def cut(text: str, data: st.DataObject) -> list[str]:
@@ -31,18 +40,26 @@ def cut(text: str, data: st.DataObject) -> list[str]:
 
 @st.composite
 def tool_outputs(draw: Any) -> tuple[str, str]:
-    """(parser, a model's output): content, hermes calls or Llama 3 JSON calls, and text around them."""
+    """(parser, a model's output): content, hermes or Llama 3 JSON calls, and text around them."""
     parser = draw(st.sampled_from(["hermes", "llama3_json", "auto"]))
     calls = draw(st.lists(st.tuples(st.sampled_from(NAMES), ARGS), max_size=3))
     if draw(st.booleans()):  # Llama 3 JSON: the whole output is calls joined by ";"
         body = "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
-        return parser, draw(st.sampled_from(["", " ", "\n", "<|python_tag|>", " <|python_tag|> "])) + body
-    blocks = [f'<tool_call>{draw(st.sampled_from(["", chr(10)]))}{json.dumps({"name": n, "arguments": a})}'
-              f'{draw(st.sampled_from(["", chr(10)]))}</tool_call>' for n, a in calls]
+        return parser, draw(
+            st.sampled_from(["", " ", "\n", "<|python_tag|>", " <|python_tag|> "])
+        ) + body
+    newline = st.sampled_from(["", "\n"])
+    blocks = [
+        f"<tool_call>{draw(newline)}{json.dumps({'name': n, 'arguments': a})}{draw(newline)}"
+        "</tool_call>"
+        for n, a in calls
+    ]
     seps = [draw(TEXT) for _ in range(len(blocks) + 1)]
     text = seps[0] + "".join(b + s for b, s in zip(blocks, seps[1:]))
     if draw(st.booleans()):
-        text += draw(st.sampled_from(["<tool_call>{\"name\": ", "<tool", "<"]))  # cut off by max_tokens
+        text += draw(
+            st.sampled_from(['<tool_call>{"name": ', "<tool", "<"])
+        )  # cut off by max_tokens
     return parser, text
 
 
@@ -57,12 +74,17 @@ def stream_tools(parser: str, pieces: list[str]) -> tuple[str, list[tuple[str, s
 
 @settings(max_examples=400, deadline=None)
 @given(tool_outputs(), st.data())
-def test_tool_call_stream_equals_the_whole_text_parsed(case: tuple[str, str], data: st.DataObject) -> None:
+def test_tool_call_stream_equals_the_whole_text_parsed(
+    case: tuple[str, str], data: st.DataObject
+) -> None:
     parser, text = case
     tools = parse_tools({"tools": TOOLS}, parser)
     assert tools is not None
     content, calls = tools.parse(text)
-    assert stream_tools(parser, cut(text, data)) == (content or "", [(c.name, c.arguments) for c in calls])
+    assert stream_tools(parser, cut(text, data)) == (
+        content or "",
+        [(c.name, c.arguments) for c in calls],
+    )
 
 
 def stream_reasoning(opened: bool, pieces: list[str]) -> tuple[str, str]:
@@ -73,7 +95,9 @@ def stream_reasoning(opened: bool, pieces: list[str]) -> tuple[str, str]:
 
 @settings(max_examples=400, deadline=None)
 @given(THINK, st.booleans(), st.data())
-def test_reasoning_stream_equals_the_whole_text_split(text: str, opened: bool, data: st.DataObject) -> None:
+def test_reasoning_stream_equals_the_whole_text_split(
+    text: str, opened: bool, data: st.DataObject
+) -> None:
     assert stream_reasoning(opened, cut(text, data)) == split_reasoning(text, opened)
 
 
@@ -88,9 +112,11 @@ def test_the_split_at_the_tags() -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(["", "<think>", "\n<think>"]), THINK, tool_outputs(), st.data())
 def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
-        head: str, thought: str, case: tuple[str, str], data: st.DataObject) -> None:
-    """gateway/streaming.py's per-choice split (reasoning parser, then the tool-call parser on the content)
-    against the non-streaming path (split_reasoning, then Tools.parse), for a prompt that opened <think>."""
+    head: str, thought: str, case: tuple[str, str], data: st.DataObject
+) -> None:
+    """gateway/streaming.py's per-choice split (reasoning parser, then the tool-call parser on the
+    content) against the non-streaming path (split_reasoning, then Tools.parse), for a prompt that
+    opened <think>."""
     from gateway.openai_schema import ParsedRequest
     from gateway.reasoning import Reasoning
     from gateway.streaming import _Split
@@ -99,7 +125,9 @@ def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
     parser, answer = case
     text = f"{head}{thought.replace('</think>', '')}</think>{answer}"
     tools = parse_tools({"tools": TOOLS}, parser)
-    req = ParsedRequest([1], SamplingParams(), True, False, tools=tools, reasoning=Reasoning("qwen3", True))
+    req = ParsedRequest(
+        [1], SamplingParams(), True, False, tools=tools, reasoning=Reasoning("qwen3", True)
+    )
     split = _Split(req)
     pieces = cut(text, data)
     parts = [split.feed(p, final=False) for p in pieces] + [split.feed("", final=True)]
@@ -108,4 +136,6 @@ def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
     content, calls = tools.parse(want_answer)
     assert "".join(p[0] for p in parts) == want_thought
     assert "".join(p[1] for p in parts) == (content or "")
-    assert [(c.name, c.arguments) for p in parts for c in p[2]] == [(c.name, c.arguments) for c in calls]
+    assert [(c.name, c.arguments) for p in parts for c in p[2]] == [
+        (c.name, c.arguments) for c in calls
+    ]

@@ -113,9 +113,10 @@ class _Choice:
         return text, lps
 
 
-class _Split:
+class ChoiceSplit:
     """One streamed chat choice's text -> (reasoning, content, tool calls at the end): the
-    reasoning parser first (--reasoning-parser), then the tool-call parser on the content."""
+    reasoning parser first (--reasoning-parser), then the tool-call parser on the content. The
+    one per-choice split every front door renders from (chat chunks here; Responses, Messages)."""
 
     __slots__ = ("reasoning", "tools", "include")
 
@@ -149,7 +150,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
-    splits: dict[int, _Split] = {}
+    splits: dict[int, ChoiceSplit] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
@@ -160,7 +161,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             calls: list[ToolCall] = []
             thought = ""
             if chat and (req.tools is not None or req.reasoning is not None):  # may hold back tags
-                split = splits.get(out.index) or splits.setdefault(out.index, _Split(req))
+                split = splits.get(out.index) or splits.setdefault(out.index, ChoiceSplit(req))
                 thought, text, calls = split.feed(out.text, out.finish_reason is not None)
                 out = dataclasses.replace(out, text=text)
             c.add(out, thought)

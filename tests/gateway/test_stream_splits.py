@@ -119,7 +119,7 @@ def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
     opened <think>."""
     from gateway.openai_schema import ParsedRequest
     from gateway.reasoning import Reasoning
-    from gateway.streaming import _Split
+    from gateway.streaming import ChoiceSplit
     from shared.sampling import SamplingParams
 
     parser, answer = case
@@ -128,7 +128,7 @@ def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
     req = ParsedRequest(
         [1], SamplingParams(), True, False, tools=tools, reasoning=Reasoning("qwen3", True)
     )
-    split = _Split(req)
+    split = ChoiceSplit(req)
     pieces = cut(text, data)
     parts = [split.feed(p, final=False) for p in pieces] + [split.feed("", final=True)]
     want_thought, want_answer = split_reasoning(text, True)

@@ -59,6 +59,7 @@ async def _engine(app: web.Application) -> AsyncIterator[None]:
     served.max_model_len = ready.max_model_len
     served.tokenizer = await client.get_tokenizer()
     served.chat_template, served.tool_call_parser = app[CONFIG].chat_template, app[CONFIG].tool_call_parser
+    served.reasoning_parser = app[CONFIG].reasoning_parser
     yield
     await client.close()
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, overload
 
+from gateway.reasoning import Reasoning, prompt_opens
 from gateway.request_fields import check_fields, check_stream_options
 from gateway.structured import constraint_of
-from gateway.templates import template_for
+from gateway.templates import template_for, template_kwargs
 from gateway.tools import Tools, parse_tools
 from shared.choices import TokenLogprob
 from shared.constraints import Constraint
@@ -36,6 +37,7 @@ class Served:
     tokenizer: Any = None
     chat_template: str | None = None  # --chat-template: rendered instead of the model's template
     tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None  # --reasoning-parser (gateway/reasoning.py)
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class ParsedRequest:
     include_usage: bool
     priority: int = 0  # vLLM's extra field: lower is served first
     tools: Tools | None = None  # a chat request with tools (and tool_choice not "none")
+    reasoning: Reasoning | None = None  # a chat request to a server with --reasoning-parser
 
 
 def parse_completion(body: Any, served: Served) -> ParsedRequest:
@@ -69,8 +72,10 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     tools = parse_tools(body, served.tool_call_parser)
     messages = parse_messages(body.get("messages"))
     uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+    template = template_for(served.tokenizer, served.chat_template, uses_tools)
+    kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
     ids = apply_chat_template(served.tokenizer, messages, tools=tools.tools if tools else None,
-                              template=template_for(served.tokenizer, served.chat_template, uses_tools))
+                              template=template, kwargs=kwargs)
     given = {key: _int_field(body, key, None, 1, MAX_TOKENS) for key in ("max_completion_tokens", "max_tokens")}
     max_tokens = given["max_completion_tokens"] or given["max_tokens"]  # both type-checked, the newer name wins
     if max_tokens is not None:
@@ -79,7 +84,26 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     parsed = _finish(body, ids, served, "messages", default_max_tokens=rest, chat=True,
                      tool_constraint=tools.constraint() if tools else None)
     parsed.tools = tools
+    parsed.reasoning = _reasoning(body, served, ids)
     return parsed
+
+
+def _reasoning(body: dict[str, Any], served: Served, ids: list[int]) -> Reasoning | None:
+    """--reasoning-parser: how this output starts (the prompt's tail says whether it opened
+    <think>)."""
+    include = body.get("include_reasoning")
+    if include is not None and not isinstance(include, bool):
+        raise InvalidRequest(f"include_reasoning must be true or false, got {_show(include)}",
+                             param="include_reasoning")
+    if served.reasoning_parser is None:
+        if include is not None:
+            raise InvalidRequest("include_reasoning is not supported: this server splits no "
+                                 "reasoning (start it with --reasoning-parser)",
+                                 param="include_reasoning")
+        return None
+    tail = served.tokenizer.decode(ids[-256:], skip_special_tokens=False)
+    opened = served.reasoning_parser == "deepseek_r1" or prompt_opens(tail)
+    return Reasoning(served.reasoning_parser, opened, include is not False)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -252,15 +276,21 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, chunk: bool, first: bool = False,
                 logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
-                ) -> dict[str, Any]:
-    """A whole message, or a stream chunk's delta (the role travels in each choice's first chunk)."""
+                reasoning: str | None = None) -> dict[str, Any]:
+    """A whole message, or a stream chunk's delta (the role travels in each choice's first chunk).
+    reasoning: None without a reasoning parser; else the message's reasoning_content (null when
+    empty), and a delta's when there is some."""
     if not chunk:
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         if tool_calls:
             message["tool_calls"] = tool_calls
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     delta: dict[str, Any] = ({"role": "assistant", "content": text or ""} if first
                              else {"content": text} if text else {})
+    if reasoning:
+        delta["reasoning_content"] = reasoning
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

@@ -9,10 +9,12 @@ import orjson
 from aiohttp import web
 
 from gateway.metrics import CONTENT_TYPE, ReplicaRow
-from gateway.openai_schema import parse_chat, parse_completion, parse_messages
+from gateway.openai_schema import Served, parse_chat, parse_completion, parse_messages
+from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router
 from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
 from gateway.streaming import chunks, complete, sse_response
+from gateway.templates import template_for, template_kwargs
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
@@ -98,10 +100,13 @@ async def metrics(request: web.Request) -> web.Response:
 @routes.post("/tokenize")
 async def tokenize(request: web.Request) -> web.Response:
     body, served = await read_json(request), request.app[SERVED]
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
+    _check_body(body, TOKENIZE, "/tokenize", served)
     if "messages" in body:
-        ids = apply_chat_template(served.tokenizer, parse_messages(body["messages"]),
+        messages = parse_messages(body["messages"])
+        template = template_for(served.tokenizer, served.chat_template,
+                                any(m["role"] == "tool" or m.get("tool_calls") for m in messages))
+        kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
+        ids = apply_chat_template(served.tokenizer, messages, template=template, kwargs=kwargs,
                                   add_generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
         ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
@@ -113,9 +118,20 @@ async def tokenize(request: web.Request) -> web.Response:
 @routes.post("/detokenize")
 async def detokenize(request: web.Request) -> web.Response:
     body, served = await read_json(request), request.app[SERVED]
-    ids = body.get("tokens") if isinstance(body, dict) else None
+    _check_body(body, DETOKENIZE, "/detokenize", served)
+    ids = body.get("tokens")
     vocab = len(served.tokenizer)
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                                             for t in ids):
         raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
     return json_response({"prompt": decode(served.tokenizer, ids)})
+
+
+def _check_body(body: Any, shape: Shape, where: str, served: Served) -> None:
+    """A tokenizer route's body: an object of known keys at every depth, for the served model."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    check_keys(body, shape, "", where)
+    if body.get("model") is not None and body["model"] != served.name:
+        raise InvalidRequest(f"The model `{str(body['model'])[:100]}` does not exist. This server "
+                             f"serves `{served.name}`.", param="model", code="model_not_found")

@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway.admission import Admission, Limits
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served
+from gateway.reasoning import PARSERS as REASONING_PARSERS
 from gateway.router import Router
 from gateway.tools import PARSERS
 from shared.client import AsyncEngineClient
@@ -36,6 +37,7 @@ class GatewayConfig:
     stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
     chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
+    reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -46,6 +48,8 @@ class GatewayConfig:
             raise ValueError("stream_interval must be >= 1")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
 
 
 CONFIG = web.AppKey("config", GatewayConfig)

@@ -31,6 +31,7 @@ from gateway.openai_schema import (
     response_object,
     usage,
 )
+from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
 from gateway.tools import ToolCall, ToolStream, stream_deltas
 from shared.choices import TextOutput, TokenLogprob
@@ -73,23 +74,31 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
 class _Choice:
     """What one choice has received and not sent yet (--stream-interval), and what a response needs."""
 
-    __slots__ = ("text", "logprobs", "num_tokens", "first", "ended", "text_offset", "finish_reason")
+    __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset",
+                 "finish_reason")
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.reasoning: list[str] = []  # with --reasoning-parser: the reasoning not sent yet
         self.logprobs: list[TokenLogprob] = []
         self.num_tokens = 0  # since the last event
         self.first, self.ended = True, False
         self.text_offset = 0  # completions' text_offset of the next token
         self.finish_reason: str | None = None
 
-    def add(self, out: TextOutput) -> None:
+    def add(self, out: TextOutput, reasoning: str = "") -> None:
         self.text.append(out.text)
+        if reasoning:
+            self.reasoning.append(reasoning)
         self.num_tokens += len(out.token_ids)
         if out.logprobs:
             self.logprobs += out.logprobs
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
+
+    def take_reasoning(self) -> str:
+        text, self.reasoning = "".join(self.reasoning), []
+        return text
 
     def take(self, chat: bool, want_logprobs: bool) -> tuple[str, dict[str, Any] | None]:
         """-> the text and logprobs object gathered since the last take."""
@@ -104,6 +113,34 @@ class _Choice:
         return text, lps
 
 
+class ChoiceSplit:
+    """One streamed chat choice's text -> (reasoning, content, tool calls at the end): the
+    reasoning parser first (--reasoning-parser), then the tool-call parser on the content. The
+    one per-choice split every front door renders from (chat chunks here; Responses, Messages)."""
+
+    __slots__ = ("reasoning", "tools", "include")
+
+    def __init__(self, req: ParsedRequest) -> None:
+        opened = req.reasoning.opened if req.reasoning is not None else None
+        self.reasoning = ReasoningStream(opened) if opened is not None else None
+        self.include = req.reasoning is not None and req.reasoning.include
+        self.tools = ToolStream(req.tools) if req.tools is not None else None
+
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        thought, calls = "", list[ToolCall]()
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                thought, text = thought + more, text + rest
+        if self.tools is not None:
+            text = self.tools.feed(text)
+            if final:
+                rest, calls = self.tools.finish()
+                text += rest
+        return (thought if self.include else ""), text, calls
+
+
 async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
     """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is yielded before
@@ -113,7 +150,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
-    tool_streams: dict[int, ToolStream] = {}
+    splits: dict[int, ChoiceSplit] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
@@ -122,22 +159,23 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             if c.ended:
                 continue
             calls: list[ToolCall] = []
-            if chat and req.tools is not None:  # content until a call may begin; the calls at the end
-                ts = tool_streams.get(out.index) or tool_streams.setdefault(out.index, ToolStream(req.tools))
-                out = dataclasses.replace(out, text=ts.feed(out.text))
-                if out.finish_reason is not None:
-                    rest, calls = ts.finish()
-                    out = dataclasses.replace(out, text=out.text + rest)
-            c.add(out)
+            thought = ""
+            if chat and (req.tools is not None or req.reasoning is not None):  # may hold back tags
+                split = splits.get(out.index) or splits.setdefault(out.index, ChoiceSplit(req))
+                thought, text, calls = split.feed(out.text, out.finish_reason is not None)
+                out = dataclasses.replace(out, text=text)
+            c.add(out, thought)
             c.ended = out.finish_reason is not None
             if not (c.first or c.ended or c.num_tokens >= interval):
                 continue
-            if not (any(c.text) or c.logprobs or c.ended or c.first):
+            if not (any(c.text) or c.reasoning or c.logprobs or c.ended or c.first):
                 continue  # text held back (an unfinished character, a possible stop string)
             text, lps = c.take(chat, want_lps)
-            reason = out.finish_reason
+            thought, reason = c.take_reasoning(), out.finish_reason
             if calls:  # the content, then each call's name and arguments, then the finish reason
-                for delta in [{"content": text} if text or c.first else {}, *stream_deltas(calls)]:
+                head = {"content": text} if text or c.first else {}
+                head |= {"reasoning_content": thought} if thought else {}
+                for delta in [head, *stream_deltas(calls)]:
                     if not delta:
                         continue
                     if c.first:
@@ -145,9 +183,9 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                     choice = {"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}
                     c.first, lps = False, None
                     yield response_object(rid, created, model, chat, True, [choice])
-                text, reason = "", "tool_calls"
-            choice = (chat_choice(out.index, text, reason, chunk=True, first=c.first, logprobs=lps) if chat
-                      else completion_choice(out.index, text, reason, lps))
+                text, thought, reason = "", "", "tool_calls"
+            choice = (chat_choice(out.index, text, reason, True, c.first, lps, reasoning=thought)
+                      if chat else completion_choice(out.index, text, reason, lps))
             c.first = False
             yield response_object(rid, created, model, chat, True, [choice])
         if req.include_usage and last is not None:
@@ -172,12 +210,18 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
     for index in sorted(choices):
         c = choices[index]
         text, lps = c.take(chat, want_lps)
+        thought = None
+        if chat and req.reasoning is not None:
+            thought, text = split_reasoning(text, req.reasoning.opened)
+            thought = thought if req.reasoning.include else None
         if chat and req.tools is not None:
             content, calls = req.tools.parse(text)
-            body.append(chat_choice(index, content, "tool_calls" if calls else c.finish_reason, chunk=False,
-                                    logprobs=lps, tool_calls=[call.to_openai() for call in calls]))
+            reason = "tool_calls" if calls else c.finish_reason
+            body.append(chat_choice(index, content, reason, False, logprobs=lps, reasoning=thought,
+                                    tool_calls=[call.to_openai() for call in calls]))
             continue
-        body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps) if chat
+        body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps,
+                                reasoning=thought) if chat
                     else completion_choice(index, text, c.finish_reason, lps))
     return response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last))
 

@@ -3,6 +3,8 @@
 Spellings accepted, at most one per request:
 - OpenAI: `response_format` {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
   "strict", "description"}}, on chat and completions alike (as vLLM);
+  `{"type": "json_object", "schema": {...}}` (several hosted APIs' spelling) is that schema, an
+  object at the top;
 - vLLM's current extra: `structured_outputs` {"json" | "regex" | "choice" | "grammar" | "json_object"};
 - vLLM's older extras: `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 Only the shape is checked here; whether a schema, regex or grammar compiles is the engine's compiler's to
@@ -41,10 +43,20 @@ def _response_format(value: Any) -> Constraint | None:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise InvalidRequest("response_format must be an object with a string 'type'", param="response_format")
     kind = value["type"]
+    for key, owner in (("schema", "json_object"), ("json_schema", "json_schema")):  # per type
+        if value.get(key) is not None and kind != owner:
+            why = f"response_format.{key} belongs to type {owner!r}, not {kind!r}"[:300]
+            raise InvalidRequest(why, param=f"response_format.{key}")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return Constraint("json_object")
+    if kind == "json_object":  # with `schema`: several hosted APIs' spelling of a JSON schema
+        schema = value.get("schema")
+        if schema is None:
+            return Constraint("json_object")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.schema must be a JSON schema object",
+                                 param="response_format.schema")
+        return constraints.json_schema(schema if "type" in schema else {"type": "object", **schema})
     if kind != "json_schema":
         raise InvalidRequest(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}"[:300],
                              param="response_format")
@@ -65,10 +77,7 @@ def _response_format(value: Any) -> Constraint | None:
 def _structured_outputs(value: Any) -> Constraint | None:
     if not isinstance(value, dict):
         raise InvalidRequest("structured_outputs must be an object", param="structured_outputs")
-    unknown = sorted(k for k in value if k not in _STRUCTURED_KEYS)
-    if unknown:
-        raise InvalidRequest(f"structured_outputs.{str(unknown[0])[:50]} is not supported (give one of "
-                             f"{', '.join(_STRUCTURED_KEYS)})", param="structured_outputs")
+    # unknown keys were refused by request_fields.check_keys
     given = [k for k in _STRUCTURED_KEYS if value.get(k) not in (None, False)]
     if len(given) != 1:
         raise InvalidRequest(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KEYS)}",

@@ -9,7 +9,16 @@ constrains), and tool results as <tool_response> blocks in a user turn, as Herme
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+from shared.errors import InvalidRequest
+
+# Set by the server itself: a request may not override them through chat_template_kwargs.
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "return_dict", "chat_template",
+                      "tokenizer_kwargs", "return_assistant_tokens_mask", "padding", "truncation",
+                      "max_length", "return_tensors"})
 
 HERMES_CHATML = """\
 {%- if tools %}<|im_start|>system
@@ -63,3 +72,36 @@ def template_for(tokenizer: Any, override: str | None, uses_tools: bool) -> str 
     if uses_tools and isinstance(own, str) and "<|im_start|>" in own and "tool" not in own:
         return HERMES_CHATML
     return None
+
+
+def template_kwargs(value: Any, tokenizer: Any, template: str | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs (e.g. {"enable_thinking": false}) -> the template's extra
+    variables. A key the template never reads would be ignored silently: it is a 400 (when the
+    template parses with plain Jinja; one using transformers' own tags is not checked)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    read = _variables(source) if isinstance(source, str) else None
+    for key in value:
+        where = f"chat_template_kwargs.{str(key)[:100]}"
+        if key in RESERVED:
+            raise InvalidRequest(f"{where}: the server sets it; use the request's own field",
+                                 param=where)
+        if read is not None and key not in read:
+            raise InvalidRequest(f"{where}: the chat template never reads it", param=where)
+    return dict(value)
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset[str] | None:
+    """The variables a template reads, or None when plain Jinja cannot parse it."""
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return frozenset(meta.find_undeclared_variables(ast))

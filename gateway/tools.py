@@ -27,6 +27,7 @@ from shared.errors import InvalidRequest
 PARSERS = ("hermes", "llama3_json", "auto")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's prefix of a call
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,11 +136,13 @@ def parse_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]]:
     if parser in ("hermes", "auto") and OPEN_TAG in text:
         calls = [_call(m.group(1), "arguments") for m in _HERMES.finditer(text)]
         if calls and all(c is not None for c in calls):
-            content = _HERMES.sub("", text).strip()
+            # trailing whitespace goes with the calls: a stream cannot take back what it sent
+            content = _HERMES.sub("", text).rstrip()
             return content or None, [c for c in calls if c is not None]
-        return text, []
+        if parser == "hermes":
+            return text, []
     if parser in ("llama3_json", "auto"):
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(PYTHON_TAG).strip()
         if body.startswith("{"):
             calls = [_call(part, "parameters") for part in body.split(";")]
             if all(c is not None for c in calls):
@@ -161,9 +164,11 @@ def _call(raw: str, args_key: str) -> ToolCall | None:
 
 
 class ToolStream:
-    """One streamed choice of a request with tools: content goes out as it comes until a call may begin,
-    then the rest is held and parsed at the end (the calls go out then: each its name first, then its
-    arguments, OpenAI's delta shape)."""
+    """One streamed choice of a request with tools: content goes out as it comes until a call may
+    begin, then the rest is held and parsed at the end (the calls go out then: each its name first,
+    then its arguments, OpenAI's delta shape). Trailing whitespace and a possible open tag are held
+    back, so the joined content equals parse() of the whole text however it is cut into deltas
+    (tests/gateway/test_stream_splits.py)."""
 
     def __init__(self, tools: Tools) -> None:
         self.tools = tools
@@ -176,17 +181,23 @@ class ToolStream:
         self.held += text
         if self.calling:
             return ""
-        start = self.held.find(OPEN_TAG)
-        if start < 0 and not self.sent and self.tools.parser != "hermes" \
-                and self.held.lstrip().startswith(("{", "<|python_tag|>")):
+        llama = self.tools.parser != "hermes" and not self.sent  # a Llama 3 call may still begin
+        body = self.held.lstrip()
+        if llama and body.startswith(("{", PYTHON_TAG)):
             start = 0  # a Llama 3 JSON call is the whole output
+        else:
+            start = self.held.find(OPEN_TAG) if self.tools.parser != "llama3_json" else -1
         if start >= 0:
             self.calling = True
+            start = len(self.held[:start].rstrip())  # the whitespace before a call goes with it
             out, self.held = self.held[:start], self.held[start:]
             return out
-        keep = _partial_tag(self.held)  # hold back what may be the start of "<tool_call>"
-        if self.tools.parser != "hermes" and not self.sent and not self.held.strip():
-            keep = len(self.held)  # only whitespace so far: a Llama 3 JSON call may still begin
+        if llama and PYTHON_TAG.startswith(body):
+            return ""  # only whitespace, or what may become the python tag, so far
+        hermes = self.tools.parser != "llama3_json"
+        keep = _partial_tag(self.held) if hermes else 0  # what may become "<tool_call>"
+        before = self.held[:len(self.held) - keep]
+        keep += len(before) - len(before.rstrip())  # and whitespace a call would swallow
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         self.sent = self.sent or bool(out)
         return out

@@ -75,15 +75,20 @@ def has_chat_template(tok: PreTrainedTokenizerBase) -> bool:
 
 
 def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None, template: str | None = None) -> list[int]:
+                        tools: list[dict[str, Any]] | None = None, template: str | None = None,
+                        kwargs: dict[str, Any] | None = None) -> list[int]:
     """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue.
-    tools: OpenAI tool objects for the template; template: Jinja text used instead of the model's."""
+    tools: OpenAI tool objects for the template; template: Jinja text used instead of the model's;
+    kwargs: more variables for the template (a request's chat_template_kwargs, checked by the
+    gateway)."""
     if template is None and not has_chat_template(tok):
         raise InvalidRequest("this model has no chat template; use /v1/completions with a plain prompt",
                              param="messages")
     try:
         # Any: the return type differs across transformers versions (ids, or a BatchEncoding of them).
-        extra: dict[str, Any] = {"chat_template": template} if template is not None else {}
+        extra: dict[str, Any] = dict(kwargs or {})
+        if template is not None:
+            extra["chat_template"] = template
         if tools:
             extra["tools"] = tools
         ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,

@@ -143,3 +143,17 @@ def test_gateway_processes_move_off_the_cores_the_engine_is_bound_to() -> None:
         for proc in (engine, gateway):
             proc.kill()
             proc.wait()
+
+
+def test_gateway_workers_get_the_chat_flags() -> None:
+    """--gateway-workers: every worker parses chat requests as `serve` was told (template,
+    parsers)."""
+    from gateway.__main__ import build_parser, worker_argv
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", "m", "--chat-template", "/t.jinja",
+                              "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+                              "--gateway-workers", "2"])
+    worker = parser.parse_args(worker_argv(args, "ipc:///tmp/x")[3:])
+    got = (worker.chat_template, worker.tool_call_parser, worker.reasoning_parser)
+    assert got == ("/t.jinja", "hermes", "qwen3")

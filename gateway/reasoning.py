@@ -1,0 +1,100 @@
+"""Reasoning models: a chat answer's `<think>...</think>` part split from the answer, over a stream.
+
+One piece for every front door: `ReasoningStream.feed(text) -> (reasoning, content)` turns the
+detokenized text of one choice, in deltas of any size, into the reasoning and the content that may
+go out now, and `finish()` flushes what a possible tag held back. `split_reasoning` is the same over
+a whole text; whichever way a text is cut into deltas, the joined stream equals it
+(tests/gateway/test_stream_splits.py). Chat completions render the parts as `reasoning_content`
+(gateway/streaming.py); the Responses API can render them as a `reasoning` item, Anthropic's
+Messages as a `thinking` block.
+
+`--reasoning-parser` `qwen3` or `deepseek_r1` (Qwen3, QwQ and the DeepSeek-R1 distills):
+- reasoning is what comes before `</think>`, when the output starts inside a think block: the
+  output begins with `<think>` (leading whitespace aside), or the prompt opened one and did not
+  close it (a template whose generation prompt ends with `<think>\\n`, as DeepSeek-R1's), or the
+  parser is `deepseek_r1` (R1 thinks first always; its older template did not open the block, and
+  the model may not write the open tag either);
+- content is everything after `</think>`, or the whole output when no think block opened it (Qwen3
+  with `chat_template_kwargs: {"enable_thinking": false}`, whose template closes an empty block in
+  the prompt). An output cut before `</think>` is all reasoning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PARSERS = ("qwen3", "deepseek_r1")
+OPEN, CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True, slots=True)
+class Reasoning:
+    """One chat request's reasoning settings: how its output starts, and whether reasoning is
+    returned."""
+
+    parser: str
+    opened: bool  # the output starts inside a think block (the prompt opened it, or deepseek_r1)
+    include: bool = True  # vLLM's include_reasoning: false drops the reasoning from the response
+
+
+def prompt_opens(prompt_text: str) -> bool:
+    """Does the rendered prompt end inside a think block (its last `<think>` after its last
+    `</think>`)?"""
+    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def split_reasoning(text: str, opened: bool) -> tuple[str, str]:
+    """A whole output -> (reasoning, content)."""
+    body = text.lstrip()
+    if body.startswith(OPEN):
+        text, opened = body[len(OPEN):], True
+    if not opened:
+        return "", text
+    end = text.find(CLOSE)
+    return (text, "") if end < 0 else (text[:end], text[end + len(CLOSE):])
+
+
+def _partial(text: str, tag: str) -> int:
+    """How many trailing characters of text are a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """One choice's split, delta by delta: holds back only what may still become a tag."""
+
+    def __init__(self, opened: bool) -> None:
+        self.opened = opened
+        self.state = "start"  # -> "reasoning" -> "content", or "start" -> "content"
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """New text -> (reasoning, content) that may go out now."""
+        self.held += text
+        if self.state == "start":
+            body = self.held.lstrip()
+            if len(body) < len(OPEN) and OPEN.startswith(body):
+                return "", ""  # may still become the open tag
+            if body.startswith(OPEN):
+                self.held, self.state = body[len(OPEN):], "reasoning"
+            else:
+                self.state = "reasoning" if self.opened else "content"
+        if self.state == "content":
+            out, self.held = self.held, ""
+            return "", out
+        end = self.held.find(CLOSE)
+        if end >= 0:
+            thought, rest = self.held[:end], self.held[end + len(CLOSE):]
+            self.held, self.state = "", "content"
+            return thought, rest
+        keep = _partial(self.held, CLOSE)
+        thought, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return thought, ""
+
+    def finish(self) -> tuple[str, str]:
+        """The end of the output: what was held back, as what it turned out to be."""
+        held, self.held = self.held, ""
+        if self.state == "start":
+            return split_reasoning(held, self.opened)
+        return (held, "") if self.state == "reasoning" else ("", held)

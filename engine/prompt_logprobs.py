@@ -4,7 +4,7 @@ rank in the vocabulary, and the top-k alternatives at its position, as vLLM's `p
 Computed during prefill, chunk by chunk: the runner asks the model for the logits of the chunk's rows
 whose next token is a prompt token not scored yet, takes their log-softmax (a [rows, V] tensor for that
 chunk only, never for the whole prompt) and keeps only the entries asked for. The scheduler appends
-them to the request's `PromptScores` (one writer), and the request's first output row carries them all.
+them to the request's `PromptScores` (one writer), and each choice's first output row carries them all.
 
 Each position is scored once: a chunk computed again (preemption by recompute) asks for no rows whose
 token is scored already, so chunking and preemption cannot change a number. A cached prefix has no
@@ -34,7 +34,7 @@ class PromptScores:
     def __init__(self, k: int) -> None:
         self.k = k  # top alternatives per position
         self.entries: list[PromptEntry] = []
-        self.sent = False  # the request's first output row carried them
+        self.sent: set[int] = set()  # the choices (indexes) whose first output row carried them
 
 
 def _scores(seq: Sequence) -> PromptScores | None:
@@ -112,13 +112,14 @@ def record(plan: StepPlan, output: StepOutput) -> None:
 
 
 def attach(deltas: list[Delta]) -> None:
-    """A request's prompt logprobs ride on its first output row (every prompt token is scored by then:
-    a token is sampled only once the whole prompt is computed)."""
+    """A request's prompt logprobs ride on each choice's first output row (every prompt token is scored
+    by then: a token is sampled only once the whole prompt is computed). Each choice's, so that a client
+    that echoes the prompt in every choice (n > 1) has them whichever row it reads first."""
     for d in deltas:
         s = d.request.prompt_scores
-        if s is not None and not s.sent and d.error is None:
+        if s is not None and d.index not in s.sent and d.error is None:
             d.prompt_logprobs = s.entries
-            s.sent = True
+            s.sent.add(d.index)
 
 
 def to_wire(entries: list[PromptEntry] | None) -> list[list | None] | None:

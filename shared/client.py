@@ -360,7 +360,7 @@ class AsyncEngineClient:
         if self._token_strings is None:
             self._token_strings = TokenStrings(decoder)
         stream = await self.add(ids, params, request_id, priority)
-        choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings)
+        choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings, ids)
         try:
             async for out in stream:
                 for text_out in choices.feed(out):

@@ -2,8 +2,8 @@
 rank in the vocabulary, and the top-k alternatives at its position, as vLLM's `prompt_logprobs`.
 
 Computed during prefill, chunk by chunk: the runner asks the model for the logits of the chunk's rows
-whose next token is a prompt token not scored yet, takes their log-softmax (a [rows, V] tensor for that
-chunk only, never for the whole prompt) and keeps only the entries asked for. The scheduler appends
+whose next token is a prompt token not scored yet (a [rows, V] tensor for that chunk only, never for the
+whole prompt), normalises them (log-softmax) and keeps only the entries asked for. The scheduler appends
 them to the request's `PromptScores` (one writer), and each choice's first output row carries them all.
 
 Each position is scored once: a chunk computed again (preemption by recompute) asks for no rows whose
@@ -75,27 +75,30 @@ def plan_rows(plan: StepPlan) -> tuple[list[int], list[tuple[int, range]]]:
 
 def score(logits: torch.Tensor, plan: StepPlan,
           wanted: list[tuple[int, range]]) -> dict[int, list[PromptEntry]]:
-    """logits: [rows, V] float32, the rows plan_rows named, in order. -> plan index -> its entries."""
-    logp = torch.log_softmax(logits, dim=-1)  # [rows, V]: this chunk's rows only
-    vocab = logp.shape[-1]
+    """logits: [rows, V] float32, the rows plan_rows named, in order. -> plan index -> its entries.
+    log_softmax(x)[t] = x[t] - logsumexp(x): only the [rows] normaliser is computed, and the ranks and
+    the top k come from the logits themselves (same order), so no second [rows, V] tensor is written.
+    A token's logprob and its value among the top k are one subtraction of the same floats: equal."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]: this chunk's rows only
+    vocab = logits.shape[-1]
     out: dict[int, list[PromptEntry]] = {}
     row = 0
     for i, positions in wanted:
         seq = plan.seqs[i]
         scores = _scores(seq)
         assert scores is not None
-        part = logp[row:row + len(positions)]  # [m, V]
+        part, norm = logits[row:row + len(positions)], lse[row:row + len(positions)]  # [m, V], [m, 1]
         row += len(positions)
         targets = torch.tensor(seq.token_ids[positions.start + 1:positions.stop + 1], device=part.device)
-        lps = part.gather(1, targets[:, None])  # [m, 1]
-        ranks: list[int] = ((part > lps).sum(dim=-1) + 1).tolist()
+        picked = part.gather(1, targets[:, None])  # [m, 1]
+        ranks: list[int] = ((part > picked).sum(dim=-1) + 1).tolist()
         k = min(scores.k, vocab)
         top_vals: list[list[float]] = []
         top_ids: list[list[int]] = []
         if k:
             vals, ids = part.topk(k, dim=-1)  # [m, k]
-            top_vals, top_ids = vals.tolist(), ids.tolist()
-        values: list[float] = lps[:, 0].tolist()
+            top_vals, top_ids = (vals - norm).tolist(), ids.tolist()
+        values: list[float] = (picked - norm)[:, 0].tolist()
         out[i] = [(values[j], ranks[j], list(zip(top_ids[j], top_vals[j])) if k else [])
                   for j in range(len(positions))]
     return out

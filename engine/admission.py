@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
 
+# (token, logprob) pairs of one request's prompt logprobs: about 30 bytes each on the wire, so one row
+# stays well under a client's message limit (shared/wire.py CLIENT_MAX_MESSAGE_SIZE).
+MAX_PROMPT_LOGPROB_PAIRS = 1 << 20
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -37,6 +41,11 @@ class Limits:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
                 f"{self.max_model_len} tokens including at least one generated token", param="prompt",
                 code="context_length_exceeded")
+        k = params.prompt_logprobs
+        if k is not None and len(prompt_token_ids) * (k + 1) > MAX_PROMPT_LOGPROB_PAIRS:
+            raise InvalidRequest(f"prompt logprobs with {k} alternatives for {len(prompt_token_ids)} prompt tokens "
+                                 f"exceed {MAX_PROMPT_LOGPROB_PAIRS} entries: ask for fewer alternatives",
+                                 param="prompt_logprobs")
         if params.num_seqs > self.max_num_seqs:
             what = "beam_width" if params.use_beam_search else ("best_of" if params.best_of else "n")
             raise InvalidRequest(f"{what} asks for {params.num_seqs} sequences; this engine runs at most "

@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import bypasses_cache
 from engine.sequence import Sequence
 
 
@@ -267,9 +268,10 @@ class BlockManager:
 
     def lookup(self, seq: Sequence) -> PrefixHit:
         """The longest cached prefix of seq's tokens, never the last token: one token must be computed
-        to have logits to sample from. No side effects."""
+        to have logits to sample from; none at all for a request that still has prompt tokens to score
+        (a cached prefix has no logits). No side effects."""
         hit = PrefixHit()
-        if not self.enable_prefix_caching or seq.block_table:
+        if not self.enable_prefix_caching or seq.block_table or bypasses_cache(seq):
             return hit
         dev, cpu = self.device, self.cpu
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):

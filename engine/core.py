@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import prompt_logprobs
 from engine.admission import Limits
 from engine.block_manager import BlockManager, release_window
 from engine.kv_cache import KVCache
@@ -211,7 +212,7 @@ class EngineCore:
             return _failed(req.request_id, d.error)
         return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
                              req.num_cached_tokens, req.events if d.finished else None,
-                             _wire_logprobs(d.logprobs), d.index)
+                             _wire_logprobs(d.logprobs), d.index, prompt_logprobs.to_wire(d.prompt_logprobs))
 
     def close(self) -> None:
         """Stops what the engine started besides itself (tensor-parallel workers)."""

@@ -241,7 +241,13 @@ class EngineLoop:
             client = self.owner.pop(out.request_id) if out.finished else self.owner[out.request_id]
             by_client[client].append(out)
         for client, outs in by_client.items():
-            self._send(client, Outputs(outs))
+            if any(o.prompt_logprobs is not None for o in outs):  # alone, so each message stays bounded
+                for o in outs:  # (engine/admission.py caps one request's prompt logprobs)
+                    if o.prompt_logprobs is not None:
+                        self._send(client, Outputs([o]))
+                outs = [o for o in outs if o.prompt_logprobs is None]
+            if outs:
+                self._send(client, Outputs(outs))
 
     def _send(self, client: bytes, msg: Message) -> None:
         """Never blocks and never drops in silence: a client that is gone has its requests aborted; one

@@ -2,16 +2,17 @@
 reports about it (event times, cached prompt tokens). It knows nothing of how it is computed: the
 sequences that compute it are engine/sequence.py.
 
-Only the scheduler writes `events` and `num_cached_tokens` after the request is made.
+Only the scheduler writes `events`, `num_cached_tokens` and `prompt_scores` after the request is made.
 """
 from __future__ import annotations
 
+from engine.prompt_logprobs import PromptScores
 from shared.sampling import SamplingParams
 
 
 class Request:
     __slots__ = ("request_id", "params", "priority", "arrival_time", "prompt_token_ids", "stop_ids", "plain",
-                 "speculate", "events", "num_cached_tokens")
+                 "speculate", "events", "num_cached_tokens", "prompt_scores")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
                  arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False) -> None:
@@ -32,6 +33,8 @@ class Request:
         # plus preempted (a count); sent with the final output so clients compute latencies.
         self.events: dict[str, float] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        # Prompt logprobs asked for (engine/prompt_logprobs.py): the scheduler appends them as chunks compute.
+        self.prompt_scores = None if params.prompt_logprobs is None else PromptScores(params.prompt_logprobs)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import prompt_logprobs
 from engine.batch import Batch
 from engine.kv_cache import KVCache
 from engine.sampler import Sampler
@@ -55,11 +56,20 @@ class ModelRunner:
             batch.add(seq.token_ids[start:end], start, seq.block_table, 1 if last else 0)
             if last:
                 sampling.append((seq, None))
+        num_sampling_rows = len(batch.logits_rows)
+        score_rows, scored = prompt_logprobs.plan_rows(plan)  # prompt logprobs: rows after the sampling ones
+        batch.logits_rows += score_rows
         self.mark("forward")
         logits = self._forward(batch)  # [rows, V]
         self.mark("sample")
-        if not sampling:
-            return StepOutput()
+        scores = prompt_logprobs.score(logits[num_sampling_rows:], plan, scored) if scored else None
+        logits = logits[:num_sampling_rows]
+        output = self._sample(logits, sampling, bool(drafts)) if sampling else StepOutput()
+        output.prompt_logprobs = scores
+        return output
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]],
+                drafts: bool) -> StepOutput:
         try:
             if not drafts:
                 tokens, logprobs = self.sampler(logits, [seq for seq, _ in sampling])

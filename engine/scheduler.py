@@ -38,7 +38,7 @@ import bisect
 import logging
 import time
 
-from engine import groups, structured
+from engine import groups, prompt_logprobs, structured
 from engine.block_manager import BlockManager
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus
 from engine.spec import Proposer
@@ -362,6 +362,7 @@ class Scheduler:
         request (its sampling, its beam scoring) ends that request with an error, not the step."""
         deltas: list[Delta] = []
         beams: dict[int, list[tuple[Sequence, LogprobEntry]]] = {}
+        prompt_logprobs.record(plan, output)
         j = 0
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
             drafts = plan.drafts.get(i) if plan.drafts else None
@@ -387,6 +388,7 @@ class Scheduler:
             except Exception as e:
                 log.exception("request %s: beam search failed", cands[0][0].request.request_id)
                 deltas.append(self._fail(cands[0][0], f"{type(e).__name__}: {e}"))
+        prompt_logprobs.attach(deltas)
         return deltas
 
     def fail(self, plan: StepPlan, why: str) -> list[Delta]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.prompt_logprobs import PromptEntry
 from engine.request import Request
 from engine.sequence import LogprobEntry, Sequence
 
@@ -71,19 +72,22 @@ class StepOutput:
     whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it samples
     nothing). accepted[j]: the drafts sequence j kept before its token (None: no drafts this step).
     logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did).
-    errors[j]: why sequence j could not be sampled (its request fails; tokens[j] is meaningless)."""
+    errors[j]: why sequence j could not be sampled (its request fails; tokens[j] is meaningless).
+    prompt_logprobs: plan index -> the prompt tokens that sequence's chunk scored (engine/prompt_logprobs.py)."""
 
     tokens: list[int] = field(default_factory=list)
     accepted: list[tuple[int, ...]] | None = None
     logprobs: list[LogprobEntry | None] | None = None
     errors: dict[int, str] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[PromptEntry]] | None = None
 
 
 @dataclass(slots=True)
 class Delta:
     """New tokens of one sequence (a request's choice `index`). finish_reason: this sequence's;
     finished: the whole request's (the last delta it sends). error: the request failed inside the
-    engine (this is its last delta; the client gets an ERROR instead of outputs)."""
+    engine (this is its last delta; the client gets an ERROR instead of outputs). prompt_logprobs: on
+    the request's first delta, when it asked for them."""
 
     request: Request
     new_token_ids: list[int]
@@ -92,3 +96,4 @@ class Delta:
     finished: bool = False
     logprobs: list[LogprobEntry] | None = None
     error: str | None = None
+    prompt_logprobs: list[PromptEntry] | None = None

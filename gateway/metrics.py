@@ -202,6 +202,8 @@ class Metrics:
                                buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens", registry=r)
+        self.scored_tokens = Counter("conveyor_prompt_tokens_scored", "Prompt tokens whose logprobs were returned "
+                                     "(echo with logprobs, prompt_logprobs)", registry=r)
         self.cache_queries = Counter("conveyor_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                      registry=r)
         self.cache_hits = Counter("conveyor_prefix_cache_hits", "Prompt tokens served from the prefix cache",

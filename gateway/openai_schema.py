@@ -5,6 +5,7 @@ with a 400 in OpenAI's error shape; the engine re-checks only what protects itse
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -17,15 +18,14 @@ from shared.choices import TokenLogprob
 from shared.constraints import Constraint
 from shared.errors import ConveyorError, InvalidRequest
 from shared.sampling import MAX_LOGPROBS, MAX_N, MAX_TOKENS, SamplingParams, check_priority
-from shared.tokenizer import apply_chat_template, encode
+from shared.tokenizer import apply_chat_template
 
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
 _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                         "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
                                         "repetition_penalty", "logit_bias", "speculative")}
 # Refused unless at their neutral values: never silently ignored.
-_REFUSED = {"echo": (False, "echo is not supported: the response holds the completion only"),
-            "suffix": ("", "suffix (text after the insertion point) is not supported")}
+_REFUSED = {"suffix": ("", "suffix (text after the insertion point) is not supported")}
 
 
 @dataclass(slots=True)
@@ -49,22 +49,12 @@ class ParsedRequest:
     priority: int = 0  # vLLM's extra field: lower is served first
     tools: Tools | None = None  # a chat request with tools (and tool_choice not "none")
     reasoning: Reasoning | None = None  # a chat request to a server with --reasoning-parser
-
-
-def parse_completion(body: Any, served: Served) -> ParsedRequest:
-    body = _check_common(body, served, chat=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        ids = encode(served.tokenizer, prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidRequest("batched prompts are not supported: send one prompt per request", param="prompt")
-    else:
-        raise InvalidRequest("prompt must be a string or a list of token ids", param="prompt")
-    return _finish(body, ids, served, "prompt", default_max_tokens=16, chat=False)
+    # Scoring (gateway/completions.py): the prompt text echoed before each choice's text (completions'
+    # echo), vLLM's prompt_logprobs (alternatives per prompt token in the response), and max_tokens 0
+    # (the engine samples one token, which the response leaves out).
+    echo: str | None = None
+    prompt_logprobs: int | None = None
+    score_only: bool = False
 
 
 def parse_chat(body: Any, served: Served) -> ParsedRequest:
@@ -85,6 +75,21 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
                      tool_constraint=tools.constraint() if tools else None)
     parsed.tools = tools
     parsed.reasoning = _reasoning(body, served, ids)
+    return with_prompt_logprobs(parsed, body)
+
+
+def with_prompt_logprobs(parsed: ParsedRequest, body: dict[str, Any], echo_k: int | None = None) -> ParsedRequest:
+    """vLLM's prompt_logprobs field (and completions' echo with logprobs, echo_k): the engine scores the
+    prompt with the larger of the two numbers of alternatives; each view keeps its own."""
+    k = _int_field(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if k is not None and parsed.stream:
+        raise InvalidRequest("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    if parsed.params.use_beam_search and (k is not None or echo_k is not None):
+        raise InvalidRequest("prompt logprobs are not returned with beam search", param="prompt_logprobs")
+    wanted = [x for x in (k, echo_k) if x is not None]
+    if wanted:
+        parsed.params = dataclasses.replace(parsed.params, prompt_logprobs=max(wanted))
+    parsed.prompt_logprobs = k
     return parsed
 
 
@@ -302,17 +307,38 @@ def _lp(value: float | None) -> float | None:
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
     """OpenAI's legacy shape. text_offset: where the first token starts in the choice's text so far.
     top_logprobs holds the k most likely tokens and always the sampled one (so up to k + 1, as OpenAI)."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
+    tokens, token_logprobs, offsets = [], [], []
+    tops: list[dict[str, float | None] | None] = []
     for e in entries:
         tokens.append(e.token)
         token_logprobs.append(_lp(e.logprob))
         offsets.append(text_offset)
         text_offset += len(e.token)
+        if e.logprob is None:  # an echoed prompt's first token: nothing precedes it
+            tops.append(None)
+            continue
         top = {s: _lp(v) for _, s, v in e.top}
         if all(t != e.token_id for t, _, _ in e.top):
             top.setdefault(e.token, _lp(e.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_view(entries: list[TokenLogprob] | None, k: int) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the token itself and the k most likely tokens at its position (ranks 1..k)."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        d = {str(e.token_id): {"logprob": _lp(e.logprob), "rank": e.rank, "decoded_token": e.token}}
+        for r, (t, s, v) in enumerate(e.top[:k], start=1):
+            d.setdefault(str(t), {"logprob": _lp(v), "rank": r, "decoded_token": s})
+        out.append(d)
+    return out
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:

@@ -19,14 +19,14 @@ _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "logit_bias",
     "presence_penalty", "frequency_penalty", "stream", "stream_options",
     "top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "use_beam_search",
-    "beam_width", "length_penalty", "early_stopping", "speculative", "priority",
+    "beam_width", "length_penalty", "early_stopping", "speculative", "priority", "prompt_logprobs",
     # structured output (gateway/structured.py): OpenAI's, then vLLM's current and older spellings
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })
 # Honoured by one endpoint only; the other endpoint's parser answers these with a message that says
 # which endpoint takes them (best_of on chat, top_logprobs on completions), so they are known to both.
 HONOURED = {
-    False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # echo/suffix: neutral values only
+    False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # suffix: neutral values only
     True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools", "tool_choice",
                      "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"},
 }

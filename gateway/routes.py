@@ -8,8 +8,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.completions import chunks_batch, complete_batch, parse_completions
 from gateway.metrics import CONTENT_TYPE, ReplicaRow
-from gateway.openai_schema import Served, parse_chat, parse_completion, parse_messages
+from gateway.openai_schema import Served, parse_chat, parse_messages
 from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router
 from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
@@ -39,7 +40,13 @@ async def read_json(request: web.Request) -> Any:
 
 @routes.post("/v1/completions")
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+    """One prompt or a batch (gateway/completions.py: batches, echo, scoring)."""
+    app = request.app
+    reqs = parse_completions(await read_json(request), app[SERVED])
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    if reqs[0].stream:
+        return await sse_response(request, chunks_batch(app, reqs, rid))
+    return json_response(await complete_batch(app, reqs, rid))
 
 
 @routes.post("/v1/chat/completions")
@@ -49,7 +56,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
-    req = (parse_chat if chat else parse_completion)(await read_json(request), app[SERVED])
+    req = parse_chat(await read_json(request), app[SERVED])
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))

@@ -28,6 +28,7 @@ from gateway.openai_schema import (
     completion_choice,
     completion_logprobs,
     error_body,
+    prompt_logprobs_view,
     response_object,
     usage,
 )
@@ -69,13 +70,15 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
         admission.release(rid)
         metrics.finish(rid, reason, last.num_prompt_tokens if last else len(req.prompt_token_ids),
                        last.num_cached_tokens if last else 0)
+        if req.params.prompt_logprobs is not None and reason not in ("abort", "error"):
+            metrics.scored_tokens.inc(len(req.prompt_token_ids))
 
 
 class _Choice:
     """What one choice has received and not sent yet (--stream-interval), and what a response needs."""
 
     __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset",
-                 "finish_reason")
+                 "finish_reason", "prompt", "echoed")
 
     def __init__(self) -> None:
         self.text: list[str] = []
@@ -85,25 +88,38 @@ class _Choice:
         self.first, self.ended = True, False
         self.text_offset = 0  # completions' text_offset of the next token
         self.finish_reason: str | None = None
+        self.prompt: list[TokenLogprob] | None = None  # prompt logprobs, from the choice's first output
+        self.echoed = False
 
-    def add(self, out: TextOutput, reasoning: str = "") -> None:
+    def add(self, out: TextOutput, reasoning: str = "", score_only: bool = False) -> None:
+        if out.prompt_logprobs is not None and self.prompt is None:
+            self.prompt = out.prompt_logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        if score_only:  # max_tokens 0: the one token the engine sampled is not part of the answer
+            return
         self.text.append(out.text)
         if reasoning:
             self.reasoning.append(reasoning)
         self.num_tokens += len(out.token_ids)
         if out.logprobs:
             self.logprobs += out.logprobs
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
 
     def take_reasoning(self) -> str:
         text, self.reasoning = "".join(self.reasoning), []
         return text
 
-    def take(self, chat: bool, want_logprobs: bool) -> tuple[str, dict[str, Any] | None]:
-        """-> the text and logprobs object gathered since the last take."""
+    def take(self, chat: bool, want_logprobs: bool, req: ParsedRequest | None = None,
+             ) -> tuple[str, dict[str, Any] | None]:
+        """-> the text and logprobs object gathered since the last take; with completions' echo the
+        prompt's text (and its tokens' logprobs) go first, in the first take."""
         text, entries = "".join(self.text), self.logprobs
         self.text, self.logprobs, self.num_tokens = [], [], 0
+        if req is not None and req.echo is not None and not self.echoed:
+            self.echoed = True
+            text = req.echo + text
+            k = req.params.logprobs or 0
+            entries = [dataclasses.replace(e, top=e.top[:k]) for e in self.prompt or []] + entries
         if not want_logprobs:
             return text, None
         if chat:
@@ -164,13 +180,13 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                 split = splits.get(out.index) or splits.setdefault(out.index, ChoiceSplit(req))
                 thought, text, calls = split.feed(out.text, out.finish_reason is not None)
                 out = dataclasses.replace(out, text=text)
-            c.add(out, thought)
+            c.add(out, thought, req.score_only)
             c.ended = out.finish_reason is not None
             if not (c.first or c.ended or c.num_tokens >= interval):
                 continue
             if not (any(c.text) or c.reasoning or c.logprobs or c.ended or c.first):
                 continue  # text held back (an unfinished character, a possible stop string)
-            text, lps = c.take(chat, want_lps)
+            text, lps = c.take(chat, want_lps, req)
             thought, reason = c.take_reasoning(), out.finish_reason
             if calls:  # the content, then each call's name and arguments, then the finish reason
                 head = {"content": text} if text or c.first else {}
@@ -189,7 +205,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             c.first = False
             yield response_object(rid, created, model, chat, True, [choice])
         if req.include_usage and last is not None:
-            yield response_object(rid, created, model, chat, True, [], text_usage(last))
+            yield response_object(rid, created, model, chat, True, [], text_usage(last, req.score_only))
     finally:
         await outputs.aclose()
 
@@ -201,7 +217,7 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
-            choices.setdefault(out.index, _Choice()).add(out)
+            choices.setdefault(out.index, _Choice()).add(out, score_only=req.score_only)
             last = out
     finally:
         await outputs.aclose()
@@ -209,7 +225,7 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
     body = []
     for index in sorted(choices):
         c = choices[index]
-        text, lps = c.take(chat, want_lps)
+        text, lps = c.take(chat, want_lps, req)
         thought = None
         if chat and req.reasoning is not None:
             thought, text = split_reasoning(text, req.reasoning.opened)
@@ -223,12 +239,18 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
         body.append(chat_choice(index, text, c.finish_reason, chunk=False, logprobs=lps,
                                 reasoning=thought) if chat
                     else completion_choice(index, text, c.finish_reason, lps))
-    return response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last))
+        if req.prompt_logprobs is not None and not chat:  # vLLM's: per choice on completions
+            body[-1]["prompt_logprobs"] = prompt_logprobs_view(c.prompt, req.prompt_logprobs)
+    resp = response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last, req.score_only))
+    if req.prompt_logprobs is not None and chat:  # vLLM's: one list for the response on chat
+        first = choices[min(choices)].prompt if choices else None
+        resp["prompt_logprobs"] = prompt_logprobs_view(first, req.prompt_logprobs)
+    return resp
 
 
-def text_usage(out: TextOutput) -> dict[str, Any]:
-    """Over all choices: the last output's count is the request's."""
-    return usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+def text_usage(out: TextOutput, score_only: bool = False) -> dict[str, Any]:
+    """Over all choices: the last output's count is the request's (none generated with max_tokens 0)."""
+    return usage(out.num_prompt_tokens, 0 if score_only else out.num_output_tokens, out.num_cached_tokens)
 
 
 def sse_event(obj: Any) -> bytes:

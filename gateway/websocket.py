@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 from aiohttp import WSMsgType, web
 
-from gateway.openai_schema import error_body, parse_chat, parse_completion
+from gateway.completions import parse_completion
+from gateway.openai_schema import error_body, parse_chat
 from gateway.state import CONFIG, SERVED, PayloadTooLarge
 from gateway.streaming import chunks
 from shared.errors import ConveyorError, InvalidRequest, Overloaded

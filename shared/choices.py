@@ -31,6 +31,7 @@ class TokenLogprob:
     token: str
     logprob: float | None  # None only when the engine sent no logprobs for a token that asked for them
     top: list[tuple[int, str, float]]  # (token id, token, logprob)
+    rank: int | None = None  # prompt tokens only: 1 = the most likely token at its position
 
 
 @dataclass(slots=True)
@@ -50,6 +51,9 @@ class TextOutput:
     num_cached_tokens: int = 0
     index: int = 0
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: the tokens whose text `text` releases
+    # params.prompt_logprobs set, on each choice's first output: one entry per prompt token (the first has
+    # logprob None and no alternatives: nothing precedes it).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class TokenStrings:
@@ -127,8 +131,9 @@ class Choices:
     """The choices of one request: engine rows in, TextOutputs out."""
 
     def __init__(self, request_id: str, num_prompt_tokens: int, params: SamplingParams, decoder: Decoder,
-                 strings: TokenStrings) -> None:
+                 strings: TokenStrings, prompt_token_ids: Sequence[int] = ()) -> None:
         self.request_id, self.num_prompt_tokens, self.params = request_id, num_prompt_tokens, params
+        self.prompt_token_ids = prompt_token_ids  # to name the tokens of prompt logprobs
         self._decoder, self._strings = decoder, strings
         self._choices: dict[int, Choice] = {}
         self.num_ended = 0
@@ -164,7 +169,20 @@ class Choices:
                                          c.finish_reason))
         if outs:
             outs[-1].finished = out.finished or self.done
+            if out.prompt_logprobs is not None:
+                outs[0].prompt_logprobs = self._prompt_entries(out.prompt_logprobs)
         return outs
+
+    def _prompt_entries(self, rows: list[Any]) -> list[TokenLogprob]:
+        """The wire's [None, [logprob, rank, [[id, logprob], ...]], ...] -> one TokenLogprob per prompt token."""
+        s, ids = self._strings, self.prompt_token_ids
+        out = []
+        for t, row in zip(ids, rows):
+            if row is None:
+                out.append(TokenLogprob(t, s(t), None, []))
+            else:
+                out.append(TokenLogprob(t, s(t), row[0], [(a, s(a), v) for a, v in row[2]], row[1]))
+        return out
 
     def _step(self, c: Choice, index: int, out: RequestOutput, ids: list[int], reason: str | None) -> TextOutput:
         self.num_output_tokens += len(ids)
@@ -186,6 +204,7 @@ def join_outputs(parts: list[TextOutput], last: TextOutput) -> TextOutput:
     """One choice's outputs as one; counts from the request's last output."""
     reason = next((p.finish_reason for p in reversed(parts) if p.finish_reason), last.finish_reason)
     lps = None if parts[0].logprobs is None else [e for p in parts for e in (p.logprobs or [])]
+    prompt = next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None)
     return TextOutput(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids], True,
                       reason, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens, parts[0].index,
-                      lps)
+                      lps, prompt)

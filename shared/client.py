@@ -400,7 +400,8 @@ class AsyncEngineClient:
         if self._token_strings is None:
             self._token_strings = TokenStrings(decoder)
         stream = await self.add(ids, params, request_id, priority)
-        choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings)
+        choices = Choices(stream.request_id, len(ids), params, decoder, self._token_strings, ids)
+
         def owner() -> AsyncEngineClient:  # another client, once a router moved the request to it
             return cast(AsyncEngineClient, stream.owner or self)
 

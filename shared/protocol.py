@@ -22,7 +22,9 @@ from shared.sampling import SamplingParams, check_priority
 # while it has requests in flight), and READY announces the engine's message size limit and heartbeat.
 # OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a version change: they
 # are optional, and an engine that predates them answers an ERROR, which costs a client nothing else.
-PROTOCOL_VERSION = 4
+# 5: SamplingParams.prompt_logprobs (every ADD carries it, so an older engine would refuse every request),
+# and OUTPUTS rows end with prompt_logprobs.
+PROTOCOL_VERSION = 5
 
 
 class MsgType(bytes, enum.Enum):
@@ -111,6 +113,9 @@ class RequestOutput:
     # Which of the request's sequences these tokens extend (n / best_of / beam search; 0 otherwise).
     # finish_reason ends that sequence; finished ends the request (its last sequence).
     index: int = 0
+    # On the request's first row, when it asked for prompt_logprobs: one entry per prompt token, the first
+    # None, then [logprob, rank (1 = most likely), [[token id, logprob], ...top k]] (engine/prompt_logprobs.py).
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -223,7 +228,7 @@ def encode(msg: Message) -> list[bytes]:
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
             [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-             o.events, o.logprobs, o.index]
+             o.events, o.logprobs, o.index, o.prompt_logprobs]
             for o in msg.outputs
         ]
     elif isinstance(msg, Observed):  # asdict would deep-copy the block map first

@@ -2,7 +2,8 @@
 be resumed exactly.
 
 A request the engine lost is sent again as prompt + the tokens already delivered, with max_tokens and
-min_tokens reduced by what was delivered, under the same request id. The engine then computes the very
+min_tokens reduced by what was delivered, under the same request id (and without prompt_logprobs
+once they were delivered: they ride on a request's first row). The engine then computes the very
 next token the lost engine would have: greedy takes the argmax of the same context, and seeded
 sampling draws from a generator seeded by (seed, choice index, absolute position) (engine/sampler.py
 `generator_of`), which the resubmission leaves unchanged. The caller's stream, its detokenizer and its
@@ -51,6 +52,7 @@ class InFlight:
     delivered: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # the first engine's prefix-cache hit, reported again in resumed rows
     resumed: int = 0  # how many times it was resubmitted
+    scored: bool = False  # its prompt logprobs were delivered (they ride on the first row)
 
     def note(self, out: P.RequestOutput) -> None:
         """A row about to reach the caller: remember its tokens; on a resumed run, report the counts of
@@ -58,6 +60,7 @@ class InFlight:
         if self.refusal is not None:
             return
         self.delivered += out.new_token_ids
+        self.scored = self.scored or out.prompt_logprobs is not None
         if self.resumed:
             out.num_prompt_tokens = len(self.add.prompt_token_ids)
             out.num_cached_tokens = self.num_cached_tokens
@@ -75,7 +78,10 @@ class InFlight:
             return P.RequestOutput(self.add.request_id, [], True, "length", len(self.add.prompt_token_ids),
                                    self.num_cached_tokens)
         self.resumed += 1
-        params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d))
+        # Prompt logprobs delivered are not asked for again (nor sent twice); undelivered ones come with the
+        # new engine's first row: then nothing was delivered and the prompt is the original one.
+        params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d),
+                                     prompt_logprobs=None if self.scored else p.prompt_logprobs)
         return P.Add(self.add.request_id, [*self.add.prompt_token_ids, *self.delivered], params, self.add.priority)
 
 

@@ -77,6 +77,10 @@ class SamplingParams:
     # Structured output (shared/constraints.py): the output must match it; the engine masks the sampler
     # with an xgrammar matcher. None: free text.
     constraint: Constraint | None = None
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob and rank plus the k most likely tokens at
+    # its position (vLLM's prompt_logprobs; the raw model's log_softmax). The engine then skips the prefix
+    # cache for this request (a cached prefix has no logits).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
@@ -139,6 +143,8 @@ class SamplingParams:
             _num(b, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, what="values must be numbers")
         if self.logprobs is not None:
             _int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int(self.prompt_logprobs, "prompt_logprobs", 0, MAX_LOGPROBS)
         _int(self.n, "n", 1, MAX_N)
         if self.best_of is not None:
             _int(self.best_of, "best_of", self.n, MAX_N, " (n)")

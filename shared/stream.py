@@ -71,4 +71,6 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
         old.events = new.events
     if new.logprobs is not None:
         old.logprobs = new.logprobs if old.logprobs is None else old.logprobs + new.logprobs
+    if new.prompt_logprobs is not None:  # the request's first row carries them, once
+        old.prompt_logprobs = new.prompt_logprobs
     return old

@@ -78,7 +78,7 @@ OPENAI = {
     "response_format": st.none(), "tools": st.none(), "top_logprobs": st.integers(0, 3),
 }
 BAD_OPENAI = {"max_tokens": BAD, **{k: BAD for k in OPENAI}, "unknown_field": WRONG, "model": st.just("gpt-4"),
-              "echo": st.just(True), "response_format": st.just({"type": "xml"}), "tools": st.just([1]),
+              "echo": st.just("yes"), "response_format": st.just({"type": "xml"}), "tools": st.just([1]),
               "tool_choice": st.just("auto"), "guided_regex": st.just("a(b")}
 
 

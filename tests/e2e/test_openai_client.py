@@ -105,7 +105,7 @@ def test_async_client_streams_concurrently(server: Server) -> None:
 
 
 @pytest.mark.parametrize("call, param, needle", [
-    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", echo=True), "echo", "not supported"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", max_tokens=0), "max_tokens", "echo=true"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", suffix="end"), "suffix", "not supported"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", logprobs=21), "logprobs", "[0, 20]"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, top_logprobs=2),
@@ -114,7 +114,7 @@ def test_async_client_streams_concurrently(server: Server) -> None:
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", max_tokens=-1), "max_tokens", "in [1, "),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, temperature=-1), "temperature", "in [0, "),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi " * 1100), "prompt", "maximum context length"),
-], ids=["echo", "suffix", "logprobs-range", "top_logprobs-alone", "unknown-model", "max-tokens",
+], ids=["max-tokens-0-without-echo", "suffix", "logprobs-range", "top_logprobs-alone", "unknown-model", "max-tokens",
         "temperature", "too-long"])
 def test_refusals_are_openai_bad_request_errors(client: openai.OpenAI, call: Callable[[openai.OpenAI], object],
                                                 param: str, needle: str) -> None:

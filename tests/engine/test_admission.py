@@ -48,3 +48,14 @@ def test_the_limits_themselves_are_accepted_and_run(core):
     while core.has_work():
         finished |= {o.request_id for o in core.step() if o.finished}
     assert finished == {"edge", "beams", "n8"} and core.block_manager.num_free_blocks == 32
+
+
+def test_prompt_logprobs_too_large_for_one_message_are_refused(core, monkeypatch):
+    """One request's prompt logprobs travel in one OUTPUTS message: their size is capped at the door."""
+    monkeypatch.setattr("engine.admission.MAX_PROMPT_LOGPROB_PAIRS", 3 * len(PROMPT))
+    with pytest.raises(InvalidRequest) as err:
+        core.add("r", PROMPT, SamplingParams(prompt_logprobs=3))
+    assert err.value.param == "prompt_logprobs" and not core.has_work()
+    core.add("ok", PROMPT, SamplingParams(prompt_logprobs=2, max_tokens=1))
+    while core.has_work():
+        core.step()

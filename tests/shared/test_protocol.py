@@ -31,6 +31,9 @@ MESSAGES: list[P.Message] = [
     P.ResetPrefixCache(),
     P.Outputs([P.RequestOutput("r3", [9], False, "stop", 4, 0, None, [[-0.5, [[9, -0.5], [4, -1.5]]]], 2)]),
     P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias={5: -1.0}, repetition_penalty=1.2)),
+    P.Add("r5", [1, 2], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)),
+    P.Outputs([P.RequestOutput("r5", [9], True, "length", 2, 0, None, None, 0,
+                               [None, [-2.5, 3, [[7, -0.25]]]])]),
     P.Observe(3.0),
     P.Observe(0.0),
     P.Observed([[1, 1.5, 8, 0, 1, 0.01, 0, 0, 0, 1]], None),
@@ -45,7 +48,7 @@ def test_old_readers_ignore_new_output_fields_and_new_readers_default_missing_on
     row = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
     out = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row])]).outputs[0]
     assert out.logprobs is None and out.index == 0
-    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, "a future field"]])]).outputs[0]
+    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, None, "a future field"]])]).outputs[0]
     assert longer == out
 
 

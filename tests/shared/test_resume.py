@@ -103,3 +103,20 @@ def test_requests_that_cannot_resume_exactly_fail_at_once(params: SamplingParams
                                     SamplingParams(temperature=0), SamplingParams(best_of=1, n=1)])
 def test_resumable_params(params: SamplingParams) -> None:
     assert resume_refusal(params) is None
+
+
+def test_prompt_logprobs_are_neither_sent_twice_nor_lost_on_resume() -> None:
+    """They ride on a request's first row: delivered, the resubmission does not ask for them again (its
+    prompt holds output tokens, which are no prompt to score); lost before any row, it asks again."""
+    from shared.resume import InFlight
+
+    add = P.Add("r1", PROMPT, SamplingParams(max_tokens=8, prompt_logprobs=2))
+    early = InFlight(add, resume_refusal(add.params))
+    again = early.resubmit()
+    assert isinstance(again, P.Add) and again.prompt_token_ids == PROMPT and again.params.prompt_logprobs == 2
+    late = InFlight(add, resume_refusal(add.params))
+    late.note(P.RequestOutput("r1", [1000], prompt_logprobs=[None, [-1.0, 1, []], [-2.0, 4, []]]))
+    late.note(P.RequestOutput("r1", [1001]))
+    again = late.resubmit()
+    assert isinstance(again, P.Add) and again.prompt_token_ids == [*PROMPT, 1000, 1001]
+    assert again.params.prompt_logprobs is None and again.params.max_tokens == 6

@@ -95,7 +95,7 @@ def test_a_dead_replicas_streams_resume_on_the_live_one(
             "--log-level",
             "warning",
         ],
-        log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "server.log",
+        log_path=tmp_path / "server.log",
     ) as server:
         addresses = [f"ipc:///tmp/conveyor-{server.pid}-{i}.sock" for i in range(2)]
         reference, _ = asyncio.run(asyncio.wait_for(run(server.url, None, []), 300))
@@ -184,7 +184,7 @@ def test_gateway_starts_with_a_replica_down_admits_it_later_and_loses_nothing_wh
                 "--log-level",
                 "warning",
             ],
-            log_path=Path(os.environ.get("RC_LOG_DIR", tmp_path)) / "gateway.log",
+            log_path=tmp_path / "gateway.log",
         ) as gw:
 
             async def serve_all() -> list[str]:

@@ -6,15 +6,17 @@ Only the scheduler writes `events` and `num_cached_tokens` after the request is 
 """
 from __future__ import annotations
 
+from shared.embedding import PoolingParams
 from shared.sampling import SamplingParams
 
 
 class Request:
     __slots__ = ("request_id", "params", "priority", "arrival_time", "prompt_token_ids", "stop_ids", "plain",
-                 "speculate", "events", "num_cached_tokens")
+                 "speculate", "events", "num_cached_tokens", "pooling")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False) -> None:
+                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False,
+                 pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -32,6 +34,7 @@ class Request:
         # plus preempted (a count); sent with the final output so clients compute latencies.
         self.events: dict[str, float] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.pooling = pooling  # an embedding request: prefilled, pooled, never sampled (engine/pooling.py)
 
     @property
     def num_prompt_tokens(self) -> int:

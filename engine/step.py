@@ -77,6 +77,7 @@ class StepOutput:
     accepted: list[tuple[int, ...]] | None = None
     logprobs: list[LogprobEntry | None] | None = None
     errors: dict[int, str] = field(default_factory=dict)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # plan index -> an embedding chunk's part
 
 
 @dataclass(slots=True)
@@ -92,3 +93,4 @@ class Delta:
     finished: bool = False
     logprobs: list[LogprobEntry] | None = None
     error: str | None = None
+    pooled: torch.Tensor | None = None  # an embedding request's pooled total (engine/pooling.py finish)

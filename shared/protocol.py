@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from shared.embedding import PoolingParams
 from shared.errors import ConveyorError, ProtocolError
 from shared.sampling import SamplingParams, check_priority
 
@@ -22,7 +23,9 @@ from shared.sampling import SamplingParams, check_priority
 # while it has requests in flight), and READY announces the engine's message size limit and heartbeat.
 # OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a version change: they
 # are optional, and an engine that predates them answers an ERROR, which costs a client nothing else.
-PROTOCOL_VERSION = 4
+# 5: embeddings: ADD may carry `pooling`, READY announces the engine's pooler, an output row its
+# `embedding` (an engine of 4 would have generated text for an embedding request).
+PROTOCOL_VERSION = 5
 
 
 class MsgType(bytes, enum.Enum):
@@ -65,6 +68,8 @@ class Ready:
     # Seconds between HEARTBEATs while this client has requests in flight; 0 = the engine sends none
     # (the client then does not watch for silence).
     heartbeat_interval: float = 0.0
+    # What the engine's pooler does (shared/embedding.py PoolingInfo.to_dict); None: it cannot pool.
+    pooling: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +78,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    pooling: PoolingParams | None = None  # an embedding request: pool the prompt, sample nothing
 
 
 @dataclass(slots=True)
@@ -111,6 +117,8 @@ class RequestOutput:
     # Which of the request's sequences these tokens extend (n / best_of / beam search; 0 otherwise).
     # finish_reason ends that sequence; finished ends the request (its last sequence).
     index: int = 0
+    # An embedding request's vector (shared/embedding.py), on its one (final) output.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -218,12 +226,13 @@ def encode(msg: Message) -> list[bytes]:
             "prompt_token_ids": msg.prompt_token_ids,
             "params": msg.params.to_dict(),
             "priority": msg.priority,
+            **({"pooling": msg.pooling.to_dict()} if msg.pooling is not None else {}),
         }
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
             [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-             o.events, o.logprobs, o.index]
+             o.events, o.logprobs, o.index, o.embedding]
             for o in msg.outputs
         ]
     elif isinstance(msg, Observed):  # asdict would deep-copy the block map first
@@ -261,6 +270,7 @@ def _decode_add(d: dict[str, Any]) -> Add:
         prompt_token_ids=ids,
         params=SamplingParams.from_dict(d["params"]),
         priority=check_priority(d.get("priority", 0)),
+        pooling=PoolingParams.from_dict(d["pooling"]) if d.get("pooling") is not None else None,
     )
 
 

@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from shared import protocol as P
+from shared.embedding import PoolingInfo, PoolingParams
 from shared.errors import ProtocolError
 from shared.sampling import SamplingParams
 
@@ -15,6 +16,7 @@ MESSAGES: list[P.Message] = [
     P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name="gateway-1"),
     P.Ready(P.PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 2048, [2]),
     P.Ready(P.PROTOCOL_VERSION, "m", 2048, [2], max_message_size=3 * 2**20, heartbeat_interval=1.0),
+    P.Ready(P.PROTOCOL_VERSION, "m", 2048, [2], pooling=PoolingInfo("mean", True, 64, True, (32, 64)).to_dict()),
     P.Heartbeat(),
     P.Add("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=("\n\n",), stop_token_ids=(7,), seed=3)),
     P.Add("r2", [0], SamplingParams(), priority=-2),
@@ -31,6 +33,8 @@ MESSAGES: list[P.Message] = [
     P.ResetPrefixCache(),
     P.Outputs([P.RequestOutput("r3", [9], False, "stop", 4, 0, None, [[-0.5, [[9, -0.5], [4, -1.5]]]], 2)]),
     P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias={5: -1.0}, repetition_penalty=1.2)),
+    P.Add("r5", [1, 2], SamplingParams(max_tokens=1), pooling=PoolingParams(32)),
+    P.Outputs([P.RequestOutput("r5", [], True, "stop", 2, 0, None, None, 0, [0.5, -0.25])]),
     P.Observe(3.0),
     P.Observe(0.0),
     P.Observed([[1, 1.5, 8, 0, 1, 0.01, 0, 0, 0, 1]], None),
@@ -45,7 +49,7 @@ def test_old_readers_ignore_new_output_fields_and_new_readers_default_missing_on
     row = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
     out = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row])]).outputs[0]
     assert out.logprobs is None and out.index == 0
-    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, "a future field"]])]).outputs[0]
+    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, None, "a future field"]])]).outputs[0]
     assert longer == out
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import embeddings as embeddings_api
 from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import parse_chat, parse_completion, parse_messages
 from gateway.router import Router
@@ -52,6 +53,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))
     return json_response(await complete(app, req, rid, chat))
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    return json_response(await embeddings_api.create(request.app, await read_json(request)))
 
 
 @routes.get("/v1/models")

@@ -142,3 +142,37 @@ def test_matryoshka_and_sentence_transformers_config(tiny_llama_dir: Path, tmp_p
     core = EngineCore(build_config(str(folder), dtype="float32", num_blocks=64, block_size=8))
     with pytest.raises(InvalidRequest, match="cannot compute embeddings: .*Dense module"):
         core.add("c", ids, SamplingParams(), pool=PoolingParams())
+
+
+def test_a_qwen3_embedding_style_checkpoint_equals_sentence_transformers(tmp_path: Path) -> None:
+    """Qwen3-Embedding's layout: a Qwen3Model (no LM head, tensor names without 'model.') with
+    sentence-transformers' last-token Pooling and Normalize modules. --pooling auto reads them, and the
+    vectors equal SentenceTransformer(folder).encode of the same texts."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import Qwen3Config, Qwen3Model
+
+    from tests.conftest import TINY
+    from tests.fakes import smollm2_tokenizer
+
+    torch.manual_seed(7)
+    Qwen3Model(Qwen3Config(**{**TINY, "vocab_size": 49152, "head_dim": 16})).eval().save_pretrained(tmp_path)
+    smollm2_tokenizer().save_pretrained(tmp_path)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 64, "pooling_mode_lasttoken": True, "include_prompt": True}))
+    (tmp_path / "2_Normalize").mkdir()
+    texts = ["What is the capital of China?", "Explain gravity", "x"]
+    st = SentenceTransformer(str(tmp_path), device="cpu")
+    want = st.encode(texts, convert_to_tensor=True, batch_size=1)
+    core = EngineCore(build_config(str(tmp_path), dtype="float32", num_blocks=64, block_size=8,
+                                   max_num_batched_tokens=16, long_prefill_threshold=16))
+    assert (core.pooling.mode, core.pooling.normalize) == ("last", True)
+    ids = {f"t{i}": st.tokenize([t])["input_ids"][0].tolist() for i, t in enumerate(texts)}
+    got = embed_all(core, ids)
+    for i in range(len(texts)):
+        assert cosine(got[f"t{i}"], want[i].float()) > 0.9999
+        assert torch.allclose(torch.tensor(got[f"t{i}"]), want[i].float(), atol=1e-4)

@@ -25,6 +25,15 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoin
                                 head_dim=16)
 
 
+@pytest.fixture(scope="module")
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:  # noqa: ANN001
+    """A sliding window on every layer: the engine releases the blocks every window has passed."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-mistral"), MistralConfig, MistralForCausalLM, seed=6,
+                                sliding_window=24)
+
+
 def hf_pooled(folder: Path, ids: list[int], mode: str) -> torch.Tensor:
     """transformers' last_hidden_state (after the final norm) pooled by mode, L2-normalised."""
     from transformers import AutoModel
@@ -63,15 +72,16 @@ def cosine(a: list[float], b: torch.Tensor) -> float:
 PROMPTS = {"short": [5, 17, 99, 3], "one": [42], "long": [(7 * i + 3) % 500 for i in range(150)]}
 
 
-@pytest.mark.parametrize("family,mode", [("qwen3", "last"), ("llama", "mean"), ("llama", "cls")])
-def test_embeddings_equal_transformers_pooled(family: str, mode: str, tiny_qwen3_dir: Path,
-                                              tiny_llama_dir: Path) -> None:
+@pytest.mark.parametrize("family,mode", [("qwen3", "last"), ("llama", "mean"), ("llama", "cls"),
+                                         ("mistral", "mean")])
+def test_embeddings_equal_transformers_pooled(family: str, mode: str, request: pytest.FixtureRequest) -> None:
     """A 150-token input under a 32-token budget is prefilled in 5+ chunks: mean pooling sums across them,
     last-token pooling takes the last chunk's last row. Decodes run in the same steps."""
-    folder = tiny_qwen3_dir if family == "qwen3" else tiny_llama_dir
+    folder = request.getfixturevalue(f"tiny_{family}_dir")
     core = EngineCore(build_config(str(folder), dtype="float32", num_blocks=64, block_size=8, pooling=mode,
                                    max_num_batched_tokens=32, long_prefill_threshold=32))
     free = core.block_manager.num_free_blocks
+    assert (core.block_manager.window is not None) == (family == "mistral")
     got = embed_all(core, PROMPTS, generate={"g1": [9, 8, 7], "g2": list(range(20, 60))})
     for rid, ids in PROMPTS.items():
         ref = hf_pooled(folder, ids, mode)

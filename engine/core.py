@@ -96,14 +96,16 @@ class EngineCore:
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)
         self.eos_token_ids = tuple(mc.eos_token_ids)
-        self.pooling = pooling.resolve(self.source.folder, mc.hidden_size, config.pooling, tp_runner is not None)
+        self.pooling = pooling.resolve(self.source.folder, mc.hidden_size, config.pooling,
+                                       tensor_parallel=tp_runner is not None)
         self.runner.pool_mode = self.pooling.mode
         # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
         self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
-        self.totals = {"prefill_tokens": 0, "decode_tokens": 0, "embedding_requests": 0, "embedding_tokens": 0}
+        self.totals = {"prefill_tokens": 0, "decode_tokens": 0,
+                       "embedding_requests": 0, "embedding_tokens": 0}
         self.last_step: dict[str, float] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
         self.tracer: Tracer | None = None  # engine/trace.py, while a trace records

@@ -34,7 +34,7 @@ class Request:
         # plus preempted (a count); sent with the final output so clients compute latencies.
         self.events: dict[str, float] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
-        self.pooling = pooling  # an embedding request: prefilled, pooled, never sampled (engine/pooling.py)
+        self.pooling = pooling  # an embedding: prefilled, pooled, never sampled (engine/pooling.py)
 
     @property
     def num_prompt_tokens(self) -> int:

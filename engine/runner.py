@@ -66,8 +66,9 @@ class ModelRunner:
         self.mark("forward")
         pooled: dict[int, torch.Tensor] = {}
         if pool.rows:
-            model = cast("LlamaForCausalLM", self.model)  # embeddings are refused under tensor parallelism
-            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device, pool.rows)
+            model = cast("LlamaForCausalLM", self.model)  # no embeddings under tensor parallelism
+            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device,
+                                                  pool.rows)
             pooled = pool.reduce(hidden)
         else:
             logits = self._forward(batch)  # [rows, V]

@@ -75,7 +75,7 @@ class Sequence:
         # Structured output: an xgrammar GrammarMatcher that has consumed exactly the output tokens
         # (engine/structured.py), set when the grammar is compiled; advanced by the scheduler alone.
         self.matcher: Any = None
-        # An embedding request's pooled rows so far (engine/pooling.py accumulate), written by the scheduler.
+        # An embedding's pooled rows so far (engine/pooling.py accumulate); the scheduler writes it.
         self.pooled: Any = None
 
     def fork(self, index: int) -> Sequence:

@@ -77,7 +77,8 @@ class StepOutput:
     accepted: list[tuple[int, ...]] | None = None
     logprobs: list[LogprobEntry | None] | None = None
     errors: dict[int, str] = field(default_factory=dict)
-    pooled: dict[int, torch.Tensor] = field(default_factory=dict)  # plan index -> an embedding chunk's part
+    # plan index -> an embedding chunk's part (engine/pooling.py)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -93,4 +94,4 @@ class Delta:
     finished: bool = False
     logprobs: list[LogprobEntry] | None = None
     error: str | None = None
-    pooled: torch.Tensor | None = None  # an embedding request's pooled total (engine/pooling.py finish)
+    pooled: torch.Tensor | None = None  # an embedding's pooled total (engine/pooling.py finish)

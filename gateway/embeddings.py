@@ -2,9 +2,9 @@
 
 Every input of a request is checked and tokenized before any is queued (a 400 names the field); the
 inputs then run as one prefill-only engine request each (engine/pooling.py), concurrently, and the
-response lists their vectors in input order. For admission and metrics the HTTP request is one request
-whose prompt is all of its inputs' tokens.
-"""
+response lists their vectors in input order. For admission and metrics the HTTP request is one
+request whose prompt is all of its inputs' tokens."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,7 +23,9 @@ from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded
 from shared.sampling import MAX_TOKEN_ID
 from shared.tokenizer import encode
 
-FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"})
+FIELDS = frozenset(
+    {"input", "model", "encoding_format", "dimensions", "user", "truncate_prompt_tokens"}
+)
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 ENCODINGS = ("float", "base64")
 
@@ -41,21 +43,31 @@ def parse(body: Any, served: Served) -> EmbeddingsRequest:
         raise InvalidRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - FIELDS)
     if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0]!r}: /v1/embeddings takes {', '.join(sorted(FIELDS))}",
-                             param=unknown[0])
+        raise InvalidRequest(
+            f"unknown field {unknown[0]!r}: /v1/embeddings takes {', '.join(sorted(FIELDS))}",
+            param=unknown[0],
+        )
     model = body.get("model")
     if model is not None and model != served.name:
-        raise InvalidRequest(f"The model `{model}` does not exist. This server serves `{served.name}`.",
-                             param="model", code="model_not_found")
+        raise InvalidRequest(
+            f"The model `{model}` does not exist. This server serves `{served.name}`.",
+            param="model",
+            code="model_not_found",
+        )
     fmt = body.get("encoding_format")
     fmt = "float" if fmt is None else fmt
     if fmt not in ENCODINGS:
-        raise InvalidRequest(f"encoding_format must be 'float' or 'base64', not {fmt!r}", param="encoding_format")
+        raise InvalidRequest(
+            f"encoding_format must be 'float' or 'base64', not {fmt!r}", param="encoding_format"
+        )
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise InvalidRequest("user must be a string", param="user")
     params = PoolingParams(body.get("dimensions"))
     truncate = body.get("truncate_prompt_tokens")
-    ids = [truncate_tokens(x, truncate, served.max_model_len) for x in _inputs(body.get("input"), served)]
+    ids = [
+        truncate_tokens(x, truncate, served.max_model_len)
+        for x in _inputs(body.get("input"), served)
+    ]
     return EmbeddingsRequest(ids, params, fmt)
 
 
@@ -66,10 +78,15 @@ def _inputs(value: Any, served: Served) -> list[list[int]]:
     elif _is_ids(value):
         value = [value]
     if not isinstance(value, list) or not value:
-        raise InvalidRequest("input must be a non-empty string, list of strings, list of token ids, or list of "
-                             "token id lists", param="input")
+        raise InvalidRequest(
+            "input must be a non-empty string, list of strings, list of token ids, or list of "
+            "token id lists",
+            param="input",
+        )
     if len(value) > MAX_INPUTS:
-        raise InvalidRequest(f"input has {len(value)} items; at most {MAX_INPUTS} per request", param="input")
+        raise InvalidRequest(
+            f"input has {len(value)} items; at most {MAX_INPUTS} per request", param="input"
+        )
     out = []
     for i, x in enumerate(value):
         if isinstance(x, str):
@@ -79,31 +96,48 @@ def _inputs(value: Any, served: Served) -> list[list[int]]:
         elif _is_ids(x):
             out.append(list(x))
         else:
-            raise InvalidRequest(f"input[{i}] must be a non-empty string or a non-empty list of token ids "
-                                 f"(integers in [0, {MAX_TOKEN_ID}])", param="input")
+            raise InvalidRequest(
+                f"input[{i}] must be a non-empty string or a non-empty list of token ids "
+                f"(integers in [0, {MAX_TOKEN_ID}])",
+                param="input",
+            )
     return out
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(
-        type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in x)
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in x)
+    )
 
 
 async def create(app: web.Application, body: Any) -> dict[str, Any]:
-    """The route's answer to a body: parse, admit once, run every input, answer in OpenAI's shape."""
+    """The route's answer to a body: parse, admit once, run every input, answer in OpenAI's shape.
+    """
     served, client = app[SERVED], app[CLIENT]
     req = parse(body, served)
     if not client.connected:
-        raise EngineDead(f"the engine at {client.address} is not connected; the gateway reconnects when it is "
-                         "back, retry later")
-    client.pooling.check(req.params)  # this server cannot pool, or not to these dimensions: before anything
+        raise EngineDead(
+            f"the engine at {client.address} is not connected; the gateway reconnects when it is "
+            "back, retry later"
+        )
+    client.pooling.check(
+        req.params
+    )  # this server cannot pool, or not to these dimensions: before anything
     rid = f"embd-{uuid.uuid4().hex}"
     outs = await _run(app, rid, req)
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
-            for i, o in enumerate(outs)]
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(o.embedding, req.encoding_format)}
+        for i, o in enumerate(outs)
+    ]
     tokens = sum(o.num_prompt_tokens for o in outs)
-    return {"object": "list", "data": data, "model": served.name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": served.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def _run(app: web.Application, rid: str, req: EmbeddingsRequest) -> list[EmbeddingOutput]:
@@ -117,8 +151,10 @@ async def _run(app: web.Application, rid: str, req: EmbeddingsRequest) -> list[E
         raise
     metrics.begin(rid)
     reason = "abort"  # stays so when the client goes away first
-    tasks = [asyncio.ensure_future(client.embed(ids, req.params.dimensions, request_id=f"{rid}-{i}"))
-             for i, ids in enumerate(req.inputs)]
+    tasks = [
+        asyncio.ensure_future(client.embed(ids, req.params.dimensions, request_id=f"{rid}-{i}"))
+        for i, ids in enumerate(req.inputs)
+    ]
     try:
         outs = list(await asyncio.gather(*tasks))
         reason = "stop"
@@ -136,7 +172,8 @@ async def _run(app: web.Application, rid: str, req: EmbeddingsRequest) -> list[E
 
 
 def _encoded(v: list[float], fmt: str) -> list[float] | str:
-    """base64: the float32 little-endian bytes, as OpenAI sends them (its SDK decodes them with numpy)."""
+    """base64: the float32 little-endian bytes, as OpenAI sends them (its SDK decodes them with
+    numpy)."""
     if fmt == "float":
         return v
     return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()

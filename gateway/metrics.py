@@ -201,8 +201,10 @@ class Metrics:
         self.queue = Histogram("conveyor_request_queue_time_seconds", "Arrival in the engine to first scheduled",
                                buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.embedding_inputs = Counter("conveyor_embedding_inputs", "Inputs embedded (/v1/embeddings)", registry=r)
-        self.embedding_tokens = Counter("conveyor_embedding_tokens", "Tokens of the inputs embedded", registry=r)
+        self.embedding_inputs = Counter("conveyor_embedding_inputs", "Inputs embedded (/v1/embeddings)",
+                                        registry=r)
+        self.embedding_tokens = Counter("conveyor_embedding_tokens", "Tokens of the inputs embedded",
+                                        registry=r)
         self.generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens", registry=r)
         self.cache_queries = Counter("conveyor_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                      registry=r)

@@ -170,11 +170,13 @@ class Router:
     def pooling(self) -> PoolingInfo:
         return self.replicas[0].client.pooling
 
-    async def embed(self, prompt: Prompt, dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
-                    request_id: str | None = None, priority: int = 0) -> EmbeddingOutput:
+    async def embed(self, prompt: Prompt, dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+                    priority: int = 0) -> EmbeddingOutput:
         """AsyncEngineClient.embed on the replica route() picks."""
         ids = await self.replicas[0].client.encode_prompt(prompt)
-        return await self.route(ids).client.embed(ids, dimensions, truncate_prompt_tokens, request_id, priority)
+        client = self.route(ids).client
+        return await client.embed(ids, dimensions, truncate_prompt_tokens, request_id, priority)
 
     # -- routing -------------------------------------------------------------------------------------------
     def route(self, token_ids: list[int]) -> Replica:

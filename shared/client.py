@@ -391,12 +391,14 @@ class AsyncEngineClient:
         info = self.ready.pooling if self.ready is not None else None
         return PoolingInfo.from_dict(info) if info else CANNOT_POOL
 
-    async def embed(self, prompt: Prompt, dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
-                    request_id: str | None = None, priority: int = 0) -> EmbeddingOutput:
+    async def embed(self, prompt: Prompt, dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+                    priority: int = 0) -> EmbeddingOutput:
         """One input's embedding (text or token ids), pooled as the engine does (`pooling`). dimensions:
         a Matryoshka model's shorter vector; truncate_prompt_tokens: keep the last k tokens (-1: the
         context) of an input longer than the context, which is otherwise refused."""
-        return await embed(self, prompt, PoolingParams(dimensions), truncate_prompt_tokens, request_id, priority)
+        params = PoolingParams(dimensions)
+        return await embed(self, prompt, params, truncate_prompt_tokens, request_id, priority)
 
     async def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
         """The whole completion of a one-choice request (n == 1; use generate_choices for more)."""

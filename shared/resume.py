@@ -76,8 +76,8 @@ class InFlight:
                                    self.num_cached_tokens)
         self.resumed += 1
         params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d))
-        return dataclasses.replace(self.add, prompt_token_ids=[*self.add.prompt_token_ids, *self.delivered],
-                                   params=params)
+        ids = [*self.add.prompt_token_ids, *self.delivered]
+        return dataclasses.replace(self.add, prompt_token_ids=ids, params=params)  # pooling kept
 
 
 class Resumer:

@@ -123,7 +123,7 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            # A base model has no head: it generates through its embedding, and is served for embeddings.
+            # A base model has no head: the embedding stands in (it is served for embeddings).
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)) or _headless(d),
             attention_bias=is_qwen2 or llama_bias,
             o_proj_bias=llama_bias,

@@ -117,9 +117,10 @@ def test_embeddings_equal_transformers_pooled(
     assert core.block_manager.num_free_blocks == free  # every block back, cached prefixes included
 
 
-def test_preempted_embedding_recomputes_to_the_same_vector(tiny_llama_dir: Path) -> None:
-    """A pool too small for everything at once: requests are preempted by recompute mid-prefill and
-    the mean still equals transformers' (a restarted sum, not one counted twice)."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_embedding_gives_the_same_vector(mode: str, tiny_llama_dir: Path) -> None:
+    """A pool too small for everything at once: requests are preempted mid-prefill and the mean still
+    equals transformers' (a recompute restarts the sum, a swap keeps it; never counted twice)."""
     core = EngineCore(
         build_config(
             str(tiny_llama_dir),
@@ -128,14 +129,18 @@ def test_preempted_embedding_recomputes_to_the_same_vector(tiny_llama_dir: Path)
             block_size=8,
             pooling="mean",
             max_num_batched_tokens=32,
-            long_prefill_threshold=32,
-            preemption_mode="recompute",
+            long_prefill_threshold=8,  # every prompt grows by 8 tokens a step, side by side
+            max_long_prefills=4,
+            preemption_mode=mode,
+            num_cpu_blocks=64,
         )
     )
-    inputs = {f"e{i}": [(11 * i + 5 * j) % 500 for j in range(90)] for i in range(3)}
+    # Each input nearly fills the pool alone (22 of 24 blocks): the first to grow preempts the others.
+    inputs = {f"e{i}": [(11 * i + 5 * j) % 500 for j in range(170)] for i in range(3)}
     got = embed_all(core, inputs, generate={"g": list(range(100, 160))})
     for rid, ids in inputs.items():
         assert cosine(got[rid], hf_pooled(tiny_llama_dir, ids, "mean")) > 0.9999
+    assert core.scheduler.num_preemptions[mode] > 0
     assert core.block_manager.num_free_blocks == 24
 
 

@@ -66,16 +66,9 @@ def main() -> None:
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
     )
-    inputs = [
-        ids
-        for ids, _ in workload(
-            args.num_inputs,
-            (args.min_tokens, args.max_tokens),
-            (1, 1),
-            core.model_config.vocab_size,
-            seed=1,
-        )
-    ]
+    lengths = (args.min_tokens, args.max_tokens)
+    vocab = core.model_config.vocab_size
+    inputs = [ids for ids, _ in workload(args.num_inputs, lengths, (1, 1), vocab, seed=1)]
     tokens = sum(map(len, inputs))
     run(core, inputs[:4], True, "warm-e")
     run(core, inputs[:4], False, "warm-g")
@@ -95,10 +88,7 @@ def main() -> None:
     for name, embed in (("embeddings", True), ("prefill + 1 token (base)", False)):
         t = best[embed]
         print(f"{name:28} {args.num_inputs / t:10.1f} {tokens / t:10.0f}")
-    print(
-        f"embeddings / plain prefill: {best[False] / best[True]:.2f}x; "
-        f"every block free after: {free}"
-    )
+    print(f"embeddings / plain prefill: {best[False] / best[True]:.2f}x; every block free: {free}")
 
 
 if __name__ == "__main__":

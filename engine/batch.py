@@ -2,9 +2,14 @@
 target model's step and the draft model's proposals."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.backend import AttentionBackend, BatchLayout
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 
 class Batch:
@@ -45,14 +50,22 @@ class Batch:
     def forward(self, model: torch.nn.Module, kv: torch.Tensor, backend: AttentionBackend,
                 device: torch.device) -> torch.Tensor:
         """-> logits [len(logits_rows), V] float32."""
+        rows = torch.tensor(self.logits_rows, dtype=torch.int64, device=device)
+        logits: torch.Tensor = model(*self._inputs(kv, backend, device), rows)
+        return logits.float()
+
+    def forward_hidden(self, model: LlamaForCausalLM, kv: torch.Tensor, backend: AttentionBackend,
+                       device: torch.device, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [len(logits_rows), V] float32, the last hidden states of `rows` [len(rows), E]
+        float32, after the final norm): one forward for sampled and pooled (embedding) rows."""
+        h = model.hidden_states(*self._inputs(kv, backend, device))  # [T, E]
+        logits = model.logits(model.final_norm(h[self.logits_rows]))  # [B, V]
+        return logits.float(), model.final_norm(h[rows]).float()
+
+    def _inputs(self, kv: torch.Tensor, backend: AttentionBackend, device: torch.device) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, object, AttentionBackend]:
         layout = BatchLayout(self.query_lens, self.context_lens, self.tables, self.block_size,
                              torch.tensor(self.slots, dtype=torch.int64, device=device))
-        logits: torch.Tensor = model(
-            torch.tensor(self.input_ids, dtype=torch.int64, device=device),
-            torch.tensor(self.positions, dtype=torch.int64, device=device),
-            kv,
-            backend.plan(layout),
-            backend,
-            torch.tensor(self.logits_rows, dtype=torch.int64, device=device),
-        )
-        return logits.float()
+        ids = torch.tensor(self.input_ids, dtype=torch.int64, device=device)
+        positions = torch.tensor(self.positions, dtype=torch.int64, device=device)
+        return ids, positions, kv, backend.plan(layout), backend

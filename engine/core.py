@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import prompt_logprobs
+from engine import pooling, prompt_logprobs
 from engine.admission import Limits
 from engine.block_manager import BlockManager, release_window
 from engine.kv_cache import KVCache
@@ -26,6 +26,7 @@ from engine.weights import load_model
 from kernels import get_backend
 from kernels.backend import backend_limit
 from shared.config import EngineConfig
+from shared.embedding import PoolingParams
 from shared.errors import InvalidRequest
 from shared.model_source import resolve_model
 from shared.protocol import Error, RequestOutput
@@ -93,12 +94,16 @@ class EngineCore:
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)
         self.eos_token_ids = tuple(mc.eos_token_ids)
+        self.pooling = pooling.resolve(self.source.folder, mc.hidden_size, config.pooling,
+                                       tensor_parallel=tp_runner is not None)
+        self.runner.pool_mode = self.pooling.mode
         # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
         self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
-        self.totals = {"prefill_tokens": 0, "decode_tokens": 0}
+        self.totals = {"prefill_tokens": 0, "decode_tokens": 0,
+                       "embedding_requests": 0, "embedding_tokens": 0}
         self.last_step: dict[str, float] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
         self.tracer: Tracer | None = None  # engine/trace.py, while a trace records
@@ -107,18 +112,25 @@ class EngineCore:
                  time.perf_counter() - t0, self.source.name, self.max_model_len, bm.num_blocks, block_size)
 
     # ------------------------------------------------------------------ requests
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+            pool: PoolingParams | None = None) -> None:
         """Raises InvalidRequest when the request can never run; nothing is queued then. FCFS is by
-        the engine's own clock at receipt: clients' clocks differ (and skew across machines)."""
+        the engine's own clock at receipt: clients' clocks differ (and skew across machines). pool: an
+        embedding request (engine/pooling.py), whose params are not used."""
         if request_id in self.sequences:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
-        self.limits.check(prompt_token_ids, params)
+        if pool is None:
+            self.limits.check(prompt_token_ids, params)
+        else:
+            pooling.check(self.pooling, self.limits, prompt_token_ids, pool)
+            params = SamplingParams(max_tokens=1)
+        speculate = pool is None and self.proposer is not None and can_speculate(params)
         req = Request(request_id, prompt_token_ids, params, priority, time.monotonic(), self.eos_token_ids,
-                      speculate=self.proposer is not None and can_speculate(params))
+                      speculate=speculate, pooling=pool)
         req.events["queued"] = time.time()
         root = Sequence(req)
         self.sequences[request_id] = root
-        if params.constraint is not None:
+        if params.constraint is not None and pool is None:
             self.grammars.add(root)  # the scheduler gets it once its grammar is compiled (step)
         else:
             self.scheduler.add(root)
@@ -210,9 +222,15 @@ class EngineCore:
             del self.sequences[req.request_id]
         if d.error is not None:
             return _failed(req.request_id, d.error)
+        embedding = None
+        if d.pooled is not None and req.pooling is not None:
+            embedding = pooling.finish(d.pooled, req.num_prompt_tokens, self.pooling, req.pooling)
+            self.totals["embedding_requests"] += 1
+            self.totals["embedding_tokens"] += req.num_prompt_tokens
         return RequestOutput(req.request_id, d.new_token_ids, d.finished, d.finish_reason, req.num_prompt_tokens,
                              req.num_cached_tokens, req.events if d.finished else None,
-                             _wire_logprobs(d.logprobs), d.index, prompt_logprobs.to_wire(d.prompt_logprobs))
+                             _wire_logprobs(d.logprobs), d.index, prompt_logprobs.to_wire(d.prompt_logprobs),
+                             embedding)
 
     def close(self) -> None:
         """Stops what the engine started besides itself (tensor-parallel workers)."""

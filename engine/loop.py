@@ -188,7 +188,7 @@ class EngineLoop:
                 return
             try:
                 # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
-                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
+                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.pooling)
             except ConveyorError as e:
                 self._send(client, Error(msg.request_id, str(e), e.status))
                 return
@@ -208,7 +208,8 @@ class EngineLoop:
                 self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
-                                     list(self.core.eos_token_ids), self.max_message_size, self.heartbeat_interval))
+                                     list(self.core.eos_token_ids), self.max_message_size, self.heartbeat_interval,
+                                     self.core.pooling.to_dict()))
         elif isinstance(msg, GetStats):
             self._send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):

@@ -7,15 +7,17 @@ Only the scheduler writes `events`, `num_cached_tokens` and `prompt_scores` afte
 from __future__ import annotations
 
 from engine.prompt_logprobs import PromptScores
+from shared.embedding import PoolingParams
 from shared.sampling import SamplingParams
 
 
 class Request:
     __slots__ = ("request_id", "params", "priority", "arrival_time", "prompt_token_ids", "stop_ids", "plain",
-                 "speculate", "events", "num_cached_tokens", "prompt_scores")
+                 "speculate", "events", "num_cached_tokens", "prompt_scores", "pooling")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False) -> None:
+                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False,
+                 pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -35,6 +37,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         # Prompt logprobs asked for (engine/prompt_logprobs.py): the scheduler appends them as chunks compute.
         self.prompt_scores = None if params.prompt_logprobs is None else PromptScores(params.prompt_logprobs)
+        self.pooling = pooling  # an embedding: prefilled, pooled, never sampled (engine/pooling.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,13 +3,14 @@ sequences with drafts, one verification call), and returns what it computed as a
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from engine import prompt_logprobs
 from engine.batch import Batch
 from engine.kv_cache import KVCache
+from engine.pooling import PoolRows
 from engine.sampler import Sampler
 from engine.sequence import LogprobEntry, Sequence
 from engine.spec.verify import verify
@@ -18,6 +19,7 @@ from engine.trace import no_mark
 from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
     from engine.spec import Proposer
 
 log = logging.getLogger("conveyor.runner")
@@ -34,6 +36,7 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.proposer = proposer
         self.mark = no_mark  # where a step's phases begin, for a trace (EngineCore.set_tracer)
+        self.pool_mode = "last"  # how embedding requests pool (EngineCore sets it: engine/pooling.py)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -44,8 +47,13 @@ class ModelRunner:
         drafts = self._propose(plan)
         batch = Batch(self.block_size)
         sampling: list[tuple[Sequence, Drafts | None]] = []
+        pool = PoolRows(self.pool_mode)
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
             start = seq.num_computed_tokens
+            if seq.request.pooling is not None:  # an embedding: rows pooled, nothing sampled
+                pool.add(i, len(batch.input_ids), start, start + n, seq.num_tokens)
+                batch.add(seq.token_ids[start:start + n], start, seq.block_table, 0)
+                continue
             d = drafts.get(i) if drafts else None
             if d is not None:
                 batch.add([seq.token_ids[-1], *d.token_ids], start, seq.block_table, n)
@@ -60,12 +68,19 @@ class ModelRunner:
         score_rows, scored = prompt_logprobs.plan_rows(plan)  # prompt logprobs: rows after the sampling ones
         batch.logits_rows += score_rows
         self.mark("forward")
-        logits = self._forward(batch)  # [rows, V]
+        pooled: dict[int, torch.Tensor] = {}
+        if pool.rows:
+            model = cast("LlamaForCausalLM", self.model)  # no embeddings under tensor parallelism
+            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device,
+                                                  pool.rows)
+            pooled = pool.reduce(hidden)
+        else:
+            logits = self._forward(batch)  # [rows, V]
         self.mark("sample")
         scores = prompt_logprobs.score(logits[num_sampling_rows:], plan, scored) if scored else None
         logits = logits[:num_sampling_rows]
         output = self._sample(logits, sampling, bool(drafts)) if sampling else StepOutput()
-        output.prompt_logprobs = scores
+        output.prompt_logprobs, output.pooled = scores, pooled
         return output
 
     def _sample(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]],

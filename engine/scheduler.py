@@ -37,13 +37,17 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from engine import groups, prompt_logprobs, structured
-from engine.block_manager import BlockManager
+from engine import groups, pooling, prompt_logprobs, structured
+from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus
 from engine.spec import Proposer
 from engine.step import Delta, Drafts, StepOutput, StepPlan
 from shared.config import SchedulerConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("conveyor.scheduler")
 
@@ -293,7 +297,8 @@ class Scheduler:
                     break
                 budget -= used
                 continue
-            hit = self.bm.lookup(seq)
+            # An embedding pools every row, so it never starts on a cached prefix (engine/pooling.py).
+            hit = self.bm.lookup(seq) if seq.request.pooling is None else PrefixHit()
             cached = hit.num_tokens(self.bm.block_size)
             remaining = _remaining(seq, cached)
             is_long = remaining > cfg.long_prefill_threshold
@@ -365,6 +370,9 @@ class Scheduler:
         prompt_logprobs.record(plan, output)
         j = 0
         for i, (seq, n) in enumerate(zip(plan.seqs, plan.num_new_tokens)):
+            if seq.request.pooling is not None:  # an embedding's chunk: pooled, never sampled
+                deltas += self._pooled(seq, n, output.pooled.get(i))
+                continue
             drafts = plan.drafts.get(i) if plan.drafts else None
             sampled = j if drafts is not None or seq.num_computed_tokens + n >= len(seq.token_ids) else None
             j += sampled is not None
@@ -434,6 +442,21 @@ class Scheduler:
         if seq.status.finished:
             self._finish(seq)
         return self._group_deltas(seq) if g is not None else [self._delta(seq)]
+
+    def _pooled(self, seq: Sequence, n: int, part: torch.Tensor | None) -> list[Delta]:
+        """An embedding computed n more tokens: add its part (a preempted recompute starts afresh); its
+        last chunk ends it at once, its blocks freed, with its pooled total."""
+        if seq.status.finished:
+            return []
+        seq.pooled = pooling.accumulate(seq.pooled if seq.num_computed_tokens else None, part)
+        seq.num_computed_tokens += n
+        if self.bm.window is not None:
+            self.bm.release_out_of_window(seq)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return []
+        seq.status = SequenceStatus.FINISHED_STOPPED
+        self._finish(seq)
+        return [Delta(seq.request, [], seq.index, "stop", True, pooled=seq.pooled)]
 
     def _update_spec(self, seq: Sequence, num_drafts: int, accepted: tuple[int, ...], token: int) -> None:
         """A verified step: the accepted drafts and the token after them join the sequence (up to a

@@ -51,7 +51,7 @@ _REASONS = {
 class Sequence:
     __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
                  "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
-                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher")
+                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher", "pooled")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -75,6 +75,8 @@ class Sequence:
         # Structured output: an xgrammar GrammarMatcher that has consumed exactly the output tokens
         # (engine/structured.py), set when the grammar is compiled; advanced by the scheduler alone.
         self.matcher: Any = None
+        # An embedding's pooled rows so far (engine/pooling.py accumulate); the scheduler writes it.
+        self.pooled: Any = None
 
     def fork(self, index: int) -> Sequence:
         """A new sequence of the same request with the same tokens and counters; the block manager

@@ -80,6 +80,8 @@ class StepOutput:
     logprobs: list[LogprobEntry | None] | None = None
     errors: dict[int, str] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[PromptEntry]] | None = None
+    # plan index -> an embedding chunk's part (engine/pooling.py)
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -97,3 +99,4 @@ class Delta:
     logprobs: list[LogprobEntry] | None = None
     error: str | None = None
     prompt_logprobs: list[PromptEntry] | None = None
+    pooled: torch.Tensor | None = None  # an embedding's pooled total (engine/pooling.py finish)

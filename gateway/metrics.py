@@ -201,6 +201,10 @@ class Metrics:
         self.queue = Histogram("conveyor_request_queue_time_seconds", "Arrival in the engine to first scheduled",
                                buckets=E2E_BUCKETS, registry=r)
         self.prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.embedding_inputs = Counter("conveyor_embedding_inputs", "Inputs embedded (/v1/embeddings)",
+                                        registry=r)
+        self.embedding_tokens = Counter("conveyor_embedding_tokens", "Tokens of the inputs embedded",
+                                        registry=r)
         self.generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens", registry=r)
         self.scored_tokens = Counter("conveyor_prompt_tokens_scored", "Prompt tokens whose logprobs were returned "
                                      "(echo with logprobs, prompt_logprobs)", registry=r)
@@ -283,6 +287,11 @@ class Metrics:
             self.latency_source.set(0)
             self.ttft.observe(rec.first - rec.start)
             self.e2e.observe(time.monotonic() - rec.start)
+
+    def embedded(self, num_inputs: int, num_tokens: int) -> None:
+        """An embeddings request's inputs all came back (the request itself is counted by finish)."""
+        self.embedding_inputs.inc(num_inputs)
+        self.embedding_tokens.inc(num_tokens)
 
     def reject(self, reason: str) -> None:
         self.rejected.labels(reason).inc()

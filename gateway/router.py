@@ -30,6 +30,7 @@ from typing import Any
 
 from shared.choices import TextOutput
 from shared.client import AsyncEngineClient
+from shared.embedding import EmbeddingOutput, PoolingInfo
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.protocol import Ready, RequestOutput
 from shared.sampling import SamplingParams
@@ -214,6 +215,18 @@ class Router:
         replica = self.route(ids)
         async for out in replica.client.stream_text(ids, params, request_id, priority):
             yield out
+
+    @property
+    def pooling(self) -> PoolingInfo:
+        return self.replicas[0].client.pooling
+
+    async def embed(self, prompt: Prompt, dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+                    priority: int = 0) -> EmbeddingOutput:
+        """AsyncEngineClient.embed on the replica route() picks."""
+        ids = await self.replicas[0].client.encode_prompt(prompt)
+        client = self.route(ids).client
+        return await client.embed(ids, dimensions, truncate_prompt_tokens, request_id, priority)
 
     # -- routing -------------------------------------------------------------------------------------------
     def route(self, token_ids: list[int]) -> Replica:

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import embeddings as embeddings_api
 from gateway.completions import chunks_batch, complete_batch, parse_completions
 from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import Served, parse_chat, parse_messages
@@ -61,6 +62,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))
     return json_response(await complete(app, req, rid, chat))
+
+
+@routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    return json_response(await embeddings_api.create(request.app, await read_json(request)))
 
 
 @routes.get("/v1/models")

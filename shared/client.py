@@ -29,6 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.detokenizer import Decoder, FastDecoder
+from shared.embedding import CANNOT_POOL, EmbeddingOutput, PoolingInfo, PoolingParams, embed
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.resume import InFlight, Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
@@ -274,16 +275,17 @@ class AsyncEngineClient:
 
     # -- token-level calls ---------------------------------------------------------------------------
     async def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                  priority: int = 0) -> RequestStream:
+                  priority: int = 0, pooling: PoolingParams | None = None) -> RequestStream:
         """Queue a request in the engine; iterate the returned stream for its deltas. An ERROR answer
-        from the engine is raised (InvalidRequest) from the iteration."""
+        from the engine is raised (InvalidRequest) from the iteration. pooling: an embedding request
+        (its one output carries the vector; see embed)."""
         check_priority(priority)  # a typed error here, not an ERROR answer later
         await self.wait_ready()
         rid = request_id or uuid.uuid4().hex
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
         stream = self._streams[rid] = RequestStream(rid)
-        add = P.Add(rid, list(prompt_token_ids), params, priority)
+        add = P.Add(rid, list(prompt_token_ids), params, priority, pooling)
         self._resumer.track(add)  # before the send: an engine lost meanwhile must find it to hold
         try:
             await self._send(add)
@@ -428,6 +430,21 @@ class AsyncEngineClient:
         async for out in self.stream_text(prompt, params, request_id):
             parts.setdefault(out.index, []).append(out)
         return [join_outputs(parts[i], out) for i in sorted(parts)]
+
+    @property
+    def pooling(self) -> PoolingInfo:
+        """What the engine's pooler does (READY); an engine that announced none cannot pool."""
+        info = self.ready.pooling if self.ready is not None else None
+        return PoolingInfo.from_dict(info) if info else CANNOT_POOL
+
+    async def embed(self, prompt: Prompt, dimensions: int | None = None,
+                    truncate_prompt_tokens: int | None = None, request_id: str | None = None,
+                    priority: int = 0) -> EmbeddingOutput:
+        """One input's embedding (text or token ids), pooled as the engine does (`pooling`). dimensions:
+        a Matryoshka model's shorter vector; truncate_prompt_tokens: keep the last k tokens (-1: the
+        context) of an input longer than the context, which is otherwise refused."""
+        params = PoolingParams(dimensions)
+        return await embed(self, prompt, params, truncate_prompt_tokens, request_id, priority)
 
     async def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
         """The whole completion of a one-choice request (n == 1; use generate_choices for more)."""

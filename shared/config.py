@@ -13,6 +13,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
+POOLING_MODES = ("auto", "last", "mean", "cls", "none")  # how embeddings pool (engine/pooling.py)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -150,6 +151,9 @@ class EngineConfig:
     ray_address: str | None = None  # None: join the Ray cluster this process is in, or start a local one
     # Seconds a collective may wait for a rank before the engine gives up on it (and exits).
     collective_timeout: float = 60.0
+    # How embedding requests pool the last hidden states (engine/pooling.py): auto = the checkpoint's
+    # sentence-transformers Pooling module, else the last token; none = refuse embeddings.
+    pooling: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
@@ -161,6 +165,7 @@ class EngineConfig:
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _require(self.pooling in POOLING_MODES, f"pooling must be one of {POOLING_MODES}")
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -10,6 +10,7 @@ from shared.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    POOLING_MODES,
     PREEMPTION_MODES,
     PREFILL_POLICIES,
     QUANTIZATIONS,
@@ -82,6 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")
+    a("--pooling", choices=POOLING_MODES, help="how /v1/embeddings pools the last hidden states: auto "
+      "(default) the checkpoint's sentence-transformers Pooling module, else the last token (as vLLM does "
+      "for decoders); last, mean or cls force one; none refuses embeddings (docs/api.md)")
     a("--trace-file", metavar="PATH", help="record every step's phases and every request's lifecycle, in Chrome "
       "trace-event JSON (open it in Perfetto), and write the latest 200k events there when the engine stops "
       "(docs/dashboard.md)")

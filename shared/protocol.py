@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from shared.embedding import PoolingParams
 from shared.errors import ConveyorError, ProtocolError
 from shared.sampling import SamplingParams, check_priority
 
@@ -23,7 +24,8 @@ from shared.sampling import SamplingParams, check_priority
 # OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a version change: they
 # are optional, and an engine that predates them answers an ERROR, which costs a client nothing else.
 # 5: SamplingParams.prompt_logprobs (every ADD carries it, so an older engine would refuse every request),
-# and OUTPUTS rows end with prompt_logprobs.
+# and OUTPUTS rows end with prompt_logprobs; embeddings: ADD may carry `pooling`, READY announces the
+# engine's pooler, an output row its `embedding` (an engine of 4 would have generated text for one).
 PROTOCOL_VERSION = 5
 
 
@@ -67,6 +69,8 @@ class Ready:
     # Seconds between HEARTBEATs while this client has requests in flight; 0 = the engine sends none
     # (the client then does not watch for silence).
     heartbeat_interval: float = 0.0
+    # What the engine's pooler does (shared/embedding.py PoolingInfo.to_dict); None: it cannot pool.
+    pooling: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +79,7 @@ class Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    pooling: PoolingParams | None = None  # an embedding request: pool the prompt, sample nothing
 
 
 @dataclass(slots=True)
@@ -116,6 +121,8 @@ class RequestOutput:
     # On the request's first row, when it asked for prompt_logprobs: one entry per prompt token, the first
     # None, then [logprob, rank (1 = most likely), [[token id, logprob], ...top k]] (engine/prompt_logprobs.py).
     prompt_logprobs: list[Any] | None = None
+    # An embedding request's vector (shared/embedding.py), on its one (final) output.
+    embedding: list[float] | None = None
 
 
 @dataclass(slots=True)
@@ -223,12 +230,13 @@ def encode(msg: Message) -> list[bytes]:
             "prompt_token_ids": msg.prompt_token_ids,
             "params": msg.params.to_dict(),
             "priority": msg.priority,
+            **({"pooling": msg.pooling.to_dict()} if msg.pooling is not None else {}),
         }
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
             [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-             o.events, o.logprobs, o.index, o.prompt_logprobs]
+             o.events, o.logprobs, o.index, o.prompt_logprobs, o.embedding]
             for o in msg.outputs
         ]
     elif isinstance(msg, Observed):  # asdict would deep-copy the block map first
@@ -266,6 +274,7 @@ def _decode_add(d: dict[str, Any]) -> Add:
         prompt_token_ids=ids,
         params=SamplingParams.from_dict(d["params"]),
         priority=check_priority(d.get("priority", 0)),
+        pooling=PoolingParams.from_dict(d["pooling"]) if d.get("pooling") is not None else None,
     )
 
 

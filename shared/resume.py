@@ -82,7 +82,8 @@ class InFlight:
         # new engine's first row: then nothing was delivered and the prompt is the original one.
         params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d),
                                      prompt_logprobs=None if self.scored else p.prompt_logprobs)
-        return P.Add(self.add.request_id, [*self.add.prompt_token_ids, *self.delivered], params, self.add.priority)
+        ids = [*self.add.prompt_token_ids, *self.delivered]
+        return dataclasses.replace(self.add, prompt_token_ids=ids, params=params)  # pooling kept
 
 
 class Resumer:

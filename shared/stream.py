@@ -69,6 +69,8 @@ def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput
     old.finished, old.finish_reason, old.num_cached_tokens = new.finished, new.finish_reason, new.num_cached_tokens
     if new.events is not None:
         old.events = new.events
+    if new.embedding is not None:
+        old.embedding = new.embedding
     if new.logprobs is not None:
         old.logprobs = new.logprobs if old.logprobs is None else old.logprobs + new.logprobs
     if new.prompt_logprobs is not None:  # the request's first row carries them, once

@@ -123,7 +123,8 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            # A base model has no head: the embedding stands in (it is served for embeddings).
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)) or _headless(d),
             attention_bias=is_qwen2 or llama_bias,
             o_proj_bias=llama_bias,
             eos_token_ids=eos,
@@ -153,11 +154,19 @@ _SUPPORTED = tuple(_MODEL_TYPES.values())
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures") or []
     if archs:
-        return str(archs[0])
+        arch = str(archs[0])
+        return arch.removesuffix("Model") + "ForCausalLM" if _headless(d) else arch
     if d.get("model_type") in _MODEL_TYPES:
         return _MODEL_TYPES[d["model_type"]]
     raise ValueError(f"config.json names no architecture (architectures={archs}, model_type={d.get('model_type')!r}); "
                      f"supported: {', '.join(sorted(_SUPPORTED))}")
+
+
+def _headless(d: dict[str, Any]) -> bool:
+    """A base model's checkpoint (Qwen3Model: Qwen3-Embedding): the decoder without an LM head."""
+    archs = d.get("architectures") or []
+    arch = str(archs[0]) if archs else ""
+    return arch.endswith("Model") and arch.removesuffix("Model") + "ForCausalLM" in _SUPPORTED
 
 
 def _windows(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -56,6 +56,8 @@ def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
     pending: dict[str, dict[int, torch.Tensor]] = {}
     gemma = cfg.architecture in _GEMMA
     for name, t in weights:
+        if not name.startswith(("model.", "lm_head.")):  # a base model's (Qwen3Model) has no prefix
+            name = f"model.{name}"
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         if gemma and name.endswith("norm.weight"):

@@ -166,14 +166,27 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         logits_rows: torch.Tensor,  # [B] int64 rows of h whose next token is sampled
     ) -> torch.Tensor:  # [B, vocab] float32
+        h = self.hidden_states(input_ids, positions, kv_cache, attn_meta, backend)
+        return self.logits(self.final_norm(h[logits_rows]))
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      attn_meta: object, backend: AttentionBackend) -> torch.Tensor:
+        """-> [T, E] the residual stream after the last layer, before the final norm (forward's args)."""
         m = self.model
         h = self.embed(input_ids)  # [T, E]
         rope = torch.view_as_complex(self.rope[positions]).unsqueeze(1)  # [T, 1, D/2] complex64
         local = rope if self.rope_local is None else torch.view_as_complex(self.rope_local[positions]).unsqueeze(1)
         for layer, kv in zip(m.layers, kv_cache):  # kv: [2, num_blocks, block_size, Hkv, D]
             h = layer(h, local if layer.local_rope else rope, kv[0], kv[1], attn_meta, backend)
-        h = rms(h[logits_rows], m.norm)  # [B, E]
-        head = m.embed_tokens if self.lm_head is None else self.lm_head
+        return h
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings read."""
+        return rms(h, self.model.norm)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[B, E] normed hidden states -> [B, V] float32 logits."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         plain = isinstance(head, (nn.Linear, nn.Embedding))
         logits = (F.linear(h, head.weight) if plain else head(h)).float()  # [B, V]
         cap = self.config.final_softcap

@@ -7,6 +7,7 @@ import orjson
 import pytest
 
 from shared import protocol as P
+from shared.embedding import PoolingInfo, PoolingParams
 from shared.errors import ProtocolError
 from shared.sampling import SamplingParams
 
@@ -15,6 +16,7 @@ MESSAGES: list[P.Message] = [
     P.Hello(protocol_version=P.PROTOCOL_VERSION, client_name="gateway-1"),
     P.Ready(P.PROTOCOL_VERSION, "SmolLM2-135M-Instruct", 2048, [2]),
     P.Ready(P.PROTOCOL_VERSION, "m", 2048, [2], max_message_size=3 * 2**20, heartbeat_interval=1.0),
+    P.Ready(P.PROTOCOL_VERSION, "m", 2048, [2], pooling=PoolingInfo("mean", True, 64, True, (32, 64)).to_dict()),
     P.Heartbeat(),
     P.Add("r1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.0, stop=("\n\n",), stop_token_ids=(7,), seed=3)),
     P.Add("r2", [0], SamplingParams(), priority=-2),
@@ -34,6 +36,8 @@ MESSAGES: list[P.Message] = [
     P.Add("r5", [1, 2], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)),
     P.Outputs([P.RequestOutput("r5", [9], True, "length", 2, 0, None, None, 0,
                                [None, [-2.5, 3, [[7, -0.25]]]])]),
+    P.Add("r6", [1, 2], SamplingParams(max_tokens=1), pooling=PoolingParams(32)),
+    P.Outputs([P.RequestOutput("r6", [], True, "stop", 2, 0, None, None, 0, None, [0.5, -0.25])]),
     P.Observe(3.0),
     P.Observe(0.0),
     P.Observed([[1, 1.5, 8, 0, 1, 0.01, 0, 0, 0, 1]], None),

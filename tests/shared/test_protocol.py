@@ -52,7 +52,8 @@ def test_old_readers_ignore_new_output_fields_and_new_readers_default_missing_on
     row = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
     out = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row])]).outputs[0]
     assert out.logprobs is None and out.index == 0
-    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + [None, 0, None, "a future field"]])]).outputs[0]
+    future = [None, 0, None, None, "a future field"]  # logprobs, index, prompt_logprobs, embedding, ...
+    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + future])]).outputs[0]
     assert longer == out
 
 

@@ -13,6 +13,12 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 (ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
+    python bench/quantized.py --gemm [--threads 2]
+
+--gemm measures what engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
+quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
+through torch's int kernels and through the packed bfloat16 copies, by row count; each pair of passes is
+taken when the machine is quiet (other processes under --quiet of the CPUs), the best of --reps.
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
 bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
@@ -126,6 +132,58 @@ def child(args: argparse.Namespace, dtype: str, quantization: str, reference: li
     return result
 
 
+def busy_share(seconds: float = 0.2) -> float:
+    """The share of the machine's CPU time used over seconds (by anyone: call it while idle)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(n) for n in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    (t0, i0), _ = sample(), time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(limit: float = 0.1, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if busy_share() < limit:
+            return True
+    return False
+
+
+def gemm(args: argparse.Namespace) -> None:
+    """The int kernels against the packed copies, by rows (see the module doc)."""
+    import torch
+
+    from engine import kernel_choice
+    from engine.dtype import cpu_kind
+    from engine.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4")
+    modules = kernel_choice.switched_modules(model)
+    for m in modules:  # copies for every matrix, whatever the table says, so both sides can be timed
+        m.packed = m.packed or kernel_choice.PackedLinear(m.dequantized(), None)
+    print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
+          f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}), 'x' = int / packed")
+    for kind in ("int4", "int8"):
+        group = [m for m in modules if kernel_choice.kind_of(m) == kind]
+        best: dict[int, list[float]] = {}
+        for _ in range(args.reps):
+            for r in args.rows:
+                quiet = args.quiet >= 1 or wait_quiet(args.quiet)
+                _, q, p = kernel_choice.chain_times(group, [r], reps=1)[0]
+                if quiet:
+                    old = best.setdefault(r, [q, p])
+                    best[r] = [min(old[0], q), min(old[1], p)]
+        for r, (q, p) in sorted(best.items()):
+            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}  x {q / p:5.2f}")
+        faster = [r for r, (q, p) in best.items() if p < q]
+        print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -139,8 +197,18 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
+    p.add_argument("--gemm", action="store_true", help="int kernels against packed copies by rows (see above)")
+    p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--quiet", type=float, default=0.1,
+                   help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
     args = p.parse_args()
     pin_threads(args.threads)
+    if args.gemm:
+        print(machine())
+        print(cpu_features())
+        gemm(args)
+        return
     if args.one or args.load_only:
         print(json.dumps(one(args) if args.one else load_only(args)))
         return

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from engine.dtype import resolve_dtype
 from engine.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
+from engine.kernel_choice import attach_packed_copies
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
@@ -102,8 +103,11 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
         groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
-    if mode == "none" and prepack and usable(model, device):
-        prepack_model(model, LAYER_PROJECTIONS)
+    if prepack and usable(model, device):
+        if mode == "none":
+            prepack_model(model, LAYER_PROJECTIONS)
+        else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
+            attach_packed_copies(model, dtype)
     _release_freed_memory()
     return model, cfg
 

@@ -162,10 +162,10 @@ def gemm(args: argparse.Namespace) -> None:
     from shared.model_source import resolve_model
 
     torch.set_num_threads(args.threads)
-    model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4")
+    model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
     modules = kernel_choice.switched_modules(model)
-    for m in modules:  # copies for every matrix, whatever the table says, so both sides can be timed
-        m.packed = m.packed or kernel_choice.PackedLinear(m.dequantized(), None)
+    for m in modules:  # a copy for every matrix (no table, no calibration), so both sides can be timed
+        m.packed = kernel_choice.PackedLinear(m.dequantized(), None)
     print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
           f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}), 'x' = int / packed")
     for kind in ("int4", "int8"):

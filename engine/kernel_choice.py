@@ -6,8 +6,8 @@ row count, where oneDNN's packed bfloat16 kernel reaches 650 at 32 rows and 900-
 16-bit activations each quantized projection (and a tied LM head) also gets a packed copy of its
 dequantized matrix, and calls of packed_from rows or more take it (engine/quant.py, QuantizedLinear).
 
-packed_from comes from measurement: engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds that
-were measured (`python bench/quantized.py --gemm`), else a calibration at load on the model's own
+packed_from comes from measurement: engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds and
+thread counts measured (`python bench/quantized.py --gemm`), else a calibration at load on the model's own
 matrices, timed as a forward meets them (every layer in turn, so cold in cache). A copy costs 2 bytes a
 weight: it is made only while all copies together stay within PLAIN_MAX_BYTES, so a large model keeps
 its quantized size (and torch's int kernels at every row count).
@@ -57,7 +57,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
         return {}
     for m in modules:
         m.packed, m.packed_from = PackedLinear(m.dequantized(), None), NEVER
-    table = quantized_packed_from(kind or cpu_kind())
+    kind = kind or cpu_kind()
+    table = quantized_packed_from(kind, torch.get_num_threads())
     measured = table is None
     if table is None:
         table = {k: calibrate([m for m in modules if kind_of(m) == k]) for k in {kind_of(m) for m in modules}}
@@ -68,7 +69,7 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     chosen = {k: v for k, v in table.items() if v < NEVER}
     log.info("quantized GEMMs hand over to packed %s copies (%.0f MiB) from %s rows (%s)",
              str(dtype).removeprefix("torch."), size / 2**20, chosen,
-             "measured at load" if measured else f"measured table for {kind or cpu_kind()}")
+             "measured at load" if measured else f"table for {kind} at {torch.get_num_threads()} threads")
     return chosen
 
 

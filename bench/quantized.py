@@ -93,6 +93,10 @@ def one(args: argparse.Namespace) -> dict:
     from shared.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
+    if args.int_only:  # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
+        import engine.weights
+
+        engine.weights.attach_packed_copies = lambda *_: {}  # type: ignore[assignment]
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
               kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
@@ -114,15 +118,18 @@ def one(args: argparse.Namespace) -> dict:
         if streams not in args.streams:
             continue
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        t0 = time.perf_counter()
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        t0 = clock()
         llm.generate(filler[:streams], params, use_tqdm=False)
-        result[f"tok_s_{streams}"] = streams * new / (time.perf_counter() - t0)
+        result[f"tok_s_{streams}"] = streams * new / (clock() - t0)
     return result
 
 
-def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None) -> dict:
+def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None,
+          int_only: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model, "--dtype", dtype,
            "--quantization", quantization, "--streams", ",".join(map(str, args.streams))]
+    cmd += ["--cpu-time"] * args.cpu_time + ["--int-only"] * int_only
     if reference is not None:
         cmd += ["--reference", json.dumps(reference)]
     result = {}
@@ -167,14 +174,16 @@ def gemm(args: argparse.Namespace) -> None:
     for m in modules:  # a copy for every matrix (no table, no calibration), so both sides can be timed
         m.packed = kernel_choice.PackedLinear(m.dequantized(), None)
     print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
-          f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}), 'x' = int / packed")
+          f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}"
+          f"{', CPU time' if args.cpu_time else ', wall clock'}), 'x' = int / packed")
     for kind in ("int4", "int8"):
         group = [m for m in modules if kernel_choice.kind_of(m) == kind]
         best: dict[int, list[float]] = {}
         for _ in range(args.reps):
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
-                _, q, p = kernel_choice.chain_times(group, [r], reps=1)[0]
+                _, q, p = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
+                                                    time.perf_counter)[0]
                 if quiet:
                     old = best.setdefault(r, [q, p])
                     best[r] = [min(old[0], q), min(old[1], p)]
@@ -200,6 +209,12 @@ def main() -> None:
     p.add_argument("--gemm", action="store_true", help="int kernels against packed copies by rows (see above)")
     p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--configs", type=lambda v: v.split(","),
+                   help="only these rows (float32, the accuracy reference, always runs): bfloat16,int8,int4,"
+                        "int4-int-only,default")
+    p.add_argument("--int-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this process's CPU seconds, not the wall clock (a shared machine; use --threads 1)")
     p.add_argument("--quiet", type=float, default=0.1,
                    help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
     args = p.parse_args()
@@ -214,18 +229,22 @@ def main() -> None:
         return
     print(machine())
     print(cpu_features())
+    # default: what `conveyor serve` runs (--dtype auto --quantization auto); int4 int-only: torch's int4
+    # kernel at every row count (the default before packed copies, engine/kernel_choice.py).
     configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"),
-               ("int4", "bfloat16", "int4")]
+               ("int4", "bfloat16", "int4"), ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto")]
+    configs = [c for c in configs if c[0] == "float32" or args.configs is None or c[0] in args.configs]
     if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
         configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
     results: dict[str, dict] = {}
     for name, dtype, quant in configs:
         ref = results["float32"]["greedy"] if results else None
-        results[name] = child(args, dtype, quant, ref)
+        results[name] = child(args, dtype, quant, ref, name.endswith("int-only"))
         figures = {k: v for k, v in results[name].items() if k not in ("greedy", "logprobs")}
         print(f"  measured {name}: {json.dumps(figures)}", file=sys.stderr)
     base = results["float32"]
-    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / wall time of generate (prefill "
+    clock = "this process's CPU time" if args.cpu_time else "wall time"
+    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / {clock} of generate (prefill "
           f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
           "against float32")
 

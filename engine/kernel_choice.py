@@ -83,28 +83,29 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
     return NEVER
 
 
-def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int],
-                reps: int = 3) -> list[tuple[int, float, float]]:
+def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> list[tuple[int, float, float]]:
     """-> (rows, seconds through the int kernels, seconds through the packed copies), the best of reps,
     for one call of each module in turn (each module's weights leave the cache before it comes round
-    again, as in a forward)."""
+    again, as in a forward). clock: a bench on a shared machine passes time.thread_time (one thread)."""
     out = []
     with torch.inference_mode():
         for r in rows:
             xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
-            quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps)
-            packed = _best([(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None], reps)
+            quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps, clock)
+            packed = _best([(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None], reps, clock)
             out.append((r, quantized, packed))
     return out
 
 
-def _best(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int) -> float:
+def _best(calls: list[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int,
+          clock: Callable[[], float]) -> float:
     """The least seconds of reps passes over calls (f, x) -> f(x), after one that warms the shapes."""
     best = float("inf")
     for i in range(reps + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         for f, x in calls:
             f(x)
         if i:
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, clock() - t0)
     return best

@@ -172,9 +172,11 @@ def _release_freed_memory() -> None:
 
 def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.device) -> str:
     """--quantization -> what the projections hold. auto takes the file's (in_file, from read_gguf) where
-    PyTorch's kernels are fast: on the CPU, with 16-bit activations. With float32 activations they take a
-    scalar path several times slower than a float32 GEMM (docs/performance.md), so auto then dequantizes;
-    int8 / int4 named explicitly are honoured there too."""
+    PyTorch's kernels are fast: on the CPU, with 16-bit activations, where they take the calls of few rows
+    and packed bfloat16 copies the rest, from row counts measured on this CPU kind (engine/kernel_choice.py),
+    so the quantized default is not slower than the dequantized model at any batch. With float32
+    activations the int kernels take a scalar path several times slower than a float32 GEMM
+    (docs/performance.md), so auto then dequantizes; int8 / int4 named explicitly are honoured there too."""
     if asked != "auto":
         if asked != "none" and device.type != "cpu":
             raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu or "

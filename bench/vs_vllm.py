@@ -151,7 +151,8 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path,
     # auto: the default configuration, flags left out (the default model's GGUF, dtype and quantization auto).
     model = ["--model", str(default_gguf())] if dtype == "auto" else ["--model", str(MODEL_DIR), "--dtype", dtype]
     return [sys.executable, "-m", "gateway", "serve", *model, "--served-model-name", NAME, *LIMITS,
-            "--kv-cache-memory", "2GiB", "--host", "127.0.0.1", "--port", str(port)], env
+            "--kv-cache-memory", "2GiB", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "info"], env  # info: the engine's load line says what it ran (ran_as)
 
 
 def ran_as(kind: str, dtype: str, log_path: Path) -> str:

@@ -72,7 +72,8 @@ class QuantizedLinear(nn.Module):
         return self.packed is not None and rows >= self.packed_from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.packed(x) if self.packed is not None and self.uses_packed(x.shape[0]) else self.quantized_mm(x)
+        packed = self.packed is not None and self.uses_packed(x.shape[0])
+        y = self.packed.forward(x) if packed and self.packed is not None else self.quantized_mm(x)
         return y if self.bias is None else y + self.bias
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
     python bench/quantized.py --gemm [--threads 2]
+    python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
 --gemm measures what engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
 quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
@@ -193,6 +194,40 @@ def gemm(args: argparse.Namespace) -> None:
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
 
 
+def ab(args: argparse.Namespace) -> None:
+    """The default configuration against --dtype bfloat16 --quantization none in one process, runs
+    alternating (ABBA), so that a shared machine's drift falls on both alike."""
+    import torch
+
+    from engine.offline import LLM
+    from shared.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llms = {name: LLM(args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
+                      kv_cache_memory="512MiB", num_cpu_blocks=0, max_num_seqs=32)
+            for name, dtype, quant in (("default", "auto", "auto"), ("bfloat16/none", "bfloat16", "none"))}
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(32)] for i in range(32)]
+    for llm in llms.values():
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    print(f"{args.model}, {args.threads} threads, tok/s by {'CPU time' if args.cpu_time else 'wall clock'} of "
+          f"generate (32-token prompts, prefill included), {args.reps} runs each alternating: median (best)")
+    for streams, new in ((1, 64), (32, 24)):
+        if streams not in args.streams:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        got: dict[str, list[float]] = {name: [] for name in llms}
+        for rep in range(args.reps):
+            for name in list(llms) if rep % 2 == 0 else list(llms)[::-1]:
+                t0 = clock()
+                llms[name].generate([p[:] for p in prompts[:streams]], params, use_tqdm=False)
+                got[name].append(streams * new / (clock() - t0))
+        row = {name: (sorted(v)[len(v) // 2], max(v)) for name, v in got.items()}
+        (d, db), (b, bb) = row["default"], row["bfloat16/none"]
+        print(f"{streams:>2} streams: default ({llms['default'].core.model_config.quantization}) {d:.1f} ({db:.1f}) "
+              f"tok/s, bfloat16/none {b:.1f} ({bb:.1f}), default / bfloat16 {d / b:.3f}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -213,16 +248,18 @@ def main() -> None:
                    help="only these rows (float32, the accuracy reference, always runs): bfloat16,int8,int4,"
                         "int4-int-only,default")
     p.add_argument("--int-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ab", action="store_true",
+                   help="the default configuration against bfloat16/none, alternating in one process")
     p.add_argument("--cpu-time", action="store_true",
                    help="time by this process's CPU seconds, not the wall clock (a shared machine; use --threads 1)")
     p.add_argument("--quiet", type=float, default=0.1,
                    help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
     args = p.parse_args()
     pin_threads(args.threads)
-    if args.gemm:
+    if args.gemm or args.ab:
         print(machine())
         print(cpu_features())
-        gemm(args)
+        (gemm if args.gemm else ab)(args)
         return
     if args.one or args.load_only:
         print(json.dumps(one(args) if args.one else load_only(args)))

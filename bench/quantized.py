@@ -97,7 +97,7 @@ def one(args: argparse.Namespace) -> dict:
     if args.int_only:  # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
         import engine.weights
 
-        engine.weights.attach_packed_copies = lambda *_: {}  # type: ignore[assignment]
+        engine.weights.attach_packed_copies = lambda *_: {}
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
               kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
@@ -147,7 +147,8 @@ def busy_share(seconds: float = 0.2) -> float:
             v = [int(n) for n in f.readline().split()[1:]]
         return sum(v), v[3] + v[4]  # total, idle + iowait
 
-    (t0, i0), _ = sample(), time.sleep(seconds)
+    t0, i0 = sample()
+    time.sleep(seconds)
     t1, i1 = sample()
     return 1 - (i1 - i0) / max(1, t1 - t0)
 
@@ -228,7 +229,7 @@ def ab(args: argparse.Namespace) -> None:
               f"tok/s, bfloat16/none {b:.1f} ({bb:.1f}), default / bfloat16 {d / b:.3f}", flush=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -254,7 +255,11 @@ def main() -> None:
                    help="time by this process's CPU seconds, not the wall clock (a shared machine; use --threads 1)")
     p.add_argument("--quiet", type=float, default=0.1,
                    help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     pin_threads(args.threads)
     if args.gemm or args.ab:
         print(machine())

@@ -176,6 +176,23 @@ def step_flops(contexts: list[int], layers: int = 30, hidden: int = 576, inter: 
     return sum(per_token + 4 * layers * hidden * ctx for ctx in contexts)
 
 
+def print_split(timed: dict[str, float], prof: dict[str, float], scale: float) -> None:
+    """The step's table: each profiled row of the forward (scaled to the unprofiled forward), then the
+    timed parts around it."""
+    print("| part of the step | ms | share of the step |")
+    print("|---|---:|---:|")
+    for row in ROWS:
+        ms = prof.get(row, 0.0) * scale
+        print(f"| forward: {row} | {ms:.2f} | {ms / timed['step']:.1%} |")
+    print(f"| **model forward** | **{timed['forward']:.2f}** | **{timed['forward'] / timed['step']:.1%}** |")
+    print(f"| sampling | {timed['sampling']:.2f} | {timed['sampling'] / timed['step']:.1%} |")
+    print(f"| Python outside the model (schedule, inputs, outputs) | {timed['outside']:.2f} | "
+          f"{timed['outside'] / timed['step']:.1%} |")
+    print(f"| of which: attention planning (masks, block tables) | {timed['plan']:.2f} | "
+          f"{timed['plan'] / timed['step']:.1%} |")
+    print(f"| **step** | **{timed['step']:.2f}** | 100% |")
+
+
 def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_seqs: int) -> dict[str, Any]:
     """Profiles one configuration at one batch. -> its summary figures (the closing table's row)."""
     import torch
@@ -214,19 +231,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
     prof_total = sum(prof.values())
     print(f"step {timed['step']:.1f} ms = {num_seqs / timed['step'] * 1e3:.0f} output tok/s "
           f"(mean context {sum(contexts) / len(contexts):.0f})\n")
-    print("| part of the step | ms | share of the step |")
-    print("|---|---:|---:|")
     scale = timed["forward"] / prof_total  # the profiler's own cost, spread evenly over the forward's rows
-    for row in ROWS:
-        ms = prof.get(row, 0.0) * scale
-        print(f"| forward: {row} | {ms:.2f} | {ms / timed['step']:.1%} |")
-    print(f"| **model forward** | **{timed['forward']:.2f}** | **{timed['forward'] / timed['step']:.1%}** |")
-    print(f"| sampling | {timed['sampling']:.2f} | {timed['sampling'] / timed['step']:.1%} |")
-    print(f"| Python outside the model (schedule, inputs, outputs) | {timed['outside']:.2f} | "
-          f"{timed['outside'] / timed['step']:.1%} |")
-    print(f"| of which: attention planning (masks, block tables) | {timed['plan']:.2f} | "
-          f"{timed['plan'] / timed['step']:.1%} |")
-    print(f"| **step** | **{timed['step']:.2f}** | 100% |")
+    print_split(timed, prof, scale)
     print(f"\narithmetic ceiling: {flops / 1e9:.2f} GFLOP a step at the measured {peak:.0f} GFLOP/s {dtype} GEMM "
           f"(256x576x1536) = {ceiling:.2f} ms ({timed['step'] / ceiling:.1f}x below the step); the same GEMM at "
           f"{num_seqs} rows runs at {at_rows:.0f} GFLOP/s = {flops / (at_rows * 1e9) * 1e3:.2f} ms")

@@ -12,7 +12,8 @@ when it moves its own line. The offline EngineCore (no sockets, no gateway) hold
 Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
 
-    python bench/step_profile.py [--configs auto:auto,bfloat16:none] [--num-seqs 1,32] [--context 64,700]
+    python bench/step_profile.py [--configs auto:auto,bfloat16:none | --dtype D --quantization Q]
+                                 [--num-seqs 1,32] [--context 64,700]
                                  [--steps 10] [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
 
 --configs: dtype:quantization pairs, profiled one after the other in this run; the default, auto:auto, is
@@ -254,6 +255,10 @@ def main() -> None:
                     default=[("auto", "auto")],
                     help="dtype:quantization pairs (auto|float32|bfloat16 : auto|none|int8|int4); "
                          "default auto:auto, the server's default")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "both"],
+                    help="shorthand for --configs DTYPE:QUANTIZATION (both: float32 and bfloat16)")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="with --dtype: the quantization (default auto, as the server)")
     ap.add_argument("--num-seqs", type=lambda v: [int(n) for n in v.split(",")], default=[32],
                     help="decoding sequences in a step: one number or a list (1,32)")
     ap.add_argument("--context", type=lambda s: tuple(int(x) for x in s.split(",")), default=(64, 700),
@@ -273,6 +278,9 @@ def main() -> None:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     print(f"command: python bench/step_profile.py {' '.join(sys.argv[1:])}")
+    if args.dtype is not None:
+        dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+        args.configs = [(d, args.quantization) for d in dtypes]
     rows = [profile_config(args, dtype, quant, n) for n in args.num_seqs for dtype, quant in args.configs]
     print("\n## Summary (this run, side by side)\n")
     print("| configuration (dtype, quantization) | sequences | step ms | output tok/s | GEMMs ms | step vs first |")

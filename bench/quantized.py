@@ -13,6 +13,13 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 (ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
+    python bench/quantized.py --gemm [--threads 2]
+    python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
+
+--gemm measures what engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
+quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
+through torch's int kernels and through the packed bfloat16 copies, by row count; each pair of passes is
+taken when the machine is quiet (other processes under --quiet of the CPUs), the best of --reps.
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
 bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
@@ -87,6 +94,10 @@ def one(args: argparse.Namespace) -> dict:
     from shared.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
+    if args.int_only:  # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
+        import engine.weights
+
+        engine.weights.attach_packed_copies = lambda *_: {}
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
               kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
@@ -108,15 +119,18 @@ def one(args: argparse.Namespace) -> dict:
         if streams not in args.streams:
             continue
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-        t0 = time.perf_counter()
+        clock = time.process_time if args.cpu_time else time.perf_counter
+        t0 = clock()
         llm.generate(filler[:streams], params, use_tqdm=False)
-        result[f"tok_s_{streams}"] = streams * new / (time.perf_counter() - t0)
+        result[f"tok_s_{streams}"] = streams * new / (clock() - t0)
     return result
 
 
-def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None) -> dict:
+def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None,
+          int_only: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model, "--dtype", dtype,
            "--quantization", quantization, "--streams", ",".join(map(str, args.streams))]
+    cmd += ["--cpu-time"] * args.cpu_time + ["--int-only"] * int_only
     if reference is not None:
         cmd += ["--reference", json.dumps(reference)]
     result = {}
@@ -126,7 +140,96 @@ def child(args: argparse.Namespace, dtype: str, quantization: str, reference: li
     return result
 
 
-def main() -> None:
+def busy_share(seconds: float = 0.2) -> float:
+    """The share of the machine's CPU time used over seconds (by anyone: call it while idle)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(n) for n in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]  # total, idle + iowait
+
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(limit: float = 0.1, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if busy_share() < limit:
+            return True
+    return False
+
+
+def gemm(args: argparse.Namespace) -> None:
+    """The int kernels against the packed copies, by rows (see the module doc)."""
+    import torch
+
+    from engine import kernel_choice
+    from engine.dtype import cpu_kind
+    from engine.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
+    modules = kernel_choice.switched_modules(model)
+    for m in modules:  # a copy for every matrix (no table, no calibration), so both sides can be timed
+        m.packed = kernel_choice.PackedLinear(m.dequantized(), None)
+    print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
+          f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}"
+          f"{', CPU time' if args.cpu_time else ', wall clock'}), 'x' = int / packed")
+    for kind in ("int4", "int8"):
+        group = [m for m in modules if kernel_choice.kind_of(m) == kind]
+        best: dict[int, list[float]] = {}
+        for _ in range(args.reps):
+            for r in args.rows:
+                quiet = args.quiet >= 1 or wait_quiet(args.quiet)
+                _, q, p = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
+                                                    time.perf_counter)[0]
+                if quiet:
+                    old = best.setdefault(r, [q, p])
+                    best[r] = [min(old[0], q), min(old[1], p)]
+        for r, (q, p) in sorted(best.items()):
+            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}  x {q / p:5.2f}")
+        faster = [r for r, (q, p) in best.items() if p < q]
+        print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
+
+
+def ab(args: argparse.Namespace) -> None:
+    """The default configuration against --dtype bfloat16 --quantization none in one process, runs
+    alternating (ABBA), so that a shared machine's drift falls on both alike."""
+    import torch
+
+    from engine.offline import LLM
+    from shared.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llms = {name: LLM(args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
+                      kv_cache_memory="512MiB", num_cpu_blocks=0, max_num_seqs=32)
+            for name, dtype, quant in (("default", "auto", "auto"), ("bfloat16/none", "bfloat16", "none"))}
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(32)] for i in range(32)]
+    for llm in llms.values():
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    print(f"{args.model}, {args.threads} threads, tok/s by {'CPU time' if args.cpu_time else 'wall clock'} of "
+          f"generate (32-token prompts, prefill included), {args.reps} runs each alternating: median (best)")
+    for streams, new in ((1, 64), (32, 24)):
+        if streams not in args.streams:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        got: dict[str, list[float]] = {name: [] for name in llms}
+        for rep in range(args.reps):
+            for name in list(llms) if rep % 2 == 0 else list(llms)[::-1]:
+                t0 = clock()
+                llms[name].generate([p[:] for p in prompts[:streams]], params, use_tqdm=False)
+                got[name].append(streams * new / (clock() - t0))
+        row = {name: (sorted(v)[len(v) // 2], max(v)) for name, v in got.items()}
+        (d, db), (b, bb) = row["default"], row["bfloat16/none"]
+        print(f"{streams:>2} streams: default ({llms['default'].core.model_config.quantization}) {d:.1f} ({db:.1f}) "
+              f"tok/s, bfloat16/none {b:.1f} ({bb:.1f}), default / bfloat16 {d / b:.3f}", flush=True)
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
@@ -139,25 +242,51 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--gemm", action="store_true", help="int kernels against packed copies by rows (see above)")
+    p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--configs", type=lambda v: v.split(","),
+                   help="only these rows (float32, the accuracy reference, always runs): bfloat16,int8,int4,"
+                        "int4-int-only,default")
+    p.add_argument("--int-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ab", action="store_true",
+                   help="the default configuration against bfloat16/none, alternating in one process")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time by this process's CPU seconds, not the wall clock (a shared machine; use --threads 1)")
+    p.add_argument("--quiet", type=float, default=0.1,
+                   help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     pin_threads(args.threads)
+    if args.gemm or args.ab:
+        print(machine())
+        print(cpu_features())
+        (gemm if args.gemm else ab)(args)
+        return
     if args.one or args.load_only:
         print(json.dumps(one(args) if args.one else load_only(args)))
         return
     print(machine())
     print(cpu_features())
+    # default: what `conveyor serve` runs (--dtype auto --quantization auto); int4 int-only: torch's int4
+    # kernel at every row count (the default before packed copies, engine/kernel_choice.py).
     configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"),
-               ("int4", "bfloat16", "int4")]
+               ("int4", "bfloat16", "int4"), ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto")]
+    configs = [c for c in configs if c[0] == "float32" or args.configs is None or c[0] in args.configs]
     if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
         configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
     results: dict[str, dict] = {}
     for name, dtype, quant in configs:
         ref = results["float32"]["greedy"] if results else None
-        results[name] = child(args, dtype, quant, ref)
+        results[name] = child(args, dtype, quant, ref, name.endswith("int-only"))
         figures = {k: v for k, v in results[name].items() if k not in ("greedy", "logprobs")}
         print(f"  measured {name}: {json.dumps(figures)}", file=sys.stderr)
     base = results["float32"]
-    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / wall time of generate (prefill "
+    clock = "this process's CPU time" if args.cpu_time else "wall time"
+    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / {clock} of generate (prefill "
           f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
           "against float32")
 

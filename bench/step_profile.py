@@ -12,8 +12,13 @@ when it moves its own line. The offline EngineCore (no sockets, no gateway) hold
 Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
 
-    python bench/step_profile.py [--dtype float32|bfloat16|both] [--num-seqs 32] [--context 64,700] [--steps 10]
-                                 [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
+    python bench/step_profile.py [--configs auto:auto,bfloat16:none | --dtype D --quantization Q]
+                                 [--num-seqs 1,32] [--context 64,700]
+                                 [--steps 10] [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
+
+--configs: dtype:quantization pairs, profiled one after the other in this run; the default, auto:auto, is
+what `conveyor serve` runs (--dtype auto --quantization auto). A summary of every (configuration, batch)
+pair closes the run, side by side.
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention backend from outside.
 """
@@ -34,11 +39,12 @@ from bench.scheduler_policies import Timed  # noqa: E402
 # Labels of the ranges this bench opens around the runner's parts.
 MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"
 GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
-            "mkldnn::_linear_pointwise"}  # the last: prepacked weights (engine/prepack.py)
+            "mkldnn::_linear_pointwise",  # prepacked weights (engine/prepack.py)
+            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}  # quantized (engine/quant.py)
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention")
 GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
 WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_", "aten::_index_put_impl_"}
-ROWS = ["GEMMs (linear, addmm, mm)", "attention (SDPA)", "K/V gathers (index_select)", "K/V writes",
+ROWS = ["GEMMs (linear, addmm, mm, int4/int8)", "attention (SDPA)", "K/V gathers (index_select)", "K/V writes",
         "attention: other ops", "elementwise (norms, RoPE, SiLU, adds, casts)",
         "embedding", "dispatch and Python between ops"]
 
@@ -171,44 +177,11 @@ def step_flops(contexts: list[int], layers: int = 30, hidden: int = 576, inter: 
     return sum(per_token + 4 * layers * hidden * ctx for ctx in contexts)
 
 
-def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
-    import torch
-
-    import engine.weights
-    from engine.core import EngineCore
-    from shared.config import build_config
-
-    if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/prepack.py)
-        engine.weights.usable = lambda *_: False  # type: ignore[assignment]
-    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=args.num_seqs,
-                                   max_num_batched_tokens=2048, kv_cache_memory="2GiB",
-                                   max_model_len=max(1024, args.context[1] + args.num_seqs + 3 * args.steps + 16),
-                                   attention_backend=args.attention_backend, quantization="none"))
-    backend = core.runner.backend
-    if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
-        backend.native_max_context = None if args.native_max_context == "none" else int(args.native_max_context)
-    limit = getattr(backend, "native_max_context", None) if getattr(backend, "native", False) else "off"
-    print(f"\n## {dtype}: {args.num_seqs} sequences decoding over contexts {args.context[0]}..{args.context[1]}, "
-          f"{args.steps} steps each pass; native kernel's context limit: {limit}", flush=True)
-    fill(core, args.num_seqs, args.context, args.steps)
-    contexts = [s.num_tokens for s in core.sequences.values()]
-    timed = timed_steps(core, args.steps)
-    prof = profiled_steps(core, args.steps)
-    again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
-    timed = {k: (timed[k] + again[k]) / 2 for k in timed}
-    if len(core.sequences) != args.num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
-        raise RuntimeError(f"{args.num_seqs - len(core.sequences)} sequences finished while measured")
-    flops = step_flops(contexts)
-    peak = gemm_gflops(dtype=dtype)
-    at_rows = gemm_gflops(n_tokens=args.num_seqs, dtype=dtype)
-    torch.set_num_threads(args.threads)
-    ceiling = flops / (peak * 1e9) * 1e3
-    prof_total = sum(prof.values())
-    print(f"step {timed['step']:.1f} ms = {args.num_seqs / timed['step'] * 1e3:.0f} output tok/s "
-          f"(mean context {sum(contexts) / len(contexts):.0f})\n")
+def print_split(timed: dict[str, float], prof: dict[str, float], scale: float) -> None:
+    """The step's table: each profiled row of the forward (scaled to the unprofiled forward), then the
+    timed parts around it."""
     print("| part of the step | ms | share of the step |")
     print("|---|---:|---:|")
-    scale = timed["forward"] / prof_total  # the profiler's own cost, spread evenly over the forward's rows
     for row in ROWS:
         ms = prof.get(row, 0.0) * scale
         print(f"| forward: {row} | {ms:.2f} | {ms / timed['step']:.1%} |")
@@ -219,9 +192,51 @@ def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     print(f"| of which: attention planning (masks, block tables) | {timed['plan']:.2f} | "
           f"{timed['plan'] / timed['step']:.1%} |")
     print(f"| **step** | **{timed['step']:.2f}** | 100% |")
+
+
+def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_seqs: int) -> dict[str, Any]:
+    """Profiles one configuration at one batch. -> its summary figures (the closing table's row)."""
+    import torch
+
+    import engine.weights
+    from engine.core import EngineCore
+    from shared.config import build_config
+
+    if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/prepack.py)
+        engine.weights.usable = lambda *_: False  # type: ignore[assignment]
+    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=num_seqs,
+                                   max_num_batched_tokens=2048, kv_cache_memory="2GiB",
+                                   max_model_len=max(1024, args.context[1] + num_seqs + 3 * args.steps + 16),
+                                   attention_backend=args.attention_backend, quantization=quantization))
+    dtype, quantization = core.model_config.dtype, core.model_config.quantization  # what auto resolved to
+    backend = core.runner.backend
+    if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
+        backend.native_max_context = None if args.native_max_context == "none" else int(args.native_max_context)
+    limit = getattr(backend, "native_max_context", None) if getattr(backend, "native", False) else "off"
+    print(f"\n## {dtype}, quantization {quantization}: {num_seqs} sequences decoding over contexts "
+          f"{args.context[0]}..{args.context[1]}, "
+          f"{args.steps} steps each pass; native kernel's context limit: {limit}", flush=True)
+    fill(core, num_seqs, args.context, args.steps)
+    contexts = [s.num_tokens for s in core.sequences.values()]
+    timed = timed_steps(core, args.steps)
+    prof = profiled_steps(core, args.steps)
+    again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
+    timed = {k: (timed[k] + again[k]) / 2 for k in timed}
+    if len(core.sequences) != num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
+        raise RuntimeError(f"{num_seqs - len(core.sequences)} sequences finished while measured")
+    flops = step_flops(contexts)
+    peak = gemm_gflops(dtype=dtype)
+    at_rows = gemm_gflops(n_tokens=num_seqs, dtype=dtype)
+    torch.set_num_threads(args.threads)
+    ceiling = flops / (peak * 1e9) * 1e3
+    prof_total = sum(prof.values())
+    print(f"step {timed['step']:.1f} ms = {num_seqs / timed['step'] * 1e3:.0f} output tok/s "
+          f"(mean context {sum(contexts) / len(contexts):.0f})\n")
+    scale = timed["forward"] / prof_total  # the profiler's own cost, spread evenly over the forward's rows
+    print_split(timed, prof, scale)
     print(f"\narithmetic ceiling: {flops / 1e9:.2f} GFLOP a step at the measured {peak:.0f} GFLOP/s {dtype} GEMM "
           f"(256x576x1536) = {ceiling:.2f} ms ({timed['step'] / ceiling:.1f}x below the step); the same GEMM at "
-          f"{args.num_seqs} rows runs at {at_rows:.0f} GFLOP/s = {flops / (at_rows * 1e9) * 1e3:.2f} ms")
+          f"{num_seqs} rows runs at {at_rows:.0f} GFLOP/s = {flops / (at_rows * 1e9) * 1e3:.2f} ms")
     gemm_ms = prof.get(ROWS[0], 0.0) * scale
     linear_flops = flops - sum(4 * 30 * 576 * c for c in contexts)
     print(f"GEMMs in the forward: {linear_flops / 1e9:.2f} GFLOP in {gemm_ms:.2f} ms = "
@@ -229,13 +244,23 @@ def profile_dtype(args: argparse.Namespace, dtype: str) -> None:
     print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; rows scaled by "
           f"{scale:.2f})", flush=True)
     core.abort(list(core.sequences))
+    return {"config": f"{dtype}, {quantization}", "seqs": num_seqs, "step": timed["step"], "gemm": gemm_ms,
+            "forward": timed["forward"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
-    ap.add_argument("--num-seqs", type=int, default=32)
+    ap.add_argument("--configs", type=lambda v: [tuple(c.split(":")) for c in v.split(",")],
+                    default=[("auto", "auto")],
+                    help="dtype:quantization pairs (auto|float32|bfloat16 : auto|none|int8|int4); "
+                         "default auto:auto, the server's default")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "both"],
+                    help="shorthand for --configs DTYPE:QUANTIZATION (both: float32 and bfloat16)")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="with --dtype: the quantization (default auto, as the server)")
+    ap.add_argument("--num-seqs", type=lambda v: [int(n) for n in v.split(",")], default=[32],
+                    help="decoding sequences in a step: one number or a list (1,32)")
     ap.add_argument("--context", type=lambda s: tuple(int(x) for x in s.split(",")), default=(64, 700),
                     help="shortest,longest prompt; the sequences spread evenly between them")
     ap.add_argument("--steps", type=int, default=10)
@@ -253,8 +278,17 @@ def main() -> None:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     print(f"command: python bench/step_profile.py {' '.join(sys.argv[1:])}")
-    for dtype in ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]:
-        profile_dtype(args, dtype)
+    if args.dtype is not None:
+        dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+        args.configs = [(d, args.quantization) for d in dtypes]
+    rows = [profile_config(args, dtype, quant, n) for n in args.num_seqs for dtype, quant in args.configs]
+    print("\n## Summary (this run, side by side)\n")
+    print("| configuration (dtype, quantization) | sequences | step ms | output tok/s | GEMMs ms | step vs first |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        first = next(f for f in rows if f["seqs"] == r["seqs"])
+        print(f"| {r['config']} | {r['seqs']} | {r['step']:.2f} | {r['seqs'] / r['step'] * 1e3:.0f} | "
+              f"{r['gemm']:.2f} | {r['step'] / first['step']:.2f} |")
 
 
 if __name__ == "__main__":

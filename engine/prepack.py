@@ -34,9 +34,32 @@ PACKABLE = (torch.float32, torch.bfloat16)
 # 150-165, and oneDNN's packed kernel 1.1-2x faster at 8-64 rows (docs/performance.md, "Prompt chunks on
 # MKL"). Absent: packed at every row count (the CPU kind is unmeasured).
 PLAIN_FROM_ROWS: dict[str, int] = {"AVX2": 128}
+# Rows from which a weight-only quantized projection (engine/quant.py) multiplies with a packed bfloat16 copy
+# of its dequantized matrix instead of torch's int kernel, by CPU kind (engine/dtype.py's cpu_kind), thread
+# count and kernel. The int kernels read 4 or 8 bits a weight, so they win while a GEMM is bound by memory (a
+# few rows), but compute at 280-350 GFLOP/s at every row count (int4 re-dequantizes the weight for every 4
+# rows), where oneDNN's packed bfloat16 reaches 650 at 32 rows. Measured with `python bench/quantized.py
+# --gemm` over SmolLM2-135M's 30 layers called in turn, as a forward calls them (docs/performance.md,
+# "Quantized weights by row count"); each entry is the first row count measured from which the packed copy
+# was faster (as a calibration picks it). A (kind, threads) absent here is measured at load instead
+# (engine/kernel_choice.py). AVX512_BF16 (2-core EPYC): 1 thread from this bench (--cpu-time on a shared
+# machine: int4 7.8 / 12.5 / 20.0 / 23.3 / 33.5 / 85.9 ms at 1 / 4 / 6 / 8 / 12 / 32 rows against 21.3 / 19.7
+# / 19.5 / 23.8 / 27.3 / 47.8 packed; the int8 head 4.6 ms at 1 row against 4.2 packed); 2 threads from the
+# quiet chain in ../shared/perf (int4 3.46 / 7.53 / 8.23 / 15.45 ms at 1 / 4 / 8 / 16 rows against 8.11 /
+# 7.99 / 9.64 / 11.27 packed; the int8 head 0.86 ms in a one-row step against 1.36, 1,984 us at 8 rows
+# against 1,168).
+QUANTIZED_PACKED_FROM_ROWS: dict[str, dict[int, dict[str, int]]] = {
+    "AVX512_BF16": {1: {"int4": 12, "int8": 1}, 2: {"int4": 16, "int8": 8}},
+}
 # The plain copies cost the projections' size again: kept only while that is at most this much (a small
 # model, whose prompt chunks are where its GEMM time goes), so a larger model's memory does not double.
 PLAIN_MAX_BYTES = 1 << 30
+
+
+def quantized_packed_from(kind: str, threads: int) -> dict[str, int] | None:
+    """int4 / int8 -> the rows from which that kernel hands over to the packed copy on this CPU kind at
+    this many threads; None where that was never measured."""
+    return QUANTIZED_PACKED_FROM_ROWS.get(kind, {}).get(threads)
 
 
 def plain_from_rows(dtype: torch.dtype) -> int | None:

@@ -10,6 +10,10 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
   (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
+- torch's int kernels win only while a GEMM is bound by memory (a few rows): with 16-bit activations a
+  projection may also hold a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which
+  calls of packed_from rows or more take instead, so a quantized model is not slower than its bfloat16
+  form at any batch size.
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -20,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from engine.prepack import PackedLinear
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -35,7 +41,50 @@ LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]  # param name -> (scale, min) [N, K/32]: w = scale * q + min
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """What the int8 and int4 projections share: the choice, by rows, between torch's int kernel and a
+    packed copy of the dequantized matrix (packed; None: the int kernel at every row count)."""
+
+    bias: nn.Parameter | None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed: PackedLinear | None = None
+        self.packed_from = 0
+
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T through torch's int kernel, without the bias."""
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        """W [N, K] in the activations' dtype, as the int kernel sees it."""
+        raise NotImplementedError
+
+    def shape(self) -> tuple[int, int]:
+        """(out features N, in features K)."""
+        raise NotImplementedError
+
+    def scales_dtype(self) -> torch.dtype:
+        """The activations' dtype the kernel computes in."""
+        raise NotImplementedError
+
+    def uses_packed(self, rows: int) -> bool:
+        return self.packed is not None and rows >= self.packed_from
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed is not None and self.uses_packed(x.shape[0])
+        y = self.packed.forward(x) if packed and self.packed is not None else self.quantized_mm(x)
+        return y if self.bias is None else y + self.bias
+
+    def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + x @ W.T (+ b); on the packed copy the addition is fused into the GEMM."""
+        if self.packed is not None and self.bias is None and self.uses_packed(x.shape[0]):
+            return self.packed.add_to(h, x)
+        y: torch.Tensor = self(x)
+        return h + y
+
+
+class Int8Linear(QuantizedLinear):
     """y = x @ (q * scale[:, None]).T (+ bias); q int8 [N, K], one scale per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
@@ -55,9 +104,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
-        return y if self.bias is None else y + self.bias
+        return y
+
+    def shape(self) -> tuple[int, int]:
+        n, k = self.qweight.shape
+        return n, k
+
+    def scales_dtype(self) -> torch.dtype:
+        return self.scales.dtype
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: -> [len(ids), K] dequantized rows."""
@@ -67,7 +123,7 @@ class Int8Linear(nn.Module):
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """y = x @ W.T (+ bias) with W[n, k] = (q - 8) * scale[g, n] + zero[g, n] for g = k // 32, q in 0..15."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
@@ -95,10 +151,25 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous().to(self.scales_zeros.dtype)
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.qweight, GROUP, self.scales_zeros)
-        return y if self.bias is None else y + self.bias
+        return y
+
+    def shape(self) -> tuple[int, int]:
+        groups, n, _ = self.scales_zeros.shape
+        return n, groups * GROUP
+
+    def scales_dtype(self) -> torch.dtype:
+        return self.scales_zeros.dtype
+
+    def dequantized(self) -> torch.Tensor:
+        """The kernel's own dequantization, read back through it: I @ W.T = W.T, exact in float32 (one
+        non-zero product per output), rounded once to the activations' dtype."""
+        k = self.shape()[1]
+        eye = torch.eye(k, dtype=self.scales_zeros.dtype)
+        cols = [self.quantized_mm(eye[r:r + CHUNK_ROWS]) for r in range(0, k, CHUNK_ROWS)]
+        return torch.cat(cols).t().contiguous()
 
 
 def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,

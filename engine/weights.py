@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from engine.dtype import resolve_dtype
 from engine.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
+from engine.kernel_choice import attach_packed_copies
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
@@ -102,8 +103,11 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
         groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
-    if mode == "none" and prepack and usable(model, device):
-        prepack_model(model, LAYER_PROJECTIONS)
+    if prepack and usable(model, device):
+        if mode == "none":
+            prepack_model(model, LAYER_PROJECTIONS)
+        else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
+            attach_packed_copies(model, dtype)
     _release_freed_memory()
     return model, cfg
 
@@ -168,9 +172,11 @@ def _release_freed_memory() -> None:
 
 def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.device) -> str:
     """--quantization -> what the projections hold. auto takes the file's (in_file, from read_gguf) where
-    PyTorch's kernels are fast: on the CPU, with 16-bit activations. With float32 activations they take a
-    scalar path several times slower than a float32 GEMM (docs/performance.md), so auto then dequantizes;
-    int8 / int4 named explicitly are honoured there too."""
+    PyTorch's kernels are fast: on the CPU, with 16-bit activations, where they take the calls of few rows
+    and packed bfloat16 copies the rest, from row counts measured on this CPU kind (engine/kernel_choice.py),
+    so the quantized default is not slower than the dequantized model at any batch. With float32
+    activations the int kernels take a scalar path several times slower than a float32 GEMM
+    (docs/performance.md), so auto then dequantizes; int8 / int4 named explicitly are honoured there too."""
     if asked != "auto":
         if asked != "none" and device.type != "cpu":
             raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu or "

@@ -1,0 +1,123 @@
+"""Which GEMM a quantized projection runs, by the rows of the call, chosen from measurements.
+
+torch's weight-only int4 / int8 CPU kernels read 4 or 8 bits a weight, so they are the fastest while
+a GEMM is bound by memory (a decode step of a few sequences), but they compute at about 300 GFLOP/s
+at any row count, where oneDNN's packed bfloat16 kernel reaches 650 at 32 rows and 900-1000 from
+128. So with 16-bit activations each quantized projection (and a tied LM head) also gets a packed
+copy of its dequantized matrix, and calls of packed_from rows or more take it (engine/quant.py,
+QuantizedLinear).
+
+packed_from comes from measurement: engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds
+and thread counts measured (`python bench/quantized.py --gemm`), else a calibration at load on the
+model's own matrices, timed as a forward meets them (every layer in turn, so cold in cache). A copy
+costs 2 bytes a weight: it is made only while all copies together stay within PLAIN_MAX_BYTES, so a
+large model keeps its quantized size (and torch's int kernels at every row count).
+
+The choice makes a row's arithmetic depend on the step's row count (issue #30): the two kernels
+round differently. docs/performance.md, "Quantized weights by row count", has the figures and that
+caveat.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from engine.dtype import cpu_kind
+from engine.prepack import PLAIN_MAX_BYTES, PackedLinear, quantized_packed_from
+from engine.quant import Int4Linear, QuantizedLinear
+
+log = logging.getLogger("conveyor.kernel_choice")
+# Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
+CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+NEVER = 1 << 62  # packed_from of a copy that no row count takes
+
+
+def kind_of(module: QuantizedLinear) -> str:
+    return "int4" if isinstance(module, Int4Linear) else "int8"
+
+
+def switched_modules(model: nn.Module) -> list[QuantizedLinear]:
+    """The quantized matrices that multiply: every QuantizedLinear but an embedding that is not
+    also the (tied) LM head, whose rows are only looked up."""
+    embed = model.model.embed_tokens  # type: ignore[union-attr]
+    tied = getattr(model, "lm_head", None) is None
+    return [m for m in model.modules()
+            if isinstance(m, QuantizedLinear) and (m is not embed or tied)]
+
+
+def attach_packed_copies(model: nn.Module, dtype: torch.dtype,
+                         kind: str | None = None) -> dict[str, int]:
+    """Gives the model's quantized matrices their packed copies and thresholds. -> int4 / int8 ->
+    the rows from which that kernel hands over ({} when no copy was made). kind: the CPU kind
+    (tests)."""
+    modules = switched_modules(model)
+    size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
+    if not modules or dtype != torch.bfloat16 or size > PLAIN_MAX_BYTES:
+        if modules and dtype == torch.bfloat16:
+            log.info("no packed copies of the quantized matrices: they would take %.0f MiB",
+                     size / 2**20)
+        return {}
+    for m in modules:
+        m.packed, m.packed_from = PackedLinear(m.dequantized(), None), NEVER
+    kind = kind or cpu_kind()
+    table = quantized_packed_from(kind, torch.get_num_threads())
+    measured = table is None
+    if table is None:
+        kinds = {kind_of(m) for m in modules}
+        table = {k: calibrate([m for m in modules if kind_of(m) == k]) for k in kinds}
+    for m in modules:
+        m.packed_from = table.get(kind_of(m), NEVER)
+        if m.packed_from >= NEVER:
+            m.packed = None  # the int kernel won at every row count tried: no copy
+    chosen = {k: v for k, v in table.items() if v < NEVER}
+    log.info("quantized GEMMs hand over to packed %s copies (%.0f MiB) from %s rows (%s)",
+             str(dtype).removeprefix("torch."), size / 2**20, chosen,
+             "measured at load" if measured
+             else f"table for {kind} at {torch.get_num_threads()} threads")
+    return chosen
+
+
+def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
+              reps: int = 3) -> int:
+    """The first row count from which the packed copies, called in turn as a forward calls them,
+    are faster than the int kernel at that row count and every larger one tried; NEVER if none."""
+    faster = [packed < quantized for _, quantized, packed in chain_times(modules, rows, reps)]
+    for i, r in enumerate(rows):
+        if all(faster[i:]):
+            return r
+    return NEVER
+
+
+def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
+                clock: Callable[[], float] = time.perf_counter
+                ) -> list[tuple[int, float, float]]:
+    """-> (rows, seconds through the int kernels, seconds through the packed copies), the best of
+    reps, for one call of each module in turn (each module's weights leave the cache before it
+    comes round again, as in a forward). clock: a bench on a shared machine passes
+    time.thread_time (one thread)."""
+    out = []
+    with torch.inference_mode():
+        for r in rows:
+            xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
+            quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps, clock)
+            copies = [(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None]
+            packed = _best(copies, reps, clock)
+            out.append((r, quantized, packed))
+    return out
+
+
+def _best(calls: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int,
+          clock: Callable[[], float]) -> float:
+    """The least seconds of reps passes over calls (f, x) -> f(x), after one that warms them."""
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = clock()
+        for f, x in calls:
+            f(x)
+        if i:
+            best = min(best, clock() - t0)
+    return best

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway import dashboard
+from gateway import dashboard, responses
 from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
@@ -38,6 +38,7 @@ def build_app(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.
     client.on_output = _on_output(app[ADMISSION], app[METRICS])
     app.add_routes(routes)
     app.router.add_get("/v1/ws", websocket_handler)
+    responses.setup(app, config.responses_store_size)
     dashboard.setup(app)
     app.cleanup_ctx.append(_engine)
     app.cleanup_ctx.append(_background)

@@ -50,6 +50,7 @@ class TextOutput:
     num_cached_tokens: int = 0
     index: int = 0
     logprobs: list[TokenLogprob] | None = None  # params.logprobs set: the tokens whose text `text` releases
+    stop_string: str | None = None  # the stop string that ended this choice (Anthropic's stop_sequence)
 
 
 class TokenStrings:
@@ -174,7 +175,9 @@ class Choices:
         if reason is not None:
             c.finish_reason = reason
             self.num_ended += 1
-        return self._output(index, out, text, ids, entries, reason)
+        result = self._output(index, out, text, ids, entries, reason)
+        result.stop_string = c.detok.stop_reason
+        return result
 
     def _output(self, index: int, out: RequestOutput, text: str, ids: list[int],
                 entries: list[TokenLogprob] | None, reason: str | None) -> TextOutput:

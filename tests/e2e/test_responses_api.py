@@ -1,0 +1,178 @@
+"""OpenAI's Responses API through the official `openai` SDK against a real `conveyor serve` (tiny random
+chat model, float32, greedy). The reference for every text is the chat-completions route given the
+same conversation: the two doors must build the same request and stream the same output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.e2e.servers import Server
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-chat"
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+                     "parameters": WEATHER}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("responses") / "server.log"
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--dtype", "float32",
+                 "--kv-cache-memory", "64MiB", "--tool-call-parser", "hermes",
+                 "--responses-store-size", "8"], log_path=log) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def chat_text(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int, **kw: Any) -> str:
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens,
+                                         temperature=0, **kw)
+    return out.choices[0].message.content or ""
+
+
+def test_plain_text_equals_the_chat_route_and_streams_the_same(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, input="Tell me a story.", instructions="Be brief.",
+                              max_output_tokens=12, temperature=0)
+    r = client.responses.create(**kw)
+    want = chat_text(client, [{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": "Tell me a story."}], 12)
+    assert r.output_text == want and want
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 12 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + 12 and r.instructions == "Be brief."
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == 12
+
+
+def test_function_tool_loop(client: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.responses.create(model=MODEL, input=ask, tools=TOOLS, max_output_tokens=60, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"},
+                                parallel_tool_calls=False)
+    assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
+    call = r.output[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    streamed = list(client.responses.create(model=MODEL, input=ask, tools=TOOLS, max_output_tokens=60,
+                                            temperature=0, tool_choice="required", stream=True,
+                                            parallel_tool_calls=False))
+    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == args == call.arguments
+    # the result goes back as function_call_output; the model answers with a message
+    follow = [*ask, call.model_dump(exclude_none=True),
+              {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'}]
+    answer = client.responses.create(model=MODEL, input=follow, tools=TOOLS, max_output_tokens=8,
+                                     temperature=0)
+    assert [o.type for o in answer.output] == ["message"] and answer.output_text
+    want = chat_text(client, [*ask, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"temp": 21}'}], 8,
+        tools=[{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}])
+    assert answer.output_text == want
+
+
+def test_text_format_json_schema(client: openai.OpenAI) -> None:
+    fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    r = client.responses.create(model=MODEL, input="A person, please.", text=fmt, max_output_tokens=60,
+                                temperature=0)
+    assert r.status == "completed", r.output_text
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+    r = client.responses.create(model=MODEL, input="Some JSON.", text={"format": {"type": "json_object"}},
+                                max_output_tokens=8, temperature=0)
+    assert r.output_text.startswith("{") and r.text.format.type == "json_object"  # cut at 8 tokens
+
+
+def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="Hi there.", instructions="Be kind.",
+                                    max_output_tokens=6, temperature=0)
+    second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0)
+    assert second.previous_response_id == first.id
+    # instructions are not carried over (as OpenAI): the second turn renders without them
+    want = chat_text(client, [{"role": "user", "content": "Hi there."},
+                              {"role": "assistant", "content": first.output_text},
+                              {"role": "user", "content": "And then?"}], 6)
+    assert second.output_text == want
+    streamed = list(client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                            max_output_tokens=6, temperature=0, stream=True))
+    assert streamed[-1].response.output_text == want
+
+
+def test_retrieve_delete_and_unknown_ids(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
+    got = client.responses.retrieve(r.id)
+    assert got.model_dump() == r.model_dump()
+    client.responses.delete(r.id)
+    for call in (lambda: client.responses.retrieve(r.id), lambda: client.responses.delete(r.id),
+                 lambda: client.responses.create(model=MODEL, input="x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert e.value.status_code == 404 and r.id in e.value.message
+    unstored = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_the_store_is_bounded(client: openai.OpenAI) -> None:
+    ids = [client.responses.create(model=MODEL, input=f"n{i}", max_output_tokens=1).id for i in range(9)]
+    with pytest.raises(openai.NotFoundError):  # --responses-store-size 8: the oldest went first
+        client.responses.retrieve(ids[0])
+    assert client.responses.retrieve(ids[-1]).id == ids[-1]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"foo": 1}, "foo"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "bogus": 1}]}]},
+     "input[0].content[0].bogus"),
+    ({"input": [{"role": "user", "content": "x", "name": "me"}]}, "input[0].name"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "input_file", "file_id": "f"}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{**TOOLS[0], "extra": True}]}, "tools[0].extra"),
+    ({"text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON, "x": 1}}}, "text.format.x"),
+    ({"text": {"format": {"type": "text"}, "y": 1}}, "text.y"),
+    ({"tool_choice": {"type": "function", "name": "get_weather", "z": 1}, "tools": TOOLS}, "tool_choice.z"),
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_unknown_and_unsupported_fields_are_400s_that_name_them(client: openai.OpenAI, extra: dict,
+                                                                  param: str) -> None:
+    body: dict[str, Any] = {"input": "hi", "max_output_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, **{k: v for k, v in body.items() if k in _SDK},
+                                extra_body={k: v for k, v in body.items() if k not in _SDK})
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert param.split(".")[-1].split("[")[0] in e.value.message
+
+
+_SDK = ("input", "max_output_tokens", "tools", "text", "tool_choice", "background", "reasoning", "include")

@@ -15,9 +15,10 @@ def show(path: str, key: Any) -> str:
 
 
 def known(obj: dict[str, Any], allowed: frozenset[str] | set[str], path: str, what: str = "") -> None:
-    """Refuse the first key of obj not in allowed, naming its path."""
-    for key in obj:
-        if key not in allowed:
+    """Refuse the first key of obj not in allowed, naming its path (null means "not given", as at the
+    top level of every route)."""
+    for key, value in obj.items():
+        if key not in allowed and value is not None:
             where = f" ({what})" if what else ""
             raise InvalidRequest(f"unknown field {show(path, key)!r}{where}: it is not supported",
                                  param=show(path, key))

@@ -3,13 +3,15 @@ chat model, float32, greedy). The reference for every text is the chat-completio
 same conversation: the two doors must build the same request and stream the same output."""
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.e2e.servers import Server
 
@@ -176,3 +178,42 @@ def test_unknown_and_unsupported_fields_are_400s_that_name_them(client: openai.O
 
 
 _SDK = ("input", "max_output_tokens", "tools", "text", "tool_choice", "background", "reasoning", "include")
+
+
+def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
+    """The OpenAI Agents SDK on its default model (the Responses API): a forced first call (the grammar makes
+    the tiny model call the tool), the tool runs, the agent answers in its output type (a JSON schema)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked: list[str] = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny, 21 C"
+
+    async def run() -> list[Any]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        agent = Agent(name="weather", instructions="Say the weather.", tools=[get_weather], output_type=Answer,
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(tool_choice="get_weather", parallel_tool_calls=False,
+                                                   max_tokens=80, temperature=0))
+        whole = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=4)
+        kinds = [e.type async for e in streamed.stream_events()]
+        assert "raw_response_event" in kinds
+        return [whole, streamed]
+
+    whole, streamed = asyncio.run(run())
+    for result in (whole, streamed):
+        assert isinstance(result.final_output, Answer), result.final_output
+        items = [i.type for i in result.new_items]
+        assert items[:2] == ["tool_call_item", "tool_call_output_item"] and items[-1] == "message_output_item"
+    assert len(asked) == 2 and set(asked) <= {"Paris", "Rome"}
+
+
+class Answer(BaseModel):
+    sky: Literal["sunny", "rainy"]
+    degrees: int = Field(ge=-50, le=60)

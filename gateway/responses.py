@@ -32,10 +32,14 @@ from gateway.translate import Call, End, Started, Text, events, sse
 from shared.errors import ConveyorError
 
 
-def parse(app: web.Application, body: Any) -> ResponsesRequest:
-    """The body -> the request, its previous_response_id's conversation looked up first (404 if gone)."""
+def parse(app: web.Application, body: Any, local: ResponseStore | None = None) -> ResponsesRequest:
+    """The body -> the request, its previous_response_id's conversation looked up first (404 if gone);
+    local: a WebSocket's own responses, looked up before the server's store."""
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
-    history = app[RESPONSES].get(prev, "previous_response_id").history if isinstance(prev, str) else None
+    history = None
+    if isinstance(prev, str):
+        stored = local.find(prev) if local is not None else None
+        history = (stored or app[RESPONSES].get(prev, "previous_response_id")).history
     return parse_responses(body, app[SERVED], history)
 
 
@@ -72,6 +76,7 @@ class Render:
         self.text: list[str] | None = None  # the open message's text, while one is open
         self.calls: list[ToolCall] = []
         self.final_response: dict[str, Any] | None = None
+        self.stored: Stored | None = None  # the response and its conversation, once it ended
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         out = {"type": kind, "sequence_number": self.seq, **fields, **self.extra}
@@ -166,8 +171,9 @@ class Render:
         final = self.response("incomplete" if cut else "completed", usage,
                               {"reason": "max_output_tokens"} if cut else None)
         self.final_response = final
+        self.stored = Stored(final, [*self.req.history, self._assistant()])
         if self.req.store:
-            self.app[RESPONSES].put(self.rid, Stored(final, [*self.req.history, self._assistant()]))
+            self.app[RESPONSES].put(self.rid, self.stored)
         out.append(self.event("response.incomplete" if cut else "response.completed", response=final))
         return out
 
@@ -196,7 +202,10 @@ def _part(text: str) -> dict[str, Any]:
 
 
 def setup(app: web.Application, store_size: int) -> None:
+    from gateway.responses_ws import websocket  # it renders with Render, from here
+
     app[RESPONSES] = ResponseStore(store_size)
     app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses", websocket)  # OpenAI's WebSocket mode
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)

@@ -45,12 +45,17 @@ class ResponseStore:
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
+    def find(self, rid: str) -> Stored | None:
+        stored = self._items.get(rid)
+        if stored is not None:
+            self._items.move_to_end(rid)
+        return stored
+
     def get(self, rid: str, param: str | None = None) -> Stored:
         """The stored response, or NotFound (404 in OpenAI's shape)."""
-        stored = self._items.get(rid)
+        stored = self.find(rid)
         if stored is None:
             raise NotFound(f"Response with id '{rid[:100]}' not found.", param=param)
-        self._items.move_to_end(rid)
         return stored
 
     def delete(self, rid: str) -> None:

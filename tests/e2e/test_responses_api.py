@@ -214,6 +214,53 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> No
     assert len(asked) == 2 and set(asked) <= {"Paris", "Rome"}
 
 
+TERMINAL = ("response.completed", "response.incomplete", "error")
+
+
+async def _until_end(conn: Any) -> list[Any]:
+    events = []
+    while not events or events[-1].type not in TERMINAL:
+        events.append(await asyncio.wait_for(conn.recv(), 60))
+    return events
+
+
+def test_websocket_mode_chains_responses_on_one_socket(server: Server, client: openai.OpenAI) -> None:
+    """OpenAI's WebSocket mode through the SDK's own client (responses.connect): response.create messages
+    on one socket, the second chained to the first (stored nowhere but on the socket)."""
+    async def run() -> tuple[list[Any], ...]:
+        aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        async with aclient.responses.connect() as conn:
+            await conn.response.create(model=MODEL, input="Hi there.", max_output_tokens=6, temperature=0,
+                                       store=False)
+            first = await _until_end(conn)
+            await conn.response.create(model=MODEL, input="And then?", max_output_tokens=6, temperature=0,
+                                       previous_response_id=first[-1].response.id)
+            second = await _until_end(conn)
+            await conn.send_raw(json.dumps({"type": "response.create", "input": "x", "bogus": 1}))
+            error = await _until_end(conn)
+            for text in ("one", "two"):  # back to back on one lane: the second waits for the first
+                await conn.response.create(model=MODEL, input=text, max_output_tokens=3, stream_id="lane")
+            both = await _until_end(conn) + await _until_end(conn)
+        return first, second, error, both
+
+    first, second, error, both = asyncio.run(run())
+    whole = client.responses.create(model=MODEL, input="Hi there.", max_output_tokens=6, temperature=0)
+    assert first[-1].response.output_text == whole.output_text
+    assert [e.type for e in first][:2] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in first] == list(range(len(first)))
+    assert "".join(e.delta for e in first if e.type == "response.output_text.delta") == whole.output_text
+    want = chat_text(client, [{"role": "user", "content": "Hi there."},
+                              {"role": "assistant", "content": whole.output_text},
+                              {"role": "user", "content": "And then?"}], 6)
+    assert second[-1].response.output_text == want
+    with pytest.raises(openai.NotFoundError):  # store: false kept it on the socket only
+        client.responses.retrieve(first[-1].response.id)
+    assert error[-1].type == "error" and error[-1].status == 400 and error[-1].error.param == "bogus"
+    ends = [i for i, e in enumerate(both) if e.type in TERMINAL]
+    assert ends == [ends[0], len(both) - 1] and all(e.stream_id == "lane" for e in both)
+    assert both[0].response.id != both[-1].response.id
+
+
 class Answer(BaseModel):
     sky: Literal["sunny", "rainy"]
     degrees: int = Field(ge=-50, le=60)

@@ -1,20 +1,24 @@
-"""An Anthropic Messages body (POST /v1/messages, /v1/messages/count_tokens) -> the one internal request.
+"""An Anthropic Messages body (POST /v1/messages, /v1/messages/count_tokens) -> the one internal
+request.
 
-Translated into a chat-completions body and built by openai_schema.parse_chat (template, tools' grammar,
-SamplingParams), as the Responses door does:
+Translated into a chat-completions body and built by openai_schema.parse_chat (template, tools'
+grammar, SamplingParams), as the Responses door does:
 
     system (string or text blocks)      -> a leading system message
     messages: text blocks               -> the message's content
-              tool_use blocks           -> the assistant message's tool_calls (input as JSON arguments)
-              tool_result blocks        -> tool messages (before the user's text, as Anthropic orders them)
+              tool_use blocks           -> the assistant message's tool_calls (input as JSON)
+              tool_result blocks        -> tool messages (before the user's text, as Anthropic
+                                           orders them)
     output_config.format (json_schema)  -> response_format json_schema (the grammar enforces it)
     tools [{name, description, input_schema}]  -> function tools
     tool_choice auto / any / tool / none       -> auto / required / named / none;
               disable_parallel_tool_use        -> parallel_tool_calls: false
-    max_tokens, stop_sequences, temperature, top_p, top_k  -> max_tokens, stop, temperature, top_p, top_k
+    max_tokens, stop_sequences, temperature, top_p, top_k
+                                        -> max_tokens, stop, temperature, top_p, top_k
 `cache_control` is accepted wherever Anthropic allows it: the prefix cache serves repeated prefixes
 without being asked. Every key at every depth is known or a 400 naming its path.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,12 +29,32 @@ from gateway.fields import known, obj_at, typed
 from gateway.openai_schema import ParsedRequest, Served, parse_chat
 from shared.errors import InvalidRequest
 
-TOP = frozenset({"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
-                 "top_p", "top_k", "metadata", "tools", "tool_choice", "thinking", "service_tier",
-                 "output_config", "cache_control"})
+TOP = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "metadata",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "service_tier",
+        "output_config",
+        "cache_control",
+    }
+)
 COUNT_TOP = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking"})
-REFUSED = {"container": "containers are not supported", "mcp_servers": "MCP servers are not supported",
-           "context_management": "context management is not supported"}
+REFUSED = {
+    "container": "containers are not supported",
+    "mcp_servers": "MCP servers are not supported",
+    "context_management": "context management is not supported",
+}
 _TEXT = frozenset({"type", "text", "cache_control", "citations"})
 _TOOL_USE = frozenset({"type", "id", "name", "input", "cache_control"})
 _TOOL_RESULT = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
@@ -67,13 +91,22 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
     stop = typed(body, "stop_sequences", list, "") or []
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not s:
-            raise InvalidRequest(f"stop_sequences[{i}] must be a non-empty string", param="stop_sequences")
+            raise InvalidRequest(
+                f"stop_sequences[{i}] must be a non-empty string", param="stop_sequences"
+            )
     tools = [_tool(t, i) for i, t in enumerate(typed(body, "tools", list, "") or [])]
-    chat: dict[str, Any] = {"model": typed(body, "model", str, ""), "messages": messages,
-                            "max_tokens": max_tokens, "stop": stop or None, "temperature": temperature,
-                            "top_p": body.get("top_p"), "top_k": body.get("top_k"),
-                            "tools": tools or None, **_tool_choice(body.get("tool_choice"), bool(tools)),
-                            "response_format": _output_format(body.get("output_config"))}
+    chat: dict[str, Any] = {
+        "model": typed(body, "model", str, ""),
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "stop": stop or None,
+        "temperature": temperature,
+        "top_p": body.get("top_p"),
+        "top_k": body.get("top_k"),
+        "tools": tools or None,
+        **_tool_choice(body.get("tool_choice"), bool(tools)),
+        "response_format": _output_format(body.get("output_config")),
+    }
     try:
         parsed = parse_chat(chat, served)
     except InvalidRequest as e:
@@ -88,15 +121,19 @@ def _output_format(value: Any) -> dict[str, Any] | None:
     value = obj_at(value, "output_config")
     known(value, frozenset({"effort", "format"}), "output_config")
     if value.get("effort") is not None:
-        raise InvalidRequest("output_config.effort is not supported: the model is not a reasoning model",
-                             param="output_config.effort")
+        raise InvalidRequest(
+            "output_config.effort is not supported: the model is not a reasoning model",
+            param="output_config.effort",
+        )
     fmt = value.get("format")
     if fmt is None:
         return None
     fmt = obj_at(fmt, "output_config.format")
     known(fmt, frozenset({"type", "schema"}), "output_config.format")
     if fmt.get("type") != "json_schema":
-        raise InvalidRequest("output_config.format.type must be json_schema", param="output_config.format.type")
+        raise InvalidRequest(
+            "output_config.format.type must be json_schema", param="output_config.format.type"
+        )
     schema = typed(fmt, "schema", dict, "output_config.format", required=True)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
@@ -106,8 +143,11 @@ def _thinking(value: Any) -> None:
         return
     value = obj_at(value, "thinking")
     if value.get("type") != "disabled":
-        raise InvalidRequest("thinking is not supported: the model is not a reasoning model (only "
-                             '{"type": "disabled"})', param="thinking")
+        raise InvalidRequest(
+            "thinking is not supported: the model is not a reasoning model (only "
+            '{"type": "disabled"})',
+            param="thinking",
+        )
     known(value, frozenset({"type"}), "thinking")
 
 
@@ -118,7 +158,12 @@ def _system(value: Any) -> list[dict[str, Any]]:
         return [{"role": "system", "content": value}]
     if not isinstance(value, list):
         raise InvalidRequest("system must be a string or a list of text blocks", param="system")
-    return [{"role": "system", "content": "".join(_text_block(b, f"system[{i}]") for i, b in enumerate(value))}]
+    return [
+        {
+            "role": "system",
+            "content": "".join(_text_block(b, f"system[{i}]") for i, b in enumerate(value)),
+        }
+    ]
 
 
 def _text_block(block: Any, path: str) -> str:
@@ -160,17 +205,21 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise InvalidRequest(f"{path}.content must be a string or a list of blocks", param=f"{path}.content")
+            raise InvalidRequest(
+                f"{path}.content must be a string or a list of blocks", param=f"{path}.content"
+            )
         out += _blocks(role, content, f"{path}.content")
     if out[-1]["role"] == "assistant":
         last = f"messages[{len(value) - 1}]"
-        raise InvalidRequest(f"{last}: a last assistant message (prefill) is not supported: end with a user "
-                             "message", param=last)
+        raise InvalidRequest(
+            f"{last}: a last assistant message (prefill) is not supported: end with a user message",
+            param=last,
+        )
     return out
 
 
 def _blocks(role: str, blocks: list[Any], path: str) -> list[dict[str, Any]]:
-    """One message's content blocks -> chat messages (tool results, then text; or text and calls)."""
+    """One message's blocks -> chat messages (tool results, then text; or text and calls)."""
     texts, calls, results = [], [], []
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
@@ -182,9 +231,11 @@ def _blocks(role: str, blocks: list[Any], path: str) -> list[dict[str, Any]]:
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, where))
         else:
-            raise InvalidRequest(f"{where}.type {str(kind)[:50]!r} is not supported in a {role} message "
-                                 "(text; tool_use from the assistant; tool_result from the user)",
-                                 param=f"{where}.type")
+            raise InvalidRequest(
+                f"{where}.type {str(kind)[:50]!r} is not supported in a {role} message "
+                "(text; tool_use from the assistant; tool_result from the user)",
+                param=f"{where}.type",
+            )
     if role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
         if calls:
@@ -197,9 +248,14 @@ def _tool_use(block: dict[str, Any], path: str) -> dict[str, Any]:
     known(block, _TOOL_USE, path)
     _cache_control(block, path)
     args = typed(block, "input", dict, path, required=True)
-    return {"id": typed(block, "id", str, path, required=True), "type": "function",
-            "function": {"name": typed(block, "name", str, path, required=True),
-                         "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": typed(block, "id", str, path, required=True),
+        "type": "function",
+        "function": {
+            "name": typed(block, "name", str, path, required=True),
+            "arguments": json.dumps(args, ensure_ascii=False),
+        },
+    }
 
 
 def _tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
@@ -209,25 +265,34 @@ def _tool_result(block: dict[str, Any], path: str) -> dict[str, Any]:
     if isinstance(content, list):
         content = "".join(_text_block(b, f"{path}.content[{k}]") for k, b in enumerate(content))
     elif content is not None and not isinstance(content, str):
-        raise InvalidRequest(f"{path}.content must be a string or text blocks", param=f"{path}.content")
+        raise InvalidRequest(
+            f"{path}.content must be a string or text blocks", param=f"{path}.content"
+        )
     text = content or ""
     if typed(block, "is_error", bool, path):
         text = f"Error: {text}"  # the template has no slot for it: the model reads it in the result
-    return {"role": "tool", "tool_call_id": typed(block, "tool_use_id", str, path, required=True),
-            "content": text}
+    return {
+        "role": "tool",
+        "tool_call_id": typed(block, "tool_use_id", str, path, required=True),
+        "content": text,
+    }
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:
     path = f"tools[{i}]"
     tool = obj_at(tool, path)
     if tool.get("type") not in (None, "custom"):
-        raise InvalidRequest(f"{path}.type {str(tool.get('type'))[:50]!r} is not supported: only client "
-                             "tools with an input_schema are (no server tools such as web search)",
-                             param=f"{path}.type")
+        raise InvalidRequest(
+            f"{path}.type {str(tool.get('type'))[:50]!r} is not supported: only client "
+            "tools with an input_schema are (no server tools such as web search)",
+            param=f"{path}.type",
+        )
     known(tool, _TOOL, path)
     _cache_control(tool, path)
     fn = {"name": typed(tool, "name", str, path, required=True)}
-    if typed(tool, "description", str, path) is not None:  # in OpenAI's order: the template shows it
+    if (
+        typed(tool, "description", str, path) is not None
+    ):  # in OpenAI's order: the template shows it
         fn["description"] = tool["description"]
     fn["parameters"] = typed(tool, "input_schema", dict, path, required=True)
     return {"type": "function", "function": fn}
@@ -239,15 +304,24 @@ def _tool_choice(choice: Any, has_tools: bool) -> dict[str, Any]:
         return {}
     choice = obj_at(choice, "tool_choice")
     kind = choice.get("type")
-    allowed = {"auto": {"type", "disable_parallel_tool_use"}, "any": {"type", "disable_parallel_tool_use"},
-               "tool": {"type", "name", "disable_parallel_tool_use"}, "none": {"type"}}
+    allowed = {
+        "auto": {"type", "disable_parallel_tool_use"},
+        "any": {"type", "disable_parallel_tool_use"},
+        "tool": {"type", "name", "disable_parallel_tool_use"},
+        "none": {"type"},
+    }
     if kind not in allowed:
-        raise InvalidRequest("tool_choice.type must be auto, any, tool or none", param="tool_choice.type")
+        raise InvalidRequest(
+            "tool_choice.type must be auto, any, tool or none", param="tool_choice.type"
+        )
     known(choice, frozenset(allowed[kind]), "tool_choice")
     single = typed(choice, "disable_parallel_tool_use", bool, "tool_choice")
     if kind == "none":
         return {"tool_choice": "none"} if has_tools else {}
     mode: Any = {"auto": "auto", "any": "required"}.get(kind)
     if kind == "tool":
-        mode = {"type": "function", "function": {"name": typed(choice, "name", str, "tool_choice", True)}}
+        mode = {
+            "type": "function",
+            "function": {"name": typed(choice, "name", str, "tool_choice", True)},
+        }
     return {"tool_choice": mode, "parallel_tool_calls": False if single else None}

@@ -5,6 +5,7 @@ messages (the input items after the instructions, then the output), which `previ
 continues. --responses-store-size caps how many are kept; the least recently used goes first. With
 several gateway workers each process has its own store (docs/api.md).
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict

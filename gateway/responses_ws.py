@@ -1,15 +1,16 @@
 """OpenAI's WebSocket mode of the Responses API: GET /v1/responses upgraded to a WebSocket.
 
-The client sends `{"type": "response.create", ...}` frames whose other fields are a POST /v1/responses
-body (`stream` is implied; `background` is refused); the server answers each with the same events as
-the SSE stream (responses.py's Render), one JSON text message per event. Several responses go over one
-socket: those with the same `stream_id` (OpenAI's "lane"; absent = one default lane) run one after
-another in the order sent, and their events echo the `stream_id`; different lanes run at once.
-`previous_response_id` finds a response made earlier on this socket even with `store: false` (the
-socket keeps its last responses), else in the server's store. A bad frame gets an `error` event
-({"type": "error", "status", "error": {type, code, message, param}}) and the socket goes on. Closing
-the socket aborts what is still running on it.
+The client sends `{"type": "response.create", ...}` frames whose other fields are a POST
+/v1/responses body (`stream` is implied; `background` is refused); the server answers each with the
+same events as the SSE stream (responses.py's Render), one JSON text message per event. Several
+responses go over one socket: those with the same `stream_id` (OpenAI's "lane"; absent = one default
+lane) run one after another in the order sent, and their events echo the `stream_id`; different
+lanes run at once. `previous_response_id` finds a response made earlier on this socket even with
+`store: false` (the socket keeps its last responses), else in the server's store. A bad frame gets
+an `error` event ({"type": "error", "status", "error": {type, code, message, param}}) and the socket
+goes on. Closing the socket aborts what is still running on it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,18 +34,24 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     limit = request.app[CONFIG].max_body_size
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * limit + 65536)
     if not ws.can_prepare(request).ok:
-        raise InvalidRequest("GET /v1/responses is the Responses API's WebSocket mode: open a WebSocket and "
-                             "send response.create messages (POST /v1/responses creates one over HTTP)")
+        raise InvalidRequest(
+            "GET /v1/responses is the Responses API's WebSocket mode: open a WebSocket and "
+            "send response.create messages (POST /v1/responses creates one over HTTP)"
+        )
     await ws.prepare(request)
     session = _Session(request.app, ws)
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
-                await session.error(None, PayloadTooLarge(f"the message is larger than {limit} bytes"))
+                await session.error(
+                    None, PayloadTooLarge(f"the message is larger than {limit} bytes")
+                )
             elif msg.type == WSMsgType.TEXT:
                 await session.handle(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                await session.error(None, InvalidRequest("binary messages are not accepted: send JSON text"))
+                await session.error(
+                    None, InvalidRequest("binary messages are not accepted: send JSON text")
+                )
     finally:
         await session.close()
     return ws
@@ -69,10 +76,14 @@ class _Session:
                 lane = None
                 raise InvalidRequest("stream_id must be a non-empty string", param="stream_id")
             if frame.get("type") != "response.create":
-                raise InvalidRequest(f"type must be response.create, got {str(frame.get('type'))[:50]!r}",
-                                     param="type")
+                raise InvalidRequest(
+                    f"type must be response.create, got {str(frame.get('type'))[:50]!r}",
+                    param="type",
+                )
             if frame.get("stream") not in (None, True):
-                raise InvalidRequest("stream is implied in WebSocket mode (true or absent)", param="stream")
+                raise InvalidRequest(
+                    "stream is implied in WebSocket mode (true or absent)", param="stream"
+                )
             body = {k: v for k, v in frame.items() if k not in ("type", "stream", "stream_id")}
             task = asyncio.create_task(self._run(body, lane, self.last.get(lane)))
             self.last[lane] = task  # the lane's next response waits for this one
@@ -83,7 +94,9 @@ class _Session:
         except ConveyorError as e:
             await self.error(lane, e)
 
-    async def _run(self, body: dict[str, Any], lane: str | None, before: asyncio.Task[None] | None) -> None:
+    async def _run(
+        self, body: dict[str, Any], lane: str | None, before: asyncio.Task[None] | None
+    ) -> None:
         if before is not None:
             await asyncio.wait([before])
         render = None
@@ -112,9 +125,16 @@ class _Session:
     @staticmethod
     def _error(lane: str | None, err: ConveyorError, seq: int | None) -> dict[str, Any]:
         e = error_body(err)["error"]
-        frame: dict[str, Any] = {"type": "error", "status": err.status, "error": {
-            "type": e["type"], "code": None if e["code"] == err.status else str(e["code"]),
-            "message": e["message"], "param": e["param"]}}
+        frame: dict[str, Any] = {
+            "type": "error",
+            "status": err.status,
+            "error": {
+                "type": e["type"],
+                "code": None if e["code"] == err.status else str(e["code"]),
+                "message": e["message"],
+                "param": e["param"],
+            },
+        }
         if seq is not None:
             frame["sequence_number"] = seq
         if lane is not None:

@@ -1,10 +1,11 @@
 """One request's output as API-neutral events, which each API renders in its own shape.
 
 Chat completions, OpenAI's Responses API and Anthropic's Messages API are three front doors to one
-request and one stream. Each door's parser translates its body into a chat-completions body and builds
-the one internal request with openai_schema.parse_chat (template, tools, grammar, SamplingParams);
-every door streams through run_request (admission, the engine, metrics), the one detokenizer
-(shared/choices.py) and the one tool-call parser (gateway/tools.py ToolStream), and gets these events:
+request and one stream. Each door's parser translates its body into a chat-completions body and
+builds the one internal request with openai_schema.parse_chat (template, tools, grammar,
+SamplingParams); every door streams through run_request (admission, the engine, metrics), the one
+detokenizer (shared/choices.py) and the one tool-call parser (gateway/tools.py ToolStream), and gets
+these events:
 
     Started(prompt tokens)       the engine's first output arrived (nothing comes before it, so an
                                  error the engine answers at once is still an HTTP status)
@@ -15,6 +16,7 @@ every door streams through run_request (admission, the engine, metrics), the one
 The Responses and Messages doors ask for one choice (neither API has `n`).
 sse() writes named SSE events (`event: NAME` / `data: JSON`), the framing both those APIs use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,7 +54,8 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class End:
-    reason: str  # "stop" (EOS, stop token, stop string, grammar end) | "length" (Calls may precede either)
+    # "stop" (EOS, stop token, stop string, grammar end) | "length"; Calls may precede either
+    reason: str
     stop_string: str | None  # the stop string that ended the output, if one did
     prompt_tokens: int
     output_tokens: int
@@ -63,7 +66,7 @@ Event = Started | Text | Call | End
 
 
 async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[Event, None]:
-    """The events of a one-choice request; closing the generator aborts the request in the engine."""
+    """The events of a one-choice request; closing the generator aborts it in the engine."""
     interval = app[CONFIG].stream_interval
     tools = ToolStream(req.tools) if req.tools is not None else None
     pending: list[str] = []
@@ -89,8 +92,13 @@ async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGen
             if ended:
                 for call in calls:
                     yield Call(call)
-                yield End(out.finish_reason or "stop", out.stop_string, out.num_prompt_tokens, out.num_output_tokens,
-                          out.num_cached_tokens)
+                yield End(
+                    out.finish_reason or "stop",
+                    out.stop_string,
+                    out.num_prompt_tokens,
+                    out.num_output_tokens,
+                    out.num_cached_tokens,
+                )
                 return
     finally:
         await outputs.aclose()
@@ -99,18 +107,26 @@ async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGen
 Frame = tuple[str, dict[str, Any]]  # (SSE event name, JSON data)
 
 
-async def sse(request: web.Request, frames: AsyncGenerator[Frame, None],
-              on_error: Callable[[ConveyorError], Frame]) -> web.StreamResponse:
-    """Stream named SSE events. The first frame is awaited before the headers go out, so an error before
-    the engine's first output is a proper status with the API's error body; a later one is rendered by
-    on_error as the stream's last event."""
+async def sse(
+    request: web.Request,
+    frames: AsyncGenerator[Frame, None],
+    on_error: Callable[[ConveyorError], Frame],
+) -> web.StreamResponse:
+    """Stream named SSE events. The first frame is awaited before the headers go out, so an error
+    before the engine's first output is a proper status with the API's error body; a later one is
+    rendered by on_error as the stream's last event."""
     try:
         first = await anext(frames, None)
     except BaseException:
         await frames.aclose()
         raise
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
     try:
         await resp.prepare(request)
         if first is not None:

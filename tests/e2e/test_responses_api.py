@@ -340,14 +340,16 @@ _SDK = (
 )
 
 
-def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
-    """The OpenAI Agents SDK on its default model (the Responses API): a forced first call (the
-    grammar makes the tiny model call the tool), the tool runs, the agent answers in its output type
-    (a JSON schema)."""
+@pytest.mark.parametrize("transport", ["http", "websocket"])
+def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server: Server, transport: str) -> None:
+    """The OpenAI Agents SDK on its default model (the Responses API), over HTTP and over its
+    WebSocket transport: a forced first call (the grammar makes the tiny model call the tool), the
+    tool runs, the agent answers in its output type (a JSON schema)."""
     from agents import (
         Agent,
         ModelSettings,
         OpenAIResponsesModel,
+        OpenAIResponsesWSModel,
         Runner,
         function_tool,
         set_tracing_disabled,
@@ -364,19 +366,25 @@ def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> No
 
     async def run() -> list[Any]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        kind = OpenAIResponsesWSModel if transport == "websocket" else OpenAIResponsesModel
+        model = kind(model=MODEL, openai_client=client)
         agent = Agent(
             name="weather",
             instructions="Say the weather.",
             tools=[get_weather],
             output_type=Answer,
-            model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+            model=model,
             model_settings=ModelSettings(
                 tool_choice="get_weather", parallel_tool_calls=False, max_tokens=80, temperature=0
             ),
         )
-        whole = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
-        streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=4)
-        kinds = [e.type async for e in streamed.stream_events()]
+        try:
+            whole = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+            streamed = Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=4)
+            kinds = [e.type async for e in streamed.stream_events()]
+        finally:
+            if isinstance(model, OpenAIResponsesWSModel):
+                await model.close()
         assert "raw_response_event" in kinds
         return [whole, streamed]
 

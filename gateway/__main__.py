@@ -35,7 +35,7 @@ LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this 
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
                 "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
                 "routing", "affinity_tokens", "imbalance_tokens", "chat_template", "tool_call_parser",
-                "reasoning_parser")
+                "reasoning_parser", "responses_store_size")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="split a reasoning model's <think>...</think> from its answer: "
                             "reasoning_content in chat completions (docs/api.md); default: none "
                             "(reasoning fields are refused)")
+        p.add_argument("--responses-store-size", type=int, default=1024,
+                       help="stored /v1/responses kept in memory for previous_response_id and GET (least "
+                            "recently used first out); 0: none")
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
@@ -191,7 +194,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(args.host, args.port, args.served_model_name, args.api_key or None, limits,
                          parse_memory(args.max_body_size, total=1), args.stream_interval,
                          chat_template=template, tool_call_parser=args.tool_call_parser,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser,
+                         responses_store_size=args.responses_store_size)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway import dashboard
+from gateway import anthropic, dashboard, responses
 from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
@@ -38,6 +38,8 @@ def build_app(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.
     client.on_output = _on_output(app[ADMISSION], app[METRICS])
     app.add_routes(routes)
     app.router.add_get("/v1/ws", websocket_handler)
+    responses.setup(app, config.responses_store_size)
+    anthropic.setup(app)
     dashboard.setup(app)
     app.cleanup_ctx.append(_engine)
     app.cleanup_ctx.append(_background)
@@ -83,7 +85,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-def error_response(err: ConveyorError) -> web.Response:
+def error_response(err: ConveyorError, path: str = "") -> web.Response:
+    """OpenAI's error body; Anthropic's on the Messages API's routes."""
     headers = {}
     if isinstance(err, Overloaded):
         headers["Retry-After"] = str(err.retry_after)
@@ -91,7 +94,8 @@ def error_response(err: ConveyorError) -> web.Response:
         headers["Retry-After"] = "1"  # the gateway reconnects by itself once the engine is back
     if isinstance(err, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    return web.Response(body=orjson.dumps(error_body(err)), status=err.status, content_type="application/json",
+    body = anthropic.anthropic_error_body(err) if path.startswith(anthropic.PREFIX) else error_body(err)
+    return web.Response(body=orjson.dumps(body), status=err.status, content_type="application/json",
                         headers=headers)
 
 
@@ -103,18 +107,18 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except ConveyorError as e:
         if e.status >= 500:
             log.warning("%s %s: %s", request.method, request.path, e)
-        return error_response(e)
+        return error_response(e, request.path)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         err = ConveyorError(f"{e.reason}: {request.method} {request.path}")
         err.status, err.type = e.status, "invalid_request_error"
-        return error_response(err)
+        return error_response(err, request.path)
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ConveyorError("internal error"))
+        return error_response(ConveyorError("internal error"), request.path)
 
 
 @web.middleware
@@ -122,8 +126,10 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[CONFIG].api_key
     if key and request.path not in PUBLIC_PATHS:
         given = request.headers.get("Authorization", "")
+        if not given and "x-api-key" in request.headers:  # Anthropic's clients send the key so
+            given = f"Bearer {request.headers['x-api-key']}"
         if not given and (request.path == "/v1/ws" or request.path in dashboard.PATHS):  # browsers set no headers
             given = f"Bearer {request.query.get('api_key', '')}"
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>'")
+            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>' (or x-api-key)")
     return await handler(request)

@@ -38,6 +38,7 @@ class GatewayConfig:
     chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
     reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
+    responses_store_size: int = 1024  # stored /v1/responses kept for previous_response_id (LRU)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -46,6 +47,8 @@ class GatewayConfig:
             raise ValueError("max_body_size must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be >= 0")
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {PARSERS}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:

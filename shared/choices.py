@@ -54,6 +54,7 @@ class TextOutput:
     # params.prompt_logprobs set, on each choice's first output: one entry per prompt token (the first has
     # logprob None and no alternatives: nothing precedes it).
     prompt_logprobs: list[TokenLogprob] | None = None
+    stop_string: str | None = None  # the stop string that ended this choice (Anthropic's stop_sequence)
 
 
 class TokenStrings:
@@ -192,7 +193,9 @@ class Choices:
         if reason is not None:
             c.finish_reason = reason
             self.num_ended += 1
-        return self._output(index, out, text, ids, entries, reason)
+        result = self._output(index, out, text, ids, entries, reason)
+        result.stop_string = c.detok.stop_reason
+        return result
 
     def _output(self, index: int, out: RequestOutput, text: str, ids: list[int],
                 entries: list[TokenLogprob] | None, reason: str | None) -> TextOutput:

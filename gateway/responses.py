@@ -1,0 +1,272 @@
+"""OpenAI's Responses API: POST /v1/responses (JSON or SSE), GET and DELETE /v1/responses/{id}.
+
+The request is parsed by responses_schema.py into the one internal request; the one event stream of
+gateway/translate.py is rendered here as Responses events, each with its `sequence_number`:
+
+    response.created, response.in_progress
+    per message:  response.output_item.added, response.content_part.added,
+                  response.output_text.delta*,
+                  response.output_text.done, response.content_part.done, response.output_item.done
+    per call:     response.output_item.added, response.function_call_arguments.delta / .done,
+                  response.output_item.done
+    response.completed (or response.incomplete when max_output_tokens cut the output); `error` if
+    the engine fails after the stream began.
+A non-streaming response is the last event's `response`: the same renderer, so both agree. The
+WebSocket mode (responses_ws.py) sends the same events, one JSON message each.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from aiohttp import web
+
+from gateway.openai_schema import error_body
+from gateway.responses_schema import ResponsesRequest, parse_responses
+from gateway.responses_store import RESPONSES, ResponseStore, Stored
+from gateway.routes import json_response, read_json
+from gateway.state import SERVED
+from gateway.tools import ToolCall
+from gateway.translate import Call, End, Started, Text, events, sse
+from shared.errors import ConveyorError
+
+
+def parse(app: web.Application, body: Any, local: ResponseStore | None = None) -> ResponsesRequest:
+    """The body -> the request, its previous_response_id's conversation looked up first (404 if
+    gone);
+    local: a WebSocket's own responses, looked up before the server's store."""
+    prev = body.get("previous_response_id") if isinstance(body, dict) else None
+    history = None
+    if isinstance(prev, str):
+        stored = local.find(prev) if local is not None else None
+        history = (stored or app[RESPONSES].get(prev, "previous_response_id")).history
+    return parse_responses(body, app[SERVED], history)
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    req = parse(app, await read_json(request))
+    render = Render(app, req, f"resp_{uuid.uuid4().hex}")
+    if req.stream:
+        frames = ((e["type"], e) async for e in render.run())
+        return await sse(request, frames, lambda err: ("error", render.error(err)))
+    return json_response(await render.final())
+
+
+async def retrieve(request: web.Request) -> web.Response:
+    return json_response(request.app[RESPONSES].get(request.match_info["response_id"]).response)
+
+
+async def delete(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    request.app[RESPONSES].delete(rid)
+    return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+class Render:
+    """One response's events, numbered; stores the response at its end when asked to."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        req: ResponsesRequest,
+        rid: str,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.app, self.req, self.rid = app, req, rid
+        self.extra = extra or {}  # fields every event carries (the WebSocket mode's stream_id)
+        self.created = int(time.time())
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.text: list[str] | None = None  # the open message's text, while one is open
+        self.calls: list[ToolCall] = []
+        self.final_response: dict[str, Any] | None = None
+        self.stored: Stored | None = None  # the response and its conversation, once it ended
+
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        out = {"type": kind, "sequence_number": self.seq, **fields, **self.extra}
+        self.seq += 1
+        return out
+
+    def error(self, err: ConveyorError) -> dict[str, Any]:
+        e = error_body(err)["error"]
+        return self.event("error", code=str(e["code"]), message=e["message"], param=e["param"])
+
+    async def final(self) -> dict[str, Any]:
+        """Run to the end (non-streaming) -> the response object."""
+        gen = self.run()
+        try:
+            async for _ in gen:
+                pass
+        finally:
+            await gen.aclose()
+        assert self.final_response is not None  # the stream ends with End, or raises
+        return self.final_response
+
+    async def run(self) -> AsyncGenerator[dict[str, Any], None]:
+        source = events(self.app, self.req.parsed, self.rid)
+        try:
+            async for ev in source:
+                if isinstance(ev, Started):
+                    for kind in ("response.created", "response.in_progress"):
+                        yield self.event(kind, response=self.response("in_progress"))
+                elif isinstance(ev, Text):
+                    for out in self._text(ev.text):
+                        yield out
+                elif isinstance(ev, Call):
+                    for out in [*self._close_message("completed"), *self._call(ev.call)]:
+                        yield out
+                elif isinstance(ev, End):
+                    for out in self._end(ev):
+                        yield out
+        finally:
+            await source.aclose()
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        out = []
+        if self.text is None:
+            self.text = []
+            item = {
+                "type": "message",
+                "id": f"msg_{uuid.uuid4().hex}",
+                "status": "in_progress",
+                "role": "assistant",
+                "content": [],
+            }
+            self.output.append(item)
+            out += [
+                self.event(
+                    "response.output_item.added", output_index=len(self.output) - 1, item=item
+                ),
+                self.event("response.content_part.added", **self._at(), part=_part("")),
+            ]
+        self.text.append(text)
+        if text:
+            out.append(
+                self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
+            )
+        return out
+
+    def _at(self) -> dict[str, Any]:
+        return {
+            "item_id": self.output[-1]["id"],
+            "output_index": len(self.output) - 1,
+            "content_index": 0,
+        }
+
+    def _close_message(self, status: str) -> list[dict[str, Any]]:
+        if self.text is None:
+            return []
+        text, at = "".join(self.text), self._at()
+        self.text = None
+        item = {**self.output[-1], "status": status, "content": [_part(text)]}
+        self.output[-1] = item
+        return [
+            self.event("response.output_text.done", **at, text=text, logprobs=[]),
+            self.event("response.content_part.done", **at, part=_part(text)),
+            self.event("response.output_item.done", output_index=at["output_index"], item=item),
+        ]
+
+    def _call(self, call: ToolCall) -> list[dict[str, Any]]:
+        self.calls.append(call)
+        item = {
+            "type": "function_call",
+            "id": f"fc_{uuid.uuid4().hex}",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        self.output.append(item)
+        index = len(self.output) - 1
+        done = {**item, "arguments": call.arguments, "status": "completed"}
+        self.output[-1] = done
+        at = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event("response.output_item.added", output_index=index, item=item),
+            self.event("response.function_call_arguments.delta", **at, delta=call.arguments),
+            self.event(
+                "response.function_call_arguments.done",
+                **at,
+                name=call.name,
+                arguments=call.arguments,
+            ),
+            self.event("response.output_item.done", output_index=index, item=done),
+        ]
+
+    def _end(self, end: End) -> list[dict[str, Any]]:
+        cut = end.reason == "length"
+        out = [] if self.output or self.text is not None else self._text("")  # always some output
+        out += self._close_message("incomplete" if cut else "completed")
+        usage = {
+            "input_tokens": end.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": end.cached_tokens},
+            "output_tokens": end.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": end.prompt_tokens + end.output_tokens,
+        }
+        final = self.response(
+            "incomplete" if cut else "completed",
+            usage,
+            {"reason": "max_output_tokens"} if cut else None,
+        )
+        self.final_response = final
+        self.stored = Stored(final, [*self.req.history, self._assistant()])
+        if self.req.store:
+            self.app[RESPONSES].put(self.rid, self.stored)
+        out.append(
+            self.event("response.incomplete" if cut else "response.completed", response=final)
+        )
+        return out
+
+    def _assistant(self) -> dict[str, Any]:
+        """This response's output as the chat message a later previous_response_id renders."""
+        text = "".join(
+            p["text"] for item in self.output if item["type"] == "message" for p in item["content"]
+        )
+        msg: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if self.calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.calls]
+        elif not text:
+            msg["content"] = ""
+        return msg
+
+    def response(
+        self,
+        status: str,
+        usage: dict[str, Any] | None = None,
+        incomplete: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return {
+            "id": self.rid,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.app[SERVED].name,
+            "output": list(self.output),
+            "usage": usage,
+            **self.req.echo,
+            "reasoning": {"effort": None, "summary": None},
+            "truncation": "disabled",
+            "background": False,
+            "service_tier": "default",
+        }
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def setup(app: web.Application, store_size: int) -> None:
+    from gateway.responses_ws import websocket  # it renders with Render, from here
+
+    app[RESPONSES] = ResponseStore(store_size)
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses", websocket)  # OpenAI's WebSocket mode
+    app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", delete)

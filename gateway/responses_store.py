@@ -1,0 +1,70 @@
+"""Stored responses (`store: true`, the default): a bounded in-memory LRU per gateway process.
+
+A stored response keeps its response object (GET /v1/responses/{id}) and its conversation as chat
+messages (the input items after the instructions, then the output), which `previous_response_id`
+continues. --responses-store-size caps how many are kept; the least recently used goes first. With
+several gateway workers each process has its own store (docs/api.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from shared.errors import ConveyorError
+
+
+class NotFound(ConveyorError):
+    status = 404
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    response: dict[str, Any]
+    history: list[dict[str, Any]]  # chat messages: the conversation up to and including this output
+
+
+class ResponseStore:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._items: OrderedDict[str, Stored] = OrderedDict()
+
+    def put(self, rid: str, stored: Stored) -> None:
+        if self.size <= 0:
+            return
+        self._items[rid] = stored
+        self._items.move_to_end(rid)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def find(self, rid: str) -> Stored | None:
+        stored = self._items.get(rid)
+        if stored is not None:
+            self._items.move_to_end(rid)
+        return stored
+
+    def get(self, rid: str, param: str | None = None) -> Stored:
+        """The stored response, or NotFound (404 in OpenAI's shape)."""
+        stored = self.find(rid)
+        if stored is None:
+            raise NotFound(f"Response with id '{rid[:100]}' not found.", param=param)
+        return stored
+
+    def delete(self, rid: str) -> None:
+        if self._items.pop(rid, None) is None:
+            raise NotFound(f"Response with id '{rid[:100]}' not found.")
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+RESPONSES = web.AppKey("responses", ResponseStore)

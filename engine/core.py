@@ -23,7 +23,7 @@ from engine.step import Delta, EngineFault, StepPlan
 from engine.structured import Grammars
 from engine.trace import Tracer, no_mark
 from engine.weights import load_model
-from kernels import get_backend
+from kernels import get_backend, one_attention_kernel
 from kernels.backend import backend_limit
 from shared.config import EngineConfig
 from shared.embedding import PoolingParams
@@ -64,7 +64,8 @@ class EngineCore:
             tp_runner, self.model_config = start_tensor_parallel(config, self.source, device)
             model, kv = tp_runner.model, tp_runner.kv_cache
         else:
-            model, self.model_config = load_model(self.source, config.dtype, device, config.quantization)
+            model, self.model_config = load_model(self.source, config.dtype, device, config.quantization,
+                                                  deterministic=config.deterministic)
         mc = self.model_config
         dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -72,6 +73,9 @@ class EngineCore:
             kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size
         backend = get_backend(config.attention_backend, device, dtype)
+        if config.deterministic and not one_attention_kernel(backend):
+            raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: the native "
+                             "CPU kernel (a C++ compiler at the first start; CONVEYOR_NATIVE_PROMPTS unset)")
         self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "

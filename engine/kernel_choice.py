@@ -49,11 +49,12 @@ def switched_modules(model: nn.Module) -> list[QuantizedLinear]:
             if isinstance(m, QuantizedLinear) and (m is not embed or tied)]
 
 
-def attach_packed_copies(model: nn.Module, dtype: torch.dtype,
-                         kind: str | None = None) -> dict[str, int]:
+def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None = None,
+                         deterministic: bool = False) -> dict[str, int]:
     """Gives the model's quantized matrices their packed copies and thresholds. -> int4 / int8 ->
     the rows from which that kernel hands over ({} when no copy was made). kind: the CPU kind
-    (tests)."""
+    (tests). deterministic: the copies at every row count (one kernel, so a row's arithmetic does
+    not depend on the step's row count; the faster one for batches), one-row calls padded."""
     modules = switched_modules(model)
     size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
     if not modules or dtype != torch.bfloat16 or size > PLAIN_MAX_BYTES:
@@ -62,7 +63,13 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype,
                      size / 2**20)
         return {}
     for m in modules:
-        m.packed, m.packed_from = PackedLinear(m.dequantized(), None), NEVER
+        m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=deterministic), NEVER
+    if deterministic:
+        for m in modules:
+            m.packed_from = 1
+        log.info("--deterministic: quantized GEMMs on their packed %s copies at every row count",
+                 str(dtype).removeprefix("torch."))
+        return {k: 1 for k in {kind_of(m) for m in modules}}
     kind = kind or cpu_kind()
     table = quantized_packed_from(kind, torch.get_num_threads())
     measured = table is None

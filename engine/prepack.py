@@ -71,8 +71,13 @@ class PackedLinear(nn.Module):
     """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor); from plain_from rows
     on, with the plain W through F.linear (MKL) instead, where that measured faster."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain_from: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plain_from: int | None = None,
+                 pad_one_row: bool = False) -> None:
+        """pad_one_row (--deterministic): a one-row call runs as two rows, because oneDNN takes another
+        kernel for one row of some shapes (K = 1536 here), which rounds that row differently than the same
+        row of any larger call; from two rows on, a row's result does not depend on the row count."""
         super().__init__()
+        self.pad_one_row = pad_one_row
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor
@@ -88,6 +93,8 @@ class PackedLinear(nn.Module):
         return self.plain if self.plain_from is not None and x.shape[0] >= self.plain_from else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pad_one_row and x.shape[0] == 1:
+            return self.forward(x.expand(2, -1).contiguous())[:1]
         if (plain := self._plain_for(x)) is not None:
             return F.linear(x, plain, self.bias)
         y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -95,6 +102,8 @@ class PackedLinear(nn.Module):
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b), the addition fused into the GEMM."""
+        if self.pad_one_row and x.shape[0] == 1:
+            return self.add_to(h.expand(2, -1).contiguous(), x.expand(2, -1).contiguous())[:1]
         if (plain := self._plain_for(x)) is not None:
             out = torch.addmm(h, x, plain.t())
             return out if self.bias is None else out.add_(self.bias)
@@ -114,21 +123,22 @@ def usable(model: nn.Module, device: torch.device) -> bool:
     return dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...]) -> int:
-    """Replaces each decoder layer's plain projections and the LM head in place. -> matrices packed."""
+def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...], deterministic: bool = False) -> int:
+    """Replaces each decoder layer's plain projections and the LM head in place. -> matrices packed.
+    deterministic: one kernel at every row count (no MKL from plain_from rows), one-row calls padded."""
     packed = 0
-    plain_from = plain_from_rows(next(model.parameters()).dtype)
+    plain_from = None if deterministic else plain_from_rows(next(model.parameters()).dtype)
     linears = [(layer, name) for layer in model.model.layers for name in projections
                if isinstance(getattr(layer, name, None), nn.Linear)]
     if sum(getattr(layer, name).weight.nbytes for layer, name in linears) > PLAIN_MAX_BYTES:
         plain_from = None
     for layer, name in linears:
         proj = getattr(layer, name)
-        setattr(layer, name, PackedLinear(proj.weight, proj.bias, plain_from))
+        setattr(layer, name, PackedLinear(proj.weight, proj.bias, plain_from, deterministic))
         packed += 1
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     if isinstance(head, (nn.Linear, nn.Embedding)):
-        model.lm_head = PackedLinear(head.weight, None, plain_from)  # type: ignore[assignment]
+        model.lm_head = PackedLinear(head.weight, None, plain_from, deterministic)  # type: ignore[assignment]
         packed += 1
     log.info("%d weight matrices prepacked for oneDNN%s", packed,
              f"; plain copies kept for calls of {plain_from}+ rows (MKL)" if plain_from is not None else "")

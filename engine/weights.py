@@ -44,11 +44,14 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str,
-               quantization: str = "none", prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
+               quantization: str = "none", prepack: bool = True,
+               deterministic: bool = False) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it computes in,
     cfg.quantization what its projections hold). dtype: a torch dtype, or a --dtype name ("auto" resolves
     against the checkpoint, engine/dtype.py). quantization: none | int8 | int4 | auto (engine/quant.py).
     prepack: float projections in oneDNN's layout on a CPU (engine/prepack.py); off, they stay nn.Linear.
+    deterministic: GEMM kernels chosen so a row's result does not depend on the row count
+    (docs/determinism.md).
     GGUF sources load from the dequantized cache when it exists, and create it otherwise."""
     t0 = time.perf_counter()
     device = torch.device(device)
@@ -59,7 +62,8 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
         if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
             # No cache (read-only or full disk): the whole dequantized file is held once, in memory.
             config, tensors, groups = read_gguf(source.folder / source.gguf_file)
-            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack)
+            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack,
+                                deterministic)
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     config = json.loads((folder / "config.json").read_text())
@@ -67,7 +71,7 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     groups_file = folder / _GROUPS_FILE
     model, cfg = _build(config, gen, _read_copies(_safetensors_files(folder)), dtype, device, quantization,
-                        groups_file if groups_file.is_file() else None, prepack)
+                        groups_file if groups_file.is_file() else None, prepack, deterministic)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
 
@@ -81,7 +85,7 @@ def dequantized_folder(source: ModelSource) -> Path:
 def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
            device: torch.device, quantization: str = "none",
            groups: dict[str, torch.Tensor] | Path | None = None,
-           prepack: bool = True) -> tuple[nn.Module, ModelConfig]:
+           prepack: bool = True, deterministic: bool = False) -> tuple[nn.Module, ModelConfig]:
     """weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
     groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
     safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
@@ -105,9 +109,9 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     if prepack and usable(model, device):
         if mode == "none":
-            prepack_model(model, LAYER_PROJECTIONS)
+            prepack_model(model, LAYER_PROJECTIONS, deterministic)
         else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
-            attach_packed_copies(model, dtype)
+            attach_packed_copies(model, dtype, deterministic=deterministic)
     _release_freed_memory()
     return model, cfg
 

@@ -25,3 +25,10 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torc
 
         return TritonBackend(device)
     raise ValueError(f"unknown attention backend {name!r}: expected auto, cpu, torch or triton")
+
+
+def one_attention_kernel(backend: AttentionBackend) -> bool:
+    """Whether every row of a step (a decode, a prompt chunk, a row over a cached prefix) attends through
+    one kernel in one fixed order of its context, as --deterministic needs: the native CPU kernel with
+    prompts on it (docs/determinism.md). Triton's decode and prefill kernels are two."""
+    return bool(getattr(backend, "native", False) and getattr(backend, "native_prompts", False))

@@ -140,6 +140,10 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None  # None = the model's own context length
     seed: int = 0
+    # One GEMM kernel at every row count and one-row GEMMs padded, so a request's output does not depend
+    # on the traffic where the default's kernel choice would make it (docs/determinism.md); costs the
+    # quantized default its int kernels at small batches.
+    deterministic: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

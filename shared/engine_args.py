@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--num-threads", type=int, help="compute threads; default: one per core")
     a("--max-model-len", type=int, help="default: the model's context length")
     a("--seed", type=int, help="seed of unseeded sampling")
+    a("--deterministic", action="store_true", default=None,
+      help="a request's output does not depend on the traffic: one GEMM kernel at every batch size "
+           "(the quantized default loses its int kernels at small batches; docs/determinism.md)")
     a("--max-num-seqs", type=int, help=f"sequences per step (default {s.max_num_seqs}): more = throughput "
       "until the KV cache runs out")
     a("--max-num-batched-tokens", type=int, help=f"token budget per step (default {s.max_num_batched_tokens}): "

@@ -1,4 +1,4 @@
-"""The same request gives the same output whatever the traffic (docs/determinism.md).
+"""The same request gives the same output whatever the traffic, under --deterministic (docs/determinism.md).
 
 One target request runs alone, then inside batches of random other requests (1..32 rows, arriving at
 random steps), with its prompt cached or half cached, chunked at random token budgets, preempted by
@@ -96,7 +96,7 @@ def alone(folder: Path, dtype: str, quantization: str, temperature: float) -> Ou
 def options(dtype: str, quantization: str) -> dict[str, object]:
     # No CPU swap pool (the default is 1 GiB per engine) but where a scenario swaps.
     return dict(dtype=dtype, quantization=quantization, num_blocks=512, num_cpu_blocks=0,
-                max_num_batched_tokens=512)
+                max_num_batched_tokens=512, deterministic=True)
 
 
 @pytest.mark.parametrize("dtype,quantization", CONFIGS)
@@ -115,8 +115,8 @@ def test_one_request_is_invariant_to_the_traffic(tiny_llama_dir: Path, dtype: st
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_scenario_is_covered(tiny_llama_dir: Path, name: str) -> None:
-    """Each kind of traffic once, in bfloat16 with int4 weights (the default's arithmetic on this CPU),
-    so no scenario depends on hypothesis drawing it."""
+    """Each kind of traffic once, in bfloat16 with int4 weights (the default model's arithmetic on CPUs
+    with native bfloat16), so no scenario depends on hypothesis drawing it."""
     reference = alone(tiny_llama_dir, "bfloat16", "int4", 0.0)
     got = scenario(tiny_llama_dir, name, random.Random(5), 0.0, reference, **options("bfloat16", "int4"))
     assert got == reference, name

@@ -290,6 +290,18 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
     assert all(m.packed is None for m in kernel_choice.switched_modules(model))
 
 
+@needs_bf16_packing
+def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> None:
+    """--deterministic: every quantized matrix on its packed copy from one row (no switch by row count,
+    which would round a row differently in small and large steps), one-row calls padded."""
+    from engine import kernel_choice
+
+    model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4", deterministic=True)
+    modules = kernel_choice.switched_modules(model)
+    assert modules and all(m.packed is not None and m.packed_from == 1 for m in modules)
+    assert all(m.packed.pad_one_row for m in modules if m.packed is not None)
+
+
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(monkeypatch) -> None:
     from engine import kernel_choice
 

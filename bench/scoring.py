@@ -3,15 +3,16 @@ prompt_logprobs = k, max_tokens 1), beside plain prefill of the very same prompt
 prompt logprobs) in the same run, on the offline engine (no HTTP: the engine's cost alone).
 
 Scoring computes the LM head on every prompt row (not only the last) and one log-softmax per chunk;
-the prefix cache is off for both modes (a scoring request skips it anyway), so the ratio is that cost.
-Each mode runs `--repeats` times, alternating, after one warm-up pass; the median is reported.
+the prefix cache is off for both modes (a scoring request skips it anyway), so the ratio is that
+cost. Each mode runs `--repeats` times, alternating, after one warm-up pass; the median is reported.
 
 Further modes (embeddings, issue #29) are one entry in MODES: a name and a function that builds the
 SamplingParams of one request (or None for a mode that is not available in this build).
 
-    python bench/scoring.py [--model M] [--dtype auto|float32|bfloat16] [--threads 2] [--requests 32]
-                            [--prompt-len 256] [--top-k 1] [--repeats 3]
+    python bench/scoring.py [--model M] [--dtype auto|float32|bfloat16] [--threads 2]
+                            [--requests 32] [--prompt-len 256] [--top-k 1] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,13 +57,17 @@ def run_once(core: Any, prompts: list[list[int]], params: Any, tag: str) -> floa
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--top-k", type=int, default=1, help="alternatives per prompt token (lm-eval asks for 1)")
+    ap.add_argument(
+        "--top-k", type=int, default=1, help="alternatives per prompt token (lm-eval asks for 1)"
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
@@ -72,15 +77,26 @@ def main() -> None:
     from engine.core import EngineCore
     from shared.config import build_config
 
-    core = EngineCore(build_config(args.model, dtype=args.dtype, num_threads=args.threads, kv_cache_memory="1GiB",
-                                   enable_prefix_caching=False,
-                                   max_num_batched_tokens=args.max_num_batched_tokens))
+    core = EngineCore(
+        build_config(
+            args.model,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            kv_cache_memory="1GiB",
+            enable_prefix_caching=False,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
     vocab = core.model_config.vocab_size
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    print(f"machine: {machine()}\ncpu flags: {cpu_features()}\nmodel: {args.model}, dtype "
-          f"{core.model_config.dtype}, {args.requests} prompts x {args.prompt_len} tokens, top-k {args.top_k}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}")
+    prompts = [
+        [rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)
+    ]
+    print(
+        f"machine: {machine()}\ncpu flags: {cpu_features()}\nmodel: {args.model}, dtype "
+        f"{core.model_config.dtype}, {args.requests} prompts x {args.prompt_len} tokens, "
+        f"top-k {args.top_k}, max_num_batched_tokens {args.max_num_batched_tokens}"
+    )
     results: dict[str, list[float]] = {name: [] for name in MODES}
     for name, (_, build) in MODES.items():  # warm-up: shapes, allocator
         run_once(core, prompts[:4], build(args.top_k), f"warm-{name}")

@@ -34,7 +34,7 @@ def native(isa: str, runnable: list[str], dtype: torch.dtype) -> TorchBackend:
     if isa == "avx512_bf16" and dtype != torch.bfloat16:
         pytest.skip("avx512_bf16 takes bfloat16 q and cache only")
     backend = TorchBackend("cpu", native=True)
-    backend.native_isa = isa
+    backend.native_isa, backend.native_prompts = isa, True  # prompt chunks too, whatever the dtype
     return backend
 
 

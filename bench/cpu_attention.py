@@ -59,25 +59,33 @@ def median_ms(fn, runs: int) -> float:
 
 def native_cases() -> list[Case]:
     """Decode batches by size and context: the step's total context is what the old limit looked at."""
-    return [Case(f"{b:3d} decodes x L={n}", [1] * b, [n - 1] * b)
-            for b, n in [(1, 128), (1, 4096), (8, 256), (8, 1024), (32, 64), (32, 408), (32, 1024), (64, 2048)]]
+    decodes = [Case(f"{b} decodes x L={n}", [1] * b, [n - 1] * b)
+               for b, n in [(1, 128), (1, 4096), (8, 256), (8, 1024), (32, 64), (32, 408), (32, 1024), (64, 2048)]]
+    return decodes + [Case("prompt 128", [128], [0]), Case("prompt 512", [512], [0]),
+                      Case("chunk 512 over 1024", [512], [1024]),
+                      Case("31 dec L=408 + prompt 256", [1] * 31 + [256], [407] * 31 + [0])]
 
 
 def native_vs_sdpa(runs: int) -> None:
     """One layer's store + attention: gather + SDPA against the native kernel on each code path this CPU
-    runs (portable, avx2, avx512: float32 math; avx512_bf16: bfloat16 dot products), per dtype and batch."""
+    runs (portable, avx2, avx512: float32 math; avx512_bf16: bfloat16 dot products), per dtype and batch;
+    for steps with a prompt, also the native kernel for the decodes with SDPA for the prompt."""
     import torch
 
     import kernels.torch_backend as tb
 
     sdpa, native = tb.TorchBackend("cpu"), tb.TorchBackend("cpu", native=True)
+    native.native_prompts = True  # every row through the kernel, on each path
+    old = tb.TorchBackend("cpu", native=True)  # prompts on SDPA: what the backend did before the kernel took them
+    old.native_prompts = False
     if not native.native:
         print("native kernel unavailable here: nothing to compare")
         return
     isas = [i for i in torch.ops.conveyor_cpu.attention_isas() if i != "portable"]
     print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
           f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size}, ms, min of {runs}; x: SDPA / best native")
-    print(f"{'case':24s} {'dtype':9s} {'ctx':>7s} {'gather+SDPA':>12s}" + "".join(f"{i:>12s}" for i in isas)
+    print(f"{'case':26s} {'dtype':9s} {'ctx':>7s} {'gather+SDPA':>12s} {'SDPA prompts':>12s}"
+          + "".join(f"{i:>12s}" for i in isas)
           + f" {'x':>6s} {'GB/s':>6s}")
     gen = torch.Generator().manual_seed(0)
     for case in native_cases():
@@ -87,6 +95,10 @@ def native_vs_sdpa(runs: int) -> None:
             base, meta = sdpa.plan(layout), native.plan(layout)
             want = sdpa.forward(q, k, v, kc, vc, base, scale).float()
             ms = [min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)]
+            if any(n > tb.SHORT_QUERY for n in case.query_lens):
+                ms.append(min_ms(functools.partial(old.forward, q, k, v, kc, vc, old.plan(layout), scale), runs))
+            else:
+                ms.append(float("nan"))  # no prompt: the same as the native columns
             for isa in isas:
                 if isa == "avx512_bf16" and dtype != torch.bfloat16:
                     ms.append(float("nan"))
@@ -95,10 +107,11 @@ def native_vs_sdpa(runs: int) -> None:
                 torch.testing.assert_close(native.forward(q, k, v, kc, vc, meta, scale).float(), want,
                                            atol=2e-2, rtol=2e-2)
                 ms.append(min_ms(functools.partial(native.forward, q, k, v, kc, vc, meta, scale), runs))
-            best = min(m for m in ms[1:] if m == m)
+            best = min(m for m in ms[2:] if m == m)
             nbytes, _ = attention_traffic(case, SMOLLM2, dtype.itemsize)
-            ctx = sum(case.context_lens) + len(case.context_lens)
-            print(f"{case.name:24s} {str(dtype)[6:]:9s} {ctx:7d} {ms[0]:12.3f}" + "".join(f"{m:12.3f}" for m in ms[1:])
+            ctx = sum(case.context_lens) + sum(case.query_lens)
+            print(f"{case.name:26s} {str(dtype)[6:]:9s} {ctx:7d} {ms[0]:12.3f} {ms[1]:12.3f}"
+                  + "".join(f"{m:12.3f}" for m in ms[2:])
                   + f" {ms[0] / best:5.1f}x {nbytes / best / 1e6:6.1f}")
 
 

@@ -19,7 +19,7 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torc
         from kernels.torch_backend import TorchBackend
 
         # The native kernel computes in float32 from float32 or bfloat16 inputs; float16 takes PyTorch ops.
-        return TorchBackend(device, native=name == "cpu" and dtype in (torch.float32, torch.bfloat16))
+        return TorchBackend(device, native=name == "cpu" and dtype in (torch.float32, torch.bfloat16), dtype=dtype)
     if name == "triton":
         from kernels.triton_backend import TritonBackend
 

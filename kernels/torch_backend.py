@@ -159,28 +159,37 @@ class TorchBackend:
 
     # Context tokens per task of the native kernel: a long sequence is split so both cores share it.
     NATIVE_PART_TOKENS = 256
+
     def __init__(self, device: torch.device | str = "cpu", native: bool = False,
-                 native_max_context: int | None = None) -> None:
+                 native_max_context: int | None = None, dtype: torch.dtype | None = None) -> None:
         """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu).
         native_max_context: the most context tokens a step's short queries may attend for the native kernel
         to take them; None (the default): no limit. The kernel beats gather + SDPA at every batch and context
         measured, in bfloat16 and float32, on AVX-512 and AVX2 CPUs (python bench/cpu_attention.py --native);
-        the knob stays for bench/step_profile.py --native-max-context, to time the old path beside it."""
+        the knob stays for bench/step_profile.py --native-max-context, to time the old path beside it.
+        dtype: the model's, where known: prompt chunks go native where that pays (below)."""
         self.device = torch.device(device)
         self.native_max_context = native_max_context
         # The native kernel's code path: auto (the best this CPU runs) or portable | avx2 | avx512 |
         # avx512_bf16 (docs/kernels.md); CONVEYOR_ATTENTION_ISA names one for a bench's side-by-side run.
         self.native_isa = os.environ.get("CONVEYOR_ATTENTION_ISA", "auto")
-        # Prompt chunks through the native kernel too (one kernel, one fixed order of a row's context for
-        # every kind of row: a token's output does not depend on how its prompt was split or cached);
-        # CONVEYOR_NATIVE_PROMPTS=0 sends them to SDPA, the bench's baseline.
-        self.native_prompts = os.environ.get("CONVEYOR_NATIVE_PROMPTS", "1") != "0"
         self._workspace = torch.empty(0, device=self.device)  # gathered K then V, grown as needed
         if native and self.device.type == "cpu":
             from kernels import cpu
 
             native = cpu.available()
         self.native = native and self.device.type == "cpu"
+        # Prompt chunks through the native kernel too, where it beats SDPA (bench/cpu_attention.py --native):
+        # with its AVX-512 BF16 path, i.e. a bfloat16 model and cache on a CPU with avx512_bf16. One kernel
+        # then walks every row's context in one fixed order, so a token's output does not depend on how its
+        # prompt was chunked or cached (issue #30). CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off.
+        forced = os.environ.get("CONVEYOR_NATIVE_PROMPTS")
+        self.native_prompts = self.native and (forced == "1" if forced in ("0", "1") else self._bf16_path(dtype))
+
+    def _bf16_path(self, dtype: torch.dtype | None) -> bool:
+        """Whether the native kernel runs its AVX-512 BF16 path for this model (head dim aside)."""
+        return (dtype == torch.bfloat16 and self.native_isa in ("auto", "avx512_bf16")
+                and "avx512_bf16" in torch.ops.conveyor_cpu.attention_isas())
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         bs = layout.block_size

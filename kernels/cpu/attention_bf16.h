@@ -42,20 +42,32 @@ inline __m512 widen16(const bf* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// 16 keys' scores of one row: key i's dot product over D in lane i (C = D / 32 chunks of 32 dims; keys
+// from n on are not read and score 0).
+template <int C>
+inline __m512 dots16(const __m512bh* qv, const bf* k, int64_t stride, int64_t n) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm512_setzero_ps();
+    if (i < n)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(k + i * stride + 32 * c));
+  }
+  return reduce16(a);
+}
+
 // Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi].
+template <int C>
 inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
-  const int64_t D = p.D, stride = p.Hkv * D, chunks = D / 32;
-  __m512bh qv[8];
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  const int64_t stride = p.Hkv * p.D;
+  __m512bh qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
   for (int64_t i0 = 0; i0 < p.BS; i0 += 16) {
-    __m512 a[16];
-    for (int i = 0; i < 16; ++i) {
-      a[i] = _mm512_setzero_ps();
-      if (i0 + i >= p.BS) continue;
-      const bf* ki = k + (i0 + i) * stride;
-      for (int64_t c = 0; c < chunks; ++c) a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(ki + 32 * c));
-    }
-    __m512 s = _mm512_mul_ps(reduce16(a), _mm512_set1_ps(p.scale));
+    const int64_t n = p.BS - i0;
+    __m512 s = _mm512_mul_ps(n >= 16 ? dots16<C>(qv, k + i0 * stride, stride, 16)
+                                     : dots16<C>(qv, k + i0 * stride, stride, n), _mm512_set1_ps(p.scale));
     if (p.cap > 0.f) {
       alignas(64) float t[16];
       _mm512_store_ps(t, s);
@@ -89,27 +101,38 @@ inline float softmax_update(float* sr, int64_t n16, float* m, float* l) {
 }
 
 // acc rows g0..g0+rows-1 (at most 4), dims [d, d + 16 * w): rescaled by alpha, plus the weighted V rows.
-template <int W>
+template <int W, int R>
 inline void pv(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
-               int64_t rows, float* acc, int64_t d, int64_t lo, int64_t hi) {
+               float* acc, int64_t d, int64_t lo, int64_t hi) {
   const int64_t D = p.D, stride = p.Hkv * D;
-  __m512 a[4][W];
-  for (int64_t g = 0; g < rows; ++g)
+  constexpr int rows = R;
+  __m512 a[R][W];
+  for (int g = 0; g < rows; ++g)
     for (int w = 0; w < W; ++w)
       a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * w), _mm512_set1_ps(alpha[g]));
   for (int64_t i = lo; i <= hi; ++i) {
     __m512 vi[W];
     for (int w = 0; w < W; ++w) vi[w] = widen16(v + i * stride + d + 16 * w);
-    for (int64_t g = 0; g < rows; ++g) {
+    for (int g = 0; g < rows; ++g) {
       const __m512 wi = _mm512_set1_ps(sr[g * n16 + i]);
       for (int w = 0; w < W; ++w) a[g][w] = _mm512_fmadd_ps(wi, vi[w], a[g][w]);
     }
   }
-  for (int64_t g = 0; g < rows; ++g)
+  for (int g = 0; g < rows; ++g)
     for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + g * D + d + 16 * w, a[g][w]);
 }
 
-void block(const conveyor::Params& p, const conveyor::Span& s) {
+// The rows' V update over dims [d, D), 64 at a time, then 32.
+template <int R>
+inline void pv_rows(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
+                    float* acc, int64_t lo, int64_t hi) {
+  int64_t d = 0;
+  for (; d + 64 <= p.D; d += 64) pv<4, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
+  if (d < p.D) pv<2, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
+}
+
+template <int C>
+void block_c(const conveyor::Params& p, const conveyor::Span& s) {
   const int64_t G = p.G, D = p.D, n16 = (p.BS + 15) / 16 * 16;
   thread_local float* sr = nullptr;  // [G][n16] scores, then weights: grown, never freed
   thread_local int64_t capacity = 0;
@@ -127,16 +150,31 @@ void block(const conveyor::Params& p, const conveyor::Span& s) {
     if (lo > hi) continue;
     const int64_t r0 = j * G;
     for (int64_t g = 0; g < G; ++g) {
-      scores(p, static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head, k, lo, hi, sr + g * n16);
+      scores<C>(p, static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head, k, lo, hi, sr + g * n16);
       alpha[g] = softmax_update(sr + g * n16, n16, s.m + r0 + g, s.l + r0 + g);
     }
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t rows = G - g0 < 4 ? G - g0 : 4;
       float* acc = s.acc + (r0 + g0) * D;
-      int64_t d = 0;
-      for (; d + 64 <= D; d += 64) pv<4>(p, v, sr + g0 * n16, n16, alpha + g0, rows, acc, d, lo, hi);
-      if (d < D) pv<2>(p, v, sr + g0 * n16, n16, alpha + g0, rows, acc, d, lo, hi);
+      const float* w = sr + g0 * n16;
+      if (rows == 4) pv_rows<4>(p, v, w, n16, alpha + g0, acc, lo, hi);
+      if (rows == 3) pv_rows<3>(p, v, w, n16, alpha + g0, acc, lo, hi);
+      if (rows == 2) pv_rows<2>(p, v, w, n16, alpha + g0, acc, lo, hi);
+      if (rows == 1) pv_rows<1>(p, v, w, n16, alpha + g0, acc, lo, hi);
     }
+  }
+}
+
+void block(const conveyor::Params& p, const conveyor::Span& s) {
+  switch (p.D / 32) {
+    case 1: return block_c<1>(p, s);
+    case 2: return block_c<2>(p, s);
+    case 3: return block_c<3>(p, s);
+    case 4: return block_c<4>(p, s);
+    case 5: return block_c<5>(p, s);
+    case 6: return block_c<6>(p, s);
+    case 7: return block_c<7>(p, s);
+    default: return block_c<8>(p, s);
   }
 }
 

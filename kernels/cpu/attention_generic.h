@@ -38,12 +38,14 @@ inline float dot(const float* a, const float* b, int64_t D) {
 
 // Lane i of the result: the sum of a_i's lanes (pairwise adds, one transposing reduction for eight keys).
 inline v8 hadd8(v8 a, v8 b) {
-  return __builtin_shuffle(a, b, i8{0, 2, 8, 10, 4, 6, 12, 14}) + __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
+  return __builtin_shuffle(a, b, i8{0, 2, 8, 10, 4, 6, 12, 14}) +
+         __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
 }
 inline v8 reduce8(const v8* a) {
   const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));
   const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
-  return __builtin_shuffle(lo, hi, i8{0, 1, 2, 3, 8, 9, 10, 11}) + __builtin_shuffle(lo, hi, i8{4, 5, 6, 7, 12, 13, 14, 15});
+  return __builtin_shuffle(lo, hi, i8{0, 1, 2, 3, 8, 9, 10, 11}) +
+         __builtin_shuffle(lo, hi, i8{4, 5, 6, 7, 12, 13, 14, 15});
 }
 
 // out[0:8] = q . k_i for the eight keys k_i = k + i * stride (D a multiple of 8).
@@ -153,7 +155,10 @@ void block(const conveyor::Params& p, const conveyor::Span& s) {
     const KV* vb = static_cast<const KV*>(s.v);
     for (int64_t i = 0; i < BS; ++i)
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) kf[i * D + d] = widen_(kb[i * stride + d]), vf[i * D + d] = widen_(vb[i * stride + d]);
+      for (int64_t d = 0; d < D; ++d) {
+        kf[i * D + d] = widen_(kb[i * stride + d]);
+        vf[i * D + d] = widen_(vb[i * stride + d]);
+      }
   }
   for (int64_t j = 0; j < s.n; ++j) {
     int64_t lo, hi;

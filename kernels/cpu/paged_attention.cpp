@@ -155,13 +155,16 @@ void attend(const Call& c, const Task& t, const Partials& out) {
       const int64_t block = c.tables[t.seq * c.max_blocks + b0 / p.BS];
       if (b0 + p.BS < b_end) {  // the next block lies anywhere: fetch it while this one is worked on
         const int64_t next = c.tables[t.seq * c.max_blocks + b0 / p.BS + 1] * p.BS * kv_row;
-        for (int64_t x = 0; x < p.BS * kv_row; x += 64) __builtin_prefetch(c.k + next + x), __builtin_prefetch(c.v + next + x);
+        for (int64_t x = 0; x < p.BS * kv_row; x += 64) {
+          __builtin_prefetch(c.k + next + x);
+          __builtin_prefetch(c.v + next + x);
+        }
       }
       for (int64_t h = 0; h < p.Hkv; ++h) {
         const int64_t r = out.at(h, part);
+        const int64_t kv = block * p.BS * kv_row + h * p.D * c.esize;
         const Span s{c.q + (c.starts[t.seq] + t.t0) * q_tok + h * q_h, t.t1 - t.t0, first,
-                     out.m + r, out.l + r, out.acc + r * p.D,
-                     c.k + block * p.BS * kv_row + h * p.D * c.esize, c.v + block * p.BS * kv_row + h * p.D * c.esize, b0};
+                     out.m + r, out.l + r, out.acc + r * p.D, c.k + kv, c.v + kv, b0};
         c.fn(p, s);
       }
     }
@@ -196,12 +199,11 @@ std::vector<float>& shared_buffer() {
   return buf;
 }
 
-template <typename Q>
-void run(const Call& c, Q* op, int64_t num_seqs) {
+// The call's tasks, largest first; base[s]: where sequence s's partials start in the shared buffer (-1:
+// a prompt chunk, merged in its tasks). -> the shared buffer's size, in floats.
+int64_t plan(const Call& c, int64_t num_seqs, std::vector<Task>& tasks, std::vector<int64_t>& base) {
   const Params& p = c.p;
-  std::vector<Task> tasks;
-  std::vector<int64_t> base(num_seqs, -1);
-  int64_t floats = 0;  // the shared buffer's size
+  int64_t floats = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t n_q = c.qlens[s], ctx = c.lens[s] - n_q;
     if (n_q > kChunkTokens) {
@@ -222,6 +224,16 @@ void run(const Call& c, Q* op, int64_t num_seqs) {
     }
     floats += p.Hkv * (p1 - p0) * n_q * p.G * (p.D + 2);
   }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  return floats;
+}
+
+template <typename Q>
+void run(const Call& c, Q* op, int64_t num_seqs) {
+  const Params& p = c.p;
+  std::vector<Task> tasks;
+  std::vector<int64_t> base(num_seqs, -1);
+  const int64_t floats = plan(c, num_seqs, tasks, base);
   std::vector<float>& buf = shared_buffer();
   if (static_cast<int64_t>(buf.size()) < floats) buf.resize(floats);
   float* shared = buf.data();
@@ -230,7 +242,6 @@ void run(const Call& c, Q* op, int64_t num_seqs) {
     part_range(c, c.lens[s] - c.qlens[s], c.lens[s] - 1, &p0, &p1);
     return carve(shared + base[s], p, p0, p1 - p0, c.qlens[s] * p.G, false);
   };
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_tasks), 1, [&](int64_t, int64_t) {

@@ -34,7 +34,7 @@ def native(isa: str, runnable: list[str], dtype: torch.dtype) -> TorchBackend:
     if isa == "avx512_bf16" and dtype != torch.bfloat16:
         pytest.skip("avx512_bf16 takes bfloat16 q and cache only")
     backend = TorchBackend("cpu", native=True)
-    backend.native_isa = isa
+    backend.native_isa, backend.native_prompts = isa, True  # prompt chunks too, whatever the dtype
     return backend
 
 
@@ -150,3 +150,20 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, wind
         mixed = attend(isa, q, kc, vc, table, others + pieces[::-1], window, softcap)
         ours = torch.cat([whole[a:b] for a, b in pieces[::-1]])
         assert torch.equal(mixed[sum(b - a for a, b in others):], ours)
+
+
+def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, monkeypatch):
+    """bench/cpu_attention.py --native: the avx512_bf16 path beats SDPA on prompts; the float32 paths do not.
+    CONVEYOR_NATIVE_PROMPTS forces either way."""
+    from kernels import get_backend
+
+    monkeypatch.delenv("CONVEYOR_NATIVE_PROMPTS", raising=False)
+    monkeypatch.delenv("CONVEYOR_ATTENTION_ISA", raising=False)
+    bf16, fp32 = get_backend("cpu", "cpu", torch.bfloat16), get_backend("cpu", "cpu", torch.float32)
+    assert bf16.native_prompts == ("avx512_bf16" in runnable)
+    assert not fp32.native_prompts
+    batch = random_batch([1, 40], [30, 20], block_size=16, num_kv_heads=1, group=2, head_dim=64, seed=9)
+    assert (bf16.plan(batch.layout).native.covers_all is True) == bf16.native_prompts
+    assert fp32.plan(batch.layout).prefills  # the prompt on SDPA
+    monkeypatch.setenv("CONVEYOR_NATIVE_PROMPTS", "1")
+    assert get_backend("cpu", "cpu", torch.float32).native_prompts

@@ -81,6 +81,7 @@ class EngineLoop:
         # A full queue raises (EAGAIN, we send without blocking) and a client that is gone raises
         # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: _send deals with both.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys is not None:  # CURVE: only clients whose public key lies in the key folder get through
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()

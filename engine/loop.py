@@ -132,10 +132,20 @@ class EngineLoop:
                     self._pay_owed_errors()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
-            if self.trace_file is not None and self.core.tracer is not None:
-                self.core.tracer.write(self.trace_file)
-                log.info("trace written to %s", self.trace_file)
-            self.close()
+            try:
+                self._write_trace()
+            finally:  # a trace that cannot be written must not leave the socket and the workers open
+                self.close()
+
+    def _write_trace(self) -> None:
+        if self.trace_file is None or self.core.tracer is None:
+            return
+        try:
+            self.core.tracer.write(self.trace_file)
+        except OSError as e:  # checked at start; the folder went away since, or the disk is full
+            log.error("the trace could not be written to %s: %s", self.trace_file, e)
+            return
+        log.info("trace written to %s", self.trace_file)
 
     def _step(self) -> Sequence[RequestOutput | Error]:
         """EngineCore.step ends a request that fails inside it; this is the net under that net. A bug

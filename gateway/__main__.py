@@ -191,7 +191,14 @@ async def run(args: argparse.Namespace) -> int:
     from gateway.supervisor import EngineSupervisor, RestartPolicy
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
+    from shared.preflight import check_port, check_writable
 
+    trace_file = getattr(args, "trace_file", None)
+    reuse = getattr(args, "reuse_port", False) or getattr(args, "gateway_workers", 1) > 1
+    problem = (check_writable(trace_file) if trace_file else None) or check_port(args.host, args.port, reuse)
+    if problem is not None:  # before any model loads
+        print(f"conveyor: {problem}", file=sys.stderr)
+        return 2
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -94,8 +94,9 @@ class EngineCore:
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)
         self.eos_token_ids = tuple(mc.eos_token_ids)
-        # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
-        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
+        # Structured output: grammars compile in worker processes; the tokenizer loads on first use.
+        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids,
+                                 timeout=config.grammar_compile_timeout)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps

@@ -80,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")
+    a("--grammar-compile-timeout", type=float, metavar="SECONDS", help="a structured-output grammar that takes "
+      "longer to compile is refused (400) and its compile killed (default 20; real schemas take under 1 s)")
     a("--trace-file", metavar="PATH", help="record every step's phases and every request's lifecycle, in Chrome "
       "trace-event JSON (open it in Perfetto), and write the latest 200k events there when the engine stops "
       "(docs/dashboard.md)")

@@ -33,8 +33,8 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
-                "routing")
+                "max_body_size", "max_prompt_chars", "stream_interval", "resume_timeout", "log_level", "curve_keys",
+                "engine_timeout", "routing")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-queued-prompt-tokens", type=int, default=262144,
                        help="prompt tokens of waiting requests before 429")
         p.add_argument("--max-body-size", default="16MiB", help="largest request body (bytes, or like 1MiB) before 413")
+        p.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="characters of prompt text before 400, checked before tokenizing (default: "
+                            "max_model_len x the longest token: more cannot fit the context)")
         p.add_argument("--stream-interval", type=int, default=1,
                        help="stream the first token at once, then one event every N tokens: fewer, larger events "
                             "(less CPU per token under load) at the price of burstier streams")
@@ -178,7 +181,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     template = Path(args.chat_template).read_text() if args.chat_template else None
     return GatewayConfig(args.host, args.port, args.served_model_name, args.api_key or None, limits,
                          parse_memory(args.max_body_size, total=1), args.stream_interval,
-                         chat_template=template, tool_call_parser=args.tool_call_parser)
+                         chat_template=template, tool_call_parser=args.tool_call_parser,
+                         max_prompt_chars=args.max_prompt_chars)
 
 
 async def run(args: argparse.Namespace) -> int:

@@ -36,6 +36,14 @@ class Served:
     tokenizer: Any = None
     chat_template: str | None = None  # --chat-template: rendered instead of the model's template
     tool_call_parser: str = "auto"
+    max_prompt_chars: int = 0  # 0: no limit (GatewayConfig.max_prompt_chars says how it is set)
+
+    def check_chars(self, n: int, param: str) -> None:
+        """Before tokenizing: text this long cannot fit the context, and tokenizing it takes seconds."""
+        if self.max_prompt_chars and n > self.max_prompt_chars:
+            raise InvalidRequest(f"the {param} has {n} characters; at most {self.max_prompt_chars} fit this "
+                                 f"model's context of {self.max_model_len} tokens (--max-prompt-chars)",
+                                 param=param)
 
 
 @dataclass(slots=True)
@@ -54,6 +62,7 @@ def parse_completion(body: Any, served: Served) -> ParsedRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
+        served.check_chars(len(prompt), "prompt")
         ids = encode(served.tokenizer, prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = prompt
@@ -68,6 +77,7 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     body = _check_common(body, served, chat=True)
     tools = parse_tools(body, served.tool_call_parser)
     messages = parse_messages(body.get("messages"))
+    served.check_chars(sum(len(m["content"]) for m in messages), "messages")
     uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     ids = apply_chat_template(served.tokenizer, messages, tools=tools.tools if tools else None,
                               template=template_for(served.tokenizer, served.chat_template, uses_tools))

@@ -2,8 +2,12 @@
 is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the client."""
 from __future__ import annotations
 
+import asyncio
+import functools
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -17,6 +21,15 @@ from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
 routes = web.RouteTableDef()
+T = TypeVar("T")
+# Tokenizing (and rendering chat templates) happens here, off the event loop: a prompt of megabytes
+# takes seconds, and every stream of this gateway would stall meanwhile. One thread: a fast tokenizer
+# must not be entered from several threads at once; --max-prompt-chars bounds what waits behind it.
+_TOKENIZER = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+async def tokenizing(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER, functools.partial(fn, *args, **kwargs))
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -47,7 +60,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
-    req = (parse_chat if chat else parse_completion)(await read_json(request), app[SERVED])
+    req = await tokenizing(parse_chat if chat else parse_completion, await read_json(request), app[SERVED])
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))
@@ -101,10 +114,14 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     if "messages" in body:
-        ids = apply_chat_template(served.tokenizer, parse_messages(body["messages"]),
-                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        messages = parse_messages(body["messages"])
+        served.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        ids = await tokenizing(apply_chat_template, served.tokenizer, messages,
+                               add_generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
-        ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        served.check_chars(len(body["prompt"]), "prompt")
+        ids = await tokenizing(encode, served.tokenizer, body["prompt"],
+                               add_special_tokens=bool(body.get("add_special_tokens", True)))
     else:
         raise InvalidRequest("give either 'prompt' (a string) or 'messages'", param="prompt")
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len})

@@ -36,6 +36,9 @@ class GatewayConfig:
     stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
     chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
+    # Characters of prompt text before 400, checked before tokenizing; None: max_model_len times the
+    # longest token's characters (more text than that cannot fit the context, whatever it says).
+    max_prompt_chars: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,11 +16,12 @@ from aiohttp import web
 from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import parse_chat, parse_completion, parse_messages
 from gateway.router import Router
-from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
+from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge, RequestTimeout
 from gateway.streaming import chunks, complete, sse_response
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 T = TypeVar("T")
 # Tokenizing (and rendering chat templates) happens here, off the event loop: a prompt of megabytes
@@ -37,8 +39,13 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 async def read_json(request: web.Request) -> Any:
+    timeout = request.app[CONFIG].body_timeout
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        log.warning("%s %s: the body did not arrive within %gs (--body-timeout); closing", request.method,
+                    request.path, timeout)
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"the request body is larger than this server's limit of "
                               f"{request.app[CONFIG].max_body_size} bytes") from None

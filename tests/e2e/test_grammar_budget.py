@@ -5,7 +5,6 @@ compile budget. A bomb whose client stays gets a 400 naming the budget."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any

@@ -212,8 +212,13 @@ class EngineLoop:
             if self.owner.get(msg.request_id) == client:  # as for ABORT: only the client that owns the request
                 self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
-            if msg.protocol_version != PROTOCOL_VERSION:
-                why = f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}"
+            version = msg.protocol_version
+            if not isinstance(version, int) or isinstance(version, bool):
+                why = f"protocol_version must be an integer, got {type(version).__name__} {version!r}"[:300]
+                self._send(client, Error(None, why, 400))
+                return
+            if version != PROTOCOL_VERSION:
+                why = f"protocol version {version} is not {PROTOCOL_VERSION}"
                 self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,

@@ -317,3 +317,21 @@ def test_a_reconnection_under_a_routing_identity_the_engine_still_holds_is_answe
             ctx.destroy(linger=0)
 
     run(main())
+
+
+def test_a_hello_with_a_string_protocol_version_is_refused_by_type(ipc_engine: tuple[Server, str]) -> None:
+    _, address = ipc_engine
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            sock = await raw_dealer(ctx, address)
+            sock.connect(address)
+            await sock.send_multipart(P.encode(P.Hello(protocol_version="4")))  # type: ignore[arg-type]
+            answer = P.decode(await asyncio.wait_for(sock.recv_multipart(), 30))
+            assert isinstance(answer, P.Error) and answer.status == 400
+            assert answer.message == "protocol_version must be an integer, got str '4'", answer.message
+        finally:
+            ctx.destroy(linger=0)
+
+    run(main())

@@ -21,7 +21,7 @@ from shared.tokenizer import apply_chat_template, encode
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
 _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                         "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                                        "repetition_penalty", "logit_bias", "speculative")}
+                                        "repetition_penalty", "logit_bias", "speculative", "cache_salt")}
 # Refused unless at their neutral values: never silently ignored.
 _REFUSED = {"echo": (False, "echo is not supported: the response holds the completion only"),
             "suffix": ("", "suffix (text after the insertion point) is not supported")}

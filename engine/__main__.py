@@ -11,6 +11,7 @@ import signal
 import sys
 
 from shared.engine_args import add_engine_args, config_from_args
+from shared.preflight import check_writable
 from shared.wire import HEARTBEAT_INTERVAL, load_keys
 
 
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
         keys = load_keys(args.curve_keys, "engine") if args.curve_keys else None
         if not args.heartbeat_interval > 0:
             raise ValueError("--heartbeat-interval must be > 0")
+        problem = check_writable(args.trace_file) if args.trace_file else None
+        if problem is not None:  # before the model loads
+            sys.exit(f"python -m engine: {problem}")
     except ValueError as e:
         p.error(str(e))
     # Pin OpenMP compute threads, one per core, before torch starts them: unpinned threads migrate

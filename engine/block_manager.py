@@ -262,8 +262,10 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """seq.block_hashes extended to cover its first num_blocks full blocks."""
         hashes, ids, bs = seq.block_hashes, seq.token_ids, self.block_size
+        salt = seq.params.cache_salt  # the first block's parent: different salts never share a block
+        root = None if salt is None else ("cache_salt", salt)
         for i in range(len(hashes), num_blocks):
-            hashes.append(hash((hashes[i - 1] if i else None, tuple(ids[i * bs:(i + 1) * bs]))))
+            hashes.append(hash((hashes[i - 1] if i else root, tuple(ids[i * bs:(i + 1) * bs]))))
         return hashes
 
     def lookup(self, seq: Sequence) -> PrefixHit:

@@ -101,8 +101,9 @@ class EngineCore:
         self.pooling = pooling.resolve(self.source.folder, mc.hidden_size, config.pooling,
                                        tensor_parallel=tp_runner is not None)
         self.runner.pool_mode = self.pooling.mode
-        # Structured output: grammars compile in a worker thread; the tokenizer loads there, on first use.
-        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids)
+        # Structured output: grammars compile in worker processes; the tokenizer loads on first use.
+        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids,
+                                 timeout=config.grammar_compile_timeout)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps

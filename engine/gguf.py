@@ -95,10 +95,8 @@ def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTe
     weight (Gemma's norm is x * (1 + w)); Qwen3-MoE's experts stacked into [E, out, in] tensors, whose
     gate and up are fused into one [E, 2I, hidden] ([gate; up] rows per expert) as HF v5 holds them:
     the fused tensor comes where the second of the two stands in the file."""
-    from gguf import GGUFReader
-
     t0 = time.perf_counter()
-    reader = GGUFReader(path)
+    reader = _checked_reader(path)
     config = _gguf_config(reader)
     log.info("read GGUF metadata of %s in %.2f s", path.name, time.perf_counter() - t0)
     arch = reader.fields["general.architecture"].contents()
@@ -124,6 +122,29 @@ def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTe
     return config, shapes, _dequantize_gguf(reader, config, arch)
 
 
+def _checked_reader(path: Path) -> Any:
+    """gguf's GGUFReader, which first checks that every tensor's bytes lie inside the file: a truncated
+    file names itself, the tensor and the bytes missing (gguf's own error is numpy's reshape message)."""
+    from gguf import GGUFReader
+
+    class Checked(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+            from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_dtype, offset = field.parts
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_dtype[0])]
+                begin = int(start_offs + offset[0])
+                end = begin + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise ValueError(f"{path}: truncated GGUF: tensor {bytes(name).decode()} needs bytes "
+                                     f"{begin}..{end} and the file has {size}: {end - size} bytes missing")
+            super()._build_tensors(start_offs, fields)
+
+    return Checked(path)
+
+
 def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTensors:
     from gguf.quants import dequantize
 
@@ -140,6 +161,10 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
             a = np.array(a, dtype=np.float32)
         w = torch.from_numpy(a)
         del a
+        if not bool(torch.isfinite(w).all()):  # a corrupt file: garbage served as healthy otherwise
+            bad = int((~torch.isfinite(w)).sum())
+            raise ValueError(f"{reader.data.filename}: tensor {t.name} holds {bad} non-finite values (NaN or inf) of "
+                             f"{w.numel()}: the file is corrupt; download it again")
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
         if arch in _GEMMA_ARCHS and module.endswith(("norm", "layernorm")):

@@ -81,6 +81,7 @@ class EngineLoop:
         # A full queue raises (EAGAIN, we send without blocking) and a client that is gone raises
         # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: _send deals with both.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if keys is not None:  # CURVE: only clients whose public key lies in the key folder get through
             self.auth = ThreadAuthenticator(self.ctx)
             self.auth.start()
@@ -131,10 +132,20 @@ class EngineLoop:
                     self._pay_owed_errors()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
-            if self.trace_file is not None and self.core.tracer is not None:
-                self.core.tracer.write(self.trace_file)
-                log.info("trace written to %s", self.trace_file)
-            self.close()
+            try:
+                self._write_trace()
+            finally:  # a trace that cannot be written must not leave the socket and the workers open
+                self.close()
+
+    def _write_trace(self) -> None:
+        if self.trace_file is None or self.core.tracer is None:
+            return
+        try:
+            self.core.tracer.write(self.trace_file)
+        except OSError as e:  # checked at start; the folder went away since, or the disk is full
+            log.error("the trace could not be written to %s: %s", self.trace_file, e)
+            return
+        log.info("trace written to %s", self.trace_file)
 
     def _step(self) -> Sequence[RequestOutput | Error]:
         """EngineCore.step ends a request that fails inside it; this is the net under that net. A bug
@@ -203,8 +214,13 @@ class EngineLoop:
             if self.owner.get(msg.request_id) == client:  # as for ABORT: only the client that owns the request
                 self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
-            if msg.protocol_version != PROTOCOL_VERSION:
-                why = f"protocol version {msg.protocol_version} is not {PROTOCOL_VERSION}"
+            version = msg.protocol_version
+            if not isinstance(version, int) or isinstance(version, bool):
+                why = f"protocol_version must be an integer, got {type(version).__name__} {version!r}"[:300]
+                self._send(client, Error(None, why, 400))
+                return
+            if version != PROTOCOL_VERSION:
+                why = f"protocol version {version} is not {PROTOCOL_VERSION}"
                 self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,

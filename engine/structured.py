@@ -3,10 +3,11 @@
 Library: xgrammar (docs/structured_output.md says why, with the figures that chose it over llguidance).
 
 Life of a constrained request:
-1. `EngineCore.add` hands it to `Grammars.add`: its grammar is compiled in a worker thread (compiled
-   grammars are cached by their text, and a second request for a grammar being compiled waits on the same
-   future). The request waits here, in no scheduler queue, holding no blocks: the step never waits for a
-   compile.
+1. `EngineCore.add` hands it to `Grammars.add`: its grammar is compiled in a worker process
+   (engine/grammar_worker.py; compiled grammars are cached by their text, and a second request for a
+   grammar being compiled waits on the same future). The request waits here, in no scheduler queue,
+   holding no blocks: the step never waits for a compile. A compile has a time and a memory budget (over
+   either, the request gets a 400), and it is killed when every request waiting for it is aborted.
 2. Each step, `Grammars.ready` takes the finished compiles: an invalid schema, regex or grammar is an
    ERROR with status 400 and the compiler's message (nothing was queued); a valid one gives the root
    sequence its matcher and goes to the scheduler.
@@ -23,19 +24,24 @@ token is ever taken back, and beam search with a constraint is refused (shared/s
 """
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import logging
-import re
+import os
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from engine.grammar_worker import read_frame, write_frame
 from shared.constraints import Constraint
 
 if TYPE_CHECKING:
@@ -46,28 +52,99 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.structured")
 
 CACHE_SIZE = 256  # compiled grammars kept, least recently used evicted
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:18:13] /project/cpp/x.cc:83: " before a message
+COMPILE_TIMEOUT = 20.0  # seconds a compile may take (real schemas take well under one)
+COMPILE_MEMORY = 1 << 30  # bytes of memory a compile may add to its process
+COMPILE_WORKERS = 2  # compiles at once: a slow one holds one, the others go on
 
 
 class GrammarError(Exception):
-    """The client's schema, regex or grammar does not compile: the compiler's message, for a 400."""
+    """The client's schema, regex or grammar does not compile, or not within the budget: for a 400."""
+
+
+class _CompileServer:
+    """The engine's end of engine/grammar_worker.py: jobs out on its stdin, answers read by a thread of
+    their own, each resolving its job's future. Started on first use."""
+
+    def __init__(self, info: xgr.TokenizerInfo, workers: int, timeout: float, max_bytes: int) -> None:
+        self.info = info
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", str(workers), str(timeout),
+                                      str(max_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.jobs: dict[int, Future[xgr.CompiledGrammar]] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # writes to its stdin, and self.jobs
+        self._send(info.serialize_json().encode())
+        threading.Thread(target=self._read, name="grammar-answers", daemon=True).start()
+
+    def _send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        with self._lock:
+            write_frame(self.proc.stdin, data)
+
+    def submit(self, c: Constraint) -> tuple[int, Future[xgr.CompiledGrammar]]:
+        job_id, future = next(self._ids), Future[Any]()
+        with self._lock:
+            self.jobs[job_id] = future
+        self._send(json.dumps({"id": job_id, "kind": c.kind, "value": c.value}).encode())
+        return job_id, future
+
+    def cancel(self, job_id: int) -> None:
+        with self._lock:
+            self.jobs.pop(job_id, None)
+        self._send(json.dumps({"id": job_id, "cancel": True}).encode())
+
+    def _read(self) -> None:
+        import xgrammar as xgr
+
+        out = self.proc.stdout
+        assert out is not None
+        try:
+            while True:
+                head = json.loads(read_frame(out))
+                payload = read_frame(out) if head["error"] is None else b""
+                with self._lock:
+                    future = self.jobs.pop(head["id"], None)
+                if future is None:  # cancelled meanwhile
+                    continue
+                if head["error"] is not None:
+                    future.set_exception(GrammarError(head["error"]))
+                else:
+                    future.set_result(xgr.CompiledGrammar.deserialize_json(payload.decode(), self.info))
+        except (EOFError, OSError, ValueError) as e:
+            with self._lock:
+                jobs, self.jobs = self.jobs, {}
+            for future in jobs.values():
+                future.set_exception(RuntimeError(f"the grammar compile server exited ({e or 'EOF'})"))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()  # it kills its children and exits
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Grammars:
-    """Compiles constraints in a worker thread, caches the results by text, and holds the requests that
-    wait for theirs. `load_tokenizer` runs once, in the worker, on the first constrained request."""
+    """Compiles constraints in a compile server process (engine/grammar_worker.py: a forked child per
+    compile, killable, with a time and a memory budget), caches the results by text, and holds the
+    requests that wait for theirs. A compile whose requests all went away is killed. `load_tokenizer`
+    runs once, on the first constrained request."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: tuple[int, ...],
-                 max_workers: int = 1) -> None:
+                 max_workers: int = COMPILE_WORKERS, timeout: float = COMPILE_TIMEOUT,
+                 max_bytes: int = COMPILE_MEMORY) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
-        self._compiler: xgr.GrammarCompiler | None = None
-        self._compiler_lock = threading.Lock()
-        self._cache: OrderedDict[Constraint, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.max_workers, self.timeout, self.max_bytes = max_workers, timeout, max_bytes
+        self._server: _CompileServer | None = None
+        self._starting: Future[_CompileServer] | None = None  # the first use starts it, in a thread
+        self._cache: OrderedDict[Constraint, tuple[int, Future[xgr.CompiledGrammar]]] = OrderedDict()
+        self._pending: list[tuple[Constraint, Future[xgr.CompiledGrammar]]] = []  # before the server is up
         self.waiting: dict[str, tuple[Sequence, Future[xgr.CompiledGrammar]]] = {}  # by request id
-        self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0}
+        self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0, "grammar_compiles_cancelled": 0}
 
     # ---------------------------------------------------------------- requests
     def add(self, root: Sequence) -> None:
@@ -76,8 +153,22 @@ class Grammars:
         self.waiting[root.request.request_id] = (root, self.compile(constraint))
 
     def drop(self, request_id: str) -> bool:
-        """An abort of a request still waiting for its grammar. -> whether it was here."""
-        return self.waiting.pop(request_id, None) is not None
+        """An abort of a request still waiting for its grammar. -> whether it was here. The last request
+        waiting for a compile takes the compile with it (its process is killed)."""
+        entry = self.waiting.pop(request_id, None)
+        if entry is None:
+            return False
+        future = entry[1]
+        if not future.done() and all(f is not future for _, f in self.waiting.values()):
+            key = next((c for c, (_, f) in self._cache.items() if f is future), None)
+            if key is not None:
+                job_id, _ = self._cache.pop(key)
+                self.stats["grammar_compiles_cancelled"] += 1
+                if job_id >= 0 and self._server is not None:
+                    self._server.cancel(job_id)
+                else:
+                    self._pending = [(c, f) for c, f in self._pending if f is not future]
+        return True
 
     def wait(self, timeout: float) -> None:
         """Until a waiting request's compile finishes, or timeout seconds."""
@@ -85,8 +176,9 @@ class Grammars:
 
     def ready(self) -> tuple[list[Sequence], list[tuple[str, str, int]]]:
         """The waiting requests whose compile finished: (roots with their matcher, ready to schedule),
-        (request id, why, HTTP status) for the others: 400 when the constraint does not compile, 500 when
-        the engine could not compile anything (its tokenizer did not load). Never blocks."""
+        (request id, why, HTTP status) for the others: 400 when the constraint does not compile (or not
+        within the budget), 500 when the engine could not compile anything. Never blocks."""
+        self._flush_pending()
         ok: list[Sequence] = []
         failed: list[tuple[str, str, int]] = []
         for rid in [rid for rid, (_, f) in self.waiting.items() if f.done()]:
@@ -106,61 +198,84 @@ class Grammars:
 
     # ---------------------------------------------------------------- compiling
     def compile(self, constraint: Constraint) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of constraint, from the cache or a new compile in the worker."""
-        future = self._cache.get(constraint)
-        if future is not None and not (future.done() and future.exception() is not None):
+        """The compiled grammar of constraint, from the cache or a new compile in the compile server."""
+        hit = self._cache.get(constraint)
+        if hit is not None and not (hit[1].done() and hit[1].exception() is not None):
             self._cache.move_to_end(constraint)
             self.stats["grammar_cache_hits"] += 1
-            return future
+            return hit[1]
         self.stats["grammar_compiles"] += 1
-        future = self._pool.submit(self._compile, constraint)
-        self._cache[constraint] = future
+        self._flush_pending()
+        if self._server is None:
+            future: Future[xgr.CompiledGrammar] = Future()
+            self._pending.append((constraint, future))
+            self._cache[constraint] = (-1, future)
+            self._start_server()
+        else:
+            self._cache[constraint] = self._server.submit(constraint)
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
-        return future
+        return self._cache[constraint][1]
+
+    def _start_server(self) -> None:
+        """The tokenizer's info for xgrammar and the compile server, built in a thread on first use."""
+        if self._starting is not None:
+            return
+
+        def start() -> _CompileServer:
+            import xgrammar as xgr
+
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            return _CompileServer(info, self.max_workers, self.timeout, self.max_bytes)
+
+        self._starting = Future()
+        starting = self._starting
+
+        def run() -> None:
+            try:
+                starting.set_result(start())
+            except Exception as e:  # noqa: BLE001 - every waiting request hears it (a 500)
+                log.exception("the grammar compile server did not start")
+                starting.set_exception(e)
+
+        threading.Thread(target=run, name="grammar-start", daemon=True).start()
+
+    def _flush_pending(self) -> None:
+        """Once the server is up, the compiles asked for meanwhile go to it (called from the loop)."""
+        if self._server is not None or self._starting is None or not self._starting.done():
+            return
+        error = self._starting.exception()
+        pending, self._pending = self._pending, []
+        if error is not None:
+            self._starting = None  # the next constrained request tries again
+            for c, f in pending:
+                self._cache.pop(c, None)
+                f.set_exception(error)
+            return
+        self._server = self._starting.result()
+        for c, f in pending:
+            job_id, real = self._server.submit(c)
+            self._cache[c] = (job_id, f)  # the requests wait on f: drop() finds the job by it
+            real.add_done_callback(functools.partial(_copy, dst=f))
 
     def matcher(self, compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
-    def compiler(self) -> xgr.GrammarCompiler:
-        """The xgrammar compiler over this model's tokenizer, built on first use (in the worker)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                import xgrammar as xgr
-
-                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            return self._compiler
-
-    def _compile(self, c: Constraint) -> xgr.CompiledGrammar:
-        compiler = self.compiler()
-        try:
-            if c.kind == "json":
-                # any_whitespace=False: compact JSON. With free whitespace a small model under greedy
-                # decoding can emit newlines forever, never closing the object (vLLM offers the same switch).
-                return compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
-            if c.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if c.kind == "regex":
-                return compiler.compile_regex(c.value)
-            if c.kind == "choice":  # a grammar of string literals; json.dumps escapes as EBNF reads them
-                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in c.choices))
-            if c.kind == "grammar":
-                return compiler.compile_grammar(c.value)
-            return compiler.compile_structural_tag(c.value)
-        except Exception as e:  # noqa: BLE001 - the compiler's own exception types vary; the message is the point
-            message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-            raise GrammarError(f"invalid {_WHAT[c.kind]}: {message}") from None
-
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
 
 
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
-         "grammar": "grammar", "structural_tag": "structural tag"}
+def _copy(src: Future[Any], dst: Future[Any]) -> None:
+    if dst.done():
+        return
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 # -------------------------------------------------------------------- the step's side

@@ -33,9 +33,10 @@ ENV_PREFIX = "CONVEYOR_"
 LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
 # Gateway flags a worker process gets from `serve` (the API key travels in the environment instead).
 WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_requests", "max_queued_prompt_tokens",
-                "max_body_size", "stream_interval", "resume_timeout", "log_level", "curve_keys", "engine_timeout",
-                "routing", "affinity_tokens", "imbalance_tokens", "chat_template", "tool_call_parser",
-                "reasoning_parser", "responses_store_size")
+                "max_body_size", "max_prompt_chars", "stream_interval", "resume_timeout", "log_level",
+                "curve_keys", "engine_timeout", "routing", "affinity_tokens", "imbalance_tokens",
+                "chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
+                "header_timeout", "body_timeout", "max_connections")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-queued-prompt-tokens", type=int, default=262144,
                        help="prompt tokens of waiting requests before 429")
         p.add_argument("--max-body-size", default="16MiB", help="largest request body (bytes, or like 1MiB) before 413")
+        p.add_argument("--header-timeout", type=float, default=15.0,
+                       help="seconds a connection has to send a request's headers before it is closed")
+        p.add_argument("--body-timeout", type=float, default=60.0,
+                       help="seconds a request has to send its body before a 408")
+        p.add_argument("--max-connections", type=int, default=10_000,
+                       help="open connections past this are closed at once (keep it below the file limit)")
+        p.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="characters of prompt text before 400, checked before tokenizing (default: "
+                            "max_model_len x the longest token: more cannot fit the context)")
         p.add_argument("--stream-interval", type=int, default=1,
                        help="stream the first token at once, then one event every N tokens: fewer, larger events "
                             "(less CPU per token under load) at the price of burstier streams")
@@ -195,20 +205,30 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          parse_memory(args.max_body_size, total=1), args.stream_interval,
                          chat_template=template, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
-                         responses_store_size=args.responses_store_size)
+                         responses_store_size=args.responses_store_size,
+                         max_prompt_chars=args.max_prompt_chars, header_timeout=args.header_timeout,
+                         body_timeout=args.body_timeout, max_connections=args.max_connections)
 
 
 async def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from gateway.app import build_app
+    from gateway.connections import ConnectionGuard, guard
     from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
     from gateway.router import Router, RouterConfig
     from gateway.state import SERVED
     from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
     from shared.client import AsyncEngineClient
     from shared.errors import EngineDead
+    from shared.preflight import check_port, check_writable
 
+    trace_file = getattr(args, "trace_file", None)
+    reuse = getattr(args, "reuse_port", False) or getattr(args, "gateway_workers", 1) > 1
+    problem = (check_writable(trace_file) if trace_file else None) or check_port(args.host, args.port, reuse)
+    if problem is not None:  # before any model loads
+        print(f"conveyor: {problem}", file=sys.stderr)
+        return 2
     loop, stop = asyncio.get_running_loop(), asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -265,6 +285,7 @@ async def run(args: argparse.Namespace) -> int:
         access_log = log if log.isEnabledFor(logging.INFO) else None
         runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log)
         await runner.setup()
+        guard(runner, ConnectionGuard(config.header_timeout, config.max_connections))
         if workers is not None:  # bind last, so that once this process answers /ready every worker serves too
             await asyncio.to_thread(workers.wait_ready, args.ready_timeout)
             tasks.append(asyncio.create_task(workers.watch(stop)))

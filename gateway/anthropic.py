@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.anthropic_schema import MessagesRequest, parse_messages_body
-from gateway.routes import json_response, read_json
+from gateway.routes import json_response, read_json, tokenizing
 from gateway.state import SERVED
 from gateway.translate import Call, End, Frame, Started, Text, events, sse
 from shared.errors import ConveyorError
@@ -51,7 +51,7 @@ def anthropic_error_body(err: ConveyorError) -> dict[str, Any]:
 
 async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
-    req = parse_messages_body(await read_json(request), app[SERVED])
+    req = await tokenizing(parse_messages_body, await read_json(request), app[SERVED])
     render = Render(app, req, f"msg_{uuid.uuid4().hex}")
     if req.stream:
         return await sse(request, render.run(), lambda err: ("error", anthropic_error_body(err)))
@@ -65,7 +65,7 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    req = parse_messages_body(await read_json(request), request.app[SERVED], count=True)
+    req = await tokenizing(parse_messages_body, await read_json(request), request.app[SERVED], count=True)
     return json_response({"input_tokens": len(req.parsed.prompt_token_ids)})
 
 

@@ -60,6 +60,8 @@ async def _engine(app: web.Application) -> AsyncIterator[None]:
     served.name = app[CONFIG].served_model_name or ready.model_name
     served.max_model_len = ready.max_model_len
     served.tokenizer = await client.get_tokenizer()
+    longest = max((len(t) for t in served.tokenizer.get_vocab()), default=1)
+    served.max_prompt_chars = app[CONFIG].max_prompt_chars or ready.max_model_len * max(longest, 1)
     served.chat_template, served.tool_call_parser = app[CONFIG].chat_template, app[CONFIG].tool_call_parser
     served.reasoning_parser = app[CONFIG].reasoning_parser
     yield

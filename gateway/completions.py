@@ -107,6 +107,8 @@ def _is_ids(x: Any) -> bool:
 def _one(
     body: dict[str, Any], prompt: str | list[int], served: Served, echo: bool, score_only: bool
 ) -> ParsedRequest:
+    if isinstance(prompt, str):
+        served.check_chars(len(prompt), "prompt")
     ids = encode(served.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
     req = _finish(body, ids, served, "prompt", default_max_tokens=16, chat=False)
     k = req.params.logprobs if echo else None

@@ -23,7 +23,7 @@ from shared.tokenizer import apply_chat_template
 # OpenAI / vLLM field -> SamplingParams field, passed through as given (SamplingParams validates).
 _PASSTHROUGH = {name: name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
                                         "ignore_eos", "min_tokens", "presence_penalty", "frequency_penalty",
-                                        "repetition_penalty", "logit_bias", "speculative")}
+                                        "repetition_penalty", "logit_bias", "speculative", "cache_salt")}
 # Refused unless at their neutral values: never silently ignored.
 _REFUSED = {"suffix": ("", "suffix (text after the insertion point) is not supported")}
 
@@ -38,6 +38,14 @@ class Served:
     chat_template: str | None = None  # --chat-template: rendered instead of the model's template
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None  # --reasoning-parser (gateway/reasoning.py)
+    max_prompt_chars: int = 0  # 0: no limit (GatewayConfig.max_prompt_chars says how it is set)
+
+    def check_chars(self, n: int, param: str) -> None:
+        """Before tokenizing: text this long cannot fit the context, and tokenizing it takes seconds."""
+        if self.max_prompt_chars and n > self.max_prompt_chars:
+            raise InvalidRequest(f"the {param} has {n} characters; at most {self.max_prompt_chars} fit this "
+                                 f"model's context of {self.max_model_len} tokens (--max-prompt-chars)",
+                                 param=param)
 
 
 @dataclass(slots=True)
@@ -61,6 +69,7 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     body = _check_common(body, served, chat=True)
     tools = parse_tools(body, served.tool_call_parser)
     messages = parse_messages(body.get("messages"))
+    served.check_chars(sum(len(m["content"]) for m in messages), "messages")
     uses_tools = tools is not None or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
     template = template_for(served.tokenizer, served.chat_template, uses_tools)
     kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)

@@ -20,6 +20,7 @@ _COMMON = frozenset({
     "presence_penalty", "frequency_penalty", "stream", "stream_options",
     "top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "use_beam_search",
     "beam_width", "length_penalty", "early_stopping", "speculative", "priority", "prompt_logprobs",
+    "cache_salt",
     # structured output (gateway/structured.py): OpenAI's, then vLLM's current and older spellings
     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
 })

@@ -27,7 +27,7 @@ from aiohttp import web
 from gateway.openai_schema import error_body
 from gateway.responses_schema import ResponsesRequest, parse_responses
 from gateway.responses_store import RESPONSES, ResponseStore, Stored
-from gateway.routes import json_response, read_json
+from gateway.routes import json_response, read_json, tokenizing
 from gateway.state import SERVED
 from gateway.tools import ToolCall
 from gateway.translate import Call, End, Started, Text, events, sse
@@ -38,17 +38,24 @@ def parse(app: web.Application, body: Any, local: ResponseStore | None = None) -
     """The body -> the request, its previous_response_id's conversation looked up first (404 if
     gone);
     local: a WebSocket's own responses, looked up before the server's store."""
+    return parse_responses(body, app[SERVED], history_of(app, body, local))
+
+
+def history_of(app: web.Application, body: Any,
+               local: ResponseStore | None = None) -> list[dict[str, Any]] | None:
+    """previous_response_id's stored conversation (None without one; 404 if gone), read on the
+    event loop, which alone writes the store."""
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
-    history = None
-    if isinstance(prev, str):
-        stored = local.find(prev) if local is not None else None
-        history = (stored or app[RESPONSES].get(prev, "previous_response_id")).history
-    return parse_responses(body, app[SERVED], history)
+    if not isinstance(prev, str):
+        return None
+    stored = local.find(prev) if local is not None else None
+    return (stored or app[RESPONSES].get(prev, "previous_response_id")).history
 
 
 async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
-    req = parse(app, await read_json(request))
+    body = await read_json(request)  # tokenized off the event loop, as on the chat route
+    req = await tokenizing(parse_responses, body, app[SERVED], history_of(app, body))
     render = Render(app, req, f"resp_{uuid.uuid4().hex}")
     if req.stream:
         frames = ((e["type"], e) async for e in render.run())

@@ -2,8 +2,13 @@
 is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the client."""
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import uuid
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -14,13 +19,23 @@ from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import Served, parse_chat, parse_messages
 from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router
-from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge
+from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge, RequestTimeout
 from gateway.streaming import chunks, complete, sse_response
 from gateway.templates import template_for, template_kwargs
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
 from shared.tokenizer import apply_chat_template, decode, encode
 
+log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
+T = TypeVar("T")
+# Tokenizing (and rendering chat templates) happens here, off the event loop: a prompt of megabytes
+# takes seconds, and every stream of this gateway would stall meanwhile. One thread: a fast tokenizer
+# must not be entered from several threads at once; --max-prompt-chars bounds what waits behind it.
+_TOKENIZER = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+
+async def tokenizing(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER, functools.partial(fn, *args, **kwargs))
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -28,8 +43,13 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 async def read_json(request: web.Request) -> Any:
+    timeout = request.app[CONFIG].body_timeout
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        log.warning("%s %s: the body did not arrive within %gs (--body-timeout); closing", request.method,
+                    request.path, timeout)
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"the request body is larger than this server's limit of "
                               f"{request.app[CONFIG].max_body_size} bytes") from None
@@ -43,7 +63,7 @@ async def read_json(request: web.Request) -> Any:
 async def completions(request: web.Request) -> web.StreamResponse:
     """One prompt or a batch (gateway/completions.py: batches, echo, scoring)."""
     app = request.app
-    reqs = parse_completions(await read_json(request), app[SERVED])
+    reqs = await tokenizing(parse_completions, await read_json(request), app[SERVED])
     rid = f"cmpl-{uuid.uuid4().hex}"
     if reqs[0].stream:
         return await sse_response(request, chunks_batch(app, reqs, rid))
@@ -57,7 +77,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
-    req = parse_chat(await read_json(request), app[SERVED])
+    req = await tokenizing(parse_chat, await read_json(request), app[SERVED])
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))
@@ -116,13 +136,16 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_body(body, TOKENIZE, "/tokenize", served)
     if "messages" in body:
         messages = parse_messages(body["messages"])
+        served.check_chars(sum(len(m["content"]) for m in messages), "messages")
         template = template_for(served.tokenizer, served.chat_template,
                                 any(m["role"] == "tool" or m.get("tool_calls") for m in messages))
         kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
-        ids = apply_chat_template(served.tokenizer, messages, template=template, kwargs=kwargs,
-                                  add_generation_prompt=bool(body.get("add_generation_prompt", True)))
+        ids = await tokenizing(apply_chat_template, served.tokenizer, messages, template=template, kwargs=kwargs,
+                               add_generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
-        ids = encode(served.tokenizer, body["prompt"], add_special_tokens=bool(body.get("add_special_tokens", True)))
+        served.check_chars(len(body["prompt"]), "prompt")
+        ids = await tokenizing(encode, served.tokenizer, body["prompt"],
+                               add_special_tokens=bool(body.get("add_special_tokens", True)))
     else:
         raise InvalidRequest("give either 'prompt' (a string) or 'messages'", param="prompt")
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": served.max_model_len})

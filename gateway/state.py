@@ -39,6 +39,14 @@ class GatewayConfig:
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
     reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
     responses_store_size: int = 1024  # stored /v1/responses kept for previous_response_id (LRU)
+    # Characters of prompt text before 400, checked before tokenizing; None: max_model_len times the
+    # longest token's characters (more text than that cannot fit the context, whatever it says).
+    max_prompt_chars: int | None = None
+    # Stalled connections (gateway/connections.py): seconds to send a request's headers, and its body;
+    # open connections past max_connections are closed at once.
+    header_timeout: float = 15.0
+    body_timeout: float = 60.0
+    max_connections: int = 10_000
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -72,4 +80,11 @@ class PayloadTooLarge(ConveyorError):
     """A body (HTTP) or a message (WebSocket) over --max-body-size: answered, never read whole."""
 
     status = 413
+    type = "invalid_request_error"
+
+
+class RequestTimeout(ConveyorError):
+    """A body that did not arrive within --body-timeout: a client that stalls holds nothing for long."""
+
+    status = 408
     type = "invalid_request_error"

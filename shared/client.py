@@ -38,6 +38,7 @@ from shared.tokenizer import Prompt, encode_prompt, is_token_ids
 from shared.wire import CLIENT_MAX_MESSAGE_SIZE, DEFAULT_ENGINE_TIMEOUT, bound, connect_curve, load_keys
 
 log = logging.getLogger(__name__)
+HELLO_RETRY = 2.0  # seconds between HELLOs while the engine is lost (each READY answer is harmless)
 _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its CURVE key is not admitted",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the security mechanisms differ (CURVE keys on one side only?)",
@@ -93,6 +94,7 @@ class AsyncEngineClient:
         self._ready_evt = asyncio.Event()
         self._dead: EngineDead | None = None  # set for good by mark_dead() or a protocol mismatch
         self._lost = False  # disconnected since the last handshake: greet the next connection
+        self._greeting = False  # a retried HELLO is on its way (_greet)
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._tok_lock = asyncio.Lock()
@@ -555,10 +557,16 @@ class AsyncEngineClient:
 
     async def _watch_silence(self) -> None:
         """With requests in flight and an engine that promised heartbeats, engine_timeout without any message
-        is the engine-lost path (which aborts them there first: an engine that was only frozen frees them)."""
-        loop, waiting_since = asyncio.get_running_loop(), None
+        is the engine-lost path (which aborts them there first: an engine that was only frozen frees them).
+        While lost, HELLO goes again every HELLO_RETRY seconds: one that a dying connection took with it
+        must not leave the client waiting for a READY that nobody will send."""
+        loop, waiting_since, greeted = asyncio.get_running_loop(), None, 0.0
         while True:
             await asyncio.sleep(min(self.engine_timeout / 4, 0.5))
+            if self._lost and self._dead is None and self._refused is None and \
+                    loop.time() - greeted > HELLO_RETRY and not self._greeting:
+                greeted = loop.time()
+                self._spawn(self._greet())
             if not (self._streams and self.connected and self.ready is not None and self.ready.heartbeat_interval):
                 waiting_since = None
                 continue
@@ -569,6 +577,14 @@ class AsyncEngineClient:
                 waiting_since = None
                 self.engine_lost(f"engine at {self.address} sent nothing for {silent:.1f}s with requests in "
                                  "flight (frozen, or its host is gone)")
+
+    async def _greet(self) -> None:
+        """One HELLO at a time: while the engine reads nothing, retries must not pile up in the queue."""
+        self._greeting = True
+        try:
+            await self._send_all([P.Hello(client_name=self.identity.decode())])
+        finally:
+            self._greeting = False
 
     def _fail_all(self, err: ConveyorError) -> None:
         streams, self._streams = self._streams, {}

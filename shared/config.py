@@ -158,12 +158,15 @@ class EngineConfig:
     # How embedding requests pool the last hidden states (engine/pooling.py): auto = the checkpoint's
     # sentence-transformers Pooling module, else the last token; none = refuse embeddings.
     pooling: str = "auto"
+    # Seconds a grammar compile may take before its request gets a 400 (engine/structured.py).
+    grammar_compile_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _require(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                  f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}")
         _require(self.collective_timeout > 0, "collective_timeout must be > 0")
+        _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
         _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")

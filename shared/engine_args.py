@@ -89,6 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--pooling", choices=POOLING_MODES, help="how /v1/embeddings pools the last hidden states: auto "
       "(default) the checkpoint's sentence-transformers Pooling module, else the last token (as vLLM does "
       "for decoders); last, mean or cls force one; none refuses embeddings (docs/api.md)")
+    a("--grammar-compile-timeout", type=float, metavar="SECONDS", help="a structured-output grammar that takes "
+      "longer to compile is refused (400) and its compile killed (default 20; real schemas take under 1 s)")
     a("--trace-file", metavar="PATH", help="record every step's phases and every request's lifecycle, in Chrome "
       "trace-event JSON (open it in Perfetto), and write the latest 200k events there when the engine stops "
       "(docs/dashboard.md)")

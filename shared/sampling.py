@@ -28,6 +28,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 512  # characters per stop string (the detokenizer holds back that much text)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_SALT_CHARS = 256  # cache_salt: a tenant id or a hash of one, not a payload
 MAX_TOKEN_ID = (1 << 31) - 1  # a bound for the wire; the engine checks ids against the vocabulary
 MAX_LOGPROBS = 20
 MAX_N = 64  # n, best_of and beam_width
@@ -81,6 +82,10 @@ class SamplingParams:
     # its position (vLLM's prompt_logprobs; the raw model's log_softmax). The engine then skips the prefix
     # cache for this request (a cached prefix has no logits).
     prompt_logprobs: int | None = None
+    # Prefix-cache isolation (vLLM's spelling): mixed into the hash of the prompt's first KV block, so
+    # requests with different salts never share cached blocks, nor learn of each other's prompts through
+    # cached_tokens (docs/prefix_caching.md). None: the shared cache.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
@@ -89,6 +94,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         object.__setattr__(self, "constraint", Constraint.from_wire(self.constraint))
+        self._check_salt()
         self.validate()
 
     @property
@@ -182,6 +188,11 @@ class SamplingParams:
             _check(value == neutral, name, f"cannot be used with beam search (it does not sample); "
                    f"leave it at {neutral!r}, got {value!r}")
         _check(not self.logit_bias, "logit_bias", "cannot be used with beam search")
+
+    def _check_salt(self) -> None:
+        salt = self.cache_salt
+        _check(salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS), "cache_salt",
+               f"must be a non-empty string of at most {MAX_SALT_CHARS} characters, got {salt!r}"[:200])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

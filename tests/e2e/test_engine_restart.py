@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
+from shared.wire import ZMTP_TIMEOUT_MS
 from tests.e2e.servers import Server, children, cmdline
 
 pytestmark = pytest.mark.slow
@@ -99,8 +100,10 @@ async def ws(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[st
                 return
 
 
-async def run_all(url: str, bodies: list[tuple[str, bool, dict[str, Any]]], kill: int | None) -> list[Stream]:
-    """Every body at once; with kill set, SIGKILL that pid once every stream is mid-decode."""
+async def run_all(url: str, bodies: list[tuple[str, bool, dict[str, Any]]], kill: int | None,
+                  freeze: float = 0.0) -> list[Stream]:
+    """Every body at once; with kill set, SIGKILL that pid once every stream is mid-decode (with freeze,
+    SIGSTOP it instead and SIGCONT it that many seconds later)."""
     streams = [Stream() for _ in bodies]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as session:
         tasks = [asyncio.create_task((sse if door == "sse" else ws)(session, url, chat, {
@@ -111,7 +114,12 @@ async def run_all(url: str, bodies: list[tuple[str, bool, dict[str, Any]]], kill
                 assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
                 await asyncio.sleep(0.005)
             assert not any(s.finish_reason for s in streams)  # all mid-decode
-            os.kill(kill, signal.SIGKILL)
+            if freeze:
+                os.kill(kill, signal.SIGSTOP)
+                await asyncio.sleep(freeze)  # the fault itself lasts this long: not a wait for a condition
+                os.kill(kill, signal.SIGCONT)
+            else:
+                os.kill(kill, signal.SIGKILL)
         await asyncio.gather(*tasks)
     return streams
 
@@ -159,6 +167,39 @@ def test_streams_survive_an_engine_sigkill(server: Server) -> None:
     assert server.log_path is not None
     log = server.log_path.read_text()
     assert "engine_restart exit=signal=SIGKILL" in log and "resuming 8 request(s)" in log, log[-3000:]
+
+
+def test_streams_survive_an_engine_frozen_past_the_zeromq_heartbeat(server: Server) -> None:
+    """SIGSTOP for twice ZeroMQ's heartbeat timeout: the gateway's connection is dropped and reconnects
+    under the same routing identity while the frozen engine still holds the dead one (the engine's
+    ROUTER hands the identity over; the client greets again until it hears READY). Every greedy stream
+    ends as an uninterrupted run does, and /ready is 200 again within seconds of the SIGCONT."""
+    greedy = [b for b in BODIES if b[2]["temperature"] == 0][:4]
+    reference = run(run_all(server.url, greedy, kill=None))
+    pid = engine_pid(server)
+
+    async def main() -> tuple[list[Stream], list[int], float]:
+        seen: list[int] = []
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_ready(server.url, seen, stop))
+        streams = await run_all(server.url, greedy, kill=pid, freeze=2 * ZMTP_TIMEOUT_MS / 1000)
+        woke = time.monotonic()
+        while seen[-1:] != [200] and time.monotonic() - woke < 30:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await poller
+        return streams, seen, time.monotonic() - woke
+
+    streams, seen, _ = run(main())
+    for (door, _, body), got, want in zip(greedy, streams, reference):
+        assert got.error is None and got.done, (door, body, got.error)
+        assert "".join(got.text) == "".join(want.text), (door, body)
+        assert got.usage is not None and want.usage is not None
+        assert (got.usage["prompt_tokens"], got.usage["completion_tokens"]) == \
+            (want.usage["prompt_tokens"], MAX_TOKENS), (door, body)
+    assert 503 in seen and seen[-1] == 200, seen  # noticed while frozen, ready again after
+    assert engine_pid(server) == pid  # the same engine: nothing restarted it
+    assert server.log_path is not None and "resuming 4 request(s)" in server.log_path.read_text()
 
 
 def test_a_request_that_cannot_resume_gets_an_error_event(server: Server) -> None:

@@ -282,3 +282,56 @@ def test_heartbeats_come_while_a_request_streams_nothing(tiny_llama_dir: Path, t
     with engine(tiny_llama_dir, address, tmp_path / "engine.log", "--heartbeat-interval", "0.05"):
         received = run(main())
     assert all(isinstance(m, P.Heartbeat) for m in received[:-1]) and len(received) >= 2, received[:3]
+
+
+def test_a_reconnection_under_a_routing_identity_the_engine_still_holds_is_answered(
+        ipc_engine: tuple[Server, str]) -> None:
+    """What a freeze past ZeroMQ's heartbeat leaves behind, made deterministic: the client's dropped
+    connection comes back under the same identity while the engine still holds the old one. The engine
+    hands the identity over to the new connection (ROUTER_HANDOVER): its HELLO is answered, and so are
+    its requests. (Without the handover ZeroMQ ignores the newcomer and the client waits for good.)"""
+    _, address = ipc_engine
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            hello = P.encode(P.Hello(client_name="twin"))
+            socks = []
+            for _ in range(2):  # the second connects while the first is still there
+                sock = await raw_dealer(ctx, address)
+                sock.setsockopt(zmq.IDENTITY, b"twin")
+                sock.connect(address)
+                await sock.send_multipart(hello)
+                socks.append(sock)
+                frames = await asyncio.wait_for(sock.recv_multipart(), 30)
+                assert isinstance(P.decode(frames), P.Ready)
+            add = P.Add("after-handover", [5, 6], SamplingParams(max_tokens=3, temperature=0.0))
+            await socks[1].send_multipart(P.encode(add))
+            outs: list[P.RequestOutput] = []
+            while not (outs and outs[-1].finished):
+                msg = P.decode(await asyncio.wait_for(socks[1].recv_multipart(), 30))
+                if isinstance(msg, P.Outputs):
+                    outs += msg.outputs
+            assert sum(len(o.new_token_ids) for o in outs) == 3
+        finally:
+            ctx.destroy(linger=0)
+
+    run(main())
+
+
+def test_a_hello_with_a_string_protocol_version_is_refused_by_type(ipc_engine: tuple[Server, str]) -> None:
+    _, address = ipc_engine
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        try:
+            sock = await raw_dealer(ctx, address)
+            sock.connect(address)
+            await sock.send_multipart(P.encode(P.Hello(protocol_version="4")))  # type: ignore[arg-type]
+            answer = P.decode(await asyncio.wait_for(sock.recv_multipart(), 30))
+            assert isinstance(answer, P.Error) and answer.status == 400
+            assert answer.message == "protocol_version must be an integer, got str '4'", answer.message
+        finally:
+            ctx.destroy(linger=0)
+
+    run(main())

@@ -1,0 +1,39 @@
+"""Prefix-cache isolation through a real `conveyor serve`, with the official openai SDK: requests with
+different `cache_salt`s (vLLM's field) never share cached blocks, so `cached_tokens` tells one tenant
+nothing about another's prompt; the same salt shares them, as requests without a salt do."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.e2e.servers import Server
+
+pytestmark = pytest.mark.slow
+SECRET = "The admin password for the payroll database is tulip-4471. " * 6  # several KV blocks
+
+
+def test_cache_salts_isolate_the_prefix_cache(tiny_chat_model: Path, tmp_path: Path) -> None:
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB"]
+    with Server(argv, log_path=tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+        def cached(salt: str | None) -> int:
+            extra = {} if salt is None else {"cache_salt": salt}
+            out = client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body=extra,
+                                                 messages=[{"role": "user", "content": SECRET}])
+            assert out.usage is not None and out.usage.prompt_tokens > 48
+            details = out.usage.prompt_tokens_details
+            return details.cached_tokens or 0 if details is not None else 0
+
+        assert cached("tenant-a") == 0
+        assert cached("tenant-a") > 0  # the same salt shares its blocks
+        assert cached("tenant-b") == 0  # another salt sees none of them
+        assert cached(None) == 0  # nor does the shared cache
+        assert cached(None) > 0
+        assert cached("tenant-b") > 0
+        for bad in ("", 7, "x" * 257):
+            with pytest.raises(openai.BadRequestError, match="cache_salt"):
+                client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body={"cache_salt": bad},
+                                               messages=[{"role": "user", "content": "hi"}])

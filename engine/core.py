@@ -72,10 +72,10 @@ class EngineCore:
         if tp_runner is None:
             kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         num_blocks, block_size = kv.num_blocks, kv.block_size
-        backend = get_backend(config.attention_backend, device, dtype)
+        backend = get_backend(config.attention_backend, device, dtype, config.deterministic)
         if config.deterministic and not one_attention_kernel(backend):
             raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: the native "
-                             "CPU kernel (a C++ compiler at the first start; CONVEYOR_NATIVE_PROMPTS unset)")
+                             "CPU kernel (--attention-backend cpu, and a C++ compiler at the first start)")
         self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
         if kv.device.dtype != dtype and not backend.casts_kv:
             raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "

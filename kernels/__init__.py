@@ -8,10 +8,12 @@ from kernels.backend import AttentionBackend, BatchLayout
 __all__ = ["AttentionBackend", "BatchLayout", "get_backend"]
 
 
-def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                deterministic: bool = False) -> AttentionBackend:
     """name: auto | cpu | torch | triton. auto = Triton on CUDA, cpu elsewhere. cpu = the torch backend with
     the native CPU kernel for decodes and short queries (PyTorch ops where it cannot be built); torch =
-    PyTorch ops only, the reference."""
+    PyTorch ops only, the reference. deterministic: prompt chunks on the native kernel too, wherever it
+    runs (one kernel for every row: docs/determinism.md)."""
     device = torch.device(device)
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
@@ -19,7 +21,8 @@ def get_backend(name: str, device: torch.device | str, dtype: torch.dtype = torc
         from kernels.torch_backend import TorchBackend
 
         # The native kernel computes in float32 from float32 or bfloat16 inputs; float16 takes PyTorch ops.
-        return TorchBackend(device, native=name == "cpu" and dtype in (torch.float32, torch.bfloat16), dtype=dtype)
+        native = name == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        return TorchBackend(device, native=native, dtype=dtype, native_prompts=True if deterministic else None)
     if name == "triton":
         from kernels.triton_backend import TritonBackend
 

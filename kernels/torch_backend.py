@@ -161,13 +161,16 @@ class TorchBackend:
     NATIVE_PART_TOKENS = 256
 
     def __init__(self, device: torch.device | str = "cpu", native: bool = False,
-                 native_max_context: int | None = None, dtype: torch.dtype | None = None) -> None:
+                 native_max_context: int | None = None, dtype: torch.dtype | None = None,
+                 native_prompts: bool | None = None) -> None:
         """native: decodes and short queries through the native CPU kernel, where it builds (kernels.cpu).
         native_max_context: the most context tokens a step's short queries may attend for the native kernel
         to take them; None (the default): no limit. The kernel beats gather + SDPA at every batch and context
         measured, in bfloat16 and float32, on AVX-512 and AVX2 CPUs (python bench/cpu_attention.py --native);
         the knob stays for bench/step_profile.py --native-max-context, to time the old path beside it.
-        dtype: the model's, where known: prompt chunks go native where that pays (below)."""
+        dtype: the model's, where known: prompt chunks go native where that pays (below).
+        native_prompts: True puts prompt chunks on the native kernel wherever it runs (--deterministic);
+        None decides as below."""
         self.device = torch.device(device)
         self.native_max_context = native_max_context
         # The native kernel's code path: auto (the best this CPU runs) or portable | avx2 | avx512 |
@@ -184,7 +187,8 @@ class TorchBackend:
         # then walks every row's context in one fixed order, so a token's output does not depend on how its
         # prompt was chunked or cached (issue #30). CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off.
         forced = os.environ.get("CONVEYOR_NATIVE_PROMPTS")
-        self.native_prompts = self.native and (forced == "1" if forced in ("0", "1") else self._bf16_path(dtype))
+        auto = forced == "1" if forced in ("0", "1") else self._bf16_path(dtype)
+        self.native_prompts = self.native and (auto if native_prompts is None else native_prompts)
 
     def _bf16_path(self, dtype: torch.dtype | None) -> bool:
         """Whether the native kernel runs its AVX-512 BF16 path for this model (head dim aside)."""

@@ -131,8 +131,9 @@ def default_gguf() -> Path:
     return src.folder / src.gguf_file
 
 
-def server_command(kind: str, dtype: str, port: int, vllm_python: Path,
-                   llama_server: Path | None = None) -> tuple[list[str], dict[str, str]]:
+def server_command(kind: str, dtype: str, port: int, vllm_python: Path, llama_server: Path | None = None,
+                   extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """extra: more flags for Conveyor (bench/determinism.py's --deterministic side)."""
     env = dict(os.environ)
     if kind == "vllm":
         env.pop("PYTHONPATH", None)
@@ -152,7 +153,7 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path,
     model = ["--model", str(default_gguf())] if dtype == "auto" else ["--model", str(MODEL_DIR), "--dtype", dtype]
     return [sys.executable, "-m", "gateway", "serve", *model, "--served-model-name", NAME, *LIMITS,
             "--kv-cache-memory", "2GiB", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "info"], env  # info: the engine's load line says what it ran (ran_as)
+            "--log-level", "info", *extra], env  # info: the engine's load line says what it ran (ran_as)
 
 
 def ran_as(kind: str, dtype: str, log_path: Path) -> str:
@@ -168,11 +169,11 @@ def ran_as(kind: str, dtype: str, log_path: Path) -> str:
 
 @contextmanager
 def running(kind: str, dtype: str, port: int, vllm_python: Path,
-            llama_server: Path | None = None) -> Iterator[float]:
+            llama_server: Path | None = None, extra: tuple[str, ...] = ()) -> Iterator[float]:
     """Starts a server, yields the seconds it took to answer /v1/models, and stops it (its process group:
     vLLM's engine core and Conveyor's engine are children)."""
-    cmd, env = server_command(kind, dtype, port, vllm_python, llama_server)
-    log_path = BENCH / "logs" / f"{kind}-{dtype}.log"
+    cmd, env = server_command(kind, dtype, port, vllm_python, llama_server, extra)
+    log_path = BENCH / "logs" / f"{kind}-{dtype}{''.join(extra)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"starting {kind} ({dtype}); log {log_path}" + (" (the first start compiles: minutes)" if kind == "vllm"
                                                        else ""))

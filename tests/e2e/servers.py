@@ -208,3 +208,9 @@ def is_idle(stats: dict[str, float]) -> bool:
     return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats.get("num_swapped", 0) == 0
             and stats["num_free_blocks"] == stats["num_blocks"]
             and stats.get("num_free_cpu_blocks", 0) == stats.get("num_cpu_blocks", 0))
+
+
+def tiny_serve(model: Path, *flags: str, kv_cache: str = "64MiB") -> list[str]:
+    """`conveyor serve` arguments for a tiny checkpoint as the e2e tests start it: one compute thread (the
+    test and other servers share the cores) and a small KV pool; flags: what the test is about."""
+    return ["serve", "--model", str(model), "--num-threads", "1", "--kv-cache-memory", kv_cache, *flags]

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.servers import Server
+from tests.e2e.servers import Server, tiny_serve
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-chat"
@@ -49,21 +49,7 @@ ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("anthropic") / "server.log"
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory",
-            "64MiB",
-            "--tool-call-parser",
-            "hermes",
-            "--api-key",
-            KEY,
-        ],
+        tiny_serve(tiny_chat_model, "--dtype", "float32", "--tool-call-parser", "hermes", "--api-key", KEY),
         log_path=log,
     ) as srv:
         yield srv

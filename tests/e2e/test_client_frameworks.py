@@ -17,7 +17,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.servers import Server
+from tests.e2e.servers import Server, tiny_serve
 from tests.e2e.test_structured_api import ASK, MODEL, PERSON
 
 pytestmark = pytest.mark.slow
@@ -33,19 +33,7 @@ class Pet(BaseModel):
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("frameworks") / "server.log"
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "64MiB",
-            "--tool-call-parser",
-            "hermes",
-            "--served-model-name",
-            MODEL,
-        ],
+        tiny_serve(tiny_chat_model, "--tool-call-parser", "hermes", "--served-model-name", MODEL),
         log_path=log,
     ) as srv:
         yield srv

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.e2e.servers import Server, is_idle, wait_engine_idle
+from tests.e2e.servers import Server, is_idle, tiny_serve, wait_engine_idle
 from tests.fakes import smollm2_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -27,19 +27,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings map text to
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("embeddings") / "server.log"
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "64MiB",
-            "--dtype",
-            "float32",
-            "--max-num-batched-tokens",
-            "128",
-        ],
+        tiny_serve(tiny_chat_model, "--dtype", "float32", "--max-num-batched-tokens", "128"),
         log_path=log,
     ) as srv:
         yield srv
@@ -208,17 +196,7 @@ def test_every_block_comes_back_and_metrics_count(server: Server, client: openai
 
 def test_a_server_that_cannot_pool_says_why(tiny_chat_model: Path, tmp_path: Path) -> None:
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "16MiB",
-            "--pooling",
-            "none",
-        ],
+        tiny_serve(tiny_chat_model, "--pooling", "none", kv_cache="16MiB"),
         log_path=tmp_path / "server.log",
     ) as srv:
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)

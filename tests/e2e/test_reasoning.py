@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.servers import Server
+from tests.e2e.servers import Server, tiny_serve
 from tests.fakes import smollm2_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -41,21 +41,8 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("reasoning")
     (folder / "think.jinja").write_text(TEMPLATE)
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--kv-cache-memory",
-            "64MiB",
-            "--served-model-name",
-            MODEL,
-            "--chat-template",
-            str(folder / "think.jinja"),
-            "--reasoning-parser",
-            "qwen3",
-        ],
+        tiny_serve(tiny_chat_model, "--served-model-name", MODEL, "--chat-template", str(folder / "think.jinja"),
+                   "--reasoning-parser", "qwen3"),
         log_path=folder / "server.log",
     ) as srv:
         yield srv

@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.e2e.servers import Server
+from tests.e2e.servers import Server, tiny_serve
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-chat"
@@ -51,21 +51,8 @@ PERSON = {
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("responses") / "server.log"
     with Server(
-        [
-            "serve",
-            "--model",
-            str(tiny_chat_model),
-            "--num-threads",
-            "1",
-            "--dtype",
-            "float32",
-            "--kv-cache-memory",
-            "64MiB",
-            "--tool-call-parser",
-            "hermes",
-            "--responses-store-size",
-            "8",
-        ],
+        tiny_serve(tiny_chat_model, "--dtype", "float32", "--tool-call-parser", "hermes",
+                   "--responses-store-size", "8"),
         log_path=log,
     ) as srv:
         yield srv

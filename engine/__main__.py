@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_PLACES", "cores")
     # SIGTERM unwinds like Ctrl-C so the loop closes its socket and removes its ipc file.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    from engine.core import EngineCore
-    from engine.loop import EngineLoop
-
     try:
+        from engine.core import EngineCore
+        from engine.loop import EngineLoop
+
         core = EngineCore(config)
     except ValueError as e:  # a setting this model cannot run with (a TP size that does not divide its heads, ...)
         sys.exit(f"python -m engine: {e}")

@@ -66,12 +66,16 @@ class EngineProcess:
         """HELLO/READY with the child's death as a second way out: a child that crashes while loading
         the model fails start-up at once instead of after the whole timeout."""
         start = asyncio.ensure_future(client.start(timeout=timeout))
-        while not start.done():
-            await asyncio.wait({start}, timeout=0.2)
-            code = self.exit_code()
-            if code is not None and not start.done():
+        try:
+            while not start.done():
+                await asyncio.wait({start}, timeout=0.2)
+                code = self.exit_code()
+                if code is not None and not start.done():
+                    raise EngineDead(f"the engine exited with code {code} before it was ready (its error is above)")
+        finally:  # also when this wait is cancelled (Ctrl-C while loading): the handshake's outcome is moot
+            if not start.done():
                 start.cancel()
-                raise EngineDead(f"the engine exited with code {code} before it was ready (its error is above)")
+            start.add_done_callback(lambda f: f.cancelled() or f.exception())
         start.result()
 
     def stop(self) -> None:

@@ -226,3 +226,29 @@ def test_an_engine_that_cannot_start_again_makes_the_gateway_give_up(tiny_chat_m
         assert srv.proc.poll() == 1, srv.log()
     text = log.read_text()
     assert text.count("engine_restart exit=") == 2 and "engine_crash_loop" in text, text[-3000:]
+
+
+def test_health_tells_the_truth_about_a_frozen_idle_engine(server: Server) -> None:
+    """Nothing in flight, the engine frozen: /health stays 200 (liveness) but says engine_connected false
+    once ZeroMQ's heartbeat drops the connection (no round trip per probe), /ready is 503; after SIGCONT
+    both say so again within seconds."""
+    from tests.e2e.servers import get_json
+
+    def wait_for(connected: bool, ready: int) -> None:
+        deadline = time.monotonic() + 3 * ZMTP_TIMEOUT_MS / 1000
+        while time.monotonic() < deadline:
+            status, body = get_json(server.url + "/health", timeout=5)
+            assert status == 200, body
+            if body["engine_connected"] is connected and get_json(server.url + "/ready", timeout=5)[0] == ready:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"/health engine_connected did not become {connected} (/ready {ready})")
+
+    pid = engine_pid(server)
+    wait_for(True, 200)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        wait_for(False, 503)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(True, 200)

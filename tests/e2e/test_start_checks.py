@@ -4,6 +4,7 @@ cannot be written at shutdown still lets the engine close (its ipc socket file i
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.servers import CONVEYOR, ROOT, Server, engine_stats, free_port
+from tests.e2e.servers import CONVEYOR, ROOT, Server, children, cmdline, engine_stats, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +70,24 @@ def test_a_trace_that_cannot_be_written_at_shutdown_still_closes_the_engine(tiny
     assert not sock.exists(), "close() was skipped: the ipc socket file is still there"
     text = log.read_text()
     assert "the trace could not be written" in text and "Traceback" not in text, text[-3000:]
+
+
+def test_ctrl_c_while_the_engine_loads_ends_quietly(tiny_chat_model: Path, tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while the engine child loads: exit 130 without an
+    unretrieved EngineDead from the abandoned handshake."""
+    log = tmp_path / "server.log"
+    server = Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory",
+                     "32MiB"], log_path=log)
+    server.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(cmdline(p)[1:3] == ["-m", "engine"] for p in children(server.pid)):
+            assert time.monotonic() < deadline and server.proc is not None and server.proc.poll() is None
+            time.sleep(0.01)
+        os.killpg(server.pid, signal.SIGINT)
+        assert server.proc is not None
+        assert server.proc.wait(60) == 130, log.read_text()[-3000:]
+    finally:
+        server.stop()
+    text = log.read_text()
+    assert "never retrieved" not in text and "EngineDead" not in text, text[-3000:]

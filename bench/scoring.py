@@ -1,13 +1,14 @@
 """Scoring throughput: prompt tokens scored per second (what `echo` + `logprobs` asks of the engine:
-prompt_logprobs = k, max_tokens 1), beside plain prefill of the very same prompts (max_tokens 1, no
-prompt logprobs) in the same run, on the offline engine (no HTTP: the engine's cost alone).
+prompt_logprobs = k, max_tokens 1) and embeddings (prefill-only, pooled: /v1/embeddings), beside
+plain prefill of the very same prompts (max_tokens 1, no prompt logprobs) in the same run, on the
+offline engine (no HTTP: the engine's cost alone).
 
 Scoring computes the LM head on every prompt row (not only the last) and one log-softmax per chunk;
 the prefix cache is off for both modes (a scoring request skips it anyway), so the ratio is that
 cost. Each mode runs `--repeats` times, alternating, after one warm-up pass; the median is reported.
 
-Further modes (embeddings, issue #29) are one entry in MODES: a name and a function that builds the
-SamplingParams of one request (or None for a mode that is not available in this build).
+Each mode is one entry in MODES: a name, what its figure counts, and a function that builds one
+request's (SamplingParams, PoolingParams or None).
 
     python bench/scoring.py [--model M] [--dtype auto|float32|bfloat16] [--threads 2]
                             [--requests 32] [--prompt-len 256] [--top-k 1] [--repeats 3]
@@ -27,30 +28,38 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads  # noqa: E402
 
 
-def plain(top_k: int) -> Any:
+def plain(top_k: int) -> tuple[Any, Any]:
     from shared.sampling import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), None
 
 
-def scored(top_k: int) -> Any:
+def scored(top_k: int) -> tuple[Any, Any]:
     from shared.sampling import SamplingParams
 
-    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=top_k)
+    return SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=top_k), None
+
+
+def embedded(top_k: int) -> tuple[Any, Any]:
+    from shared.embedding import PoolingParams
+
+    return plain(top_k)[0], PoolingParams()
 
 
 # name -> (what its figure counts, params of one request). The first is the baseline of the ratios.
-MODES: dict[str, tuple[str, Callable[[int], Any]]] = {
+MODES: dict[str, tuple[str, Callable[[int], tuple[Any, Any]]]] = {
     "plain prefill": ("prompt tokens/s", plain),
     "echo + logprobs (prompt scored)": ("prompt tokens scored/s", scored),
+    "embeddings (pooled)": ("prompt tokens embedded/s", embedded),
 }
 
 
-def run_once(core: Any, prompts: list[list[int]], params: Any, tag: str) -> float:
+def run_once(core: Any, prompts: list[list[int]], request: tuple[Any, Any], tag: str) -> float:
     """All prompts at once, stepped to the end. -> prompt tokens per second."""
+    params, pool = request
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        core.add(f"{tag}-{i}", p, params)
+        core.add(f"{tag}-{i}", p, params, pool=pool)
     while core.has_work():
         core.step()
     return sum(map(len, prompts)) / (time.perf_counter() - t0)

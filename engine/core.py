@@ -2,6 +2,7 @@
 in-process, engine/loop.py drives it from ZeroMQ."""
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -102,7 +103,7 @@ class EngineCore:
                                        tensor_parallel=tp_runner is not None)
         self.runner.pool_mode = self.pooling.mode
         # Structured output: grammars compile in worker processes; the tokenizer loads on first use.
-        self.grammars = Grammars(lambda: load_tokenizer(self.source), mc.vocab_size, self.eos_token_ids,
+        self.grammars = Grammars(functools.partial(load_tokenizer, self.source), mc.vocab_size, self.eos_token_ids,
                                  timeout=config.grammar_compile_timeout)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from engine.loop import EngineLoop
 from shared.client import AsyncEngineClient
+from shared.embedding import PoolingInfo
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
@@ -29,6 +30,7 @@ class SlowFirstStep:
     max_model_len = 64
     eos_token_ids = (2,)
     source = SimpleNamespace(name="slow-first-step")
+    pooling = PoolingInfo("", False, 0, refusal="a stand-in engine pools nothing")  # READY announces it
 
     def __init__(self) -> None:
         self.adds: list[str] = []
@@ -38,7 +40,8 @@ class SlowFirstStep:
         self.stop = False
         self.slow = True
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
+            pool: object = None) -> None:
         self.adds.append(request_id)
         self.pending.append(request_id)
 

@@ -74,6 +74,7 @@ class EngineLoop:
         self.heartbeat_interval = heartbeat_interval
         self.address = address
         self.ctx = zmq.Context()
+        self.ctx.linger = 0  # as close() does: term() never waits on unsent messages (a dead peer's)
         self.auth: ThreadAuthenticator | None = None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.max_message_size = max_message_size(core.max_model_len)

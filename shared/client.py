@@ -106,6 +106,9 @@ class AsyncEngineClient:
         """Connect, send HELLO and wait for READY; EngineDead if none comes within the timeout."""
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
+            # Every socket of this context drops what is unsent when closed, as close() does anyway: a
+            # context that is only garbage-collected then cannot block the process in term() forever.
+            self._ctx.linger = 0
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, self.identity)
             self._sock.setsockopt(zmq.LINGER, 0)

@@ -71,6 +71,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.stopped_choices: list[tuple[str, int]] = []  # (request id, index) of STOP_CHOICE messages
         self._ctx = zmq.Context()
+        self._ctx.linger = 0
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if address is None:

@@ -28,6 +28,7 @@ def serve(spec: RankSpec, parent_pid: int | None = None) -> int:
     torch.manual_seed(spec.seed)
     device = torch.device(spec.device)
     ctx = zmq.Context()
+    ctx.linger = 0  # term() never waits on messages to a rank that is gone
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"rank{spec.rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)

@@ -112,6 +112,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(action, argparse._StoreFalseAction):
             argv += [action.option_strings[0]] if value is False else []
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value is True else []
         else:
             argv += [action.option_strings[0], str(value)]
     return argv

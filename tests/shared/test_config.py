@@ -36,3 +36,19 @@ def test_a_name_owned_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_max_model_len_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="max_model_len must be >= 2"):
         C.build_config("m", max_model_len=1)
+
+
+def test_engine_flags_travel_to_the_engine_process_as_given() -> None:
+    """`conveyor serve` hands its engine flags to `python -m engine`: switches travel as bare flags
+    (`--deterministic True` was once refused there), values as flag and value, and both parse back."""
+    import argparse
+
+    from shared.engine_args import add_engine_args, engine_argv
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    given = ["--deterministic", "--no-prefix-caching", "--max-model-len", "48"]
+    argv = engine_argv(parser.parse_args(given))
+    assert sorted(argv) == sorted(given)
+    back = parser.parse_args(argv)
+    assert back.deterministic is True and back.enable_prefix_caching is False and back.max_model_len == 48

@@ -19,27 +19,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.request import PromptEntry, PromptScores
+
 if TYPE_CHECKING:
     from engine.sequence import Sequence
     from engine.step import Delta, StepOutput, StepPlan
-
-# Prompt token j's entry (j >= 1): (its logprob, its rank (1 = the most likely), the top k as
-# [(id, logprob)]).
-PromptEntry = tuple[float, int, list[tuple[int, float]]]
-
-
-class PromptScores:
-    """One request's prompt logprobs so far: entries[j - 1] scores prompt token j (token 0 has
-    none). Written by the scheduler alone (engine/scheduler.py, through `record` and `attach`
-    below)."""
-
-    __slots__ = ("k", "entries", "sent")
-
-    def __init__(self, k: int) -> None:
-        self.k = k  # top alternatives per position
-        self.entries: list[PromptEntry] = []
-        self.sent: set[int] = set()  # the choices (indexes) whose first output row carried them
-
 
 def _scores(seq: Sequence) -> PromptScores | None:
     return seq.request.prompt_scores

@@ -6,9 +6,25 @@ Only the scheduler writes `events`, `num_cached_tokens` and `prompt_scores` afte
 """
 from __future__ import annotations
 
-from engine.prompt_logprobs import PromptScores
 from shared.embedding import PoolingParams
 from shared.sampling import SamplingParams
+
+# Prompt token j's entry (j >= 1): (its logprob, its rank (1 = the most likely), the top k as
+# [(id, logprob)]).
+PromptEntry = tuple[float, int, list[tuple[int, float]]]
+
+
+class PromptScores:
+    """One request's prompt logprobs so far: entries[j - 1] scores prompt token j (token 0 has
+    none). Written by the scheduler alone (engine/scheduler.py, through `record` and `attach`
+    below)."""
+
+    __slots__ = ("k", "entries", "sent")
+
+    def __init__(self, k: int) -> None:
+        self.k = k  # top alternatives per position
+        self.entries: list[PromptEntry] = []
+        self.sent: set[int] = set()  # the choices (indexes) whose first output row carried them
 
 
 class Request:

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.prompt_logprobs import PromptEntry
-from engine.request import Request
+from engine.request import PromptEntry, Request
 from engine.sequence import LogprobEntry, Sequence
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from gateway import anthropic, dashboard, responses
+from gateway import anthropic, dashboard, responses, responses_ws
 from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
@@ -39,6 +39,7 @@ def build_app(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.
     app.add_routes(routes)
     app.router.add_get("/v1/ws", websocket_handler)
     responses.setup(app, config.responses_store_size)
+    app.router.add_get("/v1/responses", responses_ws.websocket)  # OpenAI's WebSocket mode
     anthropic.setup(app)
     dashboard.setup(app)
     app.cleanup_ctx.append(_engine)

@@ -270,10 +270,8 @@ def _part(text: str) -> dict[str, Any]:
 
 
 def setup(app: web.Application, store_size: int) -> None:
-    from gateway.responses_ws import websocket  # it renders with Render, from here
-
+    """The HTTP routes; OpenAI's WebSocket mode (GET /v1/responses) is gateway/responses_ws.py's."""
     app[RESPONSES] = ResponseStore(store_size)
     app.router.add_post("/v1/responses", create)
-    app.router.add_get("/v1/responses", websocket)  # OpenAI's WebSocket mode
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)

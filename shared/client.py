@@ -29,7 +29,7 @@ from zmq.utils.monitor import parse_monitor_message
 from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.detokenizer import Decoder, FastDecoder
-from shared.embedding import CANNOT_POOL, EmbeddingOutput, PoolingInfo, PoolingParams, embed
+from shared.embedding import CANNOT_POOL, EmbeddingOutput, PoolingInfo, PoolingParams, truncate_tokens
 from shared.errors import ConveyorError, EngineDead, InvalidRequest, Overloaded, ProtocolError
 from shared.resume import InFlight, Resumer, refusal_message
 from shared.sampling import SamplingParams, check_priority
@@ -449,7 +449,22 @@ class AsyncEngineClient:
         a Matryoshka model's shorter vector; truncate_prompt_tokens: keep the last k tokens (-1: the
         context) of an input longer than the context, which is otherwise refused."""
         params = PoolingParams(dimensions)
-        return await embed(self, prompt, params, truncate_prompt_tokens, request_id, priority)
+        await self.wait_ready()
+        assert self.ready is not None
+        self.pooling.check(params)  # against what the engine announced: a typed error, nothing sent
+        ids = truncate_tokens(await self.encode_prompt(prompt), truncate_prompt_tokens, self.ready.max_model_len)
+        stream = await self.add(ids, SamplingParams(max_tokens=1), request_id, priority, pooling=params)
+        try:  # one prefill-only request; leaving early aborts it in the engine
+            async for out in stream:
+                if out.finished:
+                    if out.embedding is None:
+                        raise ConveyorError(f"embedding request {stream.request_id} ended without a vector "
+                                            f"({out.finish_reason})")
+                    return EmbeddingOutput(stream.request_id, out.embedding, out.num_prompt_tokens)
+            raise ConveyorError(f"embedding request {stream.request_id} ended without an output")
+        finally:
+            if not stream.done:
+                await self.abort(stream.request_id)
 
     async def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
         """The whole completion of a one-choice request (n == 1; use generate_choices for more)."""

@@ -10,14 +10,9 @@ L2-normalises are the engine's, from --pooling and the checkpoint's own sentence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from shared.errors import ConveyorError, InvalidRequest
-from shared.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from shared.client import AsyncEngineClient
-    from shared.tokenizer import Prompt
+from shared.errors import InvalidRequest
 
 MAX_DIMENSIONS = 1 << 20  # a bound for the wire; the engine checks against the model's size
 
@@ -150,37 +145,3 @@ class EmbeddingOutput:
     request_id: str
     embedding: list[float]
     num_prompt_tokens: int  # after truncate_prompt_tokens
-
-
-async def embed(
-    client: AsyncEngineClient,
-    prompt: Prompt,
-    params: PoolingParams,
-    truncate_prompt_tokens: int | None = None,
-    request_id: str | None = None,
-    priority: int = 0,
-) -> EmbeddingOutput:
-    """AsyncEngineClient.embed: checked here against what the engine announced (a typed error,
-    nothing sent), then one prefill-only request; leaving early aborts it in the engine."""
-    await client.wait_ready()
-    assert client.ready is not None
-    client.pooling.check(params)
-    ids = truncate_tokens(
-        await client.encode_prompt(prompt), truncate_prompt_tokens, client.ready.max_model_len
-    )
-    stream = await client.add(
-        ids, SamplingParams(max_tokens=1), request_id, priority, pooling=params
-    )
-    try:
-        async for out in stream:
-            if out.finished:
-                if out.embedding is None:
-                    raise ConveyorError(
-                        f"embedding request {stream.request_id} ended without a vector "
-                        f"({out.finish_reason})"
-                    )
-                return EmbeddingOutput(stream.request_id, out.embedding, out.num_prompt_tokens)
-        raise ConveyorError(f"embedding request {stream.request_id} ended without an output")
-    finally:
-        if not stream.done:
-            await client.abort(stream.request_id)

@@ -22,7 +22,7 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    from engine.dtype import cpu_has_native_bf16
+    from engine.load.dtype import cpu_has_native_bf16
 
     # What --dtype auto makes of a 16-bit or quantized model here (float32 checkpoints stay float32).
     bf16 = "native bfloat16 (auto: bfloat16)" if cpu_has_native_bf16() else "no native bfloat16 (auto: float32)"

@@ -5,7 +5,7 @@ and runs --steps decode steps; after each, it does what engine/loop.py does whil
 Observer.on_step, Observer.due (a snapshot every 0.2 s, a message every 0.1 s, on the wall clock as in
 the server) and the orjson encoding of each message. Those calls are timed one by one and set beside the
 mean step time measured in the same run. Without a viewer the loop only tests `observer.watchers`: its
-cost is timed too. The trace recorder (engine/trace.py) is timed the same way, in a second pass.
+cost is timed too. The trace recorder (engine/observe/trace.py) is timed the same way, in a second pass.
 
     python bench/dashboard_cost.py [--num-seqs 64] [--steps 40] [--dtype auto]
 """
@@ -25,7 +25,7 @@ class TimedTracer:
     """A Tracer whose per-step hooks (before_execute, end_step) add up the time they take."""
 
     def __init__(self) -> None:
-        from engine.trace import Tracer
+        from engine.observe.trace import Tracer
 
         self.tracer, self.seconds = Tracer(), 0.0
         self.mark = self.tracer.mark
@@ -53,7 +53,7 @@ def main() -> None:
     import torch
 
     from engine.core import EngineCore
-    from engine.observe import SNAPSHOT_INTERVAL, Observer
+    from engine.observe.dashboard import SNAPSHOT_INTERVAL, Observer
     from shared.config import build_config
     from shared.protocol import Observed, encode
     from shared.sampling import SamplingParams

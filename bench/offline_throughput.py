@@ -44,7 +44,7 @@ def run_transformers(reqs, args) -> float:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from engine.weights import dequantized_folder
+    from engine.load.weights import dequantized_folder
     from shared.model_source import resolve_model
 
     src = resolve_model(args.model)

@@ -16,7 +16,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
     python bench/quantized.py --gemm [--threads 2]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
---gemm measures what engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
+--gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
 quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
 through torch's int kernels and through the packed bfloat16 copies, by row count; each pair of passes is
 taken when the machine is quiet (other processes under --quiet of the CPUs), the best of --reps.
@@ -73,7 +73,7 @@ def load_only(args: argparse.Namespace) -> dict:
 
     import torch
 
-    from engine.weights import load_model
+    from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
     torch.set_num_threads(args.threads)
@@ -87,17 +87,17 @@ def one(args: argparse.Namespace) -> dict:
     """Runs in a child process: one configuration, every figure."""
     import torch
 
+    from engine.load.quant import weight_bytes
     from engine.offline import LLM
-    from engine.quant import weight_bytes
     from shared.model_source import resolve_model
     from shared.sampling import SamplingParams
     from shared.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     if args.int_only:  # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
-        import engine.weights
+        import engine.load.weights
 
-        engine.weights.attach_packed_copies = lambda *_: {}
+        engine.load.weights.attach_packed_copies = lambda *_: {}
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
               kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
@@ -166,8 +166,8 @@ def gemm(args: argparse.Namespace) -> None:
     import torch
 
     from engine import kernel_choice
-    from engine.dtype import cpu_kind
-    from engine.weights import load_model
+    from engine.load.dtype import cpu_kind
+    from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
     torch.set_num_threads(args.threads)

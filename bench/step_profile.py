@@ -39,8 +39,8 @@ from bench.scheduler_policies import Timed  # noqa: E402
 # Labels of the ranges this bench opens around the runner's parts.
 MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"
 GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
-            "mkldnn::_linear_pointwise",  # prepacked weights (engine/prepack.py)
-            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}  # quantized (engine/quant.py)
+            "mkldnn::_linear_pointwise",  # prepacked weights (engine/load/prepack.py)
+            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}  # quantized (engine/load/quant.py)
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention")
 GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
 WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_", "aten::_index_put_impl_"}
@@ -198,12 +198,12 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
     """Profiles one configuration at one batch. -> its summary figures (the closing table's row)."""
     import torch
 
-    import engine.weights
+    import engine.load.weights
     from engine.core import EngineCore
     from shared.config import build_config
 
-    if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/prepack.py)
-        engine.weights.usable = lambda *_: False  # type: ignore[assignment]
+    if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/load/prepack.py)
+        engine.load.weights.usable = lambda *_: False  # type: ignore[assignment]
     core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=num_seqs,
                                    max_num_batched_tokens=2048, kv_cache_memory="2GiB",
                                    max_model_len=max(1024, args.context[1] + num_seqs + 3 * args.steps + 16),

@@ -91,7 +91,7 @@ def ensure_model_folder() -> Path:
     tokenizer with its chat template (as Conveyor's gateway loads it; vLLM's transformers 5.19 reads it)."""
     if (MODEL_DIR / "config.json").is_file() and (MODEL_DIR / "tokenizer_config.json").is_file():
         return MODEL_DIR
-    from engine.weights import dequantized_folder, load_model
+    from engine.load.weights import dequantized_folder, load_model
     from shared.config import DEFAULT_MODEL
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
@@ -117,7 +117,7 @@ def ensure_model_folder() -> Path:
 
 def vllm_dtype(dtype: str) -> str:
     """vLLM's fastest dtype on this CPU for --dtype auto: bfloat16 with native bfloat16 or AMX."""
-    from engine.dtype import cpu_has_native_bf16
+    from engine.load.dtype import cpu_has_native_bf16
 
     return dtype if dtype != "auto" else "bfloat16" if cpu_has_native_bf16() else "float32"
 

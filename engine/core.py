@@ -15,15 +15,15 @@ from engine import pooling, prompt_logprobs
 from engine.admission import Limits
 from engine.block_manager import BlockManager, release_window
 from engine.kv_cache import KVCache
+from engine.load.weights import load_model
+from engine.observe.trace import Tracer, no_mark
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
-from engine.spec import can_speculate, make_proposer
+from engine.speculative import can_speculate, make_proposer
 from engine.step import Delta, EngineFault, StepPlan
 from engine.structured import Grammars
-from engine.trace import Tracer, no_mark
-from engine.weights import load_model
 from kernels import get_backend, one_attention_kernel
 from kernels.backend import backend_limit
 from shared.config import EngineConfig
@@ -112,7 +112,7 @@ class EngineCore:
                        "embedding_requests": 0, "embedding_tokens": 0}
         self.last_step: dict[str, float] = {}
         self.history: deque[StepRecord] = deque(maxlen=4096)
-        self.tracer: Tracer | None = None  # engine/trace.py, while a trace records
+        self.tracer: Tracer | None = None  # engine/observe/trace.py, while a trace records
         self.mark = no_mark
         log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
                  time.perf_counter() - t0, self.source.name, self.max_model_len, bm.num_blocks, block_size)

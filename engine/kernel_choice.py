@@ -4,10 +4,10 @@ torch's weight-only int4 / int8 CPU kernels read 4 or 8 bits a weight, so they a
 a GEMM is bound by memory (a decode step of a few sequences), but they compute at about 300 GFLOP/s
 at any row count, where oneDNN's packed bfloat16 kernel reaches 650 at 32 rows and 900-1000 from
 128. So with 16-bit activations each quantized projection (and a tied LM head) also gets a packed
-copy of its dequantized matrix, and calls of packed_from rows or more take it (engine/quant.py,
+copy of its dequantized matrix, and calls of packed_from rows or more take it (engine/load/quant.py,
 QuantizedLinear).
 
-packed_from comes from measurement: engine/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds
+packed_from comes from measurement: engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds
 and thread counts measured (`python bench/quantized.py --gemm`), else a calibration at load on the
 model's own matrices, timed as a forward meets them (every layer in turn, so cold in cache). A copy
 costs 2 bytes a weight: it is made only while all copies together stay within PLAIN_MAX_BYTES, so a
@@ -26,9 +26,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.dtype import cpu_kind
-from engine.prepack import PLAIN_MAX_BYTES, PackedLinear, quantized_packed_from
-from engine.quant import Int4Linear, QuantizedLinear
+from engine.load.dtype import cpu_kind
+from engine.load.prepack import PLAIN_MAX_BYTES, PackedLinear, quantized_packed_from
+from engine.load.quant import Int4Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.

@@ -8,8 +8,8 @@ The wire is bounded (shared/wire.py): a message over the size limit never reache
 drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
 output queue is full has its requests aborted and is told so once it reads again (never a silent drop).
 Between steps, at most once per HEARTBEAT_INTERVAL, each client with requests in flight gets a HEARTBEAT.
-Clients that OBSERVE get step rows and snapshots between steps (engine/observe.py); TRACE turns a trace
-on and off (engine/trace.py), and --trace-file records one from the start, written when the loop ends.
+Clients that OBSERVE get step rows and snapshots between steps (engine/observe/dashboard.py); TRACE turns a trace
+on and off (engine/observe/trace.py), and --trace-file records one from the start, written when the loop ends.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
-from engine.observe import Observer
+from engine.observe.dashboard import Observer
+from engine.observe.trace import Tracer
 from engine.step import EngineFault
-from engine.trace import Tracer
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
     PROTOCOL_VERSION,

@@ -10,17 +10,17 @@ import torch
 from engine import prompt_logprobs
 from engine.batch import Batch
 from engine.kv_cache import KVCache
+from engine.observe.trace import no_mark
 from engine.pooling import PoolRows
 from engine.sampler import Sampler
 from engine.sequence import LogprobEntry, Sequence
-from engine.spec.verify import verify
+from engine.speculative.verify import verify
 from engine.step import Drafts, StepOutput, StepPlan
-from engine.trace import no_mark
 from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
-    from engine.spec import Proposer
+    from engine.speculative import Proposer
 
 log = logging.getLogger("conveyor.runner")
 

@@ -3,7 +3,7 @@
 Greedy rows take the argmax. Random rows are processed together (temperature, top-k, top-p,
 min-p) and drawn by the exponential race argmax(p / E), E ~ Exp(1), which equals sampling from p.
 A seeded row draws its E from a generator seeded by (seed, position), so its tokens do not depend
-on what else is in the batch (nor on speculative decoding, see engine/spec/verify.py).
+on what else is in the batch (nor on speculative decoding, see engine/speculative/verify.py).
 
 Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
 that order, in place on the logits. Logprobs (and the candidates of beam search, and the cumulative

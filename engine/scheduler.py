@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 from engine import groups, pooling, prompt_logprobs, structured
 from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus
-from engine.spec import Proposer
+from engine.speculative import Proposer
 from engine.step import Delta, Drafts, StepOutput, StepPlan
 from shared.config import SchedulerConfig
 

@@ -19,7 +19,7 @@ Life of a constrained request:
 
 Invariant: a sequence's matcher has consumed exactly its output tokens. Forks (n, best_of) copy the
 state (`Sequence.fork`); preemption keeps every token (swap and recompute alike recompute K/V only),
-so the state is kept too; constrained requests never speculate (engine/spec `can_speculate`), so no
+so the state is kept too; constrained requests never speculate (engine/speculative `can_speculate`), so no
 token is ever taken back, and beam search with a constraint is refused (shared/sampling.py).
 """
 from __future__ import annotations

@@ -340,7 +340,7 @@ class AsyncEngineClient:
         await self._send(P.Observe(seconds))
 
     async def start_trace(self) -> None:
-        """The engine records a trace of its steps and requests from now on (engine/trace.py)."""
+        """The engine records a trace of its steps and requests from now on (engine/observe/trace.py)."""
         await self.wait_ready()
         await self._send(P.Trace(True))
 

@@ -130,8 +130,8 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # engine/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
-    # Weight-only quantized GEMMs (engine/quant.py): auto = what a GGUF file's matrices carry (int4 for
+    dtype: str = "auto"  # engine/load/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
+    # Weight-only quantized GEMMs (engine/load/quant.py): auto = what a GGUF file's matrices carry (int4 for
     # 4-bit codes, int8 for Q8_0), none for float checkpoints.
     quantization: str = "auto"
     device: str = "cpu"

@@ -176,7 +176,7 @@ class Observed:
     """Engine -> a client that OBSERVEs, at most every 0.1 s: the steps since the last one, one row each
     [step, wall time, prefill tokens, decode tokens, sequences, seconds, preempted, blocks swapped out,
     blocks swapped in, tokens sampled]; a snapshot of the queues and KV blocks (at most every 0.2 s, else
-    None; its layout: engine/observe.py); and latency samples in seconds (TTFT of requests that finished,
+    None; its layout: engine/observe/dashboard.py); and latency samples in seconds (TTFT of requests that finished,
     inter-token gaps)."""
 
     steps: list[list[float]]
@@ -187,7 +187,7 @@ class Observed:
 
 @dataclass(slots=True)
 class Trace:
-    """Client -> engine: on, start recording a trace of steps and request lifecycles (engine/trace.py);
+    """Client -> engine: on, start recording a trace of steps and request lifecycles (engine/observe/trace.py);
     off, stop and answer TRACE_DATA with it."""
 
     on: bool

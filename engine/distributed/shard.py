@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.dtype import resolve_dtype
-from engine.gguf import write_gguf_cache
+from engine.load.dtype import resolve_dtype
+from engine.load.gguf import write_gguf_cache
+from engine.load.weights import _safetensors_files, dequantized_folder
 from engine.models.config import ModelConfig
-from engine.weights import _safetensors_files, dequantized_folder
 from shared.model_source import ModelSource
 
 
@@ -100,7 +100,7 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 def checkpoint_folder(source: ModelSource) -> Path:
     """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
-    cache streams one tensor at a time (engine/gguf.py), so no process holds the whole model."""
+    cache streams one tensor at a time (engine/load/gguf.py), so no process holds the whole model."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)
@@ -111,7 +111,7 @@ def checkpoint_folder(source: ModelSource) -> Path:
 
 
 def read_config(folder: Path, dtype: str, device: torch.device) -> ModelConfig:
-    """The full model's config, with --dtype resolved as engine/weights.py resolves it."""
+    """The full model's config, with --dtype resolved as engine/load/weights.py resolves it."""
     config = json.loads((folder / "config.json").read_text())
     gen_path = folder / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None

@@ -46,7 +46,7 @@ class ModelConfig:
     o_proj_bias: bool  # bias on o_proj (only Llama's attention_bias flag sets it)
     eos_token_ids: list[int]
     bos_token_id: int | None
-    dtype: str = "float32"  # what the model was built in: engine/weights.py resolves --dtype auto
+    dtype: str = "float32"  # what the model was built in: engine/load/weights.py resolves --dtype auto
     # --- what the newer families switch on (defaults = the Llama family)
     hidden_act: str = "silu"  # silu | gelu_tanh (Gemma's GeGLU)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
@@ -62,7 +62,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the mixture of experts
-    quantization: str = "none"  # what the projections hold: none | int8 | int4 (engine/quant.py)
+    quantization: str = "none"  # what the projections hold: none | int8 | int4 (engine/load/quant.py)
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

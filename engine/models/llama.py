@@ -13,7 +13,7 @@ per layer is visible:
   complex multiply; only the K stored in the KV cache is in that order.
 - o_proj and down_proj add the residual inside the GEMM (addmm); the final norm and the LM head run
   only on the rows that sample (logits_rows), which is most of a short prompt's prefill cost.
-- A quantized projection (engine/quant.py) replaces an nn.Linear and is called instead of F.linear.
+- A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of F.linear.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     if isinstance(m, nn.Linear):
         h = torch.addmm(h, x, m.weight.t())
         return h if m.bias is None else h.add_(m.bias)
-    add_to = getattr(m, "add_to", None)  # a prepacked matrix fuses the add too (engine/prepack.py)
+    add_to = getattr(m, "add_to", None)  # a prepacked matrix fuses the add too (engine/load/prepack.py)
     if add_to is not None:
         out: torch.Tensor = add_to(h, x)
         return out
@@ -124,7 +124,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm). They are
-    not meaningfully initialised: the model is built on meta and engine/weights.py assigns real tensors."""
+    not meaningfully initialised: the model is built on meta and engine/load/weights.py assigns real tensors."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_local", local, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """-> [T, E]. The embedding may be quantized (engine/quant.py), then it is a module to call."""
+        """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to call."""
         m = self.model
         emb = m.embed_tokens
         h = F.embedding(input_ids, emb.weight) if isinstance(emb, nn.Embedding) else emb.rows(input_ids)

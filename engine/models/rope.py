@@ -70,7 +70,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """q/k rows (or a per-head norm's weights) from HF's half-split RoPE layout (dim j pairs with j + D/2)
-    to interleaved pairs (2j, 2j+1). This is the permutation llama.cpp's converter applies; engine/gguf.py
+    to interleaved pairs (2j, 2j+1). This is the permutation llama.cpp's converter applies; engine/load/gguf.py
     undoes it for GGUF files."""
     d_half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, 2, d_half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

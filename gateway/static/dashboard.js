@@ -1,6 +1,6 @@
 "use strict";
 // The Conveyor dashboard: reads /dashboard/ws (gateway/dashboard.py) and draws what the engine reports
-// (engine/observe.py has the message layout). Plain DOM and canvas; nothing is fetched from elsewhere.
+// (engine/observe/dashboard.py has the message layout). Plain DOM and canvas; nothing is fetched from elsewhere.
 (() => {
   const STRIP = 300;          // steps in the step strip
   const WINDOW = 300;         // seconds the charts cover

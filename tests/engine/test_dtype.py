@@ -10,10 +10,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine import dtype as engine_dtype
 from engine.core import EngineCore
-from engine.dtype import resolve_dtype
-from engine.gguf import _gguf_dtype
+from engine.load import dtype as engine_dtype
+from engine.load.dtype import resolve_dtype
+from engine.load.gguf import _gguf_dtype
 from shared.config import build_config
 from shared.sampling import SamplingParams
 

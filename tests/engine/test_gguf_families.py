@@ -18,9 +18,9 @@ import torch
 import transformers as T
 
 from engine.core import EngineCore
-from engine.gguf import read_gguf
-from engine.quant import Int4Linear
-from engine.weights import load_model
+from engine.load.gguf import read_gguf
+from engine.load.quant import Int4Linear
+from engine.load.weights import load_model
 from shared.config import build_config
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
@@ -202,7 +202,7 @@ def test_gemma_window_pattern_from_the_file_replaces_llama_cpps_default(tmp_path
 
     import gguf
 
-    from engine.gguf import _gguf_config
+    from engine.load.gguf import _gguf_config
 
     slide, full = "sliding_attention", "full_attention"
     for pattern, expected in ((2, [slide, full]), ([False, True], [full, slide])):

@@ -1,4 +1,4 @@
-"""The dashboard's data (engine/observe.py) and step traces (engine/trace.py), on an in-process engine
+"""The dashboard's data (engine/observe/dashboard.py) and step traces (engine/observe/trace.py), on an in-process engine
 whose small KV pool forces swaps and whose requests share prefixes and blocks (n=4)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from engine.core import EngineCore
-from engine.observe import FREE_CACHED, FREE_EMPTY, Observer
-from engine.trace import PHASES, REQUESTS_PID, STEPS_PID, Tracer
+from engine.observe.dashboard import FREE_CACHED, FREE_EMPTY, Observer
+from engine.observe.trace import PHASES, REQUESTS_PID, STEPS_PID, Tracer
 from shared.config import build_config
 from shared.protocol import Observed, RequestOutput, decode, encode
 from shared.sampling import SamplingParams

@@ -1,4 +1,4 @@
-"""Prepacked projections (engine/prepack.py): oneDNN's packed kernel for few rows, MKL on the kept plain
+"""Prepacked projections (engine/load/prepack.py): oneDNN's packed kernel for few rows, MKL on the kept plain
 matrix from plain_from rows on. Both sides of the threshold must give F.linear's numbers, with and without
 a bias, alone and with the residual added inside the GEMM."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import prepack
-from engine.prepack import PackedLinear
+from engine.load import prepack
+from engine.load.prepack import PackedLinear
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN absent from this torch")
 

@@ -1,8 +1,8 @@
-"""Quantized loads stream (engine/weights.py): each projection is quantized as its float32 matrix arrives
+"""Quantized loads stream (engine/load/weights.py): each projection is quantized as its float32 matrix arrives
 and dropped before the next is read, so the float32 model never exists.
 
 Two properties: the result is the same codes and scales as quantizing the whole dequantized float32 model
-(engine/quant.py's quantize_model, and the int8 / int4 formulas written out here over whole matrices), and
+(engine/load/quant.py's quantize_model, and the int8 / int4 formulas written out here over whole matrices), and
 what is alive during the load is bounded, checked by weak references to every tensor the loader reads,
 never by measuring memory."""
 from __future__ import annotations
@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import engine.gguf
-import engine.quant
-import engine.weights
-from engine.gguf import read_gguf
-from engine.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
-from engine.weights import _our_groups, dequantized_folder, load_model
+import engine.load.gguf
+import engine.load.quant
+import engine.load.weights
+from engine.load.gguf import read_gguf
+from engine.load.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
+from engine.load.weights import _our_groups, dequantized_folder, load_model
 from shared.model_source import resolve_model
 from tests.conftest import save_tiny
 from tests.engine.test_families import FAMILIES
@@ -34,7 +34,7 @@ def tiny_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """The quantizers work CHUNK_ROWS rows at a time; at 64 the tiny model's matrices span several chunks."""
-    monkeypatch.setattr(engine.quant, "CHUNK_ROWS", 64)
+    monkeypatch.setattr(engine.load.quant, "CHUNK_ROWS", 64)
 
 
 def _reference(source, mode: str, dtype: torch.dtype):
@@ -135,8 +135,8 @@ def _alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_qwen2_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))  # the GGUF's first load: its cache is written here
-    dequantized = _track(monkeypatch, engine.gguf, "_dequantize_gguf")  # looked up by engine.gguf._open_gguf
-    read = _track(monkeypatch, engine.weights, "_read_copies")  # looked up by engine.weights.load_model
+    dequantized = _track(monkeypatch, engine.load.gguf, "_dequantize_gguf")  # looked up by engine.load.gguf._open_gguf
+    read = _track(monkeypatch, engine.load.weights, "_read_copies")  # looked up by engine.load.weights.load_model
     quantized: list[str] = []
     most_at_read = 0
 
@@ -148,15 +148,15 @@ def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_q
         assert not others, (name, [tuple(t.shape) for t in others])
         quantized.append(name)
 
-    monkeypatch.setattr(engine.weights, "_on_quantized", on_quantized)
-    reader = engine.weights._read_copies
+    monkeypatch.setattr(engine.load.weights, "_on_quantized", on_quantized)
+    reader = engine.load.weights._read_copies
 
     def count(item):  # while a fused group fills, its earlier parts wait: q and k while v is read
         nonlocal most_at_read
         most_at_read = max(most_at_read, len(_alive(read)))
         return item
 
-    monkeypatch.setattr(engine.weights, "_read_copies", lambda *args: map(count, reader(*args)))
+    monkeypatch.setattr(engine.load.weights, "_read_copies", lambda *args: map(count, reader(*args)))
     for path in (tiny_gguf, tiny_qwen2_dir):
         quantized.clear()
         model, cfg = load_model(resolve_model(str(path)), torch.bfloat16, "cpu", mode)
@@ -173,7 +173,7 @@ def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_
     file holds exactly what read_gguf (the whole file in memory) returns."""
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     source = resolve_model(str(tiny_gguf))
-    reader = engine.gguf._dequantize_gguf
+    reader = engine.load.gguf._dequantize_gguf
     refs: list[weakref.ref] = []
     most = 0
 
@@ -185,10 +185,10 @@ def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_
             yield item
             del item
 
-    monkeypatch.setattr(engine.gguf, "_dequantize_gguf", watched)
-    assert engine.gguf.write_gguf_cache(tiny_gguf, dequantized_folder(source))
+    monkeypatch.setattr(engine.load.gguf, "_dequantize_gguf", watched)
+    assert engine.load.gguf.write_gguf_cache(tiny_gguf, dequantized_folder(source))
     assert most == 0 and len(refs) > 1
-    monkeypatch.setattr(engine.gguf, "_dequantize_gguf", reader)
+    monkeypatch.setattr(engine.load.gguf, "_dequantize_gguf", reader)
     config, tensors, groups = read_gguf(tiny_gguf)
     folder = dequantized_folder(source)
     written = load_file(folder / "model.safetensors")

@@ -1,4 +1,4 @@
-"""Quantized GGUF weights served as int8 / int4 weight-only GEMMs (engine/quant.py).
+"""Quantized GGUF weights served as int8 / int4 weight-only GEMMs (engine/load/quant.py).
 
 The GGUF is written by the `gguf` package's own writer and quantizer from a tiny transformers
 checkpoint (Q4_0 projections, a Q8_0 tied embedding, F32 norms, q/k rows permuted as llama.cpp's
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.core import EngineCore
+from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
+from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
-from engine.quant import Int4Linear, Int8Linear, weight_bytes
-from engine.weights import load_model
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.config import build_config
@@ -228,7 +228,7 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("kernel", ["int", "packed"])
 def test_each_quantized_kernel_equals_dequantize_then_matmul(kind: str, kernel: str, rows: int) -> None:
-    from engine.prepack import PackedLinear
+    from engine.load.prepack import PackedLinear
 
     module, w = _int4_layer() if kind == "int4" else _int8_layer()
     module.packed = PackedLinear(module.dequantized(), None)
@@ -244,7 +244,7 @@ def test_each_quantized_kernel_equals_dequantize_then_matmul(kind: str, kernel: 
 @needs_bf16_packing
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_the_row_threshold_is_honoured_on_both_sides(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.prepack import PackedLinear
+    from engine.load.prepack import PackedLinear
 
     module, w = _int4_layer() if kind == "int4" else _int8_layer()
     module.packed, module.packed_from = PackedLinear(module.dequantized(), None), 8
@@ -264,7 +264,8 @@ def test_the_row_threshold_is_honoured_on_both_sides(kind: str, monkeypatch: pyt
 
 @needs_bf16_packing
 def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, monkeypatch) -> None:
-    from engine import kernel_choice, prepack
+    from engine import kernel_choice
+    from engine.load import prepack
 
     source = resolve_model(str(tiny_gguf))
     table = {kernel_choice.cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}

@@ -13,7 +13,7 @@ import transformers as T
 
 from engine.block_manager import BlockManager, release_window
 from engine.core import EngineCore
-from engine.observe import Observer
+from engine.observe.dashboard import Observer
 from engine.request import Request
 from engine.sequence import Sequence
 from shared.config import build_config

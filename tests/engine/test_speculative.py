@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 import torch
 
-import engine.spec.verify as verify_module
+import engine.speculative.verify as verify_module
 from engine.core import EngineCore
-from engine.spec.ngram import propose_ngram
+from engine.speculative.ngram import propose_ngram
 from shared.config import build_config
 from shared.sampling import SamplingParams
 from tests.reference import hf_folder_model

@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.gguf import from_interleaved
+from engine.load.gguf import from_interleaved
+from engine.load.weights import dequantized_folder, load_model
 from engine.models import MODELS, ModelConfig, get_model_class
 from engine.models.llama import LlamaForCausalLM, to_interleaved
-from engine.weights import dequantized_folder, load_model
 from tests.reference import transformers_gguf_model
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
@@ -177,7 +177,7 @@ def test_smollm2_second_load_comes_from_cache(smollm2_source, smollm2_loads, cap
     assert not any("GGUF" in m or m.startswith("dequantized") for m in messages), messages
     assert any(m.startswith("loaded") and f"from {cache} in" in m for m in messages), messages
     assert cfg == smollm2_loads[1]
-    # The file's matrices are 4-bit (Q4_1): the cache says so, for --dtype auto (engine/dtype.py).
+    # The file's matrices are 4-bit (Q4_1): the cache says so, for --dtype auto (engine/load/dtype.py).
     assert json.loads((cache / "config.json").read_text())["torch_dtype"] == "bfloat16"
     theirs = first.state_dict()
     for name, t in model.state_dict().items():

@@ -22,7 +22,7 @@ def cpu_has_native_bf16() -> bool:
 
 
 def cpu_kind() -> str:
-    """The CPU's kind for tables of measured kernel choices (engine/prepack.py): AMX, AVX512_BF16, or
+    """The CPU's kind for tables of measured kernel choices (engine/load/prepack.py): AMX, AVX512_BF16, or
     torch's own capability name (AVX512, AVX2, DEFAULT, ...) where neither bfloat16 unit is present."""
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return "AMX"

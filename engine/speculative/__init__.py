@@ -1,5 +1,5 @@
 """Speculative decoding: a proposer guesses a sequence's next tokens; the model verifies them all in
-one step (engine/spec/verify.py), so a step can emit several tokens without changing the output.
+one step (engine/speculative/verify.py), so a step can emit several tokens without changing the output.
 
 Proposers have two calls: plan(seq, k) at schedule time, which decides how many drafts the step
 verifies (and so how much budget and how many blocks it takes), and propose(seqs, drafts) just
@@ -15,8 +15,8 @@ import torch
 
 from engine.models import ModelConfig
 from engine.sequence import Sequence
-from engine.spec.draft import DraftProposer
-from engine.spec.ngram import NgramProposer
+from engine.speculative.draft import DraftProposer
+from engine.speculative.ngram import NgramProposer
 from engine.step import Drafts
 from kernels.backend import AttentionBackend
 from shared.config import CacheConfig, SpeculativeConfig

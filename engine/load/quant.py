@@ -6,7 +6,7 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
   nearest of w / (max|w_row| / 127)).
 - int4: a scale and a zero per 32 weights of a row (_weight_int4pack_mm_for_cpu computes
   (q - 8) * scale + zero). GGUF's Q4_0 (d * (q - 8)) and Q4_1 (d * q + m) blocks are exactly that
-  form, so their codes are carried over bit for bit (groups from engine/gguf.py); other formats
+  form, so their codes are carried over bit for bit (groups from engine/load/gguf.py); other formats
   (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.prepack import PackedLinear
+from engine.load.prepack import PackedLinear
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -201,7 +201,7 @@ def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
 
 
 def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype, groups: Groups | None = None) -> None:
-    """Replaces the quantized_targets of a loaded float model in place. engine/weights.py quantizes
+    """Replaces the quantized_targets of a loaded float model in place. engine/load/weights.py quantizes
     while it loads instead, so the float model never exists; this is the same result from a float model
     (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by our parameter name."""
     groups = groups or {}

@@ -1,11 +1,11 @@
 """GGUF, llama.cpp's file format: read and dequantized into Hugging Face names, config.json and a cached
-safetensors folder, so engine/weights.py loads a GGUF model like any HF one. Separate from weights.py
+safetensors folder, so engine/load/weights.py loads a GGUF model like any HF one. Separate from weights.py
 because it translates another project's format (its metadata keys, tensor names and what its converter
 did to each family's tensors), where weights.py builds models from HF-named tensors.
 
 A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into a
 plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
-engine/weights.py's dequantized_folder(source), one tensor at a time; config.json's torch_dtype says what
+engine/load/weights.py's dequantized_folder(source), one tensor at a time; config.json's torch_dtype says what
 precision the file's matrices carried, for --dtype auto. Every start, the first included, then reads that
 folder like any HF model, in well under a second. The folder appears atomically (written beside it, then
 renamed), so a crash or a concurrent start never leaves a half-written cache that looks complete. Only
@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.quant import auto_mode, gguf_groups
+from engine.load.quant import auto_mode, gguf_groups
 
 log = logging.getLogger("conveyor.weights")  # the cache's messages belong to the weight-loading log
 

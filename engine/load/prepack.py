@@ -12,7 +12,7 @@ MKL's sgemm on the plain matrix instead, which there beats oneDNN's packed kerne
 the packed kernel wins by up to 2x at decode batches: the plain matrix stays beside its packed copy.
 
 Only plain nn.Linear projections of a CPU model in float32 or bfloat16 are packed; quantized ones
-(engine/quant.py) and MoE experts keep their own kernels. A tied LM head gets a packed copy of the
+(engine/load/quant.py) and MoE experts keep their own kernels. A tied LM head gets a packed copy of the
 embedding matrix (the embedding itself stays a lookup table).
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ PACKABLE = (torch.float32, torch.bfloat16)
 # 150-165, and oneDNN's packed kernel 1.1-2x faster at 8-64 rows (docs/performance.md, "Prompt chunks on
 # MKL"). Absent: packed at every row count (the CPU kind is unmeasured).
 PLAIN_FROM_ROWS: dict[str, int] = {"AVX2": 128}
-# Rows from which a weight-only quantized projection (engine/quant.py) multiplies with a packed bfloat16 copy
-# of its dequantized matrix instead of torch's int kernel, by CPU kind (engine/dtype.py's cpu_kind), thread
+# Rows from which a weight-only quantized projection (engine/load/quant.py) multiplies with a packed bfloat16 copy
+# of its dequantized matrix instead of torch's int kernel, by CPU kind (engine/load/dtype.py's cpu_kind), thread
 # count and kernel. The int kernels read 4 or 8 bits a weight, so they win while a GEMM is bound by memory (a
 # few rows), but compute at 280-350 GFLOP/s at every row count (int4 re-dequantizes the weight for every 4
 # rows), where oneDNN's packed bfloat16 reaches 650 at 32 rows. Measured with `python bench/quantized.py

@@ -19,11 +19,11 @@ import torch
 
 from engine.batch import Batch
 from engine.kv_cache import KVCache
+from engine.load.weights import load_model
 from engine.models import ModelConfig
 from engine.sampler import argmax, generator_of, probs_of
 from engine.sequence import Sequence
 from engine.step import Drafts
-from engine.weights import load_model
 from kernels.backend import AttentionBackend
 from shared.config import CacheConfig
 from shared.model_source import resolve_model

@@ -2,11 +2,11 @@
 
 The model is built on the meta device and takes the loaded tensors as its parameters
 (load_state_dict(assign=True)), so weights are allocated once. Tensors are read into memory of their
-own, one at a time (not memory-mapped: see _read_copies). A quantized model (engine/quant.py) quantizes
+own, one at a time (not memory-mapped: see _read_copies). A quantized model (engine/load/quant.py) quantizes
 every projection as soon as its matrix (a fused one once its last part arrives) is there, so it never
 holds more than one float32 matrix beside its codes.
 
-A GGUF file is read by engine/gguf.py, which dequantizes it once into a plain HF folder in
+A GGUF file is read by engine/load/gguf.py, which dequantizes it once into a plain HF folder in
 dequantized_folder(source); every start then loads that folder like any HF model.
 """
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine.dtype import resolve_dtype
-from engine.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.kernel_choice import attach_packed_copies
+from engine.load.dtype import resolve_dtype
+from engine.load.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
+from engine.load.prepack import prepack_model, usable
+from engine.load.quant import LAYER_PROJECTIONS, Groups, quantize_matrix, quantized_targets, weight_bytes
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
-from engine.prepack import prepack_model, usable
-from engine.quant import LAYER_PROJECTIONS, Groups, quantize_matrix, quantized_targets, weight_bytes
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
@@ -48,8 +48,8 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
                deterministic: bool = False) -> tuple[nn.Module, ModelConfig]:
     """-> (model in eval mode without grads, its config; cfg.dtype is the dtype it computes in,
     cfg.quantization what its projections hold). dtype: a torch dtype, or a --dtype name ("auto" resolves
-    against the checkpoint, engine/dtype.py). quantization: none | int8 | int4 | auto (engine/quant.py).
-    prepack: float projections in oneDNN's layout on a CPU (engine/prepack.py); off, they stay nn.Linear.
+    against the checkpoint, engine/load/dtype.py). quantization: none | int8 | int4 | auto (engine/load/quant.py).
+    prepack: float projections in oneDNN's layout on a CPU (engine/load/prepack.py); off, they stay nn.Linear.
     deterministic: GEMM kernels chosen so a row's result does not depend on the row count
     (docs/determinism.md).
     GGUF sources load from the dequantized cache when it exists, and create it otherwise."""
@@ -89,7 +89,7 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
     """weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
     groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
     safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
-    on a CPU (engine/prepack.py)."""
+    on a CPU (engine/load/prepack.py)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
     mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)

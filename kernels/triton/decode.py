@@ -15,6 +15,37 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def kv_tile(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
+    k_cache_ptr, v_cache_ptr, block, pos, kvh, d, kv_mask,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The K and V rows of key positions `pos` ([BLOCK_N]) from their cache blocks `block`."""
+    kv_off = (block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs
+              + kvh * stride_ch + d[None, :])
+    k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+    v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
+
+
+@triton.jit
+def softmax_update(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
+    scores, v, m, row_sum, acc, PRECISION: tl.constexpr,
+):
+    """One online-softmax step (base 2): fold a tile of scores and its values into the running
+    max, sum and output of every row. -> the new (m, row_sum, acc)."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, row_sum, acc
+
+
+@triton.jit
 def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     q_ptr,  # [T, H, D]; row q_rows[b] is sequence b's query
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -68,21 +99,12 @@ def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types th
         pos = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_mask = pos < end
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        kv_off = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = kv_tile(k_cache_ptr, v_cache_ptr, block, pos, kvh, d, kv_mask,
+                       stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, row_sum, acc = softmax_update(scores, v, m, row_sum, acc, PRECISION)
 
     o_mask = g_mask[:, None] & d_mask[None, :]
     out = acc / row_sum[:, None]  # row_sum > 0: the partition holds at least one key

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode import LOG2E
+from kernels.triton.decode import LOG2E, kv_tile, softmax_update
 
 
 @triton.jit
@@ -36,22 +36,13 @@ def _attend_keys(  # type: ignore[no-untyped-def]  # Triton types the arguments 
         else:
             block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
             kv_mask = d_mask[None, :]  # every key is in range: only the head-dim padding
-        kv_off = block[:, None] * stride_cb + (pos % BLOCK_SIZE)[:, None] * stride_cs + kvh * stride_ch + d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = kv_tile(k_cache_ptr, v_cache_ptr, block, pos, kvh, d, kv_mask,
+                       stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if MASKED:
             visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp2(scores - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, row_sum, acc = softmax_update(scores, v, m, row_sum, acc, PRECISION)
     return m, row_sum, acc
 
 

@@ -45,7 +45,7 @@ MAX_BUCKETS = 8
 class _Prefill:
     token_slice: slice  # rows of this sequence's new tokens in the flattened batch
     key_slots: torch.Tensor  # [L] int64 slots of positions 0..L-1
-    mask: torch.Tensor | None  # [q, L] float additive (0 / -inf), None without cached context (plain causal)
+    mask: torch.Tensor | None  # [q, L] (prefix_mask), None without cached context (plain causal)
     context: int = 0  # cached tokens before the first query
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window -> its [q, L] mask
 
@@ -59,9 +59,18 @@ class _Prefill:
             qpos = torch.arange(q)[:, None] + self.context  # [q, 1] positions of the queries
             key = torch.arange(L)[None, :]
             hidden = (key > qpos) | (key <= qpos - window)  # transformers: visible iff q - window < key <= q
-            mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf"))
-            self.windowed[window] = mask.to(self.key_slots.device)
+            self.windowed[window] = prefix_mask(hidden, self.key_slots.device)
         return self.windowed[window]
+
+
+def prefix_mask(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """hidden [q, L] bool (True = masked) -> the mask SDPA takes on device. On the CPU an additive float
+    mask (its flash kernel runs that faster than a bool one: docs/performance.md); elsewhere a bool mask,
+    True = visible: CUDA's SDPA kernels want a float mask in the query's dtype and misread a float32 one
+    under bfloat16 queries (bench/kernels.py measured a relative error of 0.9 before)."""
+    if device.type == "cpu":
+        return torch.zeros(hidden.shape).masked_fill_(hidden, float("-inf"))
+    return (~hidden).to(device)
 
 
 @dataclass
@@ -186,9 +195,15 @@ class TorchBackend:
         # with its AVX-512 BF16 path, i.e. a bfloat16 model and cache on a CPU with avx512_bf16. One kernel
         # then walks every row's context in one fixed order, so a token's output does not depend on how its
         # prompt was chunked or cached (issue #30). CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off.
+        # Asked only where the native kernel runs: elsewhere (CUDA, the torch backend) its library may not
+        # be loaded at all.
         forced = os.environ.get("CONVEYOR_NATIVE_PROMPTS")
-        auto = forced == "1" if forced in ("0", "1") else self._bf16_path(dtype)
-        self.native_prompts = self.native and (auto if native_prompts is None else native_prompts)
+        if not self.native:
+            self.native_prompts = False
+        elif native_prompts is not None:
+            self.native_prompts = native_prompts
+        else:
+            self.native_prompts = forced == "1" if forced in ("0", "1") else self._bf16_path(dtype)
 
     def _bf16_path(self, dtype: torch.dtype | None) -> bool:
         """Whether the native kernel runs its AVX-512 BF16 path for this model (head dim aside)."""
@@ -207,9 +222,7 @@ class TorchBackend:
                 L = ctx + q
                 mask = None
                 if ctx > 0:  # query j sits at position ctx + j and sees keys 0..ctx + j
-                    # Additive float mask: CPU SDPA runs it faster than a bool mask (docs/performance.md).
-                    hidden = torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx)
-                    mask = torch.zeros(q, L).masked_fill_(hidden, float("-inf")).to(self.device)
+                    mask = prefix_mask(torch.arange(L)[None, :] > (torch.arange(q)[:, None] + ctx), self.device)
                 slots = slots_of(layout.block_tables[i], L, bs).to(self.device)
                 prefills.append(_Prefill(slice(start, start + q), slots, mask, ctx))
             start += q

@@ -4,6 +4,10 @@ from the block table. Batches mix every path: decodes, short queries over a cont
 verification), prompts without context and long chunks over a context."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -170,3 +174,13 @@ def test_native_kernel_takes_every_batch_of_short_queries():
     torch.testing.assert_close(out.double(), naive_attention(large, k_cache, v_cache), atol=1e-5, rtol=1e-5)
     limited = TorchBackend("cpu", native=True, native_max_context=2048).plan(large.layout)
     assert limited.native is None and limited.batched
+
+
+def test_pure_torch_backend_needs_no_native_library() -> None:
+    """The torch backend in bfloat16 (the reference, and the CPU-side backend on a CUDA machine) starts in a
+    process that never loaded the native kernels: it asked their library which paths it had and failed."""
+    code = ("import torch; from kernels import get_backend; "
+            "b = get_backend('torch', 'cpu', torch.bfloat16); assert not b.native and not b.native_prompts")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "CONVEYOR_NATIVE_KERNELS": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The checks only a CUDA machine can make, in one go, each step bounded and logged on its own so that
+# one failure leaves the others' results: the machine, the Triton kernels compiled and run natively
+# against the PyTorch reference, their speed (bench/kernels.py), the whole engine on each attention
+# backend (bench/gpu_engine.py), and the CPU kernel tests on the host's CPU (another CPU kind).
+#
+#   bash bench/gpu_check.sh OUTDIR        # OUTDIR gets one log per step
+#
+# Python packages the machine lacks can come as wheels in .whl/ (pyzmq, orjson, gguf).
+set -u
+out=${1:-gpu-check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CONVEYOR_CACHE=/tmp/conveyor-cache
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+
+step() {  # step NAME SECONDS COMMAND...: run it, log to OUTDIR/NAME.log, print one status line
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 5 "$secs" "$@" >"$out/$name.log" 2>&1
+  echo "$name: exit $? after $((SECONDS - t0)) s"
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu;
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.log" 2>&1
+echo "machine: $(head -2 "$out/machine.log" | tail -1)"
+step triton_cuda_tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_cuda.py
+step bench_kernels 100 python3 bench/kernels.py --dtype bfloat16
+step engine_smollm2 100 python3 bench/gpu_engine.py --shape smollm2 --dtype bfloat16
+step engine_llama1b 110 python3 bench/gpu_engine.py --shape llama-1b --dtype bfloat16
+step cpu_kernel_tests 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_attention.py
+tail -n 3 "$out"/*.log

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from engine.distributed.comm import Comm
 from engine.distributed.shard import Shard
-from engine.models.llama import DecoderLayer, LlamaForCausalLM, apply_rope
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.rope import Rotation, apply_rope, rotation
 from kernels.backend import AttentionBackend
 
 
@@ -41,7 +42,7 @@ class ShardedLlama(LlamaForCausalLM):
         outside = (local < 0) | (local >= self.shard.vocab_per_rank)  # [T]
         h = F.embedding(local.masked_fill(outside, 0), m.embed_tokens.weight)  # [T, E]
         h = comm.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
-        rope = torch.view_as_complex(self.rope[positions]).unsqueeze(1)  # [T, 1, D/2] complex64
+        rope = rotation(self.rope, positions, native=False)
         for layer, kv in zip(m.layers, kv_cache):  # kv: [2, num_blocks, block_size, Hkv/N, D]
             h = layer_forward(cast(DecoderLayer, layer), comm, h, rope, kv[0], kv[1], attn_meta, backend)
         h = F.rms_norm(h[logits_rows], h.shape[-1:], m.norm.weight, m.norm.eps)  # [B, E]
@@ -51,7 +52,7 @@ class ShardedLlama(LlamaForCausalLM):
         return logits if full is None else full[:, : self.shard.cfg.vocab_size]
 
 
-def layer_forward(layer: DecoderLayer, comm: Comm, h: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+def layer_forward(layer: DecoderLayer, comm: Comm, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, attn_meta: object, backend: AttentionBackend) -> torch.Tensor:
     """DecoderLayer.forward on this rank's heads and MLP units. h: [T, E], the same on every rank."""
     T, H, Hkv, D = h.shape[0], layer.num_heads, layer.num_kv_heads, layer.head_dim  # local H, Hkv

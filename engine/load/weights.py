@@ -32,6 +32,7 @@ from engine.load.quant import LAYER_PROJECTIONS, Groups, quantize_matrix, quanti
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
+from kernels import cpu as cpu_kernels
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
@@ -107,6 +108,8 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
         groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
+        model.use_native_ops()
     if prepack and usable(model, device):
         if mode == "none":
             prepack_model(model, LAYER_PROJECTIONS, deterministic)

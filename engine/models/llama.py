@@ -26,7 +26,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
-from engine.models.rope import apply_rope, rope_table, to_interleaved
+from engine.models.rope import Rotation, apply_rope, rope_table, rotation, to_interleaved
 from kernels.backend import AttentionBackend
 
 __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
@@ -52,7 +52,11 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     return h + linear(x, m)
 
 
-def rms(x: torch.Tensor, norm: nn.RMSNorm) -> torch.Tensor:
+def rms(x: torch.Tensor, norm: nn.RMSNorm, native: bool = False) -> torch.Tensor:
+    """native: one pass of kernels/cpu/layer_ops.cpp for a [T, E] x (F.rms_norm is ten ATen calls on the CPU)."""
+    if native:
+        out: torch.Tensor = torch.ops.conveyor_cpu.rms_norm(x, norm.weight, norm.eps)
+        return out
     return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
 
 
@@ -67,6 +71,7 @@ class DecoderLayer(nn.Module):
         self.softcap = cfg.attn_softcap
         self.local_rope = self.window is not None and cfg.local_rope_theta is not None
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.native = False  # norms and RoPE through the native CPU ops (LlamaForCausalLM.use_native_ops)
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         qkv_size = self.qk_size + cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = nn.RMSNorm(hidden, eps)
@@ -85,12 +90,13 @@ class DecoderLayer(nn.Module):
             self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
 
     def forward(
-        self, h: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        self, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn_meta: object, backend: AttentionBackend,
     ) -> torch.Tensor:
         """h: [T, E] residual stream -> [T, E]. Calls F.* directly: module calls cost microseconds each."""
         T, H, Hkv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        x = rms(h, self.input_layernorm)  # [T, E]
+        native = self.native
+        x = rms(h, self.input_layernorm, native)  # [T, E]
         qkv = linear(x, self.qkv_proj)  # [T, (H + 2Hkv) * D]
         qk = qkv[:, : self.qk_size].view(T, H + Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:  # per-head norms (weights in interleaved order)
@@ -107,10 +113,10 @@ class DecoderLayer(nn.Module):
         o = o.reshape(T, H * D)
         if self.pre_feedforward_layernorm is None:
             h = add_linear(h, o, self.o_proj)  # h + o_proj(o): [T, E]
-            x = rms(h, self.post_attention_layernorm)
+            x = rms(h, self.post_attention_layernorm, native)
         else:  # Gemma: norm the attention output before the residual add, and the MLP's input
-            h = h + rms(linear(o, self.o_proj), self.post_attention_layernorm)
-            x = rms(h, self.pre_feedforward_layernorm)
+            h = h + rms(linear(o, self.o_proj), self.post_attention_layernorm, native)
+            x = rms(h, self.pre_feedforward_layernorm, native)
         if self.moe is not None:
             moe_out: torch.Tensor = self.moe(x)
             return h + moe_out
@@ -119,7 +125,7 @@ class DecoderLayer(nn.Module):
         act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(gate_up[:, self.inter :])  # [T, I]
         if self.post_feedforward_layernorm is None:
             return add_linear(h, act, self.down_proj)  # h + down_proj(act): [T, E]
-        return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm)
+        return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm, native)
 
 
 class LlamaModel(nn.Module):
@@ -133,6 +139,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.native_ops = False  # the final norm and RoPE through the native CPU ops
 
 
 class LlamaForCausalLM(nn.Module):
@@ -174,15 +181,24 @@ class LlamaForCausalLM(nn.Module):
         """-> [T, E] the residual stream after the last layer, before the final norm (forward's args)."""
         m = self.model
         h = self.embed(input_ids)  # [T, E]
-        rope = torch.view_as_complex(self.rope[positions]).unsqueeze(1)  # [T, 1, D/2] complex64
-        local = rope if self.rope_local is None else torch.view_as_complex(self.rope_local[positions]).unsqueeze(1)
+        native = self.model.native_ops
+        rope = rotation(self.rope, positions, native)
+        local = rope if self.rope_local is None else rotation(self.rope_local, positions, native)
         for layer, kv in zip(m.layers, kv_cache):  # kv: [2, num_blocks, block_size, Hkv, D]
             h = layer(h, local if layer.local_rope else rope, kv[0], kv[1], attn_meta, backend)
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings read."""
-        return rms(h, self.model.norm)
+        return rms(h, self.model.norm, self.model.native_ops)
+
+    def use_native_ops(self) -> None:
+        """Norms and RoPE through kernels/cpu/layer_ops.cpp: for a CPU model in float32 or bfloat16 whose
+        native library is loaded (engine/load/weights.py decides)."""
+        self.model.native_ops = True
+        for layer in self.model.layers:
+            if isinstance(layer, DecoderLayer):
+                layer.native = True
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] normed hidden states -> [B, V] float32 logits."""

@@ -7,6 +7,7 @@ original checkpoints and in GGUF), so RoPE is one complex multiply instead of HF
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -62,10 +63,27 @@ def rope_table(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     return torch.stack((angles.cos() * attn, angles.sin() * attn), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """x: [T, N, D] with interleaved pairs, rope: [T, 1, D/2] complex64 -> new [T, N, D] in x.dtype."""
+class Rotation(NamedTuple):
+    """One step's rotation, shared by every layer with the same table: the native op reads the table at
+    the positions; the PyTorch path multiplies by the step's complex factors, gathered once."""
+    table: torch.Tensor  # [P, D/2, 2] float32 (cos, sin)
+    positions: torch.Tensor  # [T] int64
+    factors: torch.Tensor | None  # [T, 1, D/2] complex64; None: the native op (kernels/cpu/layer_ops.cpp)
+
+
+def rotation(table: torch.Tensor, positions: torch.Tensor, native: bool) -> Rotation:
+    factors = None if native else torch.view_as_complex(table[positions]).unsqueeze(1)
+    return Rotation(table, positions, factors)
+
+
+def apply_rope(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
+    """x: [T, N, D] with interleaved pairs -> [T, N, D] in x.dtype: x itself, turned in place, on the
+    native path (x is a fresh GEMM output there); a new tensor on the PyTorch path."""
+    if rot.factors is None:
+        torch.ops.conveyor_cpu.rope_(x, rot.table, rot.positions)
+        return x
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # [T, N, D/2]
-    return torch.view_as_real(xc * rope).flatten(-2).type_as(x)
+    return torch.view_as_real(xc * rot.factors).flatten(-2).type_as(x)
 
 
 def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:

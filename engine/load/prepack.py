@@ -47,9 +47,11 @@ PLAIN_FROM_ROWS: dict[str, int] = {"AVX2": 128}
 # / 19.5 / 23.8 / 27.3 / 47.8 packed; the int8 head 4.6 ms at 1 row against 4.2 packed); 2 threads from the
 # quiet chain in ../shared/perf (int4 3.46 / 7.53 / 8.23 / 15.45 ms at 1 / 4 / 8 / 16 rows against 8.11 /
 # 7.99 / 9.64 / 11.27 packed; the int8 head 0.86 ms in a one-row step against 1.36, 1,984 us at 8 rows
-# against 1,168).
+# against 1,168). AMX (2-core Xeon): both thread counts from this bench on a quiet machine (docs/performance.md,
+# "The AMX Xeon").
 QUANTIZED_PACKED_FROM_ROWS: dict[str, dict[int, dict[str, int]]] = {
     "AVX512_BF16": {1: {"int4": 12, "int8": 1}, 2: {"int4": 16, "int8": 8}},
+    "AMX": {1: {"int4": 8, "int8": 2}, 2: {"int4": 12, "int8": 6}},
 }
 # The plain copies cost the projections' size again: kept only while that is at most this much (a small
 # model, whose prompt chunks are where its GEMM time goes), so a larger model's memory does not double.

@@ -33,10 +33,11 @@ __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
 
 
 def linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    """x @ W.T (+ b) for an nn.Linear or a quantized stand-in (which is callable)."""
+    """x @ W.T (+ b) for an nn.Linear or a packed or quantized stand-in. Its forward is called directly:
+    nn.Module.__call__'s hook checks cost more than a one-row GEMM's Python (no hooks are used here)."""
     if isinstance(m, nn.Linear):
         return F.linear(x, m.weight, m.bias)
-    out: torch.Tensor = m(x)
+    out: torch.Tensor = m.forward(x)
     return out
 
 
@@ -98,13 +99,14 @@ class DecoderLayer(nn.Module):
         native = self.native
         x = rms(h, self.input_layernorm, native)  # [T, E]
         qkv = linear(x, self.qkv_proj)  # [T, (H + 2Hkv) * D]
-        qk = qkv[:, : self.qk_size].view(T, H + Hkv, D)
+        qk_flat, v_flat = qkv.split((self.qk_size, Hkv * D), dim=1)  # one call for both views
+        qk = qk_flat.view(T, H + Hkv, D)
         if self.q_norm is not None and self.k_norm is not None:  # per-head norms (weights in interleaved order)
             qk = torch.cat((rms(qk[:, :H], self.q_norm), rms(qk[:, H:], self.k_norm)), dim=1)
         qk = apply_rope(qk, rope)  # [T, H + Hkv, D]
         # q, k, v are row-strided views (stride(1) == D, stride(2) == 1), not T-contiguous copies.
-        q, k = qk[:, :H], qk[:, H:]  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, self.qk_size :].view(T, Hkv, D)  # [T, Hkv, D]
+        q, k = qk.split((H, Hkv), dim=1)  # [T, H, D], [T, Hkv, D]
+        v = v_flat.view(T, Hkv, D)  # [T, Hkv, D]
         if self.window is None and self.softcap is None:
             o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)  # [T, H, D]
         else:
@@ -120,9 +122,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             moe_out: torch.Tensor = self.moe(x)
             return h + moe_out
-        gate_up = linear(x, self.gate_up_proj)  # [T, 2I]
-        gate = gate_up[:, : self.inter]
-        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(gate_up[:, self.inter :])  # [T, I]
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=1)  # [T, I] each, views of one [T, 2I]
+        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)  # [T, I]
         if self.post_feedforward_layernorm is None:
             return add_linear(h, act, self.down_proj)  # h + down_proj(act): [T, E]
         return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm, native)

@@ -5,14 +5,15 @@ block in the prompt, as Qwen3's. A random model does not write `</think>` by its
 constraint forces the tag into the output (the tokens around it are the model's); on the Responses
 and Messages doors, which take no regex, a JSON schema whose string pattern holds the tag does. The
 reference is the tokenizer's full decode of the tokens the offline engine generates for the same
-prompt and constraint, split at the tags; through the chat and Responses doors, with the openai
-SDK."""
+prompt and constraint, split at the tags; through all three doors, with the openai and anthropic
+SDKs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -260,3 +261,73 @@ def test_responses_reasoning_options_that_cannot_be_honoured_are_400s(
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=4, reasoning=reasoning)
     assert e.value.body["param"] == param
+
+
+@pytest.fixture(scope="module")
+def claude(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+MESSAGES_CASES = [
+    ({}, None, None, "all reasoning"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SPLIT_SCHEMA}}}, None,
+     SPLIT_SCHEMA, "split"),
+    ({"thinking": {"type": "disabled"}}, {"enable_thinking": False}, None, "all content"),
+    ({"thinking": {"type": "adaptive"}}, None, None, "all reasoning"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, None, None, "all reasoning"),
+]
+
+
+@pytest.mark.parametrize(("extra", "kwargs", "schema", "want"), MESSAGES_CASES)
+def test_messages_thinking_block_streamed_and_not(
+    claude: anthropic.Anthropic,
+    server: Server,
+    reference: Any,
+    extra: dict[str, Any],
+    kwargs: dict[str, Any] | None,
+    schema: Any,
+    want: str,
+) -> None:
+    thought, answer = expected(reference(prompt_ids(server, kwargs), None, 48, schema), want)
+    body = {k: v for k, v in extra.items() if k != "thinking"} | {"temperature": 0}
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=48, messages=ASK, extra_body=body,
+                              **({"thinking": extra["thinking"]} if "thinking" in extra else {}))
+    msg = claude.messages.create(**kw)
+    blocks = [("thinking", thought)] * bool(thought) + [("text", answer)] * bool(answer)
+    assert [(b.type, b.thinking if b.type == "thinking" else b.text) for b in msg.content] == blocks
+    assert all(b.signature == "" for b in msg.content if b.type == "thinking")
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas == sorted(deltas, key=lambda d: d != "thinking_delta")  # thinking first
+    assert final.model_dump(exclude={"id"}) == msg.model_dump(exclude={"id"})
+
+
+@pytest.mark.parametrize(
+    ("thinking", "param"),
+    [
+        ({"type": "enabled", "budget_tokens": 2000}, "thinking.budget_tokens"),  # < max_tokens
+        ({"type": "enabled", "budget_tokens": 100}, "thinking.budget_tokens"),  # < 1024
+        ({"type": "adaptive", "display": "omitted"}, "thinking.display"),
+        ({"type": "sometimes"}, "thinking.type"),
+    ],
+)
+def test_messages_thinking_that_cannot_be_honoured_is_a_400(
+    claude: anthropic.Anthropic, thinking: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=4096, messages=ASK, thinking=thinking)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in e.value.body["error"]["message"]
+
+
+def test_thinking_blocks_sent_back_are_not_assistant_text(claude: anthropic.Anthropic) -> None:
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "the sun is low", "signature": ""},
+        {"type": "text", "text": "Rayleigh."},
+    ]}
+    again = {"role": "user", "content": "And at night?"}
+    count = claude.messages.count_tokens(model=MODEL, messages=[*ASK, turn, again])
+    want = transformers_prompt_len([*ASK, {"role": "assistant", "content": "Rayleigh."}, again])
+    assert count.input_tokens == want

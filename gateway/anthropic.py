@@ -4,6 +4,9 @@ The body is parsed by anthropic_schema.py into the one internal request; the one
 gateway/translate.py is rendered here in Anthropic's shapes:
 
     message_start, ping
+    per thinking block (--reasoning-parser), before the text:
+                     content_block_start {thinking, signature ""},
+                     content_block_delta {thinking_delta}*, content_block_stop
     per text block:  content_block_start {text}, content_block_delta {text_delta}*,
                      content_block_stop
     per tool call:   content_block_start {tool_use}, content_block_delta {input_json_delta},
@@ -27,7 +30,7 @@ from aiohttp import web
 from gateway.anthropic_schema import MessagesRequest, parse_messages_body
 from gateway.routes import json_response, read_json, tokenizing
 from gateway.state import SERVED
-from gateway.translate import Call, End, Frame, Started, Text, events, sse
+from gateway.translate import Call, End, Frame, Started, Text, Thought, events, sse
 from shared.errors import ConveyorError
 
 PREFIX = "/v1/messages"
@@ -84,7 +87,7 @@ class Render:
             "stop_sequence": None,
             "usage": None,
         }
-        self.open_text = False  # the last content block is a text block still streaming
+        self.open: str | None = None  # "text" | "thinking": the last block, while it streams
 
     async def run(self) -> AsyncGenerator[Frame, None]:
         source = events(self.app, self.req.parsed, self.message["id"])
@@ -97,8 +100,9 @@ class Render:
                         {"type": "message_start", "message": {**self.message, "content": []}},
                     )
                     yield "ping", {"type": "ping"}
-                elif isinstance(ev, Text):
-                    for frame in self._text(ev.text):
+                elif isinstance(ev, (Thought, Text)):
+                    kind = "thinking" if isinstance(ev, Thought) else "text"
+                    for frame in self._delta(kind, ev.text):
                         yield frame
                 elif isinstance(ev, Call):
                     for frame in [*self._close(), *self._call(ev)]:
@@ -112,38 +116,42 @@ class Render:
     def _index(self) -> int:
         return len(self.message["content"]) - 1
 
-    def _text(self, text: str) -> list[Frame]:
+    def _delta(self, kind: str, text: str) -> list[Frame]:
+        """A delta of a text or thinking block, opening it (and closing the other) first."""
         frames = []
-        if not self.open_text:
-            self.open_text = True
-            self.message["content"].append({"type": "text", "text": ""})
+        if self.open != kind:
+            frames += self._close()
+            self.open = kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" \
+                else {"type": "text", "text": ""}
+            self.message["content"].append(block)
             frames.append(
                 (
                     "content_block_start",
                     {
                         "type": "content_block_start",
                         "index": self._index(),
-                        "content_block": {"type": "text", "text": ""},
+                        "content_block": dict(block),
                     },
                 )
             )
-        self.message["content"][-1]["text"] += text
+        self.message["content"][-1][kind] += text
         frames.append(
             (
                 "content_block_delta",
                 {
                     "type": "content_block_delta",
                     "index": self._index(),
-                    "delta": {"type": "text_delta", "text": text},
+                    "delta": {"type": f"{kind}_delta", kind: text},
                 },
             )
         )
         return frames
 
     def _close(self) -> list[Frame]:
-        if not self.open_text:
+        if self.open is None:
             return []
-        self.open_text = False
+        self.open = None
         return [("content_block_stop", {"type": "content_block_stop", "index": self._index()})]
 
     def _call(self, ev: Call) -> list[Frame]:

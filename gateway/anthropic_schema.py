@@ -6,6 +6,7 @@ grammar, SamplingParams), as the Responses door does:
 
     system (string or text blocks)      -> a leading system message
     messages: text blocks               -> the message's content
+              thinking blocks           -> the assistant message's reasoning_content
               tool_use blocks           -> the assistant message's tool_calls (input as JSON)
               tool_result blocks        -> tool messages (before the user's text, as Anthropic
                                            orders them)
@@ -15,6 +16,8 @@ grammar, SamplingParams), as the Responses door does:
               disable_parallel_tool_use        -> parallel_tool_calls: false
     max_tokens, stop_sequences, temperature, top_p, top_k
                                         -> max_tokens, stop, temperature, top_p, top_k
+    thinking (--reasoning-parser)       -> disabled: chat_template_kwargs enable_thinking false;
+                                           enabled / adaptive: the template's default (_thinking)
 `cache_control` is accepted wherever Anthropic allows it: the prefix cache serves repeated prefixes
 without being asked. Every key at every depth is known or a 400 naming its path.
 """
@@ -75,11 +78,12 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
         if key in REFUSED and body[key] is not None:
             raise InvalidRequest(f"{key} is not supported: {REFUSED[key]}", param=key)
     known(body, (COUNT_TOP if count else TOP) | set(REFUSED), "")
-    _thinking(body.get("thinking"))
     _cache_control(body, "")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidRequest("service_tier must be auto or standard_only", param="service_tier")
     max_tokens = 1 if count else typed(body, "max_tokens", int, "", required=True)
+    switch = _thinking(body.get("thinking"), served.reasoning_parser is not None,
+                       None if count else max_tokens)
     messages = [*_system(body.get("system")), *_messages(body.get("messages"))]
     metadata = typed(body, "metadata", dict, "")
     if metadata is not None:
@@ -106,10 +110,17 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
         "tools": tools or None,
         **_tool_choice(body.get("tool_choice"), bool(tools)),
         "response_format": _output_format(body.get("output_config")),
+        "chat_template_kwargs": switch,
     }
     try:
         parsed = parse_chat(chat, served)
     except InvalidRequest as e:
+        if e.param == "chat_template_kwargs.enable_thinking":
+            raise InvalidRequest(
+                'thinking {"type": "disabled"} cannot be honoured: the chat template has no '
+                "enable_thinking switch",
+                param="thinking",
+            ) from None
         e.param = _RENAMED.get(e.param or "", e.param)
         raise
     return MessagesRequest(parsed, typed(body, "stream", bool, "") is True)
@@ -138,17 +149,47 @@ def _output_format(value: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
-def _thinking(value: Any) -> None:
+def _thinking(value: Any, reasons: bool, max_tokens: int | None) -> dict[str, Any] | None:
+    """thinking -> the chat template's switch. Without --reasoning-parser only "disabled" is
+    accepted (the model does not reason). With one: "disabled" -> enable_thinking false (a 400
+    where the template has no such switch); "adaptive" and "enabled" -> the template's default
+    (the model thinks as long as it does); a budget_tokens below max_tokens cannot be enforced (a
+    400), one at or above it binds nothing that max_tokens does not. max_tokens None:
+    count_tokens, which generates nothing."""
     if value is None:
-        return
+        return None
     value = obj_at(value, "thinking")
-    if value.get("type") != "disabled":
+    kind = value.get("type")
+    if not reasons and kind != "disabled":
         raise InvalidRequest(
             "thinking is not supported: the model is not a reasoning model (only "
-            '{"type": "disabled"})',
+            '{"type": "disabled"}; start the server with --reasoning-parser)',
             param="thinking",
         )
-    known(value, frozenset({"type"}), "thinking")
+    allowed = {"disabled": {"type"}, "adaptive": {"type", "display"},
+               "enabled": {"type", "display", "budget_tokens"}}
+    if kind not in allowed:
+        raise InvalidRequest("thinking.type must be enabled, adaptive or disabled",
+                             param="thinking.type")
+    known(value, frozenset(allowed[kind]), "thinking")
+    if value.get("display") not in (None, "summarized"):
+        raise InvalidRequest(
+            "thinking.display 'omitted' is not supported: the thinking is returned whole",
+            param="thinking.display",
+        )
+    if kind == "enabled":
+        budget = typed(value, "budget_tokens", int, "thinking", required=True)
+        if budget < 1024:
+            raise InvalidRequest("thinking.budget_tokens must be at least 1024",
+                                 param="thinking.budget_tokens")
+        if max_tokens is not None and budget < max_tokens:
+            raise InvalidRequest(
+                f"thinking.budget_tokens {budget} below max_tokens {max_tokens} cannot be "
+                "enforced: this server caps only the whole output (max_tokens); give a budget "
+                "of at least max_tokens, or thinking {\"type\": \"adaptive\"}",
+                param="thinking.budget_tokens",
+            )
+    return {"enable_thinking": False} if kind == "disabled" and reasons else None
 
 
 def _system(value: Any) -> list[dict[str, Any]]:
@@ -219,8 +260,9 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def _blocks(role: str, blocks: list[Any], path: str) -> list[dict[str, Any]]:
-    """One message's blocks -> chat messages (tool results, then text; or text and calls)."""
-    texts, calls, results = [], [], []
+    """One message's blocks -> chat messages (tool results, then text; or text and calls, with
+    the thinking as reasoning_content: the chat template decides whether to show it)."""
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(blocks):
         where = f"{path}[{j}]"
         kind = obj_at(block, where).get("type")
@@ -230,17 +272,25 @@ def _blocks(role: str, blocks: list[Any], path: str) -> list[dict[str, Any]]:
             calls.append(_tool_use(block, where))
         elif kind == "tool_result" and role == "user":
             results.append(_tool_result(block, where))
+        elif kind == "thinking" and role == "assistant":
+            known(block, frozenset({"type", "thinking", "signature"}), where)
+            typed(block, "signature", str, where)
+            thoughts.append(typed(block, "thinking", str, where, required=True))
         else:
             raise InvalidRequest(
                 f"{where}.type {str(kind)[:50]!r} is not supported in a {role} message "
-                "(text; tool_use from the assistant; tool_result from the user)",
+                "(text; tool_use and thinking from the assistant; tool_result from the user)",
                 param=f"{where}.type",
             )
     if role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
         if calls:
             msg["tool_calls"] = calls
-        return [msg] if texts or calls else [{"role": "assistant", "content": ""}]
+        elif not texts:
+            msg["content"] = ""
+        if thoughts:
+            msg["reasoning_content"] = "".join(thoughts)
+        return [msg]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 

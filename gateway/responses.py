@@ -1,9 +1,14 @@
-"""OpenAI's Responses API: POST /v1/responses (JSON or SSE), GET and DELETE /v1/responses/{id}.
+"""OpenAI's Responses API: POST /v1/responses (JSON or SSE), GET and DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items.
 
 The request is parsed by responses_schema.py into the one internal request; the one event stream of
 gateway/translate.py is rendered here as Responses events, each with its `sequence_number`:
 
     response.created, response.in_progress
+    per reasoning (--reasoning-parser), before the message:
+                  response.output_item.added {reasoning}, response.content_part.added
+                  {reasoning_text}, response.reasoning_text.delta*, response.reasoning_text.done,
+                  response.content_part.done, response.output_item.done
     per message:  response.output_item.added, response.content_part.added,
                   response.output_text.delta*,
                   response.output_text.done, response.content_part.done, response.output_item.done
@@ -30,8 +35,8 @@ from gateway.responses_store import RESPONSES, ResponseStore, Stored
 from gateway.routes import json_response, read_json, tokenizing
 from gateway.state import SERVED
 from gateway.tools import ToolCall
-from gateway.translate import Call, End, Started, Text, events, sse
-from shared.errors import ConveyorError
+from gateway.translate import Call, End, Started, Text, Thought, events, sse
+from shared.errors import ConveyorError, InvalidRequest
 
 
 def parse(app: web.Application, body: Any, local: ResponseStore | None = None) -> ResponsesRequest:
@@ -67,6 +72,38 @@ async def retrieve(request: web.Request) -> web.Response:
     return json_response(request.app[RESPONSES].get(request.match_info["response_id"]).response)
 
 
+async def input_items(request: web.Request) -> web.Response:
+    """One page of a stored response's input items: `limit` (1-100, default 20), `order` (asc or
+    desc, the default), `after` (an item id: the page starts after it)."""
+    stored = request.app[RESPONSES].get(request.match_info["response_id"])
+    query = request.query
+    for key in query:
+        if key not in ("limit", "order", "after"):
+            raise InvalidRequest(f"query parameter {key[:50]!r} is not supported", param=key[:50])
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise InvalidRequest("limit must be an integer from 1 to 100", param="limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", param="order")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    start = 0
+    if "after" in query:
+        ids = [item["id"] for item in items]
+        if query["after"] not in ids:
+            raise InvalidRequest(f"after: no input item {query['after'][:100]!r} in this response",
+                                 param="after")
+        start = ids.index(query["after"]) + 1
+    page = items[start:start + int(limit)]
+    return json_response({
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + len(page) < len(items),
+    })
+
+
 async def delete(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
     request.app[RESPONSES].delete(rid)
@@ -88,7 +125,8 @@ class Render:
         self.created = int(time.time())
         self.seq = 0
         self.output: list[dict[str, Any]] = []
-        self.text: list[str] | None = None  # the open message's text, while one is open
+        self.open: str | None = None  # "message" | "reasoning": the item streaming now, if any
+        self.parts: list[str] = []  # the open item's text so far
         self.calls: list[ToolCall] = []
         self.final_response: dict[str, Any] | None = None
         self.stored: Stored | None = None  # the response and its conversation, once it ended
@@ -120,11 +158,12 @@ class Render:
                 if isinstance(ev, Started):
                     for kind in ("response.created", "response.in_progress"):
                         yield self.event(kind, response=self.response("in_progress"))
-                elif isinstance(ev, Text):
-                    for out in self._text(ev.text):
+                elif isinstance(ev, (Thought, Text)):
+                    kind = "reasoning" if isinstance(ev, Thought) else "message"
+                    for out in self._delta(kind, ev.text):
                         yield out
                 elif isinstance(ev, Call):
-                    for out in [*self._close_message("completed"), *self._call(ev.call)]:
+                    for out in [*self._close("completed"), *self._call(ev.call)]:
                         yield out
                 elif isinstance(ev, End):
                     for out in self._end(ev):
@@ -132,29 +171,29 @@ class Render:
         finally:
             await source.aclose()
 
-    def _text(self, text: str) -> list[dict[str, Any]]:
+    def _delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """A delta of the message's text or the reasoning's: opens the item (closing the other)
+        first; an empty text only opens it."""
         out = []
-        if self.text is None:
-            self.text = []
-            item = {
-                "type": "message",
-                "id": f"msg_{uuid.uuid4().hex}",
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
+        if self.open != kind:
+            out += self._close("completed")
+            self.open, self.parts = kind, []
+            prefix = _ITEMS[kind][0]
+            item: dict[str, Any] = {
+                "type": kind, "id": f"{prefix}_{uuid.uuid4().hex}", "status": "in_progress"}
+            item |= {"role": "assistant", "content": []} if kind == "message" else {
+                "summary": [], "content": []}
             self.output.append(item)
             out += [
                 self.event(
                     "response.output_item.added", output_index=len(self.output) - 1, item=item
                 ),
-                self.event("response.content_part.added", **self._at(), part=_part("")),
+                self.event("response.content_part.added", **self._at(), part=_part(kind, "")),
             ]
-        self.text.append(text)
+        self.parts.append(text)
         if text:
-            out.append(
-                self.event("response.output_text.delta", **self._at(), delta=text, logprobs=[])
-            )
+            out.append(self.event(f"{_ITEMS[kind][1]}.delta", **self._at(), delta=text,
+                                  **_LOGPROBS[kind]))
         return out
 
     def _at(self) -> dict[str, Any]:
@@ -164,16 +203,18 @@ class Render:
             "content_index": 0,
         }
 
-    def _close_message(self, status: str) -> list[dict[str, Any]]:
-        if self.text is None:
+    def _close(self, status: str) -> list[dict[str, Any]]:
+        """The open message or reasoning item's closing events, if one is open."""
+        kind = self.open
+        if kind is None:
             return []
-        text, at = "".join(self.text), self._at()
-        self.text = None
-        item = {**self.output[-1], "status": status, "content": [_part(text)]}
+        text, at = "".join(self.parts), self._at()
+        self.open = None
+        item = {**self.output[-1], "status": status, "content": [_part(kind, text)]}
         self.output[-1] = item
         return [
-            self.event("response.output_text.done", **at, text=text, logprobs=[]),
-            self.event("response.content_part.done", **at, part=_part(text)),
+            self.event(f"{_ITEMS[kind][1]}.done", **at, text=text, **_LOGPROBS[kind]),
+            self.event("response.content_part.done", **at, part=_part(kind, text)),
             self.event("response.output_item.done", output_index=at["output_index"], item=item),
         ]
 
@@ -206,8 +247,8 @@ class Render:
 
     def _end(self, end: End) -> list[dict[str, Any]]:
         cut = end.reason == "length"
-        out = [] if self.output or self.text is not None else self._text("")  # always some output
-        out += self._close_message("incomplete" if cut else "completed")
+        out = [] if self.output else self._delta("message", "")  # always some output
+        out += self._close("incomplete" if cut else "completed")
         usage = {
             "input_tokens": end.prompt_tokens,
             "input_tokens_details": {"cached_tokens": end.cached_tokens},
@@ -221,7 +262,7 @@ class Render:
             {"reason": "max_output_tokens"} if cut else None,
         )
         self.final_response = final
-        self.stored = Stored(final, [*self.req.history, self._assistant()])
+        self.stored = Stored(final, [*self.req.history, self._assistant()], self.req.input_items)
         if self.req.store:
             self.app[RESPONSES].put(self.rid, self.stored)
         out.append(
@@ -230,16 +271,23 @@ class Render:
         return out
 
     def _assistant(self) -> dict[str, Any]:
-        """This response's output as the chat message a later previous_response_id renders."""
-        text = "".join(
-            p["text"] for item in self.output if item["type"] == "message" for p in item["content"]
-        )
+        """This response's output as the chat message a later previous_response_id renders: the
+        reasoning goes in reasoning_content (the template decides whether to show it), never in
+        the content."""
+        text, thought = self._joined("message"), self._joined("reasoning")
         msg: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if thought:
+            msg["reasoning_content"] = thought
         if self.calls:
             msg["tool_calls"] = [c.to_openai() for c in self.calls]
         elif not text:
             msg["content"] = ""
         return msg
+
+    def _joined(self, kind: str) -> str:
+        return "".join(
+            p["text"] for item in self.output if item["type"] == kind for p in item["content"]
+        )
 
     def response(
         self,
@@ -258,14 +306,23 @@ class Render:
             "output": list(self.output),
             "usage": usage,
             **self.req.echo,
-            "reasoning": {"effort": None, "summary": None},
             "truncation": "disabled",
             "background": False,
             "service_tier": "default",
         }
 
 
-def _part(text: str) -> dict[str, Any]:
+# item type -> (id prefix, the prefix of its text's delta / done events)
+_ITEMS = {
+    "message": ("msg", "response.output_text"),
+    "reasoning": ("rs", "response.reasoning_text"),
+}
+_LOGPROBS: dict[str, dict[str, Any]] = {"message": {"logprobs": []}, "reasoning": {}}
+
+
+def _part(kind: str, text: str) -> dict[str, Any]:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
@@ -274,4 +331,5 @@ def setup(app: web.Application, store_size: int) -> None:
     app[RESPONSES] = ResponseStore(store_size)
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
+    app.router.add_get("/v1/responses/{response_id}/input_items", input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete)

@@ -4,24 +4,27 @@ request.
 The body is translated into a chat-completions body and built by openai_schema.parse_chat, so the
 template, the tools' grammar, text.format's grammar and SamplingParams are the chat route's own:
 
-    input (string, or messages / function_call / function_call_output items)  -> messages
+    input (string, or message / function_call / function_call_output / reasoning items)
+                                     -> messages (gateway/responses_input.py)
     instructions                     -> a leading system message (previous_response_id drops it)
     previous_response_id             -> the stored conversation, before this input
     tools [{type: function, ...}]    -> tools [{type: function, function: {...}}]
     tool_choice                      -> tool_choice (none / auto / required / named)
     text.format                      -> response_format (text / json_object / json_schema)
     max_output_tokens                -> max_tokens
+    reasoning.effort "none"          -> chat_template_kwargs {"enable_thinking": false}
+                                        (--reasoning-parser only; other efforts are a 400)
 Every key at every depth is known or refused with a 400 naming its path (gateway/fields.py).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.fields import known, metadata, obj_at, typed
 from gateway.openai_schema import ParsedRequest, Served, parse_chat
+from gateway.responses_input import input_items, input_messages
 from shared.errors import InvalidRequest
 
 TOP = frozenset(
@@ -84,12 +87,7 @@ WHY = {
     "stream_options": "no stream options are supported (no obfuscation is added)",
     "max_tool_calls": "max_tool_calls is not supported",
 }
-_MESSAGE = frozenset({"type", "role", "content", "id", "status"})
-_FUNCTION_CALL = frozenset({"type", "call_id", "name", "arguments", "id", "status"})
-_CALL_OUTPUT = frozenset({"type", "call_id", "output", "id", "status"})
-_TEXT_PART = frozenset({"type", "text", "annotations", "logprobs"})
 _TOOL = frozenset({"type", "name", "description", "parameters", "strict"})
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
 @dataclass(slots=True)
@@ -98,6 +96,7 @@ class ResponsesRequest:
     history: list[
         dict[str, Any]
     ]  # chat messages of the conversation, this input last; no instructions
+    input_items: list[dict[str, Any]]  # this request's input, as GET .../input_items lists it
     echo: dict[str, Any]  # the request fields a response object repeats
     store: bool
     stream: bool
@@ -107,9 +106,11 @@ def parse_responses(
     body: Any, served: Served, previous: list[dict[str, Any]] | None
 ) -> ResponsesRequest:
     """previous: the stored conversation of previous_response_id (the caller looked it up)."""
-    body = _check_top(body)
+    body = _check_top(body, served.reasoning_parser is not None)
+    effort = _effort(body.get("reasoning")) if served.reasoning_parser is not None else None
     store, stream = typed(body, "store", bool, ""), typed(body, "stream", bool, "")
     history = [*(previous or []), *input_messages(body.get("input"))]
+    items = input_items(body["input"])
     instructions = body.get("instructions")
     tools = [_tool(t, i) for i, t in enumerate(typed(body, "tools", list, "") or [])]
     forced = _forced(body.get("tool_choice"))
@@ -124,12 +125,20 @@ def parse_responses(
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
     }
+    if effort == "none":
+        chat["chat_template_kwargs"] = {"enable_thinking": False}
     fmt = text_format(body.get("text"))
     if not forced:  # a forced tool call is the whole output: there is no text to format
         chat["response_format"] = fmt
     try:
         parsed = parse_chat(chat, served)
     except InvalidRequest as e:
+        if e.param == "chat_template_kwargs.enable_thinking":
+            raise InvalidRequest(
+                "reasoning.effort 'none' cannot be honoured: the chat template has no "
+                "enable_thinking switch",
+                param="reasoning.effort",
+            ) from None
         e.param = _RENAMED.get(e.param or "", e.param)
         raise
     echo = {
@@ -145,16 +154,20 @@ def parse_responses(
         "tools": body.get("tools") or [],
         "user": body.get("user"),
         "store": store is not False,
+        "reasoning": {"effort": effort, "summary": None},
     }
-    return ResponsesRequest(parsed, history, echo, store is not False, stream is True)
+    return ResponsesRequest(parsed, history, items, echo, store is not False, stream is True)
 
 
-def _check_top(value: Any) -> dict[str, Any]:
-    """Unknown and unsupported top-level fields refused, the labels type-checked."""
+def _check_top(value: Any, reasons: bool) -> dict[str, Any]:
+    """Unknown and unsupported top-level fields refused, the labels type-checked; reasons: the
+    server splits reasoning (--reasoning-parser), and _effort checks the reasoning field."""
     body = obj_at(value, "the request body")
     known(body, TOP | set(REFUSED), "")
     for key in (*REFUSED, *WHY):
         value = body.get(key)
+        if key == "reasoning" and reasons:
+            continue
         if value is not None and not _neutral(key, value):
             raise InvalidRequest(
                 f"{key} is not supported: {REFUSED.get(key) or WHY[key]}", param=key
@@ -172,6 +185,32 @@ def _check_top(value: Any) -> dict[str, Any]:
     return body
 
 
+def _effort(value: Any) -> str | None:
+    """With --reasoning-parser: the reasoning field -> its effort, None or "none". The model
+    reasons as long as it does; "none" turns thinking off through the chat template's
+    enable_thinking. Other efforts and summaries cannot be honoured: a 400 naming them."""
+    if value is None:
+        return None
+    value = obj_at(value, "reasoning")
+    known(value, frozenset({"effort", "summary", "generate_summary"}), "reasoning")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) is not None:
+            raise InvalidRequest(
+                f"reasoning.{key} is not supported: the reasoning is returned whole "
+                "(a reasoning item's content), never summarized",
+                param=f"reasoning.{key}",
+            )
+    effort: str | None = value.get("effort")
+    if effort not in (None, "none"):
+        raise InvalidRequest(
+            f"reasoning.effort {str(effort)[:50]!r} is not supported: the model's reasoning "
+            "length cannot be steered; only 'none' (thinking off, through the chat template's "
+            "enable_thinking) is",
+            param="reasoning.effort",
+        )
+    return effort
+
+
 def _neutral(key: str, value: Any) -> bool:
     if isinstance(value, dict):  # {"effort": null} asks for nothing
         value = {k: v for k, v in value.items() if v is not None}
@@ -183,98 +222,6 @@ _RENAMED = {
     "messages": "input",
     "response_format": "text.format",
 }
-
-
-def input_messages(value: Any) -> list[dict[str, Any]]:
-    """The input (a string, or a list of items) -> chat messages; consecutive function_call items
-    become one assistant message with several tool_calls."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise InvalidRequest("input must be a string or a non-empty list of items", param="input")
-    out: list[dict[str, Any]] = []
-    for i, item in enumerate(value):
-        path = f"input[{i}]"
-        item = obj_at(item, path)
-        kind = item.get("type", "message")
-        if kind == "message":
-            out.append(_message(item, path))
-        elif kind == "function_call":
-            call = _function_call(item, path)
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            known(item, _CALL_OUTPUT, path)
-            call_id = typed(item, "call_id", str, path, required=True)
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": _text_of(item.get("output"), f"{path}.output", "input_text"),
-                }
-            )
-        else:
-            raise InvalidRequest(
-                f"{path}.type {str(kind)[:50]!r} is not supported (message, "
-                "function_call and function_call_output are)",
-                param=f"{path}.type",
-            )
-    return out
-
-
-def _message(item: dict[str, Any], path: str) -> dict[str, Any]:
-    known(item, _MESSAGE, path)
-    role = typed(item, "role", str, path, required=True)
-    if role not in _ROLES:
-        raise InvalidRequest(
-            f"{path}.role must be one of {', '.join(_ROLES)}", param=f"{path}.role"
-        )
-    part = "output_text" if role == "assistant" else "input_text"
-    return {"role": _ROLES[role], "content": _text_of(item.get("content"), f"{path}.content", part)}
-
-
-def _text_of(content: Any, path: str, part: str) -> str:
-    """A string, or a list of text parts (input_text; output_text for the assistant's own)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{path} must be a string or a list of {part} parts", param=path)
-    texts = []
-    for j, p in enumerate(content):
-        where = f"{path}[{j}]"
-        p = obj_at(p, where)
-        if p.get("type") not in (part, "text", "input_text"):
-            raise InvalidRequest(
-                f"{where}.type {str(p.get('type'))[:50]!r} is not supported: only text "
-                "parts are (no images, files or audio)",
-                param=f"{where}.type",
-            )
-        known(p, _TEXT_PART, where)
-        if p.get("annotations") or p.get("logprobs"):
-            raise InvalidRequest(
-                f"{where}: annotations and logprobs cannot be sent back",
-                param=f"{where}.annotations",
-            )
-        texts.append(typed(p, "text", str, where, required=True))
-    return "".join(texts)
-
-
-def _function_call(item: dict[str, Any], path: str) -> dict[str, Any]:
-    known(item, _FUNCTION_CALL, path)
-    args = typed(item, "arguments", str, path, required=True)
-    try:
-        json.loads(args)
-    except ValueError:
-        raise InvalidRequest(
-            f"{path}.arguments must be JSON text", param=f"{path}.arguments"
-        ) from None
-    return {
-        "id": typed(item, "call_id", str, path, required=True),
-        "type": "function",
-        "function": {"name": typed(item, "name", str, path, required=True), "arguments": args},
-    }
 
 
 def _tool(tool: Any, i: int) -> dict[str, Any]:

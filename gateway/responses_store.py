@@ -1,9 +1,10 @@
 """Stored responses (`store: true`, the default): a bounded in-memory LRU per gateway process.
 
-A stored response keeps its response object (GET /v1/responses/{id}) and its conversation as chat
-messages (the input items after the instructions, then the output), which `previous_response_id`
-continues. --responses-store-size caps how many are kept; the least recently used goes first. With
-several gateway workers each process has its own store (docs/api.md).
+A stored response keeps its response object (GET /v1/responses/{id}), its request's input items
+(GET /v1/responses/{id}/input_items) and its conversation as chat messages (the input items after
+the instructions, then the output), which `previous_response_id` continues.
+--responses-store-size caps how many are kept; the least recently used goes first. With several
+gateway workers each process has its own store (docs/api.md).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class NotFound(ConveyorError):
 class Stored:
     response: dict[str, Any]
     history: list[dict[str, Any]]  # chat messages: the conversation up to and including this output
+    input_items: list[dict[str, Any]]  # this request's input items (GET .../input_items)
 
 
 class ResponseStore:

@@ -4,11 +4,12 @@ Chat completions, OpenAI's Responses API and Anthropic's Messages API are three 
 request and one stream. Each door's parser translates its body into a chat-completions body and
 builds the one internal request with openai_schema.parse_chat (template, tools, grammar,
 SamplingParams); every door streams through run_request (admission, the engine, metrics), the one
-detokenizer (shared/choices.py) and the one tool-call parser (gateway/tools.py ToolStream), and gets
-these events:
+detokenizer (shared/choices.py) and the chat route's per-choice split (gateway/streaming.py
+ChoiceSplit: the reasoning parser, then the tool-call parser), and gets these events:
 
     Started(prompt tokens)       the engine's first output arrived (nothing comes before it, so an
                                  error the engine answers at once is still an HTTP status)
+    Thought(text)                reasoning (--reasoning-parser only), all of it before any Text
     Text(text)                   content, as it may go out (--stream-interval applied)
     Call(ToolCall)               a whole tool call, after the content, once the output ended
     End(reason, ...)             "stop" | "length", the stop string that hit, usage
@@ -29,8 +30,8 @@ from aiohttp import web
 
 from gateway.openai_schema import ParsedRequest
 from gateway.state import CONFIG
-from gateway.streaming import run_request
-from gateway.tools import ToolCall, ToolStream
+from gateway.streaming import ChoiceSplit, run_request
+from gateway.tools import ToolCall
 from shared.errors import ConveyorError
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,11 @@ log = logging.getLogger(__name__)
 class Started:
     prompt_tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Thought:
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,13 +68,14 @@ class End:
     cached_tokens: int
 
 
-Event = Started | Text | Call | End
+Event = Started | Thought | Text | Call | End
 
 
 async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[Event, None]:
     """The events of a one-choice request; closing the generator aborts it in the engine."""
     interval = app[CONFIG].stream_interval
-    tools = ToolStream(req.tools) if req.tools is not None else None
+    split = ChoiceSplit(req)
+    thoughts: list[str] = []
     pending: list[str] = []
     count, started, sent = 0, False, False
     outputs = run_request(app, req, rid)
@@ -77,18 +84,18 @@ async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGen
             if not started:
                 started = True
                 yield Started(out.num_prompt_tokens, out.num_cached_tokens)
-            text, calls = out.text, list[ToolCall]()
-            if tools is not None:  # content until a call may begin; the calls when the output ends
-                text = tools.feed(text)
-                if out.finish_reason is not None:
-                    rest, calls = tools.finish()
-                    text += rest
+            # reasoning, then content until a call may begin; the calls when the output ends
+            thought, text, calls = split.feed(out.text, out.finish_reason is not None)
+            thoughts.append(thought)
             pending.append(text)
             count += len(out.token_ids)
             ended = out.finish_reason is not None or out.finished
-            if (ended or count >= interval or not sent) and any(pending):  # the first text at once
-                yield Text("".join(pending))
-                pending, count, sent = [], 0, True
+            if (ended or count >= interval or not sent) and any(thoughts + pending):  # first at once
+                if any(thoughts):  # a delta's reasoning precedes its content
+                    yield Thought("".join(thoughts))
+                if any(pending):
+                    yield Text("".join(pending))
+                thoughts, pending, count, sent = [], [], 0, True
             if ended:
                 for call in calls:
                     yield Call(call)

@@ -1,16 +1,19 @@
-"""--reasoning-parser against a real `conveyor serve`: a tiny random chat model with a
-Qwen3/DeepSeek-R1 style chat template whose generation prompt opens `<think>` (so the model's
+"""--reasoning-parser against a real `conveyor serve` (float32, greedy): a tiny random chat model
+with a Qwen3/DeepSeek-R1 style chat template whose generation prompt opens `<think>` (so the model's
 continuation is reasoning until it writes `</think>`), and `enable_thinking: false` closing an empty
 block in the prompt, as Qwen3's. A random model does not write `</think>` by itself: a regex
-constraint forces the tag into the output (the tokens around it are the model's). The reference is
-the tokenizer's full decode of the tokens the offline engine generates for the same prompt and
-constraint, split at the tags."""
+constraint forces the tag into the output (the tokens around it are the model's); on the Responses
+and Messages doors, which take no regex, a JSON schema whose string pattern holds the tag does. The
+reference is the tokenizer's full decode of the tokens the offline engine generates for the same
+prompt and constraint, split at the tags; through all three doors, with the openai and anthropic
+SDKs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -42,7 +45,7 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     (folder / "think.jinja").write_text(TEMPLATE)
     with Server(
         tiny_serve(tiny_chat_model, "--served-model-name", MODEL, "--chat-template", str(folder / "think.jinja"),
-                   "--reasoning-parser", "qwen3"),
+                   "--reasoning-parser", "qwen3", "--dtype", "float32"),
         log_path=folder / "server.log",
     ) as srv:
         yield srv
@@ -55,20 +58,21 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def reference(tiny_chat_model: Path) -> Any:
-    """(prompt ids, regex or None, max_tokens) -> the tokenizer's full decode of the offline
-    engine's greedy output."""
+    """(prompt ids, regex or None, max_tokens, JSON schema or None) -> the tokenizer's full decode
+    of the offline engine's greedy output."""
     import torch
 
     from engine.offline import LLM
-    from shared.constraints import Constraint
+    from shared.constraints import Constraint, json_schema
     from shared.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    llm = LLM(str(tiny_chat_model), num_threads=1, kv_cache_memory="16MiB")
+    llm = LLM(str(tiny_chat_model), num_threads=1, kv_cache_memory="16MiB", dtype="float32")
     tok = smollm2_tokenizer()
 
-    def generate(ids: list[int], regex: str | None, max_tokens: int) -> str:
+    def generate(ids: list[int], regex: str | None, max_tokens: int, schema: Any = None) -> str:
         extra = {"constraint": Constraint("regex", regex)} if regex else {}
+        extra |= {"constraint": json_schema(schema)} if schema else {}
         out = llm.generate(
             [ids], SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra), use_tqdm=False
         )
@@ -144,3 +148,186 @@ def test_include_reasoning_false_and_unknown_template_kwargs(client: openai.Open
             **kw, extra_body={"chat_template_kwargs": {"enable_thinkin": False}}
         )
     assert e.value.body["param"] == "chat_template_kwargs.enable_thinkin"
+
+
+# Responses' text.format and Messages' output_config.format take a JSON schema: its string pattern
+# forces the tag, so the output `"words</think>words"` splits at it (quotes included).
+SPLIT_SCHEMA = {"type": "string", "pattern": "^[a-z ]{4,24}</think>[a-z ]{4,24}$"}
+ASK_TEXT = ASK[0]["content"]
+RESPONSES_CASES = [
+    ({}, None, None, "all reasoning"),  # the prompt opened <think>; cut by max_output_tokens
+    (
+        {"text": {"format": {"type": "json_schema", "name": "s", "schema": SPLIT_SCHEMA}}},
+        None,
+        SPLIT_SCHEMA,
+        "split",
+    ),
+    ({"reasoning": {"effort": "none"}}, {"enable_thinking": False}, None, "all content"),
+]
+
+
+def expected(full: str, want: str) -> tuple[str, str]:
+    """The reference text split as the parser must split it."""
+    if want == "split":
+        thought, answer = full.split("</think>")
+        assert thought.strip() and answer.strip() and "think>" not in thought + answer
+        return thought, answer
+    return (full, "") if want == "all reasoning" else ("", full)
+
+
+def without_ids(items: list[Any]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"} for item in items]
+
+
+@pytest.mark.parametrize(("extra", "kwargs", "schema", "want"), RESPONSES_CASES)
+def test_responses_reasoning_item_streamed_and_not(
+    client: openai.OpenAI,
+    server: Server,
+    reference: Any,
+    extra: dict[str, Any],
+    kwargs: dict[str, Any] | None,
+    schema: Any,
+    want: str,
+) -> None:
+    thought, answer = expected(reference(prompt_ids(server, kwargs), None, 48, schema), want)
+    kw: dict[str, Any] = dict(model=MODEL, input=ASK_TEXT, max_output_tokens=48, temperature=0,
+                              **extra)
+    r = client.responses.create(**kw)
+    kinds = ["reasoning"] * bool(thought) + ["message"] * bool(answer)
+    assert [o.type for o in r.output] == kinds
+    if thought:
+        item = r.output[0]
+        assert item.id.startswith("rs_") and item.summary == []
+        assert [(c.type, c.text) for c in item.content] == [("reasoning_text", thought)]
+    assert r.output_text == answer
+    assert r.reasoning.effort == (extra.get("reasoning") or {}).get("effort")
+
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    # the helper's get_final_response wants response.completed; a cut output ends incomplete
+    final = stream.get_final_response() if r.status == "completed" else events[-1].response
+    assert events[-1].type == f"response.{r.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [thought] * bool(thought)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert added == done == kinds
+    assert without_ids(final.output) == without_ids(r.output)
+
+
+def transformers_prompt_len(messages: list[dict[str, Any]]) -> int:
+    """The prompt the template renders, by transformers: the reference for what the model reads."""
+    tok = smollm2_tokenizer()
+    text = tok.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+                                   tokenize=False)
+    return len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_previous_response_id_and_sent_back_reasoning_items_are_not_assistant_text(
+    client: openai.OpenAI,
+) -> None:
+    """A response whose output is reasoning continues with an empty assistant turn (this template
+    shows no reasoning_content), whether chained by id or by sending its items back."""
+    first = client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=8, temperature=0)
+    assert [o.type for o in first.output] == ["reasoning"] and first.output[0].content[0].text
+    again = {"role": "user", "content": "And at night?"}
+    want = transformers_prompt_len([*ASK, {"role": "assistant", "content": ""}, again])
+    chained = client.responses.create(model=MODEL, input=[again], previous_response_id=first.id,
+                                      max_output_tokens=4, temperature=0)
+    item = first.output[0].model_dump(exclude_none=True)
+    sent_back = client.responses.create(
+        model=MODEL, input=[ASK[0], item, {"role": "assistant", "content": ""}, again],
+        max_output_tokens=4, temperature=0,
+    )
+    assert chained.usage.input_tokens == sent_back.usage.input_tokens == want
+    with pytest.raises(openai.BadRequestError) as e:  # reasoning must lead to an assistant item
+        client.responses.create(model=MODEL, input=[ASK[0], item, again], max_output_tokens=4)
+    assert e.value.body["param"] == "input[1]"
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "param"),
+    [
+        ({"effort": "high"}, "reasoning.effort"),
+        ({"summary": "auto"}, "reasoning.summary"),
+        ({"effort": "none", "colour": 1}, "reasoning.colour"),
+    ],
+)
+def test_responses_reasoning_options_that_cannot_be_honoured_are_400s(
+    client: openai.OpenAI, reasoning: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=4, reasoning=reasoning)
+    assert e.value.body["param"] == param
+
+
+@pytest.fixture(scope="module")
+def claude(server: Server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
+
+
+MESSAGES_CASES = [
+    ({}, None, None, "all reasoning"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": SPLIT_SCHEMA}}}, None,
+     SPLIT_SCHEMA, "split"),
+    ({"thinking": {"type": "disabled"}}, {"enable_thinking": False}, None, "all content"),
+    ({"thinking": {"type": "adaptive"}}, None, None, "all reasoning"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, None, None, "all reasoning"),
+]
+
+
+@pytest.mark.parametrize(("extra", "kwargs", "schema", "want"), MESSAGES_CASES)
+def test_messages_thinking_block_streamed_and_not(
+    claude: anthropic.Anthropic,
+    server: Server,
+    reference: Any,
+    extra: dict[str, Any],
+    kwargs: dict[str, Any] | None,
+    schema: Any,
+    want: str,
+) -> None:
+    thought, answer = expected(reference(prompt_ids(server, kwargs), None, 48, schema), want)
+    body = {k: v for k, v in extra.items() if k != "thinking"} | {"temperature": 0}
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=48, messages=ASK, extra_body=body,
+                              **({"thinking": extra["thinking"]} if "thinking" in extra else {}))
+    msg = claude.messages.create(**kw)
+    blocks = [("thinking", thought)] * bool(thought) + [("text", answer)] * bool(answer)
+    assert [(b.type, b.thinking if b.type == "thinking" else b.text) for b in msg.content] == blocks
+    assert all(b.signature == "" for b in msg.content if b.type == "thinking")
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert deltas == sorted(deltas, key=lambda d: d != "thinking_delta")  # thinking first
+    assert final.model_dump(exclude={"id"}) == msg.model_dump(exclude={"id"})
+
+
+@pytest.mark.parametrize(
+    ("thinking", "param"),
+    [
+        ({"type": "enabled", "budget_tokens": 2000}, "thinking.budget_tokens"),  # < max_tokens
+        ({"type": "enabled", "budget_tokens": 100}, "thinking.budget_tokens"),  # < 1024
+        ({"type": "adaptive", "display": "omitted"}, "thinking.display"),
+        ({"type": "sometimes"}, "thinking.type"),
+    ],
+)
+def test_messages_thinking_that_cannot_be_honoured_is_a_400(
+    claude: anthropic.Anthropic, thinking: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=MODEL, max_tokens=4096, messages=ASK, thinking=thinking)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in e.value.body["error"]["message"]
+
+
+def test_thinking_blocks_sent_back_are_not_assistant_text(claude: anthropic.Anthropic) -> None:
+    turn = {"role": "assistant", "content": [
+        {"type": "thinking", "thinking": "the sun is low", "signature": ""},
+        {"type": "text", "text": "Rayleigh."},
+    ]}
+    again = {"role": "user", "content": "And at night?"}
+    count = claude.messages.count_tokens(model=MODEL, messages=[*ASK, turn, again])
+    want = transformers_prompt_len([*ASK, {"role": "assistant", "content": "Rayleigh."}, again])
+    assert count.input_tokens == want

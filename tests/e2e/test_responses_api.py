@@ -232,6 +232,40 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) 
     assert streamed[-1].response.output_text == want
 
 
+def test_input_items_list_pages_through_the_input(client: openai.OpenAI) -> None:
+    """The SDK's input_items.list: newest first by default, limit / order / after honoured (the
+    SDK's auto-paging follows `after` and `has_more`), ids as sent or made up."""
+    sent: list[Any] = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "id": "fc_given", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris", "unit": "celsius"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ]
+    r = client.responses.create(model=MODEL, input=sent, tools=TOOLS, max_output_tokens=4)
+    page = client.responses.input_items.list(r.id)
+    assert [i.type for i in page.data] == [
+        "function_call_output", "function_call", "message", "message"]  # desc: newest first
+    assert page.has_more is False and page.first_id == page.data[0].id
+    assert page.last_id == page.data[-1].id and page.data[1].id == "fc_given"
+    assert len({i.id for i in page.data}) == 4
+    asc = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # 4 pages of 1
+    assert [i.id for i in asc] == [i.id for i in reversed(page.data)]
+    assert asc[0].role == "developer" and asc[0].content[0].text == "Be brief."
+    assert asc[1].content[0].type == "input_text" and asc[3].output == "sunny"
+    two = client.responses.input_items.list(r.id, order="asc", limit=2, after=asc[0].id)
+    assert [i.id for i in two.data] == [asc[1].id, asc[2].id] and two.has_more is True
+    one = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
+    [item] = client.responses.input_items.list(one.id).data
+    assert (item.type, item.role, item.content[0].text) == ("message", "user", "Hello")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(r.id, limit=101)
+    assert e.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.responses.input_items.list("resp_gone")
+    assert nf.value.status_code == 404 and "resp_gone" in nf.value.body["message"]
+
+
 def test_retrieve_delete_and_unknown_ids(client: openai.OpenAI) -> None:
     r = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, temperature=0)
     got = client.responses.retrieve(r.id)

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import translate
+from gateway.reasoning import Reasoning, split_reasoning
 from gateway.tools import Tools, parse_calls
 from shared.choices import TextOutput
 
@@ -33,10 +34,11 @@ TOOLS = Tools(
 
 
 class _Req:
-    tools = TOOLS
+    tools: Tools | None = TOOLS
+    reasoning: Reasoning | None = None
 
 
-def _collect(pieces: list[str], interval: int) -> list[Any]:
+def _collect(pieces: list[str], interval: int, req: Any = None) -> list[Any]:
     async def fake_run(app: Any, req: Any, rid: str) -> AsyncGenerator[TextOutput, None]:
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
@@ -47,7 +49,7 @@ def _collect(pieces: list[str], interval: int) -> list[Any]:
         translate.run_request = fake_run  # type: ignore[assignment]
         try:
             app = {translate.CONFIG: type("C", (), {"stream_interval": interval})()}
-            return [e async for e in translate.events(app, _Req(), "r")]  # type: ignore[arg-type]
+            return [e async for e in translate.events(app, req or _Req(), "r")]  # type: ignore[arg-type]
         finally:
             translate.run_request = original
 
@@ -75,3 +77,26 @@ def test_any_split_gives_the_whole_texts_content_and_calls(
         i < min((j for j, e in enumerate(events) if isinstance(e, translate.Call)), default=99)
         for i in texts
     )  # content first, then the calls
+
+
+THOUGHTS = ["a thought</think>the answer", "<think>a thought</think>the answer", "cut before the tag",
+            " <think>x</thi", "</think>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(THOUGHTS), st.lists(st.integers(0, 60), max_size=8), st.integers(1, 4))
+def test_any_split_gives_the_whole_texts_reasoning_then_content(
+    text: str, cuts: list[int], interval: int
+) -> None:
+    """With a reasoning parser (the prompt opened <think>): Thought events, then Text events, whose
+    joins are split_reasoning's of the whole text."""
+    req = _Req()
+    req.tools, req.reasoning = None, Reasoning("qwen3", opened=True)
+    bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] or [text]
+    events = _collect(pieces, interval, req)
+    kinds = [type(e) for e in events if isinstance(e, (translate.Thought, translate.Text))]
+    assert kinds == sorted(kinds, key=lambda k: k is translate.Text)  # no reasoning after content
+    thought = "".join(e.text for e in events if isinstance(e, translate.Thought))
+    content = "".join(e.text for e in events if isinstance(e, translate.Text))
+    assert (thought, content) == split_reasoning(text, opened=True)

@@ -63,11 +63,6 @@ class _Prefill:
         return self.windowed[window]
 
 
-def amx_tiles() -> bool:
-    """Whether this CPU has AMX tiles, as torch's own CPU dispatch probes them."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 def prefix_mask(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
     """hidden [q, L] bool (True = masked) -> the mask SDPA takes on device. On the CPU an additive float
     mask (its flash kernel runs that faster than a bool one: docs/performance.md); elsewhere a bool mask,
@@ -197,12 +192,12 @@ class TorchBackend:
             native = cpu.available()
         self.native = native and self.device.type == "cpu"
         # Prompt chunks through the native kernel too, where it beats SDPA (bench/cpu_attention.py --native):
-        # with its AVX-512 BF16 path, i.e. a bfloat16 model and cache on a CPU with avx512_bf16 but no AMX.
-        # With AMX, SDPA's flash kernel multiplies its tiles on AMX and runs prompts 3-4x faster than the
-        # native kernel (docs/performance.md, "The AMX Xeon"), so prompts stay on SDPA there. One kernel for
-        # every row walks each row's context in one fixed order, so a token's output does not depend on how
-        # its prompt was chunked or cached (issue #30): --deterministic asks for it (native_prompts=True)
-        # wherever the native kernel runs. CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off.
+        # with its AVX-512 BF16 path, i.e. a bfloat16 model and cache on a CPU with avx512_bf16. (With AMX,
+        # SDPA's flash kernel runs a lone prompt 3-4x faster, but served steps mix prompt chunks with decodes,
+        # and there the one native call per step served more: docs/performance.md, "The AMX Xeon".) One
+        # kernel for every row walks each row's context in one fixed order, so a token's output does not
+        # depend on how its prompt was chunked or cached (issue #30); --deterministic asks for it wherever the
+        # native kernel runs. CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off.
         # Asked only where the native kernel runs: elsewhere (CUDA, the torch backend) its library may not
         # be loaded at all.
         forced = os.environ.get("CONVEYOR_NATIVE_PROMPTS")
@@ -213,7 +208,7 @@ class TorchBackend:
         elif forced in ("0", "1"):
             self.native_prompts = forced == "1"
         else:
-            self.native_prompts = self._bf16_path(dtype) and not amx_tiles()
+            self.native_prompts = self._bf16_path(dtype)
 
     def _bf16_path(self, dtype: torch.dtype | None) -> bool:
         """Whether the native kernel runs its AVX-512 BF16 path for this model (head dim aside)."""

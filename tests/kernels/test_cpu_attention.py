@@ -153,16 +153,14 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, wind
 
 
 def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, monkeypatch):
-    """bench/cpu_attention.py --native: the avx512_bf16 path beats SDPA on prompts on a CPU without AMX; with
-    AMX, SDPA's tiles run on AMX and win; the float32 paths never do. --deterministic puts prompts on the
-    kernel wherever it runs; CONVEYOR_NATIVE_PROMPTS forces either way."""
+    """bench/cpu_attention.py --native: the avx512_bf16 path beats SDPA on prompts; the float32 paths do not.
+    --deterministic puts prompts on the kernel wherever it runs; CONVEYOR_NATIVE_PROMPTS forces either way."""
     from kernels import get_backend
-    from kernels.torch_backend import amx_tiles
 
     monkeypatch.delenv("CONVEYOR_NATIVE_PROMPTS", raising=False)
     monkeypatch.delenv("CONVEYOR_ATTENTION_ISA", raising=False)
     bf16, fp32 = get_backend("cpu", "cpu", torch.bfloat16), get_backend("cpu", "cpu", torch.float32)
-    assert bf16.native_prompts == ("avx512_bf16" in runnable and not amx_tiles())
+    assert bf16.native_prompts == ("avx512_bf16" in runnable)
     assert get_backend("cpu", "cpu", torch.bfloat16, deterministic=True).native_prompts
     assert not fp32.native_prompts
     batch = random_batch([1, 40], [30, 20], block_size=16, num_kv_heads=1, group=2, head_dim=64, seed=9)

@@ -45,8 +45,9 @@ class Auth:
         if self.cache_isolation == "per-key" and not self.keys:
             raise ValueError("--cache-isolation per-key needs API keys (--api-key or --api-key-file): "
                              "without them every client is one tenant")
-        if any(not k or k != k.strip() for k in self.keys):
-            raise ValueError("an API key is empty or has surrounding whitespace (HTTP headers cannot carry it)")
+        if any(not k or k != k.strip() or not k.isprintable() for k in self.keys):
+            raise ValueError("an API key is empty, or has surrounding whitespace or a control character "
+                             "(no HTTP header can carry it)")
         table = tuple(Key(_digest(k), hmac.new(k.encode(), _SALT_CONTEXT, "sha256").hexdigest())
                       for k in self.keys)
         object.__setattr__(self, "_table", table)

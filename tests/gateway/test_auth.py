@@ -127,5 +127,9 @@ def test_bad_key_flags_are_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
         with pytest.raises(SystemExit):
             parse(argv)
         assert says in capsys.readouterr().err
-    with pytest.raises(ValueError, match="per-key needs API keys"):
-        auth_of(parse(["--cache-isolation", "per-key"]))
+    from gateway.__main__ import main
+
+    with pytest.raises(SystemExit, match="per-key needs API keys"):  # before any engine starts
+        main(["serve", "--cache-isolation", "per-key"])
+    with pytest.raises(ValueError, match="control character"):
+        auth_of(parse(["--api-key", "sk-a\nsk-b"]))  # would reach serve's workers as two keys

@@ -42,7 +42,7 @@ def test_cache_salts_isolate_the_prefix_cache(tiny_chat_model: Path, tmp_path: P
 
 
 def _cached(url: str, key: str, salt: str | None = None) -> int:
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
     extra = {} if salt is None else {"cache_salt": salt}
     out = client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body=extra,
                                          messages=[{"role": "user", "content": SECRET}])
@@ -56,7 +56,8 @@ def test_per_key_isolation_keeps_each_keys_cache_to_itself(tiny_chat_model: Path
     keys.write_text("# one key a line\nsk-alice\nsk-bob\n")
     argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
             "--gateway-workers", "2", "--api-key-file", str(keys), "--cache-isolation", "per-key"]
-    with Server(argv, log_path=tmp_path / "server.log") as server:
+    # Three processes load here (an engine, two gateways): a generous deadline for a shared machine.
+    with Server(argv, log_path=tmp_path / "server.log", ready_timeout=600) as server:
         assert _cached(server.url, "sk-alice") == 0
         assert _cached(server.url, "sk-bob") == 0  # the same prompt under another key: nothing cached
         assert _cached(server.url, "sk-alice") > 0  # its own key's cache, whichever worker answers

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gateway.auth import add_auth_args, auth_of, worker_env
 from shared.engine_args import add_engine_args, engine_argv
 
 if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see there
@@ -36,7 +37,7 @@ WORKER_FLAGS = ("served_model_name", "max_concurrent_requests", "max_waiting_req
                 "max_body_size", "max_prompt_chars", "stream_interval", "resume_timeout", "log_level",
                 "curve_keys", "engine_timeout", "routing", "affinity_tokens", "imbalance_tokens",
                 "chat_template", "tool_call_parser", "reasoning_parser", "responses_store_size",
-                "header_timeout", "body_timeout", "max_connections")
+                "header_timeout", "body_timeout", "max_connections", "cache_isolation")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--host", default="127.0.0.1")
         p.add_argument("--port", type=int, default=8000)
         p.add_argument("--served-model-name", default=None, help="the model name clients use; default: the engine's")
-        p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set CONVEYOR_API_KEY)")
+        add_auth_args(p)
         p.add_argument("--max-concurrent-requests", "--max-pending", dest="max_concurrent_requests", type=int,
                        default=1024, help="requests in flight in one gateway process before 429")
         p.add_argument("--max-waiting-requests", type=int, default=256,
@@ -201,7 +202,7 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 
     limits = Limits(args.max_concurrent_requests, args.max_waiting_requests, args.max_queued_prompt_tokens)
     template = Path(args.chat_template).read_text() if args.chat_template else None
-    return GatewayConfig(args.host, args.port, args.served_model_name, args.api_key or None, limits,
+    return GatewayConfig(args.host, args.port, args.served_model_name, auth_of(args), limits,
                          parse_memory(args.max_body_size, total=1), args.stream_interval,
                          chat_template=template, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
@@ -265,7 +266,7 @@ async def run(args: argparse.Namespace) -> int:
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
     try:
         if args.command == "serve" and args.gateway_workers > 1:  # they load while the engine loads
-            env = {**os.environ, **({"CONVEYOR_API_KEY": args.api_key} if args.api_key else {})}  # not in argv: ps
+            env = {**os.environ, **worker_env(config.auth)}  # the keys not in argv: ps shows it
             workers = WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)], env)
             workers.start()
         if args.model is not None:  # parse the tokenizer while the engine loads its weights
@@ -383,6 +384,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(make_keys(args.dir))
     if args.command == "serve" and args.gateway_workers < 1:
         sys.exit("conveyor: --gateway-workers must be >= 1")
+    try:
+        auth_of(args)  # a bad mix of key flags is refused before any model loads
+    except ValueError as e:
+        sys.exit(f"conveyor: {e}")
     metrics_dir = None
     if args.command == "serve" and args.gateway_workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         # Before prometheus_client is imported anywhere: it picks its value store at import time.

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gateway.anthropic_schema import MessagesRequest, parse_messages_body
 from gateway.routes import json_response, read_json, tokenizing
-from gateway.state import SERVED
+from gateway.state import SERVED, TENANT
 from gateway.translate import Call, End, Frame, Started, Text, Thought, events, sse
 from shared.errors import ConveyorError
 
@@ -55,6 +55,7 @@ def anthropic_error_body(err: ConveyorError) -> dict[str, Any]:
 async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
     req = await tokenizing(parse_messages_body, await read_json(request), app[SERVED])
+    req.parsed.tenant = request.get(TENANT)
     render = Render(app, req, f"msg_{uuid.uuid4().hex}")
     if req.stream:
         return await sse(request, render.run(), lambda err: ("error", anthropic_error_body(err)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -21,7 +20,17 @@ from gateway.metrics import Metrics
 from gateway.openai_schema import Served, error_body
 from gateway.router import Router
 from gateway.routes import routes
-from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, PUBLIC_PATHS, SERVED, GatewayConfig, Unauthorized
+from gateway.state import (
+    ADMISSION,
+    CLIENT,
+    CONFIG,
+    METRICS,
+    PUBLIC_PATHS,
+    SERVED,
+    TENANT,
+    GatewayConfig,
+    Unauthorized,
+)
 from gateway.websocket import websocket_handler
 from shared.client import AsyncEngineClient
 from shared.errors import ConveyorError, EngineDead, Overloaded
@@ -126,13 +135,24 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 @web.middleware
 async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    key = request.app[CONFIG].api_key
-    if key and request.path not in PUBLIC_PATHS:
-        given = request.headers.get("Authorization", "")
-        if not given and "x-api-key" in request.headers:  # Anthropic's clients send the key so
-            given = f"Bearer {request.headers['x-api-key']}"
-        if not given and (request.path == "/v1/ws" or request.path in dashboard.PATHS):  # browsers set no headers
-            given = f"Bearer {request.query.get('api_key', '')}"
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+    auth = request.app[CONFIG].auth
+    if auth.keys and request.path not in PUBLIC_PATHS:
+        key = auth.match(_given_key(request))
+        if key is None:
             raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>' (or x-api-key)")
+        if auth.per_key:
+            request[TENANT] = key.tenant
     return await handler(request)
+
+
+def _given_key(request: web.Request) -> str:
+    """The key from "Authorization: Bearer", else x-api-key (Anthropic's clients send it so), else
+    ?api_key= where a browser cannot set headers (WebSockets, the dashboard)."""
+    if request.headers.get("Authorization"):
+        scheme, _, token = request.headers["Authorization"].partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else ""
+    if "x-api-key" in request.headers:
+        return request.headers["x-api-key"]
+    if request.path == "/v1/ws" or request.path in dashboard.PATHS:
+        return request.query.get("api_key", "")
+    return ""

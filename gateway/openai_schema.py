@@ -63,6 +63,9 @@ class ParsedRequest:
     echo: str | None = None
     prompt_logprobs: int | None = None
     score_only: bool = False
+    # Under --cache-isolation per-key: the tenant salt of the request's API key (gateway/auth.py), which
+    # the door copies from the HTTP request; run_request salts the prefix cache with it.
+    tenant: str | None = None
 
 
 def parse_chat(body: Any, served: Served) -> ParsedRequest:

@@ -33,7 +33,7 @@ from gateway.openai_schema import error_body
 from gateway.responses_schema import ResponsesRequest, parse_responses
 from gateway.responses_store import RESPONSES, ResponseStore, Stored
 from gateway.routes import json_response, read_json, tokenizing
-from gateway.state import SERVED
+from gateway.state import SERVED, TENANT
 from gateway.tools import ToolCall
 from gateway.translate import Call, End, Started, Text, Thought, events, sse
 from shared.errors import ConveyorError, InvalidRequest
@@ -61,6 +61,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await read_json(request)  # tokenized off the event loop, as on the chat route
     req = await tokenizing(parse_responses, body, app[SERVED], history_of(app, body))
+    req.parsed.tenant = request.get(TENANT)
     render = Render(app, req, f"resp_{uuid.uuid4().hex}")
     if req.stream:
         frames = ((e["type"], e) async for e in render.run())

@@ -24,7 +24,7 @@ from aiohttp import WSMsgType, web
 from gateway.openai_schema import error_body
 from gateway.responses import Render, parse
 from gateway.responses_store import ResponseStore
-from gateway.state import CONFIG, PayloadTooLarge
+from gateway.state import CONFIG, TENANT, PayloadTooLarge
 from shared.errors import ConveyorError, InvalidRequest
 
 KEPT = 64  # responses each socket keeps for previous_response_id, whatever their `store`
@@ -39,7 +39,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
             "send response.create messages (POST /v1/responses creates one over HTTP)"
         )
     await ws.prepare(request)
-    session = _Session(request.app, ws)
+    session = _Session(request.app, ws, request.get(TENANT))
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
@@ -58,8 +58,9 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
 
 
 class _Session:
-    def __init__(self, app: web.Application, ws: web.WebSocketResponse) -> None:
+    def __init__(self, app: web.Application, ws: web.WebSocketResponse, tenant: str | None) -> None:
         self.app, self.ws = app, ws
+        self.tenant = tenant  # the socket's API key's (gateway/state.py TENANT), for each request on it
         self.kept = ResponseStore(KEPT)
         self.last: dict[str | None, asyncio.Task[None]] = {}  # each lane's latest response
         self.tasks: set[asyncio.Task[None]] = set()
@@ -102,7 +103,7 @@ class _Session:
         render = None
         try:
             req = parse(self.app, body, self.kept)
-            req.stream = True
+            req.stream, req.parsed.tenant = True, self.tenant
             extra = {"stream_id": lane} if lane is not None else None
             render = Render(self.app, req, f"resp_{uuid.uuid4().hex}", extra)
             gen = render.run()

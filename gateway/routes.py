@@ -19,7 +19,7 @@ from gateway.metrics import CONTENT_TYPE, ReplicaRow
 from gateway.openai_schema import Served, parse_chat, parse_messages
 from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router
-from gateway.state import CLIENT, CONFIG, METRICS, SERVED, PayloadTooLarge, RequestTimeout
+from gateway.state import CLIENT, CONFIG, METRICS, SERVED, TENANT, PayloadTooLarge, RequestTimeout
 from gateway.streaming import chunks, complete, sse_response
 from gateway.templates import template_for, template_kwargs
 from shared.errors import ConveyorError, EngineDead, InvalidRequest
@@ -64,6 +64,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """One prompt or a batch (gateway/completions.py: batches, echo, scoring)."""
     app = request.app
     reqs = await tokenizing(parse_completions, await read_json(request), app[SERVED])
+    for r in reqs:
+        r.tenant = request.get(TENANT)
     rid = f"cmpl-{uuid.uuid4().hex}"
     if reqs[0].stream:
         return await sse_response(request, chunks_batch(app, reqs, rid))
@@ -78,6 +80,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     req = await tokenizing(parse_chat, await read_json(request), app[SERVED])
+    req.tenant = request.get(TENANT)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         return await sse_response(request, chunks(app, req, rid, chat))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from gateway.admission import Admission, Limits
+from gateway.auth import Auth
 from gateway.metrics import Metrics
 from gateway.openai_schema import Served
 from gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -28,7 +29,7 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None = the name the engine reports in READY
-    api_key: str | None = None  # when set, everything but PUBLIC_PATHS needs "Authorization: Bearer <key>"
+    auth: Auth = field(default_factory=Auth)  # with keys, everything but PUBLIC_PATHS needs one of them
     limits: Limits = field(default_factory=Limits)
     max_body_size: int = 16 * 2**20  # bytes of a request body before 413
     # Stream the first token at once, then every N tokens: fewer, larger events under load.
@@ -69,6 +70,9 @@ CLIENT: web.AppKey[AsyncEngineClient | Router] = web.AppKey("client")
 SERVED = web.AppKey("served", Served)  # filled in at start-up from the engine's READY
 ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", Metrics)
+# Under --cache-isolation per-key: the tenant salt of the key a request came with (gateway/auth.py),
+# set by the auth middleware; every door copies it into its ParsedRequest.tenant.
+TENANT = web.RequestKey("tenant", str)
 
 
 class Unauthorized(ConveyorError):

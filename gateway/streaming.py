@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.auth import cache_salt
 from gateway.openai_schema import (
     ParsedRequest,
     chat_choice,
@@ -37,6 +38,7 @@ from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
 from gateway.tools import ToolCall, ToolStream, stream_deltas
 from shared.choices import TextOutput, TokenLogprob
 from shared.errors import ConveyorError, EngineDead, Overloaded
+from shared.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
@@ -45,6 +47,7 @@ DONE = b"data: [DONE]\n\n"
 async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[TextOutput, None]:
     """TextOutputs of one request. Raises Overloaded (429) or EngineDead (503) before anything is queued."""
     client, admission, metrics = app[CLIENT], app[ADMISSION], app[METRICS]
+    params = _isolated(app, req)
     if not client.connected:
         raise EngineDead(f"the engine at {client.address} is not connected; the gateway reconnects when it is "
                          "back, retry later")
@@ -55,7 +58,7 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
         raise
     metrics.begin(rid)
     reason, last = "abort", None  # stays "abort" when the client goes away before the end
-    outputs = client.stream_text(req.prompt_token_ids, req.params, request_id=rid, priority=req.priority)
+    outputs = client.stream_text(req.prompt_token_ids, params, request_id=rid, priority=req.priority)
     try:
         async for out in outputs:
             last = out
@@ -72,6 +75,16 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
                        last.num_cached_tokens if last else 0)
         if req.params.prompt_logprobs is not None and reason not in ("abort", "error"):
             metrics.scored_tokens.inc(len(req.prompt_token_ids))
+
+
+def _isolated(app: web.Application, req: ParsedRequest) -> SamplingParams:
+    """req's params, salted with its API key's tenant under --cache-isolation per-key. Every door reaches
+    the engine through here, so a door that forgot the tenant fails loudly instead of sharing a cache."""
+    if not app[CONFIG].auth.per_key:
+        return req.params
+    if req.tenant is None:
+        raise ConveyorError("internal error: a request reached the engine without its API key's tenant")
+    return dataclasses.replace(req.params, cache_salt=cache_salt(req.tenant, req.params.cache_salt))
 
 
 class _Choice:

@@ -25,7 +25,7 @@ from aiohttp import WSMsgType, web
 
 from gateway.completions import parse_completion
 from gateway.openai_schema import error_body, parse_chat
-from gateway.state import CONFIG, SERVED, PayloadTooLarge
+from gateway.state import CONFIG, SERVED, TENANT, PayloadTooLarge
 from gateway.streaming import chunks
 from shared.errors import ConveyorError, InvalidRequest, Overloaded
 
@@ -39,7 +39,7 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     # aiohttp closes the socket on a frame over max_msg_size; up to twice the limit we answer instead.
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * limit + 65536)
     await ws.prepare(request)
-    session = _Session(request.app, ws)
+    session = _Session(request.app, ws, request.get(TENANT))
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
@@ -55,8 +55,9 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
 
 
 class _Session:
-    def __init__(self, app: web.Application, ws: web.WebSocketResponse) -> None:
+    def __init__(self, app: web.Application, ws: web.WebSocketResponse, tenant: str | None) -> None:
         self.app, self.ws = app, ws
+        self.tenant = tenant  # the socket's API key's (gateway/state.py TENANT), for each request on it
         self.live: dict[str, asyncio.Task[None]] = {}  # client id -> the task streaming it
         self.cancelled: set[str] = set()
         self._send_lock = asyncio.Lock()
@@ -93,6 +94,7 @@ class _Session:
         if not isinstance(body, dict):
             raise InvalidRequest("'body' must be an OpenAI request object", param="body")
         req = (parse_chat if chat else parse_completion)({**body, "stream": True}, self.app[SERVED])
+        req.tenant = self.tenant
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.live[cid] = asyncio.create_task(self._stream(cid, rid, req, chat))
 

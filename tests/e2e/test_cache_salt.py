@@ -1,6 +1,8 @@
 """Prefix-cache isolation through a real `conveyor serve`, with the official openai SDK: requests with
 different `cache_salt`s (vLLM's field) never share cached blocks, so `cached_tokens` tells one tenant
-nothing about another's prompt; the same salt shares them, as requests without a salt do."""
+nothing about another's prompt; the same salt shares them, as requests without a salt do.
+`--cache-isolation per-key` does the same for each API key (keys from --api-key-file, served by two
+gateway workers), and without it keys share."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,3 +39,40 @@ def test_cache_salts_isolate_the_prefix_cache(tiny_chat_model: Path, tmp_path: P
             with pytest.raises(openai.BadRequestError, match="cache_salt"):
                 client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body={"cache_salt": bad},
                                                messages=[{"role": "user", "content": "hi"}])
+
+
+def _cached(url: str, key: str, salt: str | None = None) -> int:
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=300)
+    extra = {} if salt is None else {"cache_salt": salt}
+    out = client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body=extra,
+                                         messages=[{"role": "user", "content": SECRET}])
+    assert out.usage is not None and out.usage.prompt_tokens > 48
+    details = out.usage.prompt_tokens_details
+    return details.cached_tokens or 0 if details is not None else 0
+
+
+def test_per_key_isolation_keeps_each_keys_cache_to_itself(tiny_chat_model: Path, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# one key a line\nsk-alice\nsk-bob\n")
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
+            "--gateway-workers", "2", "--api-key-file", str(keys), "--cache-isolation", "per-key"]
+    # Three processes load here (an engine, two gateways): a generous deadline for a shared machine.
+    with Server(argv, log_path=tmp_path / "server.log", ready_timeout=600) as server:
+        assert _cached(server.url, "sk-alice") == 0
+        assert _cached(server.url, "sk-bob") == 0  # the same prompt under another key: nothing cached
+        assert _cached(server.url, "sk-alice") > 0  # its own key's cache, whichever worker answers
+        assert _cached(server.url, "sk-bob") > 0
+        assert _cached(server.url, "sk-bob", salt="project-x") == 0  # a request's salt splits a key's cache
+        assert _cached(server.url, "sk-bob", salt="project-x") > 0
+        with pytest.raises(openai.AuthenticationError):
+            _cached(server.url, "sk-carol")
+
+
+def test_without_isolation_keys_share_the_cache(tiny_chat_model: Path, tmp_path: Path) -> None:
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
+            "--api-key", "sk-alice", "sk-bob"]
+    with Server(argv, log_path=tmp_path / "server.log") as server:
+        assert _cached(server.url, "sk-alice") == 0
+        assert _cached(server.url, "sk-bob") > 0  # what isolation is for: bob learns alice sent this prompt
+        with pytest.raises(openai.AuthenticationError):
+            _cached(server.url, "sk-carol")

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.admission import Admission, Limits
+from gateway.auth import Auth
 from shared.errors import Overloaded
 from tests.fakes import FakeEngine
 from tests.gateway.test_routes import gateway, run
@@ -22,7 +23,7 @@ def slow_engine(**kw: Any) -> FakeEngine:
 def test_api_key_guards_everything_but_probes() -> None:
     async def main() -> None:
         with FakeEngine() as eng:
-            async with gateway(eng, api_key="sk-test") as http:
+            async with gateway(eng, auth=Auth(("sk-test",))) as http:
                 for method, path in [("post", "/v1/completions"), ("get", "/v1/models"), ("post", "/tokenize")]:
                     resp = await getattr(http, method)(path, json={"prompt": "hi"})
                     assert resp.status == 401, path
@@ -142,7 +143,7 @@ def test_flags_come_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_ENGINE_ADDRESS", "tcp://engine:5555")
     args = build_parser().parse_args(["gateway", "--max-body-size", "1MiB"])
     config = gateway_config(args)
-    assert args.engine_address == "tcp://engine:5555" and config.api_key == "from-env"
+    assert args.engine_address == "tcp://engine:5555" and config.auth.keys == ("from-env",)
     assert config.limits.max_waiting_requests == 7 and config.max_body_size == 2**20
     args = build_parser().parse_args(["gateway", "--max-waiting-requests", "9"])  # the flag wins
     assert args.max_waiting_requests == 9

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from gateway.admission import Limits
+from gateway.auth import Auth
 from tests.fakes import FakeEngine
 from tests.gateway.test_routes import gateway, run
 
@@ -28,7 +29,7 @@ async def frames_until(ws: Any, pred: Any) -> list[dict[str, Any]]:
 def test_api_key_on_upgrade_header_or_query() -> None:
     async def main() -> None:
         with FakeEngine() as eng:
-            async with gateway(eng, api_key="sk-ws") as http:
+            async with gateway(eng, auth=Auth(("sk-ws",))) as http:
                 with pytest.raises(aiohttp.WSServerHandshakeError) as info:
                     await http.ws_connect("/v1/ws")
                 assert info.value.status == 401

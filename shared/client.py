@@ -77,7 +77,7 @@ class AsyncEngineClient:
         self.identity = f"{name}-{uuid.uuid4().hex[:12]}".encode()
         self.ready_timeout = ready_timeout
         self.resume_timeout = resume_timeout
-        self.ready: P.Ready | None = None  # the engine's handshake answer: model name, max_model_len, eos ids
+        self.ready: P.Ready | None = None  # the engine's handshake answer: model name, max_model_len, limits
         self._model, self._tokenizer = model, tokenizer  # model: where to load the tokenizer from
         self._streams: dict[str, RequestStream] = {}
         self._resumer = Resumer()  # how to resubmit each request of _streams; which wait for an engine
@@ -122,7 +122,7 @@ class AsyncEngineClient:
             self._sock.connect(self.address)
             self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._monitor_loop(monitor)),
                            asyncio.create_task(self._watch_silence())]
-            await self._send(P.Hello(client_name=self.identity.decode()))
+            await self._send(P.Hello())
         await self.wait_ready(timeout)
         assert self.ready is not None
         return self.ready
@@ -177,7 +177,7 @@ class AsyncEngineClient:
                     fut.set_exception(EngineDead(reason))
         # ABORT, then HELLO, on the one ordered pipe: an engine that was only silent drops the held
         # requests before it answers READY, so every row for them after READY is from the resubmission.
-        msgs: list[P.Message] = [P.Hello(client_name=self.identity.decode())]
+        msgs: list[P.Message] = [P.Hello()]
         if self._resumer.held:
             msgs.insert(0, P.Abort(sorted(self._resumer.held)))
             if self._resume_timer is None:
@@ -569,7 +569,7 @@ class AsyncEngineClient:
                         self._refused = None
                         self._ready_evt.clear()
                     self._lost = False
-                    await self._send(P.Hello(client_name=self.identity.decode()))
+                    await self._send(P.Hello())
         finally:
             monitor.close(linger=0)
 
@@ -600,7 +600,7 @@ class AsyncEngineClient:
         """One HELLO at a time: while the engine reads nothing, retries must not pile up in the queue."""
         self._greeting = True
         try:
-            await self._send_all([P.Hello(client_name=self.identity.decode())])
+            await self._send_all([P.Hello()])
         finally:
             self._greeting = False
 

@@ -225,8 +225,7 @@ class EngineLoop:
                 self._send(client, Error(None, why, 400))
                 return
             self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
-                                     list(self.core.eos_token_ids), self.max_message_size, self.heartbeat_interval,
-                                     self.core.pooling.to_dict()))
+                                     self.max_message_size, self.heartbeat_interval, self.core.pooling.to_dict()))
         elif isinstance(msg, GetStats):
             self._send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):

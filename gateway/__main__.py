@@ -1,6 +1,7 @@
 """`conveyor serve` (engine child process + gateway workers), `conveyor gateway` (gateway only),
 `conveyor ping` (is an engine up? for health checks) and `conveyor keys DIR` (CURVE keys for an engine
-on TCP and its clients, shared/wire.py).
+on TCP and its clients, shared/wire.py). This module is the command line; the engines behind a gateway
+(one child, data-parallel replicas, or engines elsewhere) are gateway/topology.py's.
 
 Every flag can also come from the environment: --max-waiting-requests from CONVEYOR_MAX_WAITING_REQUESTS,
 --api-key from CONVEYOR_API_KEY, and so on (a flag on the command line wins). Containers are configured
@@ -21,11 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.auth import add_auth_args, auth_of, worker_env
-from shared.engine_args import add_engine_args, engine_argv
+from shared.engine_args import add_engine_args
 
 if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see there
-    from gateway.launcher import EngineProcess
+    from aiohttp import web
+
+    from gateway.launcher import WorkerProcesses
+    from gateway.router import Router
     from gateway.state import GatewayConfig
+    from gateway.topology import Topology
     from shared.client import AsyncEngineClient
 
 log = logging.getLogger("gateway")
@@ -49,22 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the engine as a child process and serve HTTP")
     serve.add_argument("--model", default=DEFAULT_MODEL, help="a HF folder, a .gguf file, or the embedded default")
-    serve.add_argument("--engine-address", default=None,
-                       help="connect to this engine instead of starting one (default: start one on "
-                            "ipc:///tmp/conveyor-<pid>.sock)")
-    serve.add_argument("--gateway-workers", type=int, default=1,
-                       help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
-                            "process detokenizes and streams its own requests")
-    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                       help="engine replicas to start, each on its own cores (--num-threads defaults to cores / N); "
-                            "the gateway routes each request to one by prompt prefix, unless it is overloaded "
-                            "(docs/scaling.md)")
-    serve.add_argument("--max-engine-restarts", type=int, default=5,
-                       help="restart an engine that dies, with backoff (0.5 s doubling to 8 s), up to this many "
-                            "crashes in a row (an engine that served 60 s starts a new count); past it the "
-                            "gateway exits non-zero. 0: never restart, exit when the engine does")
-    group = serve.add_argument_group("engine", "passed to `python -m engine`")
-    add_engine_args(group, with_model=False)
+    _add_serve_flags(serve)
     gateway = sub.add_parser("gateway", help="serve HTTP for an engine that runs elsewhere")
     gateway.add_argument("--engine-address", required=True,
                          help="e.g. tcp://engine:5555; several, comma-separated: replicas the gateway routes over")
@@ -73,57 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="bind with SO_REUSEPORT (several processes, one port)")
     gateway.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)  # `serve` waits on it
     for p in (serve, gateway):
-        p.add_argument("--host", default="127.0.0.1")
-        p.add_argument("--port", type=int, default=8000)
-        p.add_argument("--served-model-name", default=None, help="the model name clients use; default: the engine's")
-        add_auth_args(p)
-        p.add_argument("--max-concurrent-requests", "--max-pending", dest="max_concurrent_requests", type=int,
-                       default=1024, help="requests in flight in one gateway process before 429")
-        p.add_argument("--max-waiting-requests", type=int, default=256,
-                       help="requests without a first token yet (queued in the engine) before 429")
-        p.add_argument("--max-queued-prompt-tokens", type=int, default=262144,
-                       help="prompt tokens of waiting requests before 429")
-        p.add_argument("--max-body-size", default="16MiB", help="largest request body (bytes, or like 1MiB) before 413")
-        p.add_argument("--header-timeout", type=float, default=15.0,
-                       help="seconds a connection has to send a request's headers before it is closed")
-        p.add_argument("--body-timeout", type=float, default=60.0,
-                       help="seconds a request has to send its body before a 408")
-        p.add_argument("--max-connections", type=int, default=10_000,
-                       help="open connections past this are closed at once (keep it below the file limit)")
-        p.add_argument("--max-prompt-chars", type=int, default=None,
-                       help="characters of prompt text before 400, checked before tokenizing (default: "
-                            "max_model_len x the longest token: more cannot fit the context)")
-        p.add_argument("--stream-interval", type=int, default=1,
-                       help="stream the first token at once, then one event every N tokens: fewer, larger events "
-                            "(less CPU per token under load) at the price of burstier streams")
-        p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine's READY")
-        p.add_argument("--resume-timeout", type=float, default=120.0,
-                       help="seconds streams in flight wait for a lost engine to come back before they end with an "
-                            "error; resumable ones carry on where they were (docs/reliability.md). 0: fail at once")
-        p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-        p.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
-                       help="how requests spread over several engines: prefix (default): by the prompt's first "
-                            "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
-                            "round_robin: in turn")
-        p.add_argument("--affinity-tokens", type=int, default=32, metavar="N",
-                       help="with several engines: the prompt's first N tokens pick its replica "
-                            "(default 32)")
-        p.add_argument("--imbalance-tokens", type=int, default=2048, metavar="N",
-                       help="with several engines: a replica whose queued prompt tokens exceed the "
-                            "least loaded one's by more than N gives the request to that one "
-                            "(default 2048)")
-        p.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="a Jinja chat template to render every chat request with, instead of the model's")
-        p.add_argument("--tool-call-parser", default="auto", choices=["hermes", "llama3_json", "auto"],
-                       help="how tool calls are read from the output: Hermes/Qwen <tool_call> blocks, Llama 3 JSON, "
-                            "or whichever the text is")
-        p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                       help="split a reasoning model's <think>...</think> from its answer: "
-                            "reasoning_content in chat completions (docs/api.md); default: none "
-                            "(reasoning fields are refused)")
-        p.add_argument("--responses-store-size", type=int, default=1024,
-                       help="stored /v1/responses kept in memory for previous_response_id and GET (least "
-                            "recently used first out); 0: none")
+        _add_http_flags(p)
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
     ping.add_argument("--engine-address", required=True)
     ping.add_argument("--timeout", type=float, default=5.0)
@@ -143,6 +83,81 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """What `serve` alone has: the engines it starts and the gateway processes beside it."""
+    serve.add_argument("--engine-address", default=None,
+                       help="connect to this engine instead of starting one (default: start one on "
+                            "ipc:///tmp/conveyor-<pid>.sock)")
+    serve.add_argument("--gateway-workers", type=int, default=1,
+                       help="gateway processes sharing the port (SO_REUSEPORT), all on the one engine; each "
+                            "process detokenizes and streams its own requests")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas to start, each on its own cores (--num-threads defaults to cores / N); "
+                            "the gateway routes each request to one by prompt prefix, unless it is overloaded "
+                            "(docs/scaling.md)")
+    serve.add_argument("--max-engine-restarts", type=int, default=5,
+                       help="restart an engine that dies, with backoff (0.5 s doubling to 8 s), up to this many "
+                            "crashes in a row (an engine that served 60 s starts a new count); past it the "
+                            "gateway exits non-zero. 0: never restart, exit when the engine does")
+    group = serve.add_argument_group("engine", "passed to `python -m engine`")
+    add_engine_args(group, with_model=False)
+
+
+def _add_http_flags(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `gateway` share: the HTTP server, its limits, and routing over several engines."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name clients use; default: the engine's")
+    add_auth_args(p)
+    p.add_argument("--max-concurrent-requests", "--max-pending", dest="max_concurrent_requests", type=int,
+                   default=1024, help="requests in flight in one gateway process before 429")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="requests without a first token yet (queued in the engine) before 429")
+    p.add_argument("--max-queued-prompt-tokens", type=int, default=262144,
+                   help="prompt tokens of waiting requests before 429")
+    p.add_argument("--max-body-size", default="16MiB", help="largest request body (bytes, or like 1MiB) before 413")
+    p.add_argument("--header-timeout", type=float, default=15.0,
+                   help="seconds a connection has to send a request's headers before it is closed")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request has to send its body before a 408")
+    p.add_argument("--max-connections", type=int, default=10_000,
+                   help="open connections past this are closed at once (keep it below the file limit)")
+    p.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="characters of prompt text before 400, checked before tokenizing (default: "
+                        "max_model_len x the longest token: more cannot fit the context)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="stream the first token at once, then one event every N tokens: fewer, larger events "
+                        "(less CPU per token under load) at the price of burstier streams")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the engine's READY")
+    p.add_argument("--resume-timeout", type=float, default=120.0,
+                   help="seconds streams in flight wait for a lost engine to come back before they end with an "
+                        "error; resumable ones carry on where they were (docs/reliability.md). 0: fail at once")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--routing", choices=("prefix", "round_robin"), default="prefix",
+                   help="how requests spread over several engines: prefix (default): by the prompt's first "
+                        "tokens, so shared prefixes hit one replica's cache, unless it is overloaded; "
+                        "round_robin: in turn")
+    p.add_argument("--affinity-tokens", type=int, default=32, metavar="N",
+                   help="with several engines: the prompt's first N tokens pick its replica "
+                        "(default 32)")
+    p.add_argument("--imbalance-tokens", type=int, default=2048, metavar="N",
+                   help="with several engines: a replica whose queued prompt tokens exceed the "
+                        "least loaded one's by more than N gives the request to that one "
+                        "(default 2048)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template to render every chat request with, instead of the model's")
+    p.add_argument("--tool-call-parser", default="auto", choices=["hermes", "llama3_json", "auto"],
+                   help="how tool calls are read from the output: Hermes/Qwen <tool_call> blocks, Llama 3 JSON, "
+                        "or whichever the text is")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a reasoning model's <think>...</think> from its answer: "
+                        "reasoning_content in chat completions (docs/api.md); default: none "
+                        "(reasoning fields are refused)")
+    p.add_argument("--responses-store-size", type=int, default=1024,
+                   help="stored /v1/responses kept in memory for previous_response_id and GET (least "
+                        "recently used first out); 0: none")
+
+
 def _env_defaults(parser: argparse.ArgumentParser) -> None:
     """CONVEYOR_<DEST> in the environment becomes the flag's default; argparse applies the flag's type."""
     for action in parser._actions:
@@ -156,10 +171,6 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
             action.required = False
 
 
-def engine_args(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--log-level", args.log_level, *engine_argv(args)]
-
-
 def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     argv = [sys.executable, "-m", "gateway", "gateway", "--engine-address", address, "--model", args.model,
             "--host", args.host, "--port", str(args.port), "--reuse-port"]
@@ -170,29 +181,6 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
         if value is not None:
             argv += ["--" + dest.replace("_", "-"), str(value)]
     return argv
-
-
-def replica_processes(args: argparse.Namespace, n: int) -> list[EngineProcess]:
-    """n engines of `serve --data-parallel-size n`, each bound to its own share of the cores (so their
-    OpenMP threads never share one), each on its own ipc:// address."""
-    from gateway.launcher import EngineProcess, default_address
-
-    cpus = sorted(os.sched_getaffinity(0))
-    if n > len(cpus):
-        raise SystemExit(f"conveyor: --data-parallel-size {n} is more than the {len(cpus)} cores available")
-    per = len(cpus) // n
-    argv = engine_args(args)
-    if args.num_threads is None:
-        argv += ["--num-threads", str(per)]
-    base = default_address().removesuffix(".sock")
-    return [EngineProcess(f"{base}-{i}.sock", argv, cpus=set(cpus[i * per:(i + 1) * per])) for i in range(n)]
-
-
-async def replicas_ready(replicas: list[EngineProcess], clients: list[AsyncEngineClient], router: Any,
-                         timeout: float) -> None:
-    """Every replica's READY (a replica that exits while loading fails start-up), then the router's start."""
-    await asyncio.gather(*(r.wait_ready(c, timeout) for r, c in zip(replicas, clients)))
-    await router.start(timeout=timeout)
 
 
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
@@ -211,111 +199,106 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          body_timeout=args.body_timeout, max_connections=args.max_connections)
 
 
-async def run(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
-    from gateway.app import build_app
-    from gateway.connections import ConnectionGuard, guard
-    from gateway.launcher import EngineProcess, WorkerProcesses, default_address, keep_off_engine_cpus
-    from gateway.router import Router, RouterConfig
-    from gateway.state import SERVED
-    from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
-    from shared.client import AsyncEngineClient
-    from shared.errors import EngineDead
+def preflight(args: argparse.Namespace) -> str | None:
+    """What a user can fix in a second, checked before any model loads: the trace file, the port."""
     from shared.preflight import check_port, check_writable
 
     trace_file = getattr(args, "trace_file", None)
     reuse = getattr(args, "reuse_port", False) or getattr(args, "gateway_workers", 1) > 1
-    problem = (check_writable(trace_file) if trace_file else None) or check_port(args.host, args.port, reuse)
+    return (check_writable(trace_file) if trace_file else None) or check_port(args.host, args.port, reuse)
+
+
+def worker_processes(args: argparse.Namespace, config: GatewayConfig, address: str) -> WorkerProcesses | None:
+    """`serve --gateway-workers N`: the N - 1 gateway processes beside this one (not started yet)."""
+    from gateway.launcher import WorkerProcesses
+
+    if args.command != "serve" or args.gateway_workers <= 1:
+        return None
+    env = {**os.environ, **worker_env(config.auth)}  # the keys not in argv: ps shows it
+    return WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)], env)
+
+
+async def http_runner(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.AppRunner:
+    from aiohttp import web
+
+    from gateway.app import build_app
+    from gateway.connections import ConnectionGuard, guard
+
+    access_log = log if log.isEnabledFor(logging.INFO) else None
+    runner = web.AppRunner(build_app(config, client), handler_cancellation=True, access_log=access_log)
+    await runner.setup()
+    guard(runner, ConnectionGuard(config.header_timeout, config.max_connections))
+    return runner
+
+
+async def serve_http(args: argparse.Namespace, runner: web.AppRunner, workers: WorkerProcesses | None,
+                     topology: Topology) -> None:
+    """Binds last, so that once this process answers /ready every worker serves too."""
+    from aiohttp import web
+
+    from gateway.state import SERVED
+
+    if workers is not None:
+        await asyncio.to_thread(workers.wait_ready, args.ready_timeout)
+    topology.keep_off_engine([os.getpid(), *(p.pid for p in (workers.procs if workers else []))])
+    # What start-up loaded (transformers and what it imports, the tokenizer) lives until exit: frozen,
+    # a full garbage collection no longer rescans it (about 0.2 s per collection, stalling every stream).
+    gc.freeze()
+    reuse = getattr(args, "reuse_port", False) or workers is not None
+    # aiohttp's default accept backlog of 128 overflows when hundreds of clients connect at once: the
+    # ones over it waited about a second for a TCP retransmit before their request was even read.
+    await web.TCPSite(runner, args.host, args.port, reuse_port=reuse or None, backlog=LISTEN_BACKLOG).start()
+    if getattr(args, "ready_fd", None) is not None:
+        os.write(args.ready_fd, b"ready\n")
+        os.close(args.ready_fd)
+    name = runner.app[SERVED].name
+    print(f"conveyor: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+
+
+async def run(args: argparse.Namespace) -> int:
+    """The engines start first and load while the rest starts; the HTTP server binds once they are ready.
+    A signal, or every engine child giving up, stops it all in reverse order: the engines last."""
+    from gateway.topology import Topology
+    from shared.errors import EngineDead
+
+    problem = preflight(args)
     if problem is not None:  # before any model loads
         print(f"conveyor: {problem}", file=sys.stderr)
         return 2
-    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    engine, workers = None, None
-    replicas: list[EngineProcess] = []
-    dp = getattr(args, "data_parallel_size", 1)
-    if args.command == "serve" and args.engine_address is None and dp > 1:
-        replicas = replica_processes(args, dp)
-        for r in replicas:
-            r.start()
-        address = ",".join(r.address for r in replicas)
-    elif args.command == "serve" and args.engine_address is None:
-        engine = EngineProcess(default_address(), engine_args(args))
-        engine.start()
-        address = engine.address
-    else:
-        address = args.engine_address
-    addresses = address.split(",")
-    try:  # serve's own engine is on ipc://, which needs no keys
-        clients = [AsyncEngineClient(a, name="gateway", model=args.model, resume_timeout=args.resume_timeout,
-                                     engine_timeout=args.engine_timeout,
-                                     curve_keys=None if engine is not None or replicas else args.curve_keys)
-                   for a in addresses]
-        routing = RouterConfig(args.affinity_tokens, args.imbalance_tokens, policy=args.routing)
-        client: AsyncEngineClient | Router = (clients[0] if len(clients) == 1
-                                              else Router(clients, routing))
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    topology = Topology.from_args(args)
+    try:
+        client = topology.connect(args)
     except ValueError as e:  # the key folder lacks a file: say which, no traceback
         print(f"conveyor: {e}", file=sys.stderr)
-        for e_proc in ([engine] if engine is not None else []) + replicas:
-            e_proc.stop()
         return 2
     config = gateway_config(args)
-    runner = None
+    topology.start()
+    workers, runner = None, None
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]
     try:
-        if args.command == "serve" and args.gateway_workers > 1:  # they load while the engine loads
-            env = {**os.environ, **worker_env(config.auth)}  # the keys not in argv: ps shows it
-            workers = WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)], env)
+        workers = worker_processes(args, config, ",".join(topology.addresses))
+        if workers is not None:  # they load while the engine loads
             workers.start()
         if args.model is not None:  # parse the tokenizer while the engine loads its weights
             tasks.append(asyncio.create_task(client.get_tokenizer()))
-        ready: asyncio.Future[Any]
-        if replicas:
-            ready = asyncio.ensure_future(replicas_ready(replicas, clients, client, args.ready_timeout))
-        else:
-            ready = asyncio.ensure_future(engine.wait_ready(clients[0], args.ready_timeout)
-                                          if engine else client.start(timeout=args.ready_timeout))
+        ready = asyncio.ensure_future(topology.wait_ready(args.ready_timeout))
         tasks.append(ready)
         await asyncio.wait({ready, tasks[0]}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             return 130  # interrupted while the engine was loading
         ready.result()
-        app = build_app(config, client)
-        access_log = log if log.isEnabledFor(logging.INFO) else None
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log)
-        await runner.setup()
-        guard(runner, ConnectionGuard(config.header_timeout, config.max_connections))
-        if workers is not None:  # bind last, so that once this process answers /ready every worker serves too
-            await asyncio.to_thread(workers.wait_ready, args.ready_timeout)
+        runner = await http_runner(config, client)
+        await serve_http(args, runner, workers, topology)
+        if workers is not None:
             tasks.append(asyncio.create_task(workers.watch(stop)))
-        if engine is not None and engine.proc is not None:
-            gateways = [os.getpid(), *(p.pid for p in (workers.procs if workers else []))]
-            cpus = keep_off_engine_cpus(engine.proc.pid, gateways)
-            if cpus:
-                log.info("gateway processes on CPUs %s, off the engine's", sorted(cpus))
-        # What start-up loaded (transformers and what it imports, the tokenizer) lives until exit: frozen,
-        # a full garbage collection no longer rescans it (about 0.2 s per collection, stalling every stream).
-        gc.freeze()
-        reuse = getattr(args, "reuse_port", False) or workers is not None
-        # aiohttp's default accept backlog of 128 overflows when hundreds of clients connect at once: the
-        # ones over it waited about a second for a TCP retransmit before their request was even read.
-        await web.TCPSite(runner, args.host, args.port, reuse_port=reuse or None, backlog=LISTEN_BACKLOG).start()
-        if getattr(args, "ready_fd", None) is not None:
-            os.write(args.ready_fd, b"ready\n")
-            os.close(args.ready_fd)
-        print(f"conveyor: serving {app[SERVED].name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-        supervised = ([(engine, clients[0])] if engine is not None else []) + list(zip(replicas, clients))
-        supervisors = [EngineSupervisor(e, c, RestartPolicy(max_restarts=args.max_engine_restarts,
-                                                            ready_timeout=args.ready_timeout))
-                       for e, c in supervised]  # `conveyor gateway` supervises nothing (it has no such flag)
-        # Each replica restarts on its own; the others serve meanwhile, and on past its give-up.
-        if supervisors:
-            tasks.append(asyncio.create_task(stop_when_all_give_up(supervisors, stop)))
+        supervising = topology.supervise(stop, args)
+        if supervising is not None:
+            tasks.append(supervising)
         await stop.wait()
-        gave_up = bool(supervisors) and all(s.gave_up for s in supervisors)
-        return 1 if gave_up or (workers and workers.failed) else 0
+        return 1 if topology.gave_up or (workers and workers.failed) else 0
     except EngineDead as e:
         print(f"conveyor: {e}", file=sys.stderr)
         return 1
@@ -329,10 +312,7 @@ async def run(args: argparse.Namespace) -> int:
         if runner is not None:
             await runner.cleanup()
         log.info("http server stopped")
-        await client.close()
-        for e_proc in ([engine] if engine is not None else []) + replicas:
-            await asyncio.to_thread(e_proc.stop)
-            log.info("engine %s stopped", e_proc.address)
+        await topology.stop()
 
 
 async def ping(args: argparse.Namespace) -> int:

@@ -1,8 +1,14 @@
 """Start the engine as a child process on an ipc:// address, and make sure it never outlives us.
 
 Three ways a child could be orphaned, three guards: a normal exit stops it (SIGTERM, then SIGKILL after
-a grace period); a gateway killed outright takes it along through PR_SET_PDEATHSIG (Linux); Ctrl-C in a
-terminal reaches both, as they share the process group (start_new_session=False).
+a grace period); a gateway killed outright takes it along through PR_SET_PDEATHSIG (Linux); a signal to
+the whole process group reaches both, as they share it (start_new_session=False).
+
+Except Ctrl-C: the terminal sends SIGINT to the whole group, and the engine ignores it (set between fork
+and exec; exec keeps an ignored signal, and Python then installs no KeyboardInterrupt handler). The
+gateway alone handles it and stops the engine with one SIGTERM, waiting for it to exit: an engine that
+got both signals was interrupted a second time inside its own shutdown (a traceback from torch, a
+--trace-file never written).
 """
 from __future__ import annotations
 
@@ -42,6 +48,12 @@ def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
         os._exit(1)
 
 
+def _engine_child(parent_pid: int, cpus: set[int] | None) -> None:
+    """Runs in the engine child between fork and exec: the terminal's SIGINT is the gateway's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid, cpus)
+
+
 class EngineProcess:
     def __init__(self, address: str, engine_args: list[str], stop_timeout: float = 10.0,
                  cpus: set[int] | None = None) -> None:
@@ -55,7 +67,7 @@ class EngineProcess:
         """The child inherits stderr, so model loading shows its own progress in the terminal."""
         self._remove_ipc_file()
         parent = os.getpid()
-        preexec = (lambda: _die_with_parent(parent, self.cpus)) if sys.platform.startswith("linux") else None
+        preexec = (lambda: _engine_child(parent, self.cpus)) if sys.platform.startswith("linux") else None
         log.info("starting engine: %s", " ".join(self.argv))
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, start_new_session=False, preexec_fn=preexec)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -98,7 +99,7 @@ class Router:
             raise ValueError("a router needs at least one engine")
         self.replicas = [Replica(c) for c in clients]
         for c in clients:
-            c.on_held = self._move_held
+            c.on_held = functools.partial(self._move_held, c)
         self.config = config or RouterConfig()
         self.address = ",".join(r.address for r in self.replicas)
         self.ready: Ready | None = None

@@ -26,7 +26,8 @@ from shared.sampling import SamplingParams, check_priority
 # 5: SamplingParams.prompt_logprobs (every ADD carries it, so an older engine would refuse every request),
 # and OUTPUTS rows end with prompt_logprobs; embeddings: ADD may carry `pooling`, READY announces the
 # engine's pooler, an output row its `embedding` (an engine of 4 would have generated text for one).
-PROTOCOL_VERSION = 5
+# 6: HELLO no longer names the client and READY no longer lists the eos ids (nobody read either).
+PROTOCOL_VERSION = 6
 
 
 class MsgType(bytes, enum.Enum):
@@ -49,10 +50,9 @@ class MsgType(bytes, enum.Enum):
 
 @dataclass(slots=True)
 class Hello:
-    """Client -> engine: first message; the engine answers READY."""
+    """Client -> engine: first message; the engine answers READY (or ERROR: another protocol version)."""
 
     protocol_version: int = PROTOCOL_VERSION
-    client_name: str = ""
 
 
 @dataclass(slots=True)
@@ -62,7 +62,6 @@ class Ready:
     protocol_version: int
     model_name: str
     max_model_len: int
-    eos_token_ids: list[int] = field(default_factory=list)
     # The largest message the engine takes (ZeroMQ drops the connection of a client that sends more:
     # the SDK refuses such a request itself); 0 = not announced.
     max_message_size: int = 0
@@ -287,9 +286,15 @@ def _output_row(row: list[Any]) -> RequestOutput:
     return RequestOutput(*row) if len(row) == _NUM_OUTPUT_FIELDS else RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
 
 
+def _decode_hello(d: dict[str, Any]) -> Hello:
+    """Another version's HELLO is read for its version only, so the engine can answer that they differ."""
+    version = d.get("protocol_version", PROTOCOL_VERSION)
+    if version == PROTOCOL_VERSION and d.keys() - {"protocol_version"}:
+        raise ProtocolError("HELLO takes only protocol_version")
+    return Hello(version)
+
+
 def _decode_abort(d: dict[str, Any]) -> Abort:
-    if "index" in d:  # protocol 2's per-choice abort: never read it as an abort of the whole request
-        raise ProtocolError("ABORT takes no index since protocol 3: end one choice with STOP_CHOICE")
     ids = d["request_ids"]
     if not isinstance(ids, list) or not all(isinstance(r, str) for r in ids):
         raise ProtocolError("request_ids must be a list of strings")
@@ -318,7 +323,7 @@ def _flag(v: Any) -> bool:
 
 
 _DECODERS: dict[MsgType, Callable[[Any], Message]] = {
-    MsgType.HELLO: lambda d: Hello(**d),
+    MsgType.HELLO: _decode_hello,
     MsgType.READY: lambda d: Ready(**d),
     MsgType.ADD: _decode_add,
     MsgType.ABORT: _decode_abort,

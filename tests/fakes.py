@@ -56,14 +56,13 @@ class FakeEngine:
 
     def __init__(self, tokens: list[int] | None = None, *, address: str | None = None, answer_hello: bool = True,
                  model_name: str = "SmolLM2-135M-Instruct", max_model_len: int = 256,
-                 eos_token_ids: tuple[int, ...] = (2,),
                  step_interval: float = 0.002, tokens_per_step: int = 1,
                  script: Callable[[P.Add], list[int]] | None = None,
                  choices: Callable[[P.Add], list[list[int]]] | None = None,
                  reject: Callable[[P.Add], str | None] | None = None) -> None:
         self.tokens = tokens if tokens is not None else [100, 200, 300]
         self.answer_hello, self.step_interval, self.tokens_per_step = answer_hello, step_interval, tokens_per_step
-        self.ready = P.Ready(P.PROTOCOL_VERSION, model_name, max_model_len, list(eos_token_ids))
+        self.ready = P.Ready(P.PROTOCOL_VERSION, model_name, max_model_len)
         self.script = script or (lambda add: list(self.tokens))
         self.choices = choices or (lambda add: [self.script(add) for _ in range(add.params.n)])
         self.reject = reject or (lambda add: None)

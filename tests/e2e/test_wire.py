@@ -295,7 +295,7 @@ def test_a_reconnection_under_a_routing_identity_the_engine_still_holds_is_answe
     async def main() -> None:
         ctx = zmq.asyncio.Context()
         try:
-            hello = P.encode(P.Hello(client_name="twin"))
+            hello = P.encode(P.Hello())
             socks = []
             for _ in range(2):  # the second connects while the first is still there
                 sock = await raw_dealer(ctx, address)

@@ -28,7 +28,6 @@ class SlowFirstStep:
     ceil(3 * TIMEOUT / INTERVAL) heartbeats, i.e. three of the client's silence timeouts."""
 
     max_model_len = 64
-    eos_token_ids = (2,)
     source = SimpleNamespace(name="slow-first-step")
     pooling = PoolingInfo("", False, 0, refusal="a stand-in engine pools nothing")  # READY announces it
 

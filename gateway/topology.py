@@ -1,0 +1,111 @@
+"""The engines behind a gateway process, and their lives: one engine child (`conveyor serve`), N
+data-parallel replicas each on its own cores (`serve --data-parallel-size N`), or engines that run
+elsewhere (`conveyor gateway`, `serve --engine-address`). Topology starts them, waits for their READY,
+supervises the children, and stops them last, after the HTTP server: the gateway exits only once every
+engine child has (and so has written its --trace-file).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+
+from gateway.launcher import EngineProcess, default_address, keep_off_engine_cpus
+from gateway.router import Router, RouterConfig
+from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
+from shared.client import AsyncEngineClient
+from shared.engine_args import engine_argv
+
+log = logging.getLogger("gateway")
+
+
+def engine_args(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--log-level", args.log_level, *engine_argv(args)]
+
+
+def replica_processes(args: argparse.Namespace, n: int) -> list[EngineProcess]:
+    """n engines of `serve --data-parallel-size n`, each bound to its own share of the cores (so their
+    OpenMP threads never share one), each on its own ipc:// address."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n > len(cpus):
+        raise SystemExit(f"conveyor: --data-parallel-size {n} is more than the {len(cpus)} cores available")
+    per = len(cpus) // n
+    argv = engine_args(args)
+    if args.num_threads is None:
+        argv += ["--num-threads", str(per)]
+    base = default_address().removesuffix(".sock")
+    return [EngineProcess(f"{base}-{i}.sock", argv, cpus=set(cpus[i * per:(i + 1) * per])) for i in range(n)]
+
+
+class Topology:
+    """connect (one client per engine, a router over several), start, wait_ready, supervise, stop."""
+
+    def __init__(self, engines: list[EngineProcess], addresses: list[str]) -> None:
+        self.engines = engines  # the children this process starts and stops; none for engines elsewhere
+        self.addresses = addresses
+        self.clients: list[AsyncEngineClient] = []
+        self.client: AsyncEngineClient | Router | None = None  # what the HTTP handlers talk to
+        self.supervisors: list[EngineSupervisor] = []
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Topology:
+        if args.command != "serve" or args.engine_address is not None:
+            return cls([], args.engine_address.split(","))
+        dp = getattr(args, "data_parallel_size", 1)
+        engines = replica_processes(args, dp) if dp > 1 else [EngineProcess(default_address(), engine_args(args))]
+        return cls(engines, [e.address for e in engines])
+
+    def connect(self, args: argparse.Namespace) -> AsyncEngineClient | Router:
+        """The clients, not started yet. ValueError: a CURVE key file is missing, a routing flag is wrong."""
+        keys = None if self.engines else args.curve_keys  # serve's own engines are on ipc://, which needs no keys
+        self.clients = [AsyncEngineClient(a, name="gateway", model=args.model, resume_timeout=args.resume_timeout,
+                                          engine_timeout=args.engine_timeout, curve_keys=keys)
+                        for a in self.addresses]
+        routing = RouterConfig(args.affinity_tokens, args.imbalance_tokens, policy=args.routing)
+        self.client = self.clients[0] if len(self.clients) == 1 else Router(self.clients, routing)
+        return self.client
+
+    def start(self) -> None:
+        for engine in self.engines:
+            engine.start()
+
+    async def wait_ready(self, timeout: float) -> None:
+        """Every engine's READY, then the router's start; an engine child that exits while loading fails
+        start-up at once."""
+        assert self.client is not None
+        if not self.engines:
+            await self.client.start(timeout=timeout)
+            return
+        await asyncio.gather(*(e.wait_ready(c, timeout) for e, c in zip(self.engines, self.clients)))
+        if isinstance(self.client, Router):
+            await self.client.start(timeout=timeout)
+
+    def keep_off_engine(self, pids: list[int]) -> None:
+        """One engine child: the gateway processes `pids` move to the cores its threads are not bound to."""
+        if len(self.engines) == 1 and self.engines[0].proc is not None:
+            cpus = keep_off_engine_cpus(self.engines[0].proc.pid, pids)
+            if cpus:
+                log.info("gateway processes on CPUs %s, off the engine's", sorted(cpus))
+
+    def supervise(self, stop: asyncio.Event, args: argparse.Namespace) -> asyncio.Task[None] | None:
+        """Restarts each engine child that dies, on its own (the others serve meanwhile, and on past its
+        give-up); sets stop once all have given up. Engines elsewhere are not this process's to restart."""
+        if not self.engines:
+            return None
+        policy = RestartPolicy(max_restarts=args.max_engine_restarts, ready_timeout=args.ready_timeout)
+        self.supervisors = [EngineSupervisor(e, c, policy) for e, c in zip(self.engines, self.clients)]
+        return asyncio.create_task(stop_when_all_give_up(self.supervisors, stop))
+
+    @property
+    def gave_up(self) -> bool:
+        return bool(self.supervisors) and all(s.gave_up for s in self.supervisors)
+
+    async def stop(self) -> None:
+        """The clients close, then each engine child gets one SIGTERM and is waited for (killed past its
+        grace period)."""
+        if self.client is not None:
+            await self.client.close()
+        for engine in self.engines:
+            await asyncio.to_thread(engine.stop)
+            log.info("engine %s stopped", engine.address)

@@ -78,12 +78,8 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
     if n < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
     unsharded = [what for what, on in (("experts", cfg.num_experts > 0),
-                                       ("q/k/v fused in the checkpoint", cfg.architecture == "Phi3ForCausalLM"),
-                                       ("q/k norms", cfg.qk_norm), ("sandwich norms", cfg.sandwich_norms),
-                                       ("embedding scale", cfg.embed_scale is not None),
-                                       ("soft-capping", cfg.attn_softcap is not None or cfg.final_softcap is not None),
-                                       ("sliding windows", cfg.has_windows), ("GeGLU", cfg.hidden_act != "silu"),
-                                       ("attention scale", cfg.attn_scale is not None)) if on]
+                                       ("q/k/v fused in the checkpoint", cfg.architecture == "Phi3ForCausalLM"))
+                 if on]
     if n > 1 and unsharded:
         raise ValueError(f"{cfg.architecture} needs {', '.join(unsharded)}, which tensor parallelism does not "
                          "split: use --tensor-parallel-size 1")

@@ -1,14 +1,84 @@
-"""One model graph at every tensor-parallel size: TP=2 equal to TP=1 (float32, greedy, token for token)
-for the switches of engine/models/llama.py that the Llama checkpoints of test_tensor_parallel.py leave
-off, and for int8 weights. Each test is the reason its refusal in engine/distributed/shard.py is lifted."""
+"""One model graph at every tensor-parallel size: TP=2 equal to TP=1 (float32, greedy and seeded, token
+for token) for the switches of engine/models/llama.py that test_tensor_parallel.py's Llama and Qwen2
+checkpoints leave off. Each test is the reason its refusal in engine/distributed/shard.py was lifted."""
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
+import transformers as T
 
 from engine.load.quant import Int8Linear
+from tests.conftest import save_tiny
+from tests.distributed.test_tensor_parallel import stop, tp_engine
+from tests.distributed.workload import assert_all_free, run, workload
+
+_GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+# name -> (config class, model class, overrides), with what each switches on. Windows of 12 tokens are shorter
+# than the prompts; a vocabulary of 509 leaves the last rank's rows padded.
+FAMILIES: dict[str, tuple[type, type, dict]] = {
+    # GeGLU, sandwich norms, the embedding scale, a tied head, soft caps on scores and logits,
+    # query_pre_attn_scalar, a window on every other layer
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM,
+               dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12, attn_logit_softcapping=5.0,
+                    final_logit_softcapping=3.0, vocab_size=509)),
+    # q/k norms, windowed layers with their own RoPE base beside a global one with linear scaling
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,
+               dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                    layer_types=["sliding_attention", "full_attention"], rope_parameters=_GEMMA3_ROPE)),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=16)),  # q/k norms
+    # a window on every layer: blocks the window has passed are released on every rank
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=12)),
+}
 
 
-def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_codes():
+def equal_at_tp1_and_tp2(folder: Path, vocab: int = 512, **options: object) -> None:
+    reqs = workload(vocab)
+    reference = run(tp_engine(folder, 1, num_blocks=256, num_cpu_blocks=0, **options), reqs)
+    core = tp_engine(folder, 2, num_blocks=256, num_cpu_blocks=0, **options)
+    try:
+        out = run(core, reqs)
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert_all_free(core)
+    assert codes == [0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
+    config_cls, model_cls, overrides = FAMILIES[family]
+    folder = save_tiny(tmp_path, config_cls, model_cls, seed=3, **overrides)
+    equal_at_tp1_and_tp2(folder, int(overrides.get("vocab_size", 512)))
+
+
+@pytest.fixture(scope="module")
+def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama with biases on q/k/v and on o_proj (attention_bias), all drawn nonzero: the row-parallel
+    o_proj's bias must be added once, not once per rank."""
+    torch.manual_seed(4)
+    from tests.conftest import TINY
+
+    model = T.LlamaForCausalLM(T.LlamaConfig(**{**TINY, "attention_bias": True})).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+                proj.bias.normal_(0, 0.1)
+    folder = tmp_path_factory.mktemp("tiny-llama-biases")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.slow
+def test_row_parallel_bias_is_added_once(llama_with_biases: Path) -> None:
+    equal_at_tp1_and_tp2(llama_with_biases)
+
+
+def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_codes() -> None:
     """A row-parallel rank holds some columns of each row; with the rows' absmax over all columns (an
     all-reduce at load) its codes and scales are exactly the unsplit matrix's."""
     w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))

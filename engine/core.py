@@ -58,8 +58,6 @@ class EngineCore:
         t0 = time.perf_counter()
         tp_runner = None
         if config.tensor_parallel_size > 1:  # the runner holds rank 0's shard and KV; workers hold the rest
-            if config.quantization in ("int8", "int4"):
-                raise ValueError("--quantization int8/int4 is not sharded yet: use --tensor-parallel-size 1")
             from engine.distributed.executor import start_tensor_parallel
 
             tp_runner, self.model_config = start_tensor_parallel(config, self.source, device)

@@ -91,6 +91,10 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     folder = checkpoint_folder(source)
     cfg = read_config(folder, config.dtype, device, config.quantization)
     check_divisible(cfg, n)
+    if cfg.quantization == "int4":  # a rank's int4 groups would match one engine's only where K/N % 32 == 0,
+        # and a GGUF's exact Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights
+        raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
+                         "--tensor-parallel-size 1")
     if config.speculative.speculative is not None:
         raise ValueError("speculative decoding is not supported with tensor parallelism yet")
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)

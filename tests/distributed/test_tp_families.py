@@ -1,6 +1,7 @@
 """One model graph at every tensor-parallel size: TP=2 equal to TP=1 (float32, greedy and seeded, token
 for token) for the switches of engine/models/llama.py that test_tensor_parallel.py's Llama and Qwen2
-checkpoints leave off. Each test is the reason its refusal in engine/distributed/shard.py was lifted."""
+checkpoints leave off, and for int8 weights. Each test is the reason its refusal in
+engine/distributed/shard.py (or engine/core.py) was lifted."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -74,8 +75,11 @@ def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_row_parallel_bias_is_added_once(llama_with_biases: Path) -> None:
-    equal_at_tp1_and_tp2(llama_with_biases)
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_biases_and_int8_weights_tp2_equal_tp1(llama_with_biases: Path, quantization: str) -> None:
+    """int8: every rank's codes and scales are the unsplit matrices' (row-parallel ones through the rows'
+    absmax over all ranks), so both sizes multiply by the same weights."""
+    equal_at_tp1_and_tp2(llama_with_biases, quantization=quantization)
 
 
 def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_codes() -> None:
@@ -88,3 +92,10 @@ def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_code
         part = Int8Linear(w[:, cols], None, torch.float32, absmax)
         assert torch.equal(part.qweight, whole.qweight[:, cols])
         assert torch.equal(part.scales, whole.scales)
+
+
+def test_int4_is_refused(tiny_llama_dir: Path) -> None:
+    """A rank's int4 groups equal one engine's only where its columns split at multiples of 32, and a
+    GGUF's exact Q4 groups are not sliced: refused before any worker starts."""
+    with pytest.raises(ValueError, match="--quantization int4 is not sharded"):
+        tp_engine(tiny_llama_dir, 2, quantization="int4")

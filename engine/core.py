@@ -93,6 +93,8 @@ class EngineCore:
         if live is None or live > bm.num_blocks:
             self.max_model_len = min(self.max_model_len, bm.num_blocks * block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.proposer)
+        if tp_runner is not None:  # drafts are proposed on rank 0 alone; verification is in the sharded forward
+            tp_runner.proposer = self.proposer
         self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)

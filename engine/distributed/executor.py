@@ -95,8 +95,6 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
         # and a GGUF's exact Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights
         raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
                          "--tensor-parallel-size 1")
-    if config.speculative.speculative is not None:
-        raise ValueError("speculative decoding is not supported with tensor parallelism yet")
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
     # its block counts are every rank's

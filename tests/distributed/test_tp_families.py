@@ -1,7 +1,7 @@
 """One model graph at every tensor-parallel size: TP=2 equal to TP=1 (float32, greedy and seeded, token
 for token) for the switches of engine/models/llama.py that test_tensor_parallel.py's Llama and Qwen2
-checkpoints leave off, and for int8 weights. Each test is the reason its refusal in
-engine/distributed/shard.py (or engine/core.py) was lifted."""
+checkpoints leave off, for int8 weights, and for speculative decoding. Each test is the reason its
+refusal in engine/distributed/shard.py (or engine/core.py) was lifted."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -92,6 +92,31 @@ def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_code
         part = Int8Linear(w[:, cols], None, torch.float32, absmax)
         assert torch.equal(part.qweight, whole.qweight[:, cols])
         assert torch.equal(part.scales, whole.scales)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_at_tp2_equals_tp1(tiny_llama_dir: Path, method: str) -> None:
+    """Rank 0 proposes (prompt lookup, or a whole draft model of its own) and the sharded forward verifies
+    the drafts' rows: greedy output equals TP=1's without speculation, and drafts were verified."""
+    from tests.engine.test_speculative import mixed_workload
+
+    reqs = [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(mixed_workload(vocab=512))]
+    reference = run(tp_engine(tiny_llama_dir, 1, num_blocks=256, num_cpu_blocks=0), reqs)
+    spec = "ngram" if method == "ngram" else f"draft:{tiny_llama_dir}"
+    core = tp_engine(tiny_llama_dir, 2, num_blocks=256, num_cpu_blocks=0, speculative=spec,
+                     num_speculative_tokens=3)
+    try:
+        out = run(core, reqs)
+        stats = core.stats()
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert stats["total_spec_verifications"] > 0 and stats["total_spec_draft_tokens"] > 0
+    if method == "draft":  # the target proposing for itself is always right
+        assert stats["spec_acceptance_rate"] == 1.0
+    assert_all_free(core)
+    assert codes == [0]
 
 
 def test_int4_is_refused(tiny_llama_dir: Path) -> None:

@@ -48,41 +48,37 @@ class Shard:
         return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
                                    intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_per_rank)
 
-    def rows_and_cols(self, name: str) -> tuple[slice, slice | None] | None:
-        """HF tensor name -> (rows, columns or None) this rank reads; None: the whole tensor (replicated)."""
-        c, r = self.cfg, self.rank
-        hq = c.num_heads // self.world_size * c.head_dim
-        hkv = c.num_kv_heads // self.world_size * c.head_dim
-        inter = c.intermediate_size // self.world_size
-        part = name.rsplit(".", 1)[0].rsplit(".", 2)
-        module = ".".join(part[-2:])
-        columns = {"self_attn.q_proj": hq, "self_attn.k_proj": hkv, "self_attn.v_proj": hkv,
-                   "mlp.gate_proj": inter, "mlp.up_proj": inter}
-        if module in columns:  # column-parallel: output rows (weight and bias alike)
-            w = columns[module]
-            return slice(r * w, (r + 1) * w), None
+    def rows_and_cols(self, name: str) -> tuple[list[slice], slice | None] | None:
+        """HF tensor name -> (the row ranges this rank reads, concatenated; its columns, or None for all);
+        None: the whole tensor (replicated)."""
+        c, r, n = self.cfg, self.rank, self.world_size
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        module = ".".join(name.rsplit(".", 1)[0].rsplit(".", 2)[-2:])
+        # column-parallel: (offset, rows) of each part of the tensor's output rows, of which the rank takes 1/N
+        parts = {"self_attn.q_proj": [(0, q)], "self_attn.k_proj": [(0, kv)], "self_attn.v_proj": [(0, kv)],
+                 "self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)],  # Phi-3: fused in the checkpoint
+                 "mlp.gate_proj": [(0, inter)], "mlp.up_proj": [(0, inter)],
+                 "mlp.gate_up_proj": [(0, inter), (inter, inter)]}  # Phi-3
+        if module in parts:  # weight and bias alike
+            return [slice(o + r * size // n, o + (r + 1) * size // n) for o, size in parts[module]], None
         if module in ("self_attn.o_proj", "mlp.down_proj"):
             if name.endswith(".bias"):  # whole; added once: read_shard zeroes it on ranks 1..N-1
                 return None
-            w = hq if module == "self_attn.o_proj" else inter
-            return slice(None), slice(r * w, (r + 1) * w)
+            w = (q if module == "self_attn.o_proj" else inter) // n
+            return [slice(None)], slice(r * w, (r + 1) * w)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return slice(self.vocab_start, self.vocab_start + self.vocab_per_rank), None
+            return [slice(self.vocab_start, self.vocab_start + self.vocab_per_rank)], None
         return None
 
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
     """Raises ValueError unless the model splits evenly over n ranks, and its weights are ones shard.py
-    can split: not mixtures of experts (whose experts are not split), nor q/k/v fused in the checkpoint
-    (Phi-3, whose rows_and_cols would need three row ranges)."""
+    can split: not mixtures of experts, whose experts are not split."""
     if n < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
-    unsharded = [what for what, on in (("experts", cfg.num_experts > 0),
-                                       ("q/k/v fused in the checkpoint", cfg.architecture == "Phi3ForCausalLM"))
-                 if on]
-    if n > 1 and unsharded:
-        raise ValueError(f"{cfg.architecture} needs {', '.join(unsharded)}, which tensor parallelism does not "
-                         "split: use --tensor-parallel-size 1")
+    if n > 1 and cfg.num_experts:
+        raise ValueError(f"{cfg.architecture} needs experts, which tensor parallelism does not split: "
+                         "use --tensor-parallel-size 1")
     bad = [f"{what} ({count})" for what, count in (("attention heads", cfg.num_heads),
                                                   ("key/value heads", cfg.num_kv_heads),
                                                   ("MLP intermediate size", cfg.intermediate_size))
@@ -117,9 +113,11 @@ def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]
                     t = h.get_tensor(name)
                     yield name, t.zero_() if shard.rank and _row_parallel_bias(name) else t
                     continue
-                rows, cols = cut
-                t = h.get_slice(name)[rows] if cols is None else h.get_slice(name)[rows, cols]
-                if rows.stop is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                ranges, cols = cut
+                stored = h.get_slice(name)
+                parts = [stored[rows] if cols is None else stored[rows, cols] for rows in ranges]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts)
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     pad = shard.vocab_per_rank - t.shape[0]  # the last rank's rows past the vocabulary
                     t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
                 yield name, t

@@ -55,22 +55,15 @@ def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
         tp_engine(tiny_llama_dir, 3)
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "phi3"])
-def test_weights_shard_py_cannot_split_are_refused(family, tmp_path):
-    """Experts are not split, and Phi-3's fused q/k/v would need three row ranges per rank: refused by
-    name before any worker starts, rather than loaded wrong."""
+def test_experts_are_refused(tmp_path):
+    """shard.py does not split experts: refused by name before any worker starts, rather than loaded wrong."""
     import transformers as T
 
     from tests.conftest import save_tiny
 
-    if family == "qwen3moe":
-        folder = save_tiny(tmp_path, T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=16, num_experts=4,
-                           num_experts_per_tok=2, moe_intermediate_size=32)
-        expected = r"Qwen3MoeForCausalLM needs experts, which tensor parallelism does not split"
-    else:
-        folder = save_tiny(tmp_path, T.Phi3Config, T.Phi3ForCausalLM, pad_token_id=0)
-        expected = r"Phi3ForCausalLM needs q/k/v fused in the checkpoint"
-    with pytest.raises(ValueError, match=expected):
+    folder = save_tiny(tmp_path, T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM needs experts, which tensor parallelism does not"):
         tp_engine(folder, 2)
 
 

@@ -15,6 +15,8 @@ from tests.conftest import save_tiny
 from tests.distributed.test_tensor_parallel import stop, tp_engine
 from tests.distributed.workload import assert_all_free, run, workload
 
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(8)],
+                 long_factor=[2.0 + 0.2 * i for i in range(8)])
 _GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
 # name -> (config class, model class, overrides), with what each switches on. Windows of 12 tokens are shorter
@@ -30,6 +32,9 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
                dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters=_GEMMA3_ROPE)),
     "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(head_dim=16)),  # q/k norms
+    # q/k/v and gate/up fused in the checkpoint (a rank reads three and two row ranges), LongRoPE
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM,
+             dict(pad_token_id=0, original_max_position_embeddings=256, rope_parameters=_LONGROPE)),
     # a window on every layer: blocks the window has passed are released on every rank
     "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=12)),
 }

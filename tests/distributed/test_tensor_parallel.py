@@ -23,6 +23,22 @@ def stop(core: EngineCore) -> list[int]:
     return [w.proc.returncode for w in core.runner.workers]  # type: ignore[attr-defined]
 
 
+def assert_tp2_equals_tp1(folder, reqs, tp1: dict, tp2: dict) -> dict:
+    """Runs reqs on TP=1 (the reference) and on TP=2 with these options each; asserts the same tokens, every
+    block free, and the worker ended by STOP. -> the TP=2 engine's stats."""
+    reference = run(tp_engine(folder, 1, **tp1), reqs)
+    core = tp_engine(folder, 2, **tp2)
+    try:
+        out = run(core, reqs)
+        stats = core.stats()
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert_all_free(core)
+    assert codes == [0]
+    return stats
+
+
 def stop_ray_engine(core: EngineCore) -> None:
     """Closes an engine whose workers are Ray actors; asserts each ended by STOP (returned 0)."""
     import ray
@@ -34,20 +50,11 @@ def stop_ray_engine(core: EngineCore) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_tp2_equals_tp1_under_preemption(checkpoint, request):
-    folder = request.getfixturevalue(checkpoint)
-    reqs = workload()
-    reference = run(tp_engine(folder, 1, num_blocks=1024, num_cpu_blocks=0), reqs)
-    core = tp_engine(folder, 2, num_blocks=20, num_cpu_blocks=6, preemption_mode="auto")
-    try:
-        out = run(core, reqs)
-        stats = core.stats()
-    finally:
-        codes = stop(core)
-    assert out == reference
+    stats = assert_tp2_equals_tp1(request.getfixturevalue(checkpoint), workload(),
+                                  dict(num_blocks=1024, num_cpu_blocks=0),
+                                  dict(num_blocks=20, num_cpu_blocks=6, preemption_mode="auto"))
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
     assert stats["total_prefix_hits_tokens"] > 0
-    assert_all_free(core)
-    assert codes == [0]
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):

@@ -11,9 +11,9 @@ import torch
 import transformers as T
 
 from engine.load.quant import Int8Linear
-from tests.conftest import save_tiny
-from tests.distributed.test_tensor_parallel import stop, tp_engine
-from tests.distributed.workload import assert_all_free, run, workload
+from tests.conftest import TINY, save_tiny
+from tests.distributed.test_tensor_parallel import assert_tp2_equals_tp1, tp_engine
+from tests.distributed.workload import workload
 
 _LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.1 * i for i in range(8)],
                  long_factor=[2.0 + 0.2 * i for i in range(8)])
@@ -40,17 +40,7 @@ FAMILIES: dict[str, tuple[type, type, dict]] = {
 }
 
 
-def equal_at_tp1_and_tp2(folder: Path, vocab: int = 512, **options: object) -> None:
-    reqs = workload(vocab)
-    reference = run(tp_engine(folder, 1, num_blocks=256, num_cpu_blocks=0, **options), reqs)
-    core = tp_engine(folder, 2, num_blocks=256, num_cpu_blocks=0, **options)
-    try:
-        out = run(core, reqs)
-    finally:
-        codes = stop(core)
-    assert out == reference
-    assert_all_free(core)
-    assert codes == [0]
+POOL = dict(num_blocks=256, num_cpu_blocks=0)
 
 
 @pytest.mark.slow
@@ -58,7 +48,7 @@ def equal_at_tp1_and_tp2(folder: Path, vocab: int = 512, **options: object) -> N
 def test_tp2_equals_tp1(family: str, tmp_path: Path) -> None:
     config_cls, model_cls, overrides = FAMILIES[family]
     folder = save_tiny(tmp_path, config_cls, model_cls, seed=3, **overrides)
-    equal_at_tp1_and_tp2(folder, int(overrides.get("vocab_size", 512)))
+    assert_tp2_equals_tp1(folder, workload(int(overrides.get("vocab_size", 512))), POOL, POOL)
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +56,6 @@ def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama with biases on q/k/v and on o_proj (attention_bias), all drawn nonzero: the row-parallel
     o_proj's bias must be added once, not once per rank."""
     torch.manual_seed(4)
-    from tests.conftest import TINY
-
     model = T.LlamaForCausalLM(T.LlamaConfig(**{**TINY, "attention_bias": True})).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -84,7 +72,8 @@ def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_biases_and_int8_weights_tp2_equal_tp1(llama_with_biases: Path, quantization: str) -> None:
     """int8: every rank's codes and scales are the unsplit matrices' (row-parallel ones through the rows'
     absmax over all ranks), so both sizes multiply by the same weights."""
-    equal_at_tp1_and_tp2(llama_with_biases, quantization=quantization)
+    options = dict(POOL, quantization=quantization)
+    assert_tp2_equals_tp1(llama_with_biases, workload(), options, options)
 
 
 def test_int8_column_slices_with_the_whole_rows_absmax_are_the_whole_matrix_codes() -> None:
@@ -107,21 +96,11 @@ def test_speculative_decoding_at_tp2_equals_tp1(tiny_llama_dir: Path, method: st
     from tests.engine.test_speculative import mixed_workload
 
     reqs = [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(mixed_workload(vocab=512))]
-    reference = run(tp_engine(tiny_llama_dir, 1, num_blocks=256, num_cpu_blocks=0), reqs)
     spec = "ngram" if method == "ngram" else f"draft:{tiny_llama_dir}"
-    core = tp_engine(tiny_llama_dir, 2, num_blocks=256, num_cpu_blocks=0, speculative=spec,
-                     num_speculative_tokens=3)
-    try:
-        out = run(core, reqs)
-        stats = core.stats()
-    finally:
-        codes = stop(core)
-    assert out == reference
+    stats = assert_tp2_equals_tp1(tiny_llama_dir, reqs, POOL, dict(POOL, speculative=spec, num_speculative_tokens=3))
     assert stats["total_spec_verifications"] > 0 and stats["total_spec_draft_tokens"] > 0
     if method == "draft":  # the target proposing for itself is always right
         assert stats["spec_acceptance_rate"] == 1.0
-    assert_all_free(core)
-    assert codes == [0]
 
 
 def test_int4_is_refused(tiny_llama_dir: Path) -> None:

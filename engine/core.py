@@ -58,8 +58,6 @@ class EngineCore:
         t0 = time.perf_counter()
         tp_runner = None
         if config.tensor_parallel_size > 1:  # the runner holds rank 0's shard and KV; workers hold the rest
-            if config.quantization in ("int8", "int4"):
-                raise ValueError("--quantization int8/int4 is not sharded yet: use --tensor-parallel-size 1")
             from engine.distributed.executor import start_tensor_parallel
 
             tp_runner, self.model_config = start_tensor_parallel(config, self.source, device)
@@ -95,6 +93,8 @@ class EngineCore:
         if live is None or live > bm.num_blocks:
             self.max_model_len = min(self.max_model_len, bm.num_blocks * block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.proposer)
+        if tp_runner is not None:  # drafts are proposed on rank 0 alone; verification is in the sharded forward
+            tp_runner.proposer = self.proposer
         self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
         self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
                              block_size, live)

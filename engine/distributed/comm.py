@@ -50,8 +50,17 @@ class Comm:
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sums t over the ranks, in place. -> t."""
         self.bytes_all_reduced += t.numel() * t.element_size()
+        return self._all_reduce(t, dist.ReduceOp.SUM)
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over the ranks, in place (at load: not counted in bytes_all_reduced). -> t."""
+        return self._all_reduce(t, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(op)
         try:
-            self._pg.allreduce([t]).wait()
+            self._pg.allreduce([t], opts).wait()
         except RuntimeError as e:
             raise CollectiveError(f"all-reduce across {self.world_size} tensor-parallel ranks failed: {e}") from e
         return t

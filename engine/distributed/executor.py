@@ -22,8 +22,9 @@ from engine.distributed.comm import CollectiveError, Comm
 from engine.distributed.launch import ProcessWorker, RayWorker, WorkerHandle, node_ip, ray_placement
 from engine.distributed.message import StepInputs, pack, stop_message
 from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv, per_rank_cache
-from engine.distributed.shard import Shard, check_divisible, checkpoint_folder, read_config
+from engine.distributed.shard import Shard, check_divisible, checkpoint_folder
 from engine.distributed.worker import READY
+from engine.load.weights import read_config
 from engine.models.config import ModelConfig
 from engine.runner import ModelRunner
 from engine.step import EngineFault, StepPlan
@@ -88,10 +89,12 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     """Starts workers 1..N-1 and builds rank 0 here. -> (the runner, the full model's config)."""
     n = config.tensor_parallel_size
     folder = checkpoint_folder(source)
-    cfg = read_config(folder, config.dtype, device)
+    cfg = read_config(folder, config.dtype, device, config.quantization)
     check_divisible(cfg, n)
-    if config.speculative.speculative is not None:
-        raise ValueError("speculative decoding is not supported with tensor parallelism yet")
+    if cfg.quantization == "int4":  # a rank's int4 groups would match one engine's only where K/N % 32 == 0,
+        # and a GGUF's exact Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights
+        raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
+                         "--tensor-parallel-size 1")
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
     # its block counts are every rank's
@@ -107,16 +110,17 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     port = sock.bind_to_random_port(f"tcp://{host if ray is None else '*'}")
 
     def spec(rank: int) -> RankSpec:
-        return RankSpec(str(folder), config.dtype, _device(device, rank, ray is not None), config.attention_backend,
-                        kv.block_size, kv.num_blocks, kv.num_cpu_blocks, config.cache.kv_cache_dtype, threads,
-                        config.seed, rank, n, host, comm.port, f"tcp://{host}:{port}", config.collective_timeout)
+        return RankSpec(str(folder), config.dtype, config.quantization, _device(device, rank, ray is not None),
+                        config.attention_backend, kv.block_size, kv.num_blocks, kv.num_cpu_blocks,
+                        config.cache.kv_cache_dtype, threads, config.seed, rank, n, host, comm.port,
+                        f"tcp://{host}:{port}", config.collective_timeout)
 
     specs = [spec(r) for r in range(1, n)]
     workers: list[WorkerHandle] = [ProcessWorker(s) if ray is None else RayWorker(ray, placement, i, s, resources)
                                    for i, s in enumerate(specs)]
     try:
-        model = load_shard(spec(0))
-        comm.join()
+        comm.join()  # before loading: an int8 shard's scales take an all-reduce (rank.load_shard)
+        model, _ = load_shard(spec(0), comm)
         identities = _wait_ready(sock, workers, config.collective_timeout)
     except BaseException:
         for w in workers:

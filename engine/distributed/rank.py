@@ -4,6 +4,7 @@ the ranks cannot drift apart in what they compute."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -13,10 +14,11 @@ from pathlib import Path
 import torch
 
 from engine.distributed.comm import Comm
+from engine.distributed.layers import ROW_PARALLEL, ShardedLlama
 from engine.distributed.message import StepInputs
-from engine.distributed.model import ShardedLlama
-from engine.distributed.shard import Shard, read_config, read_shard
+from engine.distributed.shard import Shard, read_shard
 from engine.kv_cache import KVCache, available_memory
+from engine.load.weights import build_model, read_config
 from engine.runner import move_blocks
 from kernels import get_backend
 from kernels.backend import BatchLayout
@@ -32,6 +34,7 @@ class RankSpec:
 
     folder: str
     dtype: str
+    quantization: str
     device: str
     attention_backend: str
     block_size: int
@@ -61,8 +64,7 @@ class RankRunner:
     def __init__(self, model: ShardedLlama, kv: KVCache, comm: Comm, device: torch.device,
                  attention_backend: str) -> None:
         self.model, self.kv, self.comm, self.device = model, kv, comm, device
-        self.backend = get_backend(attention_backend, device)
-        model.comm = comm
+        self.backend = get_backend(attention_backend, device, getattr(torch, model.config.dtype))
 
     @torch.inference_mode()
     def run(self, s: StepInputs) -> torch.Tensor:
@@ -78,23 +80,29 @@ class RankRunner:
         return logits
 
 
-def load_shard(spec: RankSpec) -> ShardedLlama:
-    """This rank's slice of the checkpoint, read sliced from the files."""
+def load_shard(spec: RankSpec, comm: Comm) -> tuple[ShardedLlama, Shard]:
+    """This rank's slice of the checkpoint, read sliced from the files and built as one engine builds its
+    model (engine/load/weights.py), then its row-parallel projections wrapped. comm must be joined: an
+    int8 row-parallel matrix takes its rows' absmax over every rank's columns."""
     t0 = time.perf_counter()
     device = torch.device(spec.device)
-    cfg = read_config(Path(spec.folder), spec.dtype, device)
-    dtype = getattr(torch, cfg.dtype)
+    cfg = read_config(Path(spec.folder), spec.dtype, device, spec.quantization)
     shard = Shard(cfg, spec.rank, spec.world_size)
-    with torch.device("meta"):
-        model = ShardedLlama(shard)
-    cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
-            for n, t in read_shard(Path(spec.folder), shard))
-    model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     local = shard.local_config()
+
+    def absmax(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        if name.rsplit(".", 2)[-2] not in ROW_PARALLEL:
+            return None
+        return comm.all_reduce_max(t.abs().amax(dim=1))
+
+    make = functools.partial(ShardedLlama, comm=comm, vocab_start=shard.vocab_start, vocab_size=cfg.vocab_size)
+    model = build_model(local, read_shard(Path(spec.folder), shard), device, make=make, absmax=absmax)
+    assert isinstance(model, ShardedLlama)
+    model.split_projections()
     log.info("rank %d/%d: %d heads, %d K/V heads, %d MLP units, vocabulary rows %d.. loaded in %.2f s",
              spec.rank, spec.world_size, local.num_heads, local.num_kv_heads, local.intermediate_size,
              shard.vocab_start, time.perf_counter() - t0)
-    return model.requires_grad_(False).eval().to(device)
+    return model, shard
 
 
 def per_rank_cache(cache: CacheConfig, world_size: int, device: torch.device) -> CacheConfig:

@@ -3,16 +3,16 @@
 Megatron's split of a Llama layer: q/k/v and gate/up are column-parallel (rank r holds output rows
 of heads r*H/N.. and of intermediate units r*I/N..), o_proj and down_proj row-parallel (the matching
 input columns), so attention and the MLP need no communication until o_proj / down_proj, each
-followed by one all-reduce. The embedding and the LM head are split by vocabulary (rank r holds
-rows r*Vs.. of ceil(V/N) = Vs, the last shard zero-padded). Norms are replicated.
+followed by one all-reduce (layers.py). The embedding and the LM head are split by vocabulary (rank r
+holds rows r*Vs.. of ceil(V/N) = Vs, the last shard zero-padded). Norms are replicated.
 
 Slices are read with safetensors' get_slice, so a rank reads its rows and columns from the file and
-never holds another rank's weights, nor the whole model.
+never holds another rank's weights, nor the whole model. The rank's model is then built, quantized and
+prepacked by engine/load/weights.py's build_model, as one engine's is.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.load.dtype import resolve_dtype
 from engine.load.gguf import write_gguf_cache
-from engine.load.weights import _safetensors_files, dequantized_folder
+from engine.load.weights import _safetensors_files, dequantized_folder, load_order
 from engine.models.config import ModelConfig
 from shared.model_source import ModelSource
 
@@ -49,44 +48,37 @@ class Shard:
         return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
                                    intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_per_rank)
 
-    def rows_and_cols(self, name: str) -> tuple[slice, slice | None] | None:
-        """HF tensor name -> (rows, columns or None) this rank reads; None: the whole tensor (replicated)."""
-        c, r = self.cfg, self.rank
-        hq = c.num_heads // self.world_size * c.head_dim
-        hkv = c.num_kv_heads // self.world_size * c.head_dim
-        inter = c.intermediate_size // self.world_size
-        part = name.rsplit(".", 1)[0].rsplit(".", 2)
-        module = ".".join(part[-2:])
-        columns = {"self_attn.q_proj": hq, "self_attn.k_proj": hkv, "self_attn.v_proj": hkv,
-                   "mlp.gate_proj": inter, "mlp.up_proj": inter}
-        if module in columns:  # column-parallel: output rows (weight and bias alike)
-            w = columns[module]
-            return slice(r * w, (r + 1) * w), None
+    def rows_and_cols(self, name: str) -> tuple[list[slice], slice | None] | None:
+        """HF tensor name -> (the row ranges this rank reads, concatenated; its columns, or None for all);
+        None: the whole tensor (replicated)."""
+        c, r, n = self.cfg, self.rank, self.world_size
+        q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        module = ".".join(name.rsplit(".", 1)[0].rsplit(".", 2)[-2:])
+        # column-parallel: (offset, rows) of each part of the tensor's output rows, of which the rank takes 1/N
+        parts = {"self_attn.q_proj": [(0, q)], "self_attn.k_proj": [(0, kv)], "self_attn.v_proj": [(0, kv)],
+                 "self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)],  # Phi-3: fused in the checkpoint
+                 "mlp.gate_proj": [(0, inter)], "mlp.up_proj": [(0, inter)],
+                 "mlp.gate_up_proj": [(0, inter), (inter, inter)]}  # Phi-3
+        if module in parts:  # weight and bias alike
+            return [slice(o + r * size // n, o + (r + 1) * size // n) for o, size in parts[module]], None
         if module in ("self_attn.o_proj", "mlp.down_proj"):
-            if name.endswith(".bias"):  # added once, after the all-reduce: every rank holds all of it
+            if name.endswith(".bias"):  # whole; added once: read_shard zeroes it on ranks 1..N-1
                 return None
-            w = hq if module == "self_attn.o_proj" else inter
-            return slice(None), slice(r * w, (r + 1) * w)
+            w = (q if module == "self_attn.o_proj" else inter) // n
+            return [slice(None)], slice(r * w, (r + 1) * w)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return slice(self.vocab_start, self.vocab_start + self.vocab_per_rank), None
+            return [slice(self.vocab_start, self.vocab_start + self.vocab_per_rank)], None
         return None
 
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
-    """Raises ValueError unless the model splits evenly over n ranks, and its family is one the sharded
-    forward (engine/distributed/model.py) computes: the Llama/Qwen2 graph, without the switches of the
-    later families, which it would otherwise ignore and answer wrongly."""
+    """Raises ValueError unless the model splits evenly over n ranks, and its weights are ones shard.py
+    can split: not mixtures of experts, whose experts are not split."""
     if n < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
-    unsharded = [what for what, on in (("q/k norms", cfg.qk_norm), ("sandwich norms", cfg.sandwich_norms),
-                                       ("embedding scale", cfg.embed_scale is not None),
-                                       ("soft-capping", cfg.attn_softcap is not None or cfg.final_softcap is not None),
-                                       ("sliding windows", cfg.has_windows), ("experts", cfg.num_experts > 0),
-                                       ("GeGLU", cfg.hidden_act != "silu"),
-                                       ("attention scale", cfg.attn_scale is not None)) if on]
-    if n > 1 and unsharded:
-        raise ValueError(f"tensor parallelism runs the Llama/Qwen2 graph; {cfg.architecture} needs "
-                         f"{', '.join(unsharded)}: use --tensor-parallel-size 1")
+    if n > 1 and cfg.num_experts:
+        raise ValueError(f"{cfg.architecture} needs experts, which tensor parallelism does not split: "
+                         "use --tensor-parallel-size 1")
     bad = [f"{what} ({count})" for what, count in (("attention heads", cfg.num_heads),
                                                   ("key/value heads", cfg.num_kv_heads),
                                                   ("MLP intermediate size", cfg.intermediate_size))
@@ -110,27 +102,26 @@ def checkpoint_folder(source: ModelSource) -> Path:
     return folder
 
 
-def read_config(folder: Path, dtype: str, device: torch.device) -> ModelConfig:
-    """The full model's config, with --dtype resolved as engine/load/weights.py resolves it."""
-    config = json.loads((folder / "config.json").read_text())
-    gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    resolved = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
-    return dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(resolved).removeprefix("torch."))
-
-
 def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors, each cut to this rank's rows/columns as it is read from the file."""
+    """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as it is read. A
+    row-parallel bias is rank 0's alone: the others hold zeros, so the all-reduce adds it once."""
     for path in _safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as h:
-            for name in h.keys():
+            for name in sorted(h.keys(), key=load_order):
                 cut = shard.rows_and_cols(name)
                 if cut is None:
-                    yield name, h.get_tensor(name)
+                    t = h.get_tensor(name)
+                    yield name, t.zero_() if shard.rank and _row_parallel_bias(name) else t
                     continue
-                rows, cols = cut
-                t = h.get_slice(name)[rows] if cols is None else h.get_slice(name)[rows, cols]
-                if rows.stop is not None and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                ranges, cols = cut
+                stored = h.get_slice(name)
+                parts = [stored[rows] if cols is None else stored[rows, cols] for rows in ranges]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts)
+                if name in ("model.embed_tokens.weight", "lm_head.weight"):
                     pad = shard.vocab_per_rank - t.shape[0]  # the last rank's rows past the vocabulary
                     t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
                 yield name, t
+
+
+def _row_parallel_bias(name: str) -> bool:
+    return name.endswith(("self_attn.o_proj.bias", "mlp.down_proj.bias"))

@@ -36,8 +36,8 @@ def serve(spec: RankSpec, parent_pid: int | None = None) -> int:
     try:
         comm = Comm(spec.store_host, spec.store_port, spec.rank, spec.world_size, spec.timeout_s, device)
         comm.join()
-        model = load_shard(spec)
-        kv = make_kv(model.shard, worker_cache(spec), device)
+        model, shard = load_shard(spec, comm)
+        kv = make_kv(shard, worker_cache(spec), device)
         runner = RankRunner(model, kv, comm, device, spec.attention_backend)
         sock.send(READY)
         while True:

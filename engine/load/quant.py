@@ -87,7 +87,10 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """y = x @ (q * scale[:, None]).T (+ bias); q int8 [N, K], one scale per output row."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 absmax: torch.Tensor | None = None) -> None:
+        """absmax: [N] each row's largest |w| where weight holds only some of the row's columns (a
+        tensor-parallel rank's row-parallel shard), so its codes and scales are the whole matrix's."""
         super().__init__()
         w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
         n = w.shape[0]
@@ -95,7 +98,8 @@ class Int8Linear(QuantizedLinear):
         q = torch.empty(w.shape, dtype=torch.int8)
         for r in range(0, n, CHUNK_ROWS):
             rows = w[r:r + CHUNK_ROWS].float()
-            s = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [rows]
+            peak = rows.abs().amax(dim=1) if absmax is None else absmax[r:r + CHUNK_ROWS].float()  # [rows]
+            s = (peak / 127).clamp(min=1e-12)  # [rows]
             scale[r:r + CHUNK_ROWS] = s
             q[r:r + CHUNK_ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127)
         self.qweight: torch.Tensor
@@ -184,11 +188,13 @@ def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
 
 
 def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
-                    groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int8Linear | Int4Linear:
-    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not apply)."""
+                    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    absmax: torch.Tensor | None = None) -> Int8Linear | Int4Linear:
+    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not apply).
+    absmax: the whole rows' largest |w| for an int8 matrix that is a slice of columns (Int8Linear)."""
     if mode == "int4" and weight.shape[1] % GROUP == 0:
         return Int4Linear(weight, None, dtype, groups)
-    return Int8Linear(weight, None, dtype)
+    return Int8Linear(weight, None, dtype, absmax)
 
 
 def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:

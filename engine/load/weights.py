@@ -16,7 +16,7 @@ import json
 import logging
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from shared.model_source import ModelSource
 log = logging.getLogger("conveyor.weights")
 
 Weights = Iterable[tuple[str, torch.Tensor]]
+AbsMax = Callable[[str, torch.Tensor], torch.Tensor | None]  # our name, matrix -> its int8 rows' absmax, or None
 _CACHE_FORMAT = 3  # bump when what the dequantized folder holds changes (3: int4 groups, quantization)
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -63,15 +64,13 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
         if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
             # No cache (read-only or full disk): the whole dequantized file is held once, in memory.
             config, tensors, groups = read_gguf(source.folder / source.gguf_file)
-            model, cfg = _build(config, None, _drain(tensors), dtype, device, quantization, groups, prepack,
-                                deterministic)
+            cfg = model_config(config, None, dtype, device, quantization)
+            model = build_model(cfg, _drain(tensors), device, groups, prepack, deterministic)
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
-    config = json.loads((folder / "config.json").read_text())
-    gen_path = folder / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    cfg = read_config(folder, dtype, device, quantization)
     groups_file = folder / _GROUPS_FILE
-    model, cfg = _build(config, gen, _read_copies(_safetensors_files(folder)), dtype, device, quantization,
+    model = build_model(cfg, _read_copies(_safetensors_files(folder)), device,
                         groups_file if groups_file.is_file() else None, prepack, deterministic)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
@@ -83,21 +82,39 @@ def dequantized_folder(source: ModelSource) -> Path:
     return source.cache_dir / f"weights-v{_CACHE_FORMAT}"
 
 
-def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights, dtype: torch.dtype | str,
-           device: torch.device, quantization: str = "none",
-           groups: dict[str, torch.Tensor] | Path | None = None,
-           prepack: bool = True, deterministic: bool = False) -> tuple[nn.Module, ModelConfig]:
-    """weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
-    groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
-    safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
-    on a CPU (engine/load/prepack.py)."""
+def read_config(folder: Path, dtype: torch.dtype | str, device: torch.device,
+                quantization: str = "none") -> ModelConfig:
+    """An HF folder's config.json (and generation_config.json), resolved as model_config does."""
+    config = json.loads((folder / "config.json").read_text())
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    return model_config(config, gen, dtype, device, quantization)
+
+
+def model_config(config: dict[str, Any], gen: dict[str, Any] | None, dtype: torch.dtype | str,
+                 device: torch.device, quantization: str = "none") -> ModelConfig:
+    """The checkpoint's config with --dtype resolved (cfg.dtype: what the model computes in) and
+    --quantization (cfg.quantization: what its projections hold)."""
     if isinstance(dtype, str):  # transformers v5 writes "dtype", earlier versions "torch_dtype"
         dtype = resolve_dtype(dtype, config.get("dtype") or config.get("torch_dtype"), device)
     mode = _quantization(quantization, config.get("conveyor_quantization") or "none", dtype, device)
-    cfg = dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."),
-                              quantization=mode)
+    return dataclasses.replace(ModelConfig.from_hf(config, gen), dtype=str(dtype).removeprefix("torch."),
+                               quantization=mode)
+
+
+def build_model(cfg: ModelConfig, weights: Weights, device: torch.device,
+                groups: dict[str, torch.Tensor] | Path | None = None, prepack: bool = True,
+                deterministic: bool = False, make: Callable[[ModelConfig], LlamaForCausalLM] | None = None,
+                absmax: AbsMax | None = None) -> nn.Module:
+    """cfg (from model_config) -> the model, its weights loaded (quantized, prepacked) on device.
+    weights: the HF-named tensors, each complete fused group's parts next to one another (load_order).
+    groups: '{hf name}.scale' / '.min' tensors of GGUF Q4_0/Q4_1 matrices (exact int4 codes), or the
+    safetensors file that holds them, read only for int4. prepack: plain projections in oneDNN's layout
+    on a CPU (engine/load/prepack.py). make: the model class (a tensor-parallel rank's, with cfg its
+    shard's config); absmax: int8 rows' absmax by our parameter name, where a rank holds only some columns."""
+    dtype, mode = getattr(torch, cfg.dtype), cfg.quantization
     with torch.device("meta"):
-        model = get_model_class(cfg.architecture)(cfg)
+        model = (make or get_model_class(cfg.architecture))(cfg)
     if mode == "none":
         cast = ((n, t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
                 for n, t in weights)
@@ -105,7 +122,8 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
     else:
         if isinstance(groups, Path):
             groups = dict(_read_copies([groups])) if mode == "int4" else None
-        _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {})
+        _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {},
+                        absmax)
         groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and cpu_kernels.available():
@@ -116,11 +134,11 @@ def _build(config: dict[str, Any], gen: dict[str, Any] | None, weights: Weights,
         else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
             attach_packed_copies(model, dtype, deterministic=deterministic)
     _release_freed_memory()
-    return model, cfg
+    return model
 
 
 def _load_quantized(model: LlamaForCausalLM, cfg: ModelConfig, weights: Weights, mode: str, dtype: torch.dtype,
-                    groups: Groups) -> None:
+                    groups: Groups, absmax: AbsMax | None = None) -> None:
     """Loads the CPU model with its projections quantized as they stream in: each matrix (a fused one once
     its last part arrives) is read as float32, so its codes come from exact values, quantized, and dropped
     before the next is read. The peak is the quantized model plus about one float32 matrix, never the
@@ -132,7 +150,8 @@ def _load_quantized(model: LlamaForCausalLM, cfg: ModelConfig, weights: Weights,
     for name, t in iter_converted(cfg, _float32(weights)):
         path = name.removesuffix(".weight")
         if path in targets:
-            modules[path] = quantize_matrix(t, targets[path], dtype, groups.get(name))
+            peak = absmax(name, t) if absmax is not None else None
+            modules[path] = quantize_matrix(t, targets[path], dtype, groups.get(name), peak)
             _on_quantized(name, t)
         else:
             state[name] = t.to(dtype) if t.is_floating_point() else t

@@ -13,7 +13,8 @@ per layer is visible:
   complex multiply; only the K stored in the KV cache is in that order.
 - o_proj and down_proj add the residual inside the GEMM (addmm); the final norm and the LM head run
   only on the rows that sample (logits_rows), which is most of a short prompt's prefill cost.
-- A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of F.linear.
+- A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of F.linear
+  (its add_to used where it has one); so does a tensor-parallel row-parallel one (engine/distributed/layers.py).
 """
 from __future__ import annotations
 

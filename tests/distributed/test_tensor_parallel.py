@@ -23,6 +23,22 @@ def stop(core: EngineCore) -> list[int]:
     return [w.proc.returncode for w in core.runner.workers]  # type: ignore[attr-defined]
 
 
+def assert_tp2_equals_tp1(folder, reqs, tp1: dict, tp2: dict) -> dict:
+    """Runs reqs on TP=1 (the reference) and on TP=2 with these options each; asserts the same tokens, every
+    block free, and the worker ended by STOP. -> the TP=2 engine's stats."""
+    reference = run(tp_engine(folder, 1, **tp1), reqs)
+    core = tp_engine(folder, 2, **tp2)
+    try:
+        out = run(core, reqs)
+        stats = core.stats()
+    finally:
+        codes = stop(core)
+    assert out == reference
+    assert_all_free(core)
+    assert codes == [0]
+    return stats
+
+
 def stop_ray_engine(core: EngineCore) -> None:
     """Closes an engine whose workers are Ray actors; asserts each ended by STOP (returned 0)."""
     import ray
@@ -34,20 +50,11 @@ def stop_ray_engine(core: EngineCore) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_tp2_equals_tp1_under_preemption(checkpoint, request):
-    folder = request.getfixturevalue(checkpoint)
-    reqs = workload()
-    reference = run(tp_engine(folder, 1, num_blocks=1024, num_cpu_blocks=0), reqs)
-    core = tp_engine(folder, 2, num_blocks=20, num_cpu_blocks=6, preemption_mode="auto")
-    try:
-        out = run(core, reqs)
-        stats = core.stats()
-    finally:
-        codes = stop(core)
-    assert out == reference
+    stats = assert_tp2_equals_tp1(request.getfixturevalue(checkpoint), workload(),
+                                  dict(num_blocks=1024, num_cpu_blocks=0),
+                                  dict(num_blocks=20, num_cpu_blocks=6, preemption_mode="auto"))
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
     assert stats["total_prefix_hits_tokens"] > 0
-    assert_all_free(core)
-    assert codes == [0]
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
@@ -55,16 +62,15 @@ def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
         tp_engine(tiny_llama_dir, 3)
 
 
-def test_families_the_sharded_forward_does_not_compute_are_refused(tmp_path):
-    """Gemma 2's soft caps, windows, sandwich norms and GeGLU would be silently skipped by the Llama-graph
-    shards: refused by name before any worker starts."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+def test_experts_are_refused(tmp_path):
+    """shard.py does not split experts: refused by name before any worker starts, rather than loaded wrong."""
+    import transformers as T
 
     from tests.conftest import save_tiny
 
-    folder = save_tiny(tmp_path, Gemma2Config, Gemma2ForCausalLM, head_dim=16, query_pre_attn_scalar=16,
-                       sliding_window=12, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
-    with pytest.raises(ValueError, match=r"Gemma2ForCausalLM needs .*sandwich norms.*soft-capping.*sliding windows"):
+    folder = save_tiny(tmp_path, T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=16, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM needs experts, which tensor parallelism does not"):
         tp_engine(folder, 2)
 
 

@@ -370,8 +370,8 @@ class Scheduler:
         if seq.status.finished:
             self._finish(seq)
             return
+        self.bm.trim(seq, seq.num_tokens)  # first, as before the window release (the free list's order)
         self.bm.computed(seq, before)
-        self.bm.trim(seq, seq.num_tokens)
 
     def _append(self, seq: Sequence, token: int, entry: LogprobEntry | None) -> None:
         why = stop_reason(seq, token, self.max_model_len)

@@ -14,9 +14,9 @@ block copies it to the CPU pool while that has room; a later hit there is swappe
 
 Callers ask before they act: `can_allocate(n)` then `allocate(seq, num_tokens)`. The block manager
 writes a sequence's block table, `swapped` flag and block hashes, never its counters: what the
-scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value. The copies the
-runner must make before the next forward collect in `swap_out` (device -> CPU: swaps and
-evictions), `swap_in` (CPU -> device) and `copies` (device -> device, copy-on-write).
+scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value; so do the
+copies the runner must make before the next forward (`take_moves()` -> `BlockMoves`: swaps and
+evictions device -> CPU, swaps CPU -> device, copy-on-write device -> device).
 
 Sliding windows (`window`, set only when EVERY layer of the model has one: the largest of them): a
 block whose every position is older than what the sequence's next computed token can see (positions
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from engine.prompt_logprobs import bypasses_cache
 from engine.sequence import Sequence
+from engine.step import BlockMoves
 
 
 def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool, draft_model: bool) -> int | None:
@@ -141,9 +142,7 @@ class BlockManager:
         self.device = BlockPool(num_blocks, free_order)
         self.cpu = BlockPool(num_cpu_blocks)
         self.enable_prefix_caching = enable_prefix_caching
-        self.swap_out: list[tuple[int, int]] = []  # (device block, cpu block), this step
-        self.swap_in: list[tuple[int, int]] = []  # (cpu block, device block), this step
-        self.copies: list[tuple[int, int]] = []  # (device block, device block), copy-on-write, this step
+        self._moves = BlockMoves([], [], [])  # since the last take_moves()
         # CPU blocks read or written this step are held until the next one, so that no block is both
         # the source and the destination of copies that the runner makes as one batch.
         self._cpu_held: list[int] = []
@@ -167,11 +166,15 @@ class BlockManager:
         return self.device.usage
 
     def begin_step(self) -> None:
-        """Forget last step's copy lists (the runner made them) and release the CPU blocks they held."""
-        self.swap_out, self.swap_in, self.copies = [], [], []
+        """Release the CPU blocks last step's copies held (the runner has made them)."""
         if self._cpu_held:
             self.cpu.release(self._cpu_held)
             self._cpu_held = []
+
+    def take_moves(self) -> BlockMoves:
+        """-> the copies the runner must make before the next forward; they are the caller's now."""
+        moves, self._moves = self._moves, BlockMoves([], [], [])
+        return moves
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -216,7 +219,7 @@ class BlockManager:
         if self._needs_cow(seq):
             i = seq.num_computed_tokens // self.block_size
             old, new = seq.block_table[i], self._take()
-            self.copies.append((old, new))
+            self._moves.copies.append((old, new))
             self.device.release([old])
             seq.block_table[i] = new
             self.stats["cow_copies"] += 1
@@ -232,7 +235,7 @@ class BlockManager:
         if h is not None and self.cpu.num_blocks and h not in self.cpu.cached and self.cpu.num_free:
             cpu_id, _ = self.cpu.take()
             self.cpu.set_hash(cpu_id, h)
-            self.swap_out.append((block_id, cpu_id))
+            self._moves.swap_out.append((block_id, cpu_id))
             self._cpu_held.append(cpu_id)
             self.stats["evicted_to_cpu"] += 1
         return block_id
@@ -313,7 +316,7 @@ class BlockManager:
             block_id, h = self._take(), self.cpu.block_hash[cpu_id]
             assert h is not None, "a CPU-tier hit is a hashed block"
             self.device.set_hash(block_id, h)
-            self.swap_in.append((cpu_id, block_id))
+            self._moves.swap_in.append((cpu_id, block_id))
             seq.block_table.append(block_id)
         if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # a first admission, not a recompute
             self.stats["prefix_queries"] += seq.num_prompt_tokens
@@ -321,6 +324,13 @@ class BlockManager:
             self.stats["prefix_cpu_hits"] += len(hit.cpu) * self.block_size
         self._extend(seq, num_tokens)  # the next write starts a block of its own: never a shared one
         return cached
+
+    def computed(self, seq: Sequence, num_computed_before: int) -> None:
+        """seq computed tokens from num_computed_before on: name the blocks that filled, then release."""
+        if self.enable_prefix_caching:
+            self.cache_blocks(seq, num_computed_before)
+        if self.window is not None:
+            self.release_out_of_window(seq)
 
     def cache_blocks(self, seq: Sequence, num_computed_before: int) -> None:
         """Name the blocks that became full and computed this step, so later requests can share them."""
@@ -357,7 +367,7 @@ class BlockManager:
             self.device.release(live)
             seq.block_table[r:] = [moved[b] for b in live]
             seq.swapped = True
-        self.swap_out += moved.items()
+        self._moves.swap_out.extend(moved.items())
 
     def can_swap_in(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
         """Room for seqs' blocks, the new ones each needs for its first num_tokens tokens, and a copy of
@@ -383,7 +393,7 @@ class BlockManager:
             self._cpu_held += live  # released next step, after the runner has read them
             seq.block_table[r:] = [moved[c] for c in live]
             seq.swapped = False
-        self.swap_in += moved.items()
+        self._moves.swap_in.extend(moved.items())
 
 
 def _distinct(seqs: list[Sequence]) -> set[int]:

@@ -4,32 +4,20 @@ from __future__ import annotations
 
 import functools
 import logging
-import random
 import time
-from collections import deque
-from dataclasses import dataclass
-
-import torch
 
 from engine import pooling, prompt_logprobs
-from engine.admission import Limits
-from engine.block_manager import BlockManager, release_window
-from engine.kv_cache import KVCache
-from engine.load.weights import load_model
+from engine.build import build
 from engine.observe.trace import Tracer, no_mark
 from engine.request import Request
-from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
-from engine.speculative import can_speculate, make_proposer
+from engine.speculative import can_speculate
 from engine.step import Delta, EngineFault, StepPlan
 from engine.structured import Grammars
-from kernels import get_backend, one_attention_kernel
-from kernels.backend import backend_limit
 from shared.config import EngineConfig
 from shared.embedding import PoolingParams
 from shared.errors import InvalidRequest
-from shared.model_source import resolve_model
 from shared.protocol import Error, RequestOutput
 from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
@@ -37,85 +25,30 @@ from shared.tokenizer import load_tokenizer
 log = logging.getLogger("conveyor.engine")
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step computed: (request_id, num_new_tokens) per scheduled sequence."""
-
-    step: int
-    scheduled: tuple[tuple[str, int], ...]
-    preempted: tuple[str, ...]
-
-
 class EngineCore:
-    def __init__(self, config: EngineConfig, free_block_order: list[int] | None = None) -> None:
-        self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
-        device = torch.device(config.device)
-        self.source = resolve_model(config.model)
+    def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
-        tp_runner = None
-        if config.tensor_parallel_size > 1:  # the runner holds rank 0's shard and KV; workers hold the rest
-            from engine.distributed.executor import start_tensor_parallel
-
-            tp_runner, self.model_config = start_tensor_parallel(config, self.source, device)
-            model, kv = tp_runner.model, tp_runner.kv_cache
-        else:
-            model, self.model_config = load_model(self.source, config.dtype, device, config.quantization,
-                                                  deterministic=config.deterministic)
-        mc = self.model_config
-        dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        if tp_runner is None:
-            kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
-        num_blocks, block_size = kv.num_blocks, kv.block_size
-        backend = get_backend(config.attention_backend, device, dtype, config.deterministic)
-        if config.deterministic and not one_attention_kernel(backend):
-            raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: the native "
-                             "CPU kernel (--attention-backend cpu, and a C++ compiler at the first start)")
-        self.max_model_len = min(self.max_model_len, backend_limit(mc, backend))
-        if kv.device.dtype != dtype and not backend.casts_kv:
-            raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {mc.dtype}: only "
-                             "the cpu and torch attention backends cast between them (--attention-backend cpu)")
-        self.proposer = make_proposer(config.speculative, mc, num_blocks, config.cache, dtype, device, backend)
-        draft_len = self.proposer.max_model_len if self.proposer is not None else None
-        if draft_len:  # a draft model's context
-            self.max_model_len = min(self.max_model_len, draft_len)
-        window = release_window(mc.layer_windows, backend.supports_window, draft_model=bool(draft_len))
-        self.block_manager = BlockManager(num_blocks, block_size, free_block_order, kv.num_cpu_blocks,
-                                          config.cache.enable_prefix_caching, window)
-        # A request must always fit the pool alone, or preemption could never make room for it: its whole
-        # context, or with released windows its window and one step's tokens.
-        bm = self.block_manager
-        live = bm.max_live_blocks(config.scheduler.max_num_batched_tokens)
-        if live is None or live > bm.num_blocks:
-            self.max_model_len = min(self.max_model_len, bm.num_blocks * block_size)
+        self.config = config
+        parts = build(config)  # engine/build.py: model, cache, backend, proposer, blocks, limits
+        self.source, self.model_config, self.runner = parts.source, parts.model_config, parts.runner
+        self.proposer, self.block_manager, self.pooling = parts.proposer, parts.block_manager, parts.pooling
+        self.max_model_len, self.limits = parts.max_model_len, parts.limits
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, self.proposer)
-        if tp_runner is not None:  # drafts are proposed on rank 0 alone; verification is in the sharded forward
-            tp_runner.proposer = self.proposer
-        self.runner = tp_runner or ModelRunner(model, kv, backend, device, self.proposer)
-        self.limits = Limits(mc.vocab_size, self.max_model_len, config.scheduler.max_num_seqs, bm.num_blocks,
-                             block_size, live)
-        self.eos_token_ids = tuple(mc.eos_token_ids)
-        self.pooling = pooling.resolve(self.source.folder, mc.hidden_size, config.pooling,
-                                       tensor_parallel=tp_runner is not None)
-        self.runner.pool_mode = self.pooling.mode
+        self.eos_token_ids = tuple(self.model_config.eos_token_ids)
         # Structured output: grammars compile in worker processes; the tokenizer loads on first use.
-        self.grammars = Grammars(functools.partial(load_tokenizer, self.source), mc.vocab_size, self.eos_token_ids,
-                                 timeout=config.grammar_compile_timeout)
+        self.grammars = Grammars(functools.partial(load_tokenizer, self.source), self.model_config.vocab_size,
+                                 self.eos_token_ids, timeout=config.grammar_compile_timeout)
         self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0,
                        "embedding_requests": 0, "embedding_tokens": 0}
         self.last_step: dict[str, float] = {}
-        self.history: deque[StepRecord] = deque(maxlen=4096)
         self.tracer: Tracer | None = None  # engine/observe/trace.py, while a trace records
         self.mark = no_mark
+        bm = self.block_manager
         log.info("engine ready in %.1fs: %s, max_model_len %d, %d KV blocks of %d",
-                 time.perf_counter() - t0, self.source.name, self.max_model_len, bm.num_blocks, block_size)
+                 time.perf_counter() - t0, self.source.name, self.max_model_len, bm.num_blocks, bm.block_size)
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
@@ -186,21 +119,25 @@ class EngineCore:
             return compiled
         if self.tracer is not None:
             self.tracer.before_execute(plan)
-        try:
-            output = self.runner.execute(plan)  # swap, copy, one forward, one sample
-        except EngineFault:  # no request's fault, and no later step can run: the caller ends the engine
-            raise
-        except Exception as e:  # the shared forward: only this step's requests can have caused it
-            log.exception("step %d failed; ending the %d requests it computed", self.num_steps + 1, len(plan.seqs))
-            deltas = self.scheduler.fail(plan, f"{type(e).__name__}: {e}")
-        else:
-            self.mark("output")
-            deltas = self.scheduler.update(plan, output)  # advance, stop, free
+        deltas = self._run(plan)  # swap, copy, one forward, one sample; then advance, stop, free
         outputs = [self._output(d) for d in deltas]
         self._record(plan, time.perf_counter() - t0)
         if self.tracer is not None:
             self.tracer.end_step(self.num_steps, plan, outputs, self.sequences)
         return compiled + outputs
+
+    def _run(self, plan: StepPlan) -> list[Delta]:
+        """The plan executed and applied. A forward that fails ends only this step's requests; an
+        EngineFault (no request's fault, and no later step can run) goes up: the caller ends the engine."""
+        try:
+            output = self.runner.execute(plan)
+        except EngineFault:
+            raise
+        except Exception as e:  # the shared forward: only this step's requests can have caused it
+            log.exception("step %d failed; ending the %d requests it computed", self.num_steps + 1, len(plan.seqs))
+            return self.scheduler.fail(plan, f"{type(e).__name__}: {e}")
+        self.mark("output")
+        return self.scheduler.update(plan, output)
 
     def _take_compiled(self) -> list[RequestOutput | Error]:
         """Schedule the requests whose grammar compiled; an ERROR (400, the compiler's message) for those
@@ -255,11 +192,6 @@ class EngineCore:
                           "step_decode_tokens": plan.num_decode_tokens, "step_num_seqs": len(plan.seqs),
                           "step_seconds": seconds, "step_preempted": len(plan.preempted),
                           "step_swapped_out_blocks": len(plan.swap_out), "step_swapped_in_blocks": len(plan.swap_in)}
-        self.history.append(StepRecord(
-            self.num_steps,
-            tuple((s.request.request_id, n) for s, n in zip(plan.seqs, plan.num_new_tokens)),
-            tuple(s.request.request_id for s in plan.preempted),
-        ))
 
     def stats(self) -> dict[str, float]:
         """Gauges and counters for STATS and /metrics: a flat name -> number map."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import Request
-from engine.sequence import LogprobEntry, Sequence, SequenceGroup
+from engine.sequence import LogprobEntry, Sequence, SequenceGroup, stop_reason
 from engine.step import Delta
 
 
@@ -32,6 +32,29 @@ def group_of(seq: Sequence) -> SequenceGroup:
 
 def start(root: Sequence) -> None:
     group_of(root).seqs.append(root)
+
+
+def unit_of(seq: Sequence) -> list[Sequence]:
+    """seq and the sequences that move with it: every live beam of its request. Beams step together,
+    so one preempted alone would hold its siblings (and their blocks) until it came back."""
+    g = seq.group
+    return list(g.seqs) if g is not None and g.beam is not None else [seq]
+
+
+def holds_last_prompt_token(seq: Sequence) -> bool:
+    """A request about to fork stops one short of its prompt: each of its sequences computes the last
+    prompt token itself (and so has its own logits to sample from)."""
+    g = seq.group
+    return g is not None and not g.forked
+
+
+def end(seq: Sequence) -> list[Sequence]:
+    """seq's request ends: -> every sequence of it still live (seq alone without a group), none live after."""
+    g = seq.group
+    if g is None:
+        return [seq]
+    live, g.seqs = g.seqs, []
+    return live
 
 
 def ready_to_fork(seq: Sequence) -> bool:
@@ -92,13 +115,7 @@ def beam_step(cands: list[tuple[Sequence, LogprobEntry]], max_model_len: int) ->
     top = scored[:2 * B]
     st.pending = {}
     gen_len = g.seqs[0].num_output_tokens + 1  # generated tokens including the new one
-
-    def stops(seq: Sequence, tok: int) -> str | None:
-        if tok in seq.stop_ids and gen_len > p.min_tokens:
-            return "stop"
-        return "length" if gen_len >= p.max_tokens or seq.num_tokens + 1 >= max_model_len else None
-
-    reasons = [stops(seq, tok) for _, seq, tok in top]
+    reasons = [stop_reason(seq, tok, max_model_len) for _, seq, tok in top]
     if st.improvable and not (len(st.finished) == B and p.early_stopping is True):
         for rank, ((score, seq, tok), why) in enumerate(zip(top, reasons)):
             if rank < B and why:

@@ -40,9 +40,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Compute every scheduled token; sample one token per sequence that reaches its end. A sequence
-        with drafts computes its last token plus the drafts; its token is the one after the drafts it
-        accepted."""
+        """Compute every scheduled token; sample one token per sequence the plan says samples. A
+        sequence with drafts computes its last token plus the drafts; its token is the one after the
+        drafts it accepted."""
         self._swap(plan)
         drafts = self._propose(plan)
         batch = Batch(self.block_size)
@@ -59,10 +59,9 @@ class ModelRunner:
                 batch.add([seq.token_ids[-1], *d.token_ids], start, seq.block_table, n)
                 sampling.append((seq, d))
                 continue
-            end = start + n
-            last = end == seq.num_tokens
-            batch.add(seq.token_ids[start:end], start, seq.block_table, 1 if last else 0)
-            if last:
+            samples = plan.sampled[i] is not None
+            batch.add(seq.token_ids[start:start + n], start, seq.block_table, 1 if samples else 0)
+            if samples:
                 sampling.append((seq, None))
         num_sampling_rows = len(batch.logits_rows)
         score_rows, scored = prompt_logprobs.plan_rows(plan)  # prompt logprobs: rows after the sampling ones

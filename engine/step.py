@@ -9,6 +9,7 @@ the scheduler alone applies it to the sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,14 @@ class EngineFault(RuntimeError):
     """The step cannot run in this process any more, whatever the requests (a tensor-parallel worker
     died). Not a per-request failure: the loop ends every request with an error and exits, so that a
     supervisor starts a whole engine again."""
+
+
+class BlockMoves(NamedTuple):
+    """The block copies a step needs before its forward, in this order (BlockManager.take_moves)."""
+
+    swap_out: list[tuple[int, int]]  # (device block, cpu block)
+    swap_in: list[tuple[int, int]]  # (cpu block, device block)
+    copies: list[tuple[int, int]]  # (device block, device block), copy-on-write
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +46,17 @@ class Drafts:
 class StepPlan:
     """What one step computes: seqs[i] computes its next num_new_tokens[i] tokens, after the runner
     has copied the swap_out, then the swap_in, then the copy-on-write block pairs. drafts[i]: the
-    drafts seqs[i] verifies (its num_new_tokens[i] counts its last token plus the drafts)."""
+    drafts seqs[i] verifies (its num_new_tokens[i] counts its last token plus the drafts).
+    sampled[i]: seqs[i]'s entry in the StepOutput, or None when it samples nothing. A sequence
+    samples when its tokens reach the end of its known tokens, or when it verifies drafts; a prompt
+    chunk short of the end and an embedding's chunk do not. Decided here, once, at schedule time:
+    the runner and Scheduler.update read it."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     drafts: dict[int, Drafts] = field(default_factory=dict)
+    sampled: list[int | None] = field(default_factory=list)
+    num_sampled: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
@@ -53,6 +68,10 @@ class StepPlan:
         return sum(self.num_new_tokens)
 
     def add(self, seq: Sequence, n: int, drafts: Drafts | None = None) -> None:
+        reaches_end = drafts is not None or seq.num_computed_tokens + n >= seq.num_tokens
+        samples = reaches_end and seq.request.pooling is None
+        self.sampled.append(self.num_sampled if samples else None)
+        self.num_sampled += samples
         if drafts is not None:
             self.drafts[len(self.seqs)] = drafts
             self.num_decode_tokens += n
@@ -67,9 +86,9 @@ class StepPlan:
 
 @dataclass(slots=True)
 class StepOutput:
-    """What the runner computed for a plan, in plan order, one entry per sequence that sampled (one
-    whose scheduled tokens reach the end of its known tokens; a prompt chunk short of it samples
-    nothing). accepted[j]: the drafts sequence j kept before its token (None: no drafts this step).
+    """What the runner computed for a plan, in plan order, one entry per sequence that sampled
+    (StepPlan.sampled names each sequence's entry). accepted[j]: the drafts sequence j kept before
+    its token (None: no drafts this step).
     logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did).
     errors[j]: why sequence j could not be sampled (its request fails; tokens[j] is meaningless).
     prompt_logprobs: plan index -> the prompt tokens that sequence's chunk scored (engine/prompt_logprobs.py)."""

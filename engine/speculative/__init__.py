@@ -6,6 +6,13 @@ verifies (and so how much budget and how many blocks it takes), and propose(seqs
 before the forward, which fills in drafts that need a model. Both return Drafts, which the step's
 plan carries; nothing is stored on the sequence. Prompt lookup does all its work in plan(); a
 draft model does its work in propose().
+
+The scheduler asks for drafts only for a decoding request that may speculate, and at most
+`draft_limit` of them (fewer near max_tokens, max_model_len or the end of the step's budget: the
+budget counts every verified token). Drafts never cause a preemption: when the blocks for them are
+not free, the request decodes plainly. After verification the scheduler appends the accepted drafts
+and the target's token, and `computed_after` says how much of the sequence's K/V still holds; the
+rejected drafts' blocks go back to the pool.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from engine.block_manager import BlockManager
 from engine.models import ModelConfig
 from engine.sequence import Sequence
 from engine.speculative.draft import DraftProposer
@@ -45,6 +53,35 @@ def can_speculate(params: SamplingParams) -> bool:
     # for every rejected draft (docs/structured_output.md).
     return (p.speculative and p.one_sequence and not p.has_penalties and p.logprobs is None
             and p.constraint is None)
+
+
+def plan_drafts(proposer: Proposer, seq: Sequence, budget: int, max_model_len: int,
+                bm: BlockManager) -> Drafts | None:
+    """The drafts seq verifies this step (its last token is the budget's first), none unless their
+    blocks are free already: drafts never cause a preemption."""
+    k = draft_limit(seq, proposer.k, budget - 1, max_model_len)
+    drafts = proposer.plan(seq, k) if k else None
+    if drafts is None or not drafts.num or not bm.can_allocate(bm.num_new_blocks(seq, seq.num_tokens + drafts.num)):
+        return None
+    return drafts
+
+
+def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
+    """How many drafts seq may verify this step: none unless it decodes (only its last token is left to
+    compute) past min_tokens; at most k and the budget, never past max_tokens or max_model_len."""
+    p = seq.params
+    if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
+        return 0
+    return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1))
+
+
+def computed_after(computed_before: int, drafted: int, num_accepted: int, num_tokens: int) -> tuple[int, int]:
+    """A verified step computed the last token and the drafts; the accepted drafts and the target's
+    token were appended since (up to a stop), to num_tokens. -> (the sequence's computed tokens: its
+    last token and the accepted drafts, never the token just appended; the draft model's computed
+    tokens, which it wrote up to `drafted` when it proposed)."""
+    computed = min(computed_before + 1 + num_accepted, num_tokens - 1)
+    return computed, min(drafted, computed)
 
 
 def make_proposer(config: SpeculativeConfig, target: ModelConfig, num_blocks: int, cache: CacheConfig,

@@ -78,11 +78,11 @@ def test_copy_on_write_exactly_when_a_shared_partial_block_is_written():
     assert bm.ref_counts[:3] == [2, 2, 2]
     assert bm.num_new_blocks(child, 10) == 1  # writing position 9 lands in shared block 2
     compute(bm, child, 1)
-    assert bm.copies == [(2, 3)] and child.block_table == [0, 1, 3]
+    assert bm.take_moves().copies == [(2, 3)] and child.block_table == [0, 1, 3]
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
     assert bm.num_new_blocks(root, 10) == 0  # block 2 is root's alone now: written in place
     compute(bm, root, 1)
-    assert bm.copies == [(2, 3)] and root.block_table == [0, 1, 2]
+    assert bm.take_moves().copies == [] and root.block_table == [0, 1, 2]  # no second copy
     # At a block boundary nothing is copied: the next token gets a fresh block.
     r2 = make_request("r2", list(range(9)))
     compute(bm, r2, 8)
@@ -90,7 +90,7 @@ def test_copy_on_write_exactly_when_a_shared_partial_block_is_written():
     bm.fork(r2, c2)
     bm.begin_step()
     compute(bm, c2, 1)
-    assert bm.copies == [] and c2.block_table == r2.block_table + [6]
+    assert bm.take_moves().copies == [] and c2.block_table == r2.block_table + [6]
     for r in (root, child, r2, c2):
         bm.free(r)
     assert set(bm.ref_counts) == {0} and bm.num_free_blocks == 8
@@ -105,7 +105,8 @@ def test_evicted_hashed_block_moves_to_cpu_tier_and_a_hit_there_is_swapped_back_
     x = make_request("x", list(range(300, 309)))  # evicts all three: only the two hashed ones are saved
     start(bm, x)
     # Free order was [2, 1, 0]: 2 held no hash; 1 and 0 did and go to CPU blocks 0 and 1.
-    assert bm.swap_out == [(1, 0), (0, 1)] and bm.cpu.cached == {a.block_hashes[1]: 0, a.block_hashes[0]: 1}
+    assert bm.take_moves().swap_out == [(1, 0), (0, 1)]
+    assert bm.cpu.cached == {a.block_hashes[1]: 0, a.block_hashes[0]: 1}
     assert bm.cpu.ref_counts[:2] == [1, 1]  # held until the runner has copied them
     bm.free(x)
     bm.begin_step()
@@ -116,8 +117,9 @@ def test_evicted_hashed_block_moves_to_cpu_tier_and_a_hit_there_is_swapped_back_
     assert start(bm, again) == 8
     # x freed [2, 1, 0] tail first: 0 (x's unhashed tail) is taken first, then 1 and 2, x's full
     # blocks, which go to the CPU tier in turn (CPU blocks 2 and 3).
-    assert bm.swap_in == [(1, 0), (0, 1)] and again.block_table == [0, 1, 2]
-    assert bm.swap_out == [(1, 2), (2, 3)]
+    moves = bm.take_moves()
+    assert moves.swap_in == [(1, 0), (0, 1)] and again.block_table == [0, 1, 2]
+    assert moves.swap_out == [(1, 2), (2, 3)]
     assert bm.stats["prefix_cpu_hits"] == 8
 
 

@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from engine.core import EngineCore
+from engine.observe.trace import Tracer
 from shared.config import build_config
 from shared.embedding import PoolingParams
 from shared.errors import InvalidRequest
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
+from tests.traced import prefill_chunks
 
 
 @pytest.fixture(scope="module")
@@ -106,14 +108,15 @@ def test_embeddings_equal_transformers_pooled(
     )
     free = core.block_manager.num_free_blocks
     assert (core.block_manager.window is not None) == (family == "mistral")
+    tracer = Tracer()
+    core.set_tracer(tracer)
     got = embed_all(core, PROMPTS, generate={"g1": [9, 8, 7], "g2": list(range(20, 60))})
     for rid, ids in PROMPTS.items():
         ref = hf_pooled(folder, ids, mode)
         assert len(got[rid]) == ref.numel() == 64
         assert cosine(got[rid], ref) > 0.9999, rid
         assert abs(float(torch.tensor(got[rid]).norm()) - 1.0) < 1e-5
-    chunked = [r.scheduled for r in core.history if any(rid == "long" for rid, _ in r.scheduled)]
-    assert len(chunked) >= 5  # the long input really was prefilled in several steps
+    assert len(prefill_chunks(tracer)["long"]) >= 5  # the long input really was prefilled in several steps
     assert core.block_manager.num_free_blocks == free  # every block back, cached prefixes included
 
 

@@ -6,10 +6,12 @@ import random
 import pytest
 
 from engine.core import EngineCore
+from engine.observe.trace import Tracer
 from engine.offline import LLM
 from shared.config import build_config
 from shared.sampling import SamplingParams
 from tests.reference import hf_folder_model, hf_greedy, transformers_gguf_model
+from tests.traced import step_sizes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -42,9 +44,11 @@ def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
     # AMX, and --quantization auto as int4 (tests/engine/test_quantized.py covers that path).
     llm = LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none", kv_cache_memory="256MiB",
               max_num_batched_tokens=1024)
+    tracer = Tracer()
+    llm.core.set_tracer(tracer)
     ours = llm.generate(prompts, params, use_tqdm=False)
     # All eight decoded side by side in one batch, not one after another.
-    assert max(len(r.scheduled) for r in llm.core.history) == 8
+    assert max(step_sizes(tracer)) == 8
     ref = hf_greedy(transformers_gguf_model(smollm2_source), prompts, 48)
     assert [o.token_ids for o in ours] == ref
 
@@ -55,7 +59,11 @@ def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
     plain = EngineCore(cfg)
     order = list(range(96))
     random.Random(7).shuffle(order)
-    scrambled = EngineCore(cfg, free_block_order=order)
+    scrambled = EngineCore(cfg)
+    pool = scrambled.block_manager.device
+    for _ in order:  # every block taken, then freed in a scrambled order: handed out in that order
+        pool.take()
+    pool.release(order)
     results = []
     for core in (plain, scrambled):
         for i, p in enumerate(prompts):
@@ -81,9 +89,11 @@ def test_request_joins_running_batch_next_step_and_blocks_return(tiny_llama_dir)
     for _ in range(3):
         core.step()
     core.add("late", [12, 13, 14, 15, 16], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    core.step()
-    last = dict(core.history[-1].scheduled)
-    assert last == {"a": 1, "b": 1, "late": 5}  # joined at once, prefilled beside two decodes
+    outs = core.step()
+    last = core.last_step
+    # joined at once, prefilled beside two decodes
+    assert {o.request_id: len(o.new_token_ids) for o in outs} == {"a": 1, "b": 1, "late": 1}
+    assert (last["step_num_seqs"], last["step_prefill_tokens"], last["step_decode_tokens"]) == (3, 5, 2)
     while core.has_work():
         core.step()
     assert core.block_manager.num_free_blocks == 64

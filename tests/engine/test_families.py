@@ -12,10 +12,12 @@ import pytest
 import transformers as T
 
 from engine.core import EngineCore
+from engine.observe.trace import Tracer
 from shared.config import build_config
 from shared.sampling import SamplingParams
 from tests.conftest import save_tiny
 from tests.reference import hf_folder_model, hf_greedy
+from tests.traced import prefill_chunks
 
 MAX_TOKENS = 12
 BLOCK = 8
@@ -67,6 +69,8 @@ def test_greedy_equals_transformers_through_chunks_prefix_hits_preemption_and_n(
     # 20 blocks of 8 hold about a third of the second wave: it must preempt.
     core = EngineCore(build_config(str(folder), num_blocks=20, block_size=BLOCK, max_num_batched_tokens=32,
                                    num_cpu_blocks=8, num_threads=1))
+    tracer = Tracer()
+    core.set_tracer(tracer)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out: dict[tuple[str, int], list[int]] = {}
     for wave, prompts in (("a", first), ("b", second)):
@@ -82,7 +86,7 @@ def test_greedy_equals_transformers_through_chunks_prefix_hits_preemption_and_n(
     stats = core.stats()
     assert stats["total_prefix_hits_tokens"] > 0
     assert stats["num_preemptions_swap"] + stats["num_preemptions_recompute"] > 0
-    assert max(n for r in core.history for _, n in r.scheduled) <= 32  # prompts went in chunks
+    assert max(n for chunks in prefill_chunks(tracer).values() for n in chunks) <= 32  # prompts went in chunks
 
 
 def test_a_backend_without_windows_serves_up_to_the_window_and_one_without_softcap_refuses():

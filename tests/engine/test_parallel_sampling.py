@@ -25,14 +25,14 @@ def test_n4_on_a_300_token_prompt_holds_the_prompt_blocks_once(tiny_llama_dir):
     prompt = [3 + i % 500 for i in range(300)]
     core.add("a", prompt, SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=6, ignore_eos=True))
     core.step()  # prefills 299 tokens once, then forks
-    assert core.history[-1].scheduled == (("a", 299),)
+    assert (core.last_step["step_num_seqs"], core.last_step["step_prefill_tokens"]) == (1, 299)
     seqs = core.sequences["a"].group.seqs
     assert len(seqs) == 4 and all(s.block_table == seqs[0].block_table for s in seqs)
     table = seqs[0].block_table
     assert len(table) == 19 and 64 - bm.num_free_blocks == 19  # 299 tokens = 18 full blocks + 11
     assert [bm.ref_counts[b] for b in table] == [4] * 19
     first = core.step()  # each sequence computes token 300 into the shared partial block: 3 copies, 1 in place
-    assert core.history[-1].scheduled == (("a", 1),) * 4
+    assert (core.last_step["step_num_seqs"], core.last_step["step_prefill_tokens"]) == (4, 4)  # 1 token each
     assert bm.stats["cow_copies"] == 3
     assert [bm.ref_counts[b] for b in table[:18]] == [4] * 18 and bm.ref_counts[table[18]] == 1
     assert 64 - bm.num_free_blocks == 19 + 3  # four separate requests would hold 4 * 19 = 76

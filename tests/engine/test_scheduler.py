@@ -23,8 +23,7 @@ def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int =
 
 def run_step(s: Scheduler, token: int = 7):
     plan = s.schedule()
-    n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.seqs, plan.num_new_tokens))
-    s.update(plan, StepOutput([token] * n_sample))
+    s.update(plan, StepOutput([token] * plan.num_sampled))
     return plan
 
 
@@ -172,8 +171,7 @@ def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_aga
         swapped_out += [r.request.request_id for r in plan.preempted]
         resumed = {r.request.request_id for r in plan.seqs if r.just_resumed}
         assert not resumed & {r.request.request_id for r in plan.preempted}
-        n_sample = sum(r.num_computed_tokens + n == r.num_tokens for r, n in zip(plan.seqs, plan.num_new_tokens))
-        s.update(plan, StepOutput([7] * n_sample))
+        s.update(plan, StepOutput([7] * plan.num_sampled))
     assert swapped_out and checked and s.num_preemptions == {"swap": len(swapped_out), "recompute": 0}
     assert all(r.num_output_tokens == 6 for r in reqs)
     assert s.bm.num_free_blocks == 6 and s.bm.cpu.num_free == 16

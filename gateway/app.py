@@ -128,6 +128,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(err, request.path)
     except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client left mid-request (its body cut short): nobody to answer
+        log.info("%s %s: the client went away", request.method, request.path)
+        return web.Response(status=499)  # nginx's "client closed request", for the access log
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ConveyorError("internal error"), request.path)

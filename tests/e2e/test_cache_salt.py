@@ -22,12 +22,7 @@ def test_cache_salts_isolate_the_prefix_cache(tiny_chat_model: Path, tmp_path: P
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
         def cached(salt: str | None) -> int:
-            extra = {} if salt is None else {"cache_salt": salt}
-            out = client.chat.completions.create(model="tiny-chat", max_tokens=1, extra_body=extra,
-                                                 messages=[{"role": "user", "content": SECRET}])
-            assert out.usage is not None and out.usage.prompt_tokens > 48
-            details = out.usage.prompt_tokens_details
-            return details.cached_tokens or 0 if details is not None else 0
+            return _cached(server.url, "none", salt)
 
         assert cached("tenant-a") == 0
         assert cached("tenant-a") > 0  # the same salt shares its blocks

@@ -147,3 +147,28 @@ def test_flags_come_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.limits.max_waiting_requests == 7 and config.max_body_size == 2**20
     args = build_parser().parse_args(["gateway", "--max-waiting-requests", "9"])  # the flag wins
     assert args.max_waiting_requests == 9
+
+
+def test_a_body_cut_short_by_the_client_is_no_server_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends half its body and hangs up (the disconnect storm's race) leaves no ERROR or
+    traceback in the log, and the server goes on answering."""
+    async def main() -> None:
+        with FakeEngine() as eng:
+            async with gateway(eng) as http:
+                host, port = http.server.host, http.server.port
+                for _ in range(5):
+                    reader, writer = await asyncio.open_connection(host, port)
+                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi")
+                    await writer.drain()
+                    writer.close()
+                    await writer.wait_closed()
+                deadline = asyncio.get_running_loop().time() + 30
+                while "the client went away" not in caplog.text:  # the gateway saw the cut bodies
+                    assert asyncio.get_running_loop().time() < deadline, caplog.text
+                    await asyncio.sleep(0.05)
+                assert (await http.post("/v1/completions", json={"prompt": "hi"})).status == 200
+    with caplog.at_level("INFO", logger="gateway.app"):
+        run(main())
+    bad = [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+    assert not bad, [r.getMessage() for r in bad]

@@ -67,7 +67,6 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qk_size = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
-        self.inter = cfg.intermediate_size
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.window = cfg.window(index)  # tokens this layer attends back, None = all
         self.softcap = cfg.attn_softcap

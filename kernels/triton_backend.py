@@ -24,9 +24,11 @@ from kernels.triton import (
     copy_blocks,
     decode_attention,
     decode_block_n,
+    device_arch,
     move_blocks,
     prefill_attention,
     prefill_block_q,
+    prefill_knobs,
     prefill_tiles,
     store_kv,
     swap_in,
@@ -176,7 +178,8 @@ class TritonBackend:
             decode_attention(out, q, k_cache, v_cache, meta.decode_rows, meta.decode_seq_lens,
                              meta.decode_block_tables, scale, meta.decode_max_len, partition, workspace)
         if meta.num_prefills:
-            block_q = prefill_block_q(h, hkv, q.dtype)
+            knobs = prefill_knobs(device_arch(q.device), d, q.dtype)  # the tiles must match the launch's BLOCK_Q
+            block_q = prefill_block_q(h, hkv, q.dtype, knobs.block_m)
             tiles = meta.tiles.get(block_q)
             if tiles is None:
                 seqs, starts = prefill_tiles(meta.prefill_q_lens_list, block_q)
@@ -185,7 +188,7 @@ class TritonBackend:
             tile_seq, tile_start = tiles
             prefill_attention(out, q, k_cache, v_cache, tile_seq, tile_start, meta.prefill_q_start,
                               meta.prefill_q_lens, meta.prefill_ctx_lens, meta.prefill_block_tables,
-                              scale)
+                              scale, knobs)
         return out
 
     def _decode_partition(self, batch: int, num_kv_heads: int, max_len: int, block_n: int) -> int | None:

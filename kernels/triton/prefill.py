@@ -7,6 +7,9 @@ j sees every key at position <= ctx + j (full over the prefix, causal within the
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -107,29 +110,68 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton types the argumen
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
-def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class PrefillKnobs:
+    """The launch choices of _prefill_kernel that only timing on a GPU can settle. None: the
+    interpreter-safe rule (prefill_block_q, prefill_config), which is also every default today."""
+    block_m: int | None = None  # tile rows, BLOCK_Q * padded GQA group; >= 16 for tl.dot
+    block_n: int | None = None  # keys per inner iteration
+    num_warps: int = 8
+    num_stages: int | None = None  # None: Triton's own default
+
+
+# Measured choices per GPU kind: CUDA capability ("sm90"), then (dtype bits, padded head dim). The one place
+# bench/triton_tune.py's results go. Not listed (and the CPU interpreter): PrefillKnobs(), today's values.
+PREFILL_TUNED: dict[str, dict[tuple[int, int], PrefillKnobs]] = {}
+
+
+@functools.lru_cache
+def _cuda_arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def device_arch(device: torch.device) -> str | None:
+    """PREFILL_TUNED's key for a device: "sm90" on an H100, None off CUDA (the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def prefill_knobs(arch: str | None, head_dim: int, dtype: torch.dtype) -> PrefillKnobs:
+    """The table's entry for this GPU kind and shape, or the fallback: what launches by default."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    return PREFILL_TUNED.get(arch or "", {}).get((8 * dtype.itemsize, block_d), PrefillKnobs())
+
+
+def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype, block_m: int | None = None) -> int:
     """New tokens per tile. The tile has BLOCK_M = BLOCK_Q * padded GQA group rows, >= 16 for
-    tl.dot: 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more registers)."""
-    block_m = 64 if dtype.itemsize <= 2 else 32
+    tl.dot: by default 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more registers)."""
+    block_m = block_m or (64 if dtype.itemsize <= 2 else 32)
     group_pad: int = triton.next_power_of_2(num_heads // num_kv_heads)
     min_q: int = triton.cdiv(16, group_pad)  # tiles of at least 16 rows
     return max(1, block_m // group_pad, min_q)
 
 
 def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   interpret: bool) -> dict:
-    """Constexprs and num_warps of _prefill_kernel; shared with the compile test. 64-row tiles,
-    8 KiB K/V tiles and 8 warps compile without register spills on sm_90 for head dims 64 and 128
-    (ptxas -v, checked by test_triton_compile.py); not tuned by timing yet (no GPU was lent)."""
+                   interpret: bool, knobs: PrefillKnobs | None = None) -> dict:
+    """Constexprs and launch options of _prefill_kernel; shared with the compile test. Fallback: 64-row
+    tiles, 8 KiB K/V tiles and 8 warps, which compile without register spills on sm_90 for head dims
+    64 and 128 (ptxas -v, checked by test_triton_compile.py); not tuned by timing yet."""
+    knobs = knobs or PrefillKnobs()
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     tile_elems = 8192 // dtype.itemsize
-    return dict(
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=prefill_block_q(num_heads, num_kv_heads, dtype),
-        D=head_dim, BLOCK_D=block_d, BLOCK_N=min(128, max(16, tile_elems // block_d)), BLOCK_SIZE=block_size,
-        UPCAST=interpret, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=8,
+    config = dict(
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_Q=prefill_block_q(num_heads, num_kv_heads, dtype, knobs.block_m),
+        D=head_dim, BLOCK_D=block_d, BLOCK_N=knobs.block_n or min(128, max(16, tile_elems // block_d)),
+        BLOCK_SIZE=block_size, UPCAST=interpret, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        num_warps=knobs.num_warps,
     )
+    if knobs.num_stages is not None:
+        config["num_stages"] = knobs.num_stages
+    return config
 
 
 def prefill_tiles(q_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
@@ -148,12 +190,13 @@ def prefill_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding the new tokens' K/V
     v_cache: torch.Tensor,
     tile_seq: torch.Tensor,  # [W] int32
-    tile_start: torch.Tensor,  # [W] int32, built by prefill_tiles with prefill_block_q(H, Hkv, dtype)
+    tile_start: torch.Tensor,  # [W] int32, built by prefill_tiles with prefill_block_q(H, Hkv, dtype, knobs.block_m)
     q_start: torch.Tensor,  # [B] int32
     q_lens: torch.Tensor,  # [B] int32
     ctx_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
+    knobs: PrefillKnobs | None = None,  # None: the table's entry for this device (bench/triton_tune.py passes its own)
 ) -> None:
     """Attend every new token of the listed sequences to its sequence's paged K/V."""
     _, h, d = q.shape
@@ -167,7 +210,8 @@ def prefill_attention(
     assert block_tables.stride(1) == 1
     if w == 0:
         return
-    config = prefill_config(h, hkv, d, block_size, q.dtype, interpret=q.device.type != "cuda")
+    knobs = knobs or prefill_knobs(device_arch(q.device), d, q.dtype)
+    config = prefill_config(h, hkv, d, block_size, q.dtype, interpret=q.device.type != "cuda", knobs=knobs)
     assert config["BLOCK_Q"] * config["GROUP_PAD"] >= 16, "tl.dot needs >= 16 rows"
     _prefill_kernel[(w, hkv)](
         q, out, k_cache, v_cache, tile_seq, tile_start, q_start, q_lens, ctx_lens, block_tables,

@@ -18,13 +18,15 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def _compile(fn, config: dict, pointer_types: dict[str, str], cc: int = 90):
-    """Compile fn for cc with config's constexprs and num_warps; integers are i32, qk_scale fp32."""
+    """Compile fn for cc with config's constexprs, num_warps and num_stages; integers are i32, qk_scale fp32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     config = dict(config)
     options = {"num_warps": config.pop("num_warps", 4)}
+    if "num_stages" in config:
+        options["num_stages"] = config.pop("num_stages")
     signature = {}
     for name in fn.arg_names:
         if name in config:
@@ -64,7 +66,8 @@ def _case_attention_kernels() -> None:
             d_cfg = decode.decode_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False)
             d_ptrs = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, part_out_ptr="*fp32", part_lse_ptr="*fp32",
                           q_rows_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32")
-            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False)
+            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False,
+                                           knobs=prefill.prefill_knobs("sm90", head_dim, dtype))  # as launched there
             p_ptrs = dict(q_ptr=t, out_ptr=t, k_cache_ptr=t, v_cache_ptr=t, tile_seq_ptr="*i32", tile_start_ptr="*i32",
                           q_start_ptr="*i32", q_lens_ptr="*i32", ctx_lens_ptr="*i32", block_tables_ptr="*i32")
             for name, fn, cfg, ptrs in [("decode", decode._decode_partition_kernel, d_cfg, d_ptrs),

@@ -205,7 +205,7 @@ def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callab
 
     gen = torch.Generator().manual_seed(0)
     tol = {torch.float32: 1e-3, torch.float16: 1e-2}.get(dtype, 3e-2)  # a few output ulps
-    current = prefill_knobs(device_arch(device), shape.head_dim, dtype)
+    current = prefill_knobs(device_arch(device), shape.head_dim, dtype, shape.num_heads // shape.num_kv_heads)
     print(f"\n== {shape.name} (H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} block "
           f"{shape.block_size}) {str(dtype)[6:]}; current: {knobs_label(current, shape, dtype)}", flush=True)
     rows = []

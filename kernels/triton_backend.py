@@ -178,7 +178,8 @@ class TritonBackend:
             decode_attention(out, q, k_cache, v_cache, meta.decode_rows, meta.decode_seq_lens,
                              meta.decode_block_tables, scale, meta.decode_max_len, partition, workspace)
         if meta.num_prefills:
-            knobs = prefill_knobs(device_arch(q.device), d, q.dtype)  # the tiles must match the launch's BLOCK_Q
+            # The tiles must match the launch's BLOCK_Q.
+            knobs = prefill_knobs(device_arch(q.device), d, q.dtype, h // hkv)
             block_q = prefill_block_q(h, hkv, q.dtype, knobs.block_m)
             tiles = meta.tiles.get(block_q)
             if tiles is None:

@@ -66,8 +66,8 @@ def _case_attention_kernels() -> None:
             d_cfg = decode.decode_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False)
             d_ptrs = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, part_out_ptr="*fp32", part_lse_ptr="*fp32",
                           q_rows_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32")
-            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False,
-                                           knobs=prefill.prefill_knobs("sm90", head_dim, dtype))  # as launched there
+            knobs = prefill.prefill_knobs("sm90", head_dim, dtype, group)  # as launched there
+            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False, knobs=knobs)
             p_ptrs = dict(q_ptr=t, out_ptr=t, k_cache_ptr=t, v_cache_ptr=t, tile_seq_ptr="*i32", tile_start_ptr="*i32",
                           q_start_ptr="*i32", q_lens_ptr="*i32", ctx_lens_ptr="*i32", block_tables_ptr="*i32")
             for name, fn, cfg, ptrs in [("decode", decode._decode_partition_kernel, d_cfg, d_ptrs),

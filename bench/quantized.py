@@ -184,15 +184,19 @@ def gemm(args: argparse.Namespace) -> None:
         for _ in range(args.reps):
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
-                _, q, p = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
-                                                    time.perf_counter)[0]
+                _, q, p, t = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
+                                                       time.perf_counter)[0]
                 if quiet:
-                    old = best.setdefault(r, [q, p])
-                    best[r] = [min(old[0], q), min(old[1], p)]
-        for r, (q, p) in sorted(best.items()):
-            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}  x {q / p:5.2f}")
-        faster = [r for r, (q, p) in best.items() if p < q]
+                    old = best.setdefault(r, [q, p, t])
+                    best[r] = [min(a, b) for a, b in zip(old, (q, p, t))]
+        for r, (q, p, t) in sorted(best.items()):
+            amx = f"  AMX {t * 1e3:8.2f}" if t < float("inf") else ""
+            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}{amx}  x {q / p:5.2f}")
+        faster = [r for r, (q, p, _) in best.items() if p < q]
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
+        tiles = [r for r, (q, p, t) in best.items() if t < min(q, p)]
+        if tiles:
+            print(f"{kind}: AMX fastest at rows {sorted(tiles)}", flush=True)
 
 
 def ab(args: argparse.Namespace) -> None:

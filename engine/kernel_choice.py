@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.load.dtype import cpu_kind
-from engine.load.prepack import PLAIN_MAX_BYTES, PackedLinear, quantized_packed_from
+from engine.load.prepack import PLAIN_MAX_BYTES, QUANTIZED_TILES_ROWS, PackedLinear, quantized_packed_from
 from engine.load.quant import Int4Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")
@@ -56,6 +56,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     (tests). deterministic: the copies at every row count (one kernel, so a row's arithmetic does
     not depend on the step's row count; the faster one for batches), one-row calls padded."""
     modules = switched_modules(model)
+    without_copies, int4_handover = attach_tiles(modules, deterministic)
+    modules = [m for m in modules if id(m) not in without_copies]
     size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
     if not modules or dtype != torch.bfloat16 or size > PLAIN_MAX_BYTES:
         if modules and dtype == torch.bfloat16:
@@ -72,6 +74,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
         return {k: 1 for k in {kind_of(m) for m in modules}}
     kind = kind or cpu_kind()
     table = quantized_packed_from(kind, torch.get_num_threads())
+    if table is not None and int4_handover is not None:
+        table = {**table, "int4": int4_handover}
     measured = table is None
     if table is None:
         kinds = {kind_of(m) for m in modules}
@@ -88,11 +92,28 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     return chosen
 
 
+def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool) -> tuple[set[int], int | None]:
+    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel. -> (ids of the modules
+    that need no packed copy, the rows from which the others of their kind hand over to one: None where
+    the table for their kind applies). Deterministic: the AMX kernel at every row count (one kernel, whose
+    rows do not depend on the row count), no copy."""
+    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    rows = QUANTIZED_TILES_ROWS.get(torch.get_num_threads())
+    if not tiled or (rows is None and not deterministic):
+        return set(), None
+    amx_from, handover = (1, NEVER) if deterministic or rows is None else rows
+    for m in tiled:
+        m.amx_from = amx_from
+    log.info("int4 GEMMs on AMX tiles from %d rows%s", amx_from,
+             "" if handover >= NEVER else f", on packed copies from {handover}")
+    return ({id(m) for m in tiled}, None) if handover >= NEVER else (set(), handover)
+
+
 def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
               reps: int = 3) -> int:
     """The first row count from which the packed copies, called in turn as a forward calls them,
     are faster than the int kernel at that row count and every larger one tried; NEVER if none."""
-    faster = [packed < quantized for _, quantized, packed in chain_times(modules, rows, reps)]
+    faster = [packed < quantized for _, quantized, packed, _ in chain_times(modules, rows, reps)]
     for i, r in enumerate(rows):
         if all(faster[i:]):
             return r
@@ -101,11 +122,11 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
 
 def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
                 clock: Callable[[], float] = time.perf_counter
-                ) -> list[tuple[int, float, float]]:
-    """-> (rows, seconds through the int kernels, seconds through the packed copies), the best of
-    reps, for one call of each module in turn (each module's weights leave the cache before it
-    comes round again, as in a forward). clock: a bench on a shared machine passes
-    time.thread_time (one thread)."""
+                ) -> list[tuple[int, float, float, float]]:
+    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX kernel:
+    inf where the modules have no AMX codes), the best of reps, for one call of each module in turn
+    (each module's weights leave the cache before it comes round again, as in a forward). clock: a
+    bench on a shared machine passes time.thread_time (one thread)."""
     out = []
     with torch.inference_mode():
         for r in rows:
@@ -113,7 +134,9 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
             quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps, clock)
             copies = [(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None]
             packed = _best(copies, reps, clock)
-            out.append((r, quantized, packed))
+            tiles = [(m.tile_mm, x) for m, x in zip(modules, xs)
+                     if isinstance(m, Int4Linear) and m.tile_codes is not None]
+            out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf")))
     return out
 
 

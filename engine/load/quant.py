@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.load import amx
 from engine.load.prepack import PackedLinear
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.quant")
 
 GROUP = 32
+NEVER = 1 << 62  # a row threshold no call reaches
 # Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not all of
 # it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk as a whole).
 CHUNK_ROWS = 1024
@@ -51,6 +53,11 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.packed: PackedLinear | None = None
         self.packed_from = 0
+        self.amx_from = NEVER  # rows from which an int4 matrix with AMX codes takes the AMX kernel
+
+    def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x @ W.T (+ residual) on AMX tiles where this matrix runs them at x's rows; else None."""
+        return None
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T through torch's int kernel, without the bias."""
@@ -72,14 +79,21 @@ class QuantizedLinear(nn.Module):
         return self.packed is not None and rows >= self.packed_from
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self.packed is not None and self.uses_packed(x.shape[0])
-        y = self.packed.forward(x) if packed and self.packed is not None else self.quantized_mm(x)
+        if self.packed is not None and self.uses_packed(x.shape[0]):
+            y = self.packed.forward(x)
+        else:
+            tiles = self.amx_mm(x)
+            y = self.quantized_mm(x) if tiles is None else tiles
         return y if self.bias is None else y + self.bias
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + x @ W.T (+ b); on the packed copy the addition is fused into the GEMM."""
-        if self.packed is not None and self.bias is None and self.uses_packed(x.shape[0]):
-            return self.packed.add_to(h, x)
+        """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the GEMM."""
+        if self.bias is None:
+            if self.packed is not None and self.uses_packed(x.shape[0]):
+                return self.packed.add_to(h, x)
+            tiles = self.amx_mm(x, h)
+            if tiles is not None:
+                return tiles
         y: torch.Tensor = self.forward(x)  # not self(x): Module.__call__'s hook checks cost microseconds
         return h + y
 
@@ -135,7 +149,8 @@ class Int4Linear(QuantizedLinear):
         super().__init__()
         w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
         n, k = w.shape
-        scales, lows, packed = [], [], []
+        scales, lows, packed, tiles = [], [], [], []
+        with_tiles = dtype == torch.bfloat16 and amx.fits(n, k) and amx.usable()
         for r in range(0, n, CHUNK_ROWS):
             wg = w[r:r + CHUNK_ROWS].float().view(-1, k // GROUP, GROUP)
             if groups is None:  # from the values: the group's min to its max in 15 steps
@@ -145,6 +160,8 @@ class Int4Linear(QuantizedLinear):
                 scale, low = groups[0][r:r + CHUNK_ROWS].float(), groups[1][r:r + CHUNK_ROWS].float()
             q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            if with_tiles:
+                tiles.append(amx.pack_int4(q, scale, low + 8 * scale))
             scales.append(scale)
             lows.append(low)
         scale, low = torch.cat(scales), torch.cat(lows)  # [N, K/32]
@@ -153,7 +170,22 @@ class Int4Linear(QuantizedLinear):
         self.scales_zeros: torch.Tensor
         self.register_buffer("qweight", packed[0] if len(packed) == 1 else torch.cat(packed))
         self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+        # The same codes repacked for the AMX kernel (engine/load/amx.py), where this CPU runs it.
+        self.tile_codes: torch.Tensor | None
+        self.tile_scale_zero: torch.Tensor | None
+        self.register_buffer("tile_codes", torch.cat([c for c, _ in tiles]) if tiles else None)
+        self.register_buffer("tile_scale_zero", torch.cat([z for _, z in tiles]) if tiles else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        if self.tile_codes is None or x.shape[0] < self.amx_from:
+            return None
+        return self.tile_mm(x, residual)
+
+    def tile_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ residual) on the AMX kernel, whatever the rows."""
+        assert self.tile_codes is not None and self.tile_scale_zero is not None
+        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scales_zeros.dtype:

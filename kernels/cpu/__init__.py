@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("conveyor.kernels")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-DNDEBUG", "-w"]
 

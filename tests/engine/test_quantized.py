@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.core import EngineCore
+from engine.load import amx
 from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
 from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
@@ -270,6 +271,12 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
     source = resolve_model(str(tiny_gguf))
     table = {kernel_choice.cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}
     monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", table)
+    if amx.usable():  # AMX CPUs: int4 takes the tiles from 2 rows and hands over to the copy from 6
+        monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS", {torch.get_num_threads(): (2, 6)})
+        model, _ = load_model(source, torch.bfloat16, "cpu", "int4")
+        qkv = model.model.layers[0].qkv_proj
+        assert (qkv.amx_from, qkv.packed_from, model.model.embed_tokens.packed_from) == (2, 6, 3)
+    monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS", {})
     model, cfg = load_model(source, torch.bfloat16, "cpu", "int4")
     layer, embed = model.model.layers[0], model.model.embed_tokens
     assert cfg.quantization == "int4" and layer.qkv_proj.packed is not None
@@ -294,13 +301,18 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
 @needs_bf16_packing
 def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> None:
     """--deterministic: every quantized matrix on its packed copy from one row (no switch by row count,
-    which would round a row differently in small and large steps), one-row calls padded."""
+    which would round a row differently in small and large steps), one-row calls padded; on AMX CPUs the
+    int4 matrices on the AMX kernel at every row count instead, with no copy."""
     from engine import kernel_choice
 
     model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4", deterministic=True)
     modules = kernel_choice.switched_modules(model)
-    assert modules and all(m.packed is not None and m.packed_from == 1 for m in modules)
-    assert all(m.packed.pad_one_row for m in modules if m.packed is not None)
+    tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
+    assert bool(tiled) == amx.usable()
+    assert all(m.amx_from == 1 and m.packed is None for m in tiled)
+    copied = [m for m in modules if m not in tiled]
+    assert copied and all(m.packed is not None and m.packed_from == 1 for m in copied)
+    assert all(m.packed.pad_one_row for m in copied if m.packed is not None)
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(monkeypatch) -> None:

@@ -1,0 +1,54 @@
+"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp.
+
+The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS reads:
+16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e of row r
+is column e // 2 at k = 2r + e % 2). The codes are stored in that element order, so dequantizing a tile
+row is one contiguous read of 16 bytes (element j in the low nibble of byte j, element 16 + j in the
+high one).
+"""
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+import kernels.cpu
+
+TILE_N, TILE_K = 16, 32
+
+
+@cache
+def usable() -> bool:
+    """Whether this CPU and OS run AMX tiles and the native kernels are built."""
+    return kernels.cpu.available() and bool(torch.ops.conveyor_cpu.amx_usable())
+
+
+def fits(n: int, k: int) -> bool:
+    return n % TILE_N == 0 and k % TILE_K == 0
+
+
+def _tile_order(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 32]: tile (column block, k block), row r, element e."""
+    n, k = q.shape
+    t = q.reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2, 2)  # [nb, column, kb, r, parity]
+    return t.permute(0, 2, 3, 1, 4).reshape(n // TILE_N, k // TILE_K, TILE_K // 2, 2 * TILE_N)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [N, K] in 0..15 with w = (q - 8) * scale + zero, scale and zero [N, K/32] ->
+    (codes uint8 [N/16, K/32, 256], scale_zero bfloat16 [N/16, K/32, 2, 16])."""
+    t = _tile_order(q.to(torch.uint8))
+    codes = (t[..., :TILE_N] | (t[..., TILE_N:] << 4)).reshape(t.shape[0], t.shape[1], -1)
+    n, groups = scale.shape
+
+    def by_tile(v: torch.Tensor) -> torch.Tensor:
+        return v.to(torch.bfloat16).reshape(n // TILE_N, TILE_N, groups).permute(0, 2, 1)
+
+    return codes.contiguous(), torch.stack((by_tile(scale), by_tile(zero)), dim=2).contiguous()
+
+
+def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bfloat16 @ W.T (+ residual) -> [M, N] bfloat16."""
+    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_amx(x.contiguous(), codes, scale_zero, residual)
+    return y

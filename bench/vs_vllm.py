@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -254,10 +255,12 @@ def summarize(results: list[Result], elapsed: float, expected: int) -> dict[str,
 
 
 def bench_server(kind: str, dtype: str, port: int, vllm_python: Path, runs: list[list[dict[str, Any]]],
-                 warmup: list[dict[str, Any]], concurrency: int, llama_server: Path | None = None) -> dict[str, Any]:
+                 warmup: list[dict[str, Any]], concurrency: int, llama_server: Path | None = None,
+                 extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """runs: each measured run's requests. They differ from run to run: a repeated workload is served
-    from the servers' prefix caches, which keep different amounts of it (Conveyor's has a CPU tier)."""
-    with running(kind, dtype, port, vllm_python, llama_server) as ready:
+    from the servers' prefix caches, which keep different amounts of it (Conveyor's has a CPU tier).
+    extra: more flags for Conveyor."""
+    with running(kind, dtype, port, vllm_python, llama_server, extra if kind == "conveyor" else ()) as ready:
         say(f"{kind} ({dtype}): warm-up pass, {len(warmup)} requests")
         measure(port, warmup, concurrency)
         rows = []
@@ -306,6 +309,7 @@ def main() -> None:
                     "added at the end when --llama-server is given)")
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--conveyor-args", default="", help="more flags for Conveyor, one string (policy A/B runs)")
     args = ap.parse_args()
     from bench.common import cpu_features, machine
     from shared.config import DEFAULT_MODEL
@@ -334,7 +338,8 @@ def main() -> None:
     for dtype in dtypes:
         for kind in servers:
             results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python, [bodies(r) for r in runs],
-                                                  warm, concurrency, args.llama_server)
+                                                  warm, concurrency, args.llama_server,
+                                                  tuple(shlex.split(args.conveyor_args)))
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     vllm_torch = subprocess.run([str(vllm_python), "-c", "import torch; print(torch.__version__)"],

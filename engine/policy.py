@@ -53,8 +53,8 @@ def chunk(cfg: SchedulerConfig, remaining: int, budget: int, others_waiting: boo
     so they get budget (and their first token) this step; alone, it takes the whole budget."""
     n = min(remaining, budget)
     cut = others_waiting and cfg.prefill_policy != "mixed"  # mixed never cuts a prompt
-    if cut and n > cfg.long_prefill_threshold:
-        n = cfg.long_prefill_threshold
+    if cut and n > cfg.long_prompt_tokens:
+        n = cfg.long_prompt_tokens
     return n
 
 

@@ -204,7 +204,7 @@ class Scheduler:
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
         cfg = self.config
-        long_prefills = sum(s.num_tokens - s.num_computed_tokens > cfg.long_prefill_threshold for s in self.running)
+        long_prefills = sum(s.num_tokens - s.num_computed_tokens > cfg.long_prompt_tokens for s in self.running)
         i = 0
         while i < len(self.waiting) and self._room(budget):
             seq = self.waiting[i]
@@ -219,7 +219,7 @@ class Scheduler:
             hit = self.bm.lookup(seq) if seq.request.pooling is None else PrefixHit()
             cached = hit.num_tokens(self.bm.block_size)
             remaining = policy.remaining(seq, cached)
-            is_long = remaining > cfg.long_prefill_threshold
+            is_long = remaining > cfg.long_prompt_tokens
             if is_long and long_prefills >= cfg.max_long_prefills:
                 i += 1  # let shorter prompts behind it get their first token
                 continue

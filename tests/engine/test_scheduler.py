@@ -151,6 +151,21 @@ def test_long_prompt_cap_lets_short_prompts_overtake():
     assert run_step(s2).num_new_tokens == [64]  # with nobody waiting, a long prompt uses the whole budget
 
 
+def test_a_prompt_is_long_only_past_half_the_step_budget_by_default():
+    """The default threshold: half the budget, at least 256. With a 2,048-token budget a burst of
+    512-token prompts prefills whole, four to a step; with 512, the 256 cap and one-at-a-time hold."""
+    assert [SchedulerConfig(max_num_batched_tokens=b).long_prompt_tokens for b in (64, 512, 2048)] == [256, 256, 1024]
+    assert SchedulerConfig(max_num_batched_tokens=2048, long_prefill_threshold=100).long_prompt_tokens == 100
+    big = make_scheduler(num_blocks=1024, max_num_batched_tokens=2048)
+    for i in range(5):
+        big.add(make_request(f"p{i}", 512, arrival=i))
+    assert run_step(big).num_new_tokens == [512] * 4
+    small = make_scheduler(num_blocks=1024, max_num_batched_tokens=512)
+    for i in range(3):
+        small.add(make_request(f"p{i}", 400, arrival=i))
+    assert run_step(small).num_new_tokens == [256]
+
+
 def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_again_at_once():
     config = SchedulerConfig(max_num_batched_tokens=64)
     s = Scheduler(config, BlockManager(6, 4, num_cpu_blocks=16), 10_000)

@@ -42,6 +42,19 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
+@pytest.fixture(scope="module")
+def quantized_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """bfloat16 activations and int4 weights, the default model's configuration, with --deterministic:
+    the resubmitted prompt + delivered tokens are one prompt chunk, computed by other kernels at another
+    row count than the decode steps that produced them, unless every row's arithmetic is its own
+    (docs/determinism.md)."""
+    log = tmp_path_factory.mktemp("restart-int4") / "server.log"
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
+                 "--dtype", "bfloat16", "--quantization", "int4", "--deterministic", "--log-level", "warning"],
+                log_path=log) as srv:
+        yield srv
+
+
 def run(coro: Any, timeout: float = 240) -> Any:
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
@@ -137,6 +150,14 @@ async def poll_ready(url: str, seen: list[int], stop: asyncio.Event) -> None:
 
 
 def test_streams_survive_an_engine_sigkill(server: Server) -> None:
+    check_streams_survive_a_sigkill(server)
+
+
+def test_int4_streams_resume_exactly_in_bfloat16(quantized_server: Server) -> None:
+    check_streams_survive_a_sigkill(quantized_server)
+
+
+def check_streams_survive_a_sigkill(server: Server) -> None:
     reference = run(run_all(server.url, BODIES, kill=None))
     for s in reference:
         assert s.done and s.error is None and s.usage and s.usage["completion_tokens"] == MAX_TOKENS

@@ -1,0 +1,66 @@
+"""Where a reasoning model's output reasons, by token ids: one state machine for the engine (which
+forces the end of the reasoning at a thinking budget, engine/thinking.py) and for the client side
+(which counts reasoning tokens for `usage`, shared/choices.py).
+
+The gateway tokenizes the reasoning parser's tags (`<think>`, `</think>`) with the model's tokenizer
+and sends their ids in SamplingParams (reasoning_start_ids, reasoning_end_ids); the engine never sees
+text. A state is an int or None, immutable, so a forked sequence copies it with its tokens:
+
+    WAITING  the output has not written the start ids yet (the prompt did not open the block)
+    k >= 0   reasoning began at index k of the caller's token list (the output's first index: the
+             prompt opened the block; else just after the start ids)
+    None     the reasoning ended (the end ids were written, or forced), or is not tracked
+
+Matching is by ids: exact for models whose tags are single tokens (Qwen3, QwQ, the DeepSeek-R1
+distills); a tag the model spells with other tokens is not seen here (the text parser, which works on
+text, still splits it).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+WAITING = -1
+
+
+def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int | None:
+    """The state before the first output token; begin: where the output starts in the token list the
+    caller passes (the engine's holds the prompt too)."""
+    if not end_ids:
+        return None
+    return WAITING if start_ids else begin
+
+
+def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Sequence[int],
+          end_ids: Sequence[int]) -> int | None:
+    """The state once tokens (the output from index begin) has grown by its last token."""
+    if state is None:
+        return None
+    if state == WAITING:
+        return len(tokens) if _ends_with(tokens, start_ids, begin) else WAITING
+    return None if _ends_with(tokens, end_ids, state) else state
+
+
+def forced(state: int | None, tokens: Sequence[int], budget: int, end_ids: Sequence[int]) -> int | None:
+    """The token the output must take next: the next end id once `budget` reasoning tokens are out
+    (after the end ids' prefix the output may have begun already), else None."""
+    if state is None or state == WAITING or len(tokens) - state < budget:
+        return None
+    return end_ids[_partial(tokens, end_ids, state)]
+
+
+def span(state: int, tokens: Sequence[int], start_ids: Sequence[int]) -> int:
+    """Reasoning tokens so far of a state that reasons (k >= 0), its tags included."""
+    return len(tokens) - state + len(start_ids)
+
+
+def _ends_with(tokens: Sequence[int], tag: Sequence[int], begin: int) -> bool:
+    n = len(tag)
+    return len(tokens) - begin >= n and all(tokens[len(tokens) - n + i] == t for i, t in enumerate(tag))
+
+
+def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
+    """The longest proper prefix of tag that tokens[begin:] ends with."""
+    for j in range(min(len(tag) - 1, len(tokens) - begin), 0, -1):
+        if _ends_with(tokens, tag[:j], begin):
+            return j
+    return 0

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from shared import thinking
 from shared.constraints import Constraint
 from shared.errors import InvalidRequest
 
@@ -29,7 +30,6 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 512  # characters per stop string (the detokenizer holds back that much text)
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SALT_CHARS = 256  # cache_salt: a tenant id or a hash of one, not a payload
-MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
 MAX_TOKEN_ID = (1 << 31) - 1  # a bound for the wire; the engine checks ids against the vocabulary
 MAX_LOGPROBS = 20
 MAX_N = 64  # n, best_of and beam_width
@@ -87,10 +87,8 @@ class SamplingParams:
     # requests with different salts never share cached blocks, nor learn of each other's prompts through
     # cached_tokens (docs/prefix_caching.md). None: the shared cache.
     cache_salt: str | None = None
-    # Reasoning models (gateway/reasoning.py): the ids of the reasoning parser's open and close tags, by
-    # which the output's reasoning is found (shared/thinking.py; no start ids: the prompt opened the
-    # block). thinking_token_budget (vLLM's name): once that many reasoning tokens are out, the engine
-    # forces the end ids, one a step, and the model goes on with its answer (engine/thinking.py).
+    # Reasoning models: the reasoning parser's tags' ids (no start ids: the prompt opened the block), and
+    # vLLM's thinking_token_budget, after which the engine forces the end ids (shared/thinking.py).
     reasoning_start_ids: tuple[int, ...] = ()
     reasoning_end_ids: tuple[int, ...] = ()
     thinking_token_budget: int | None = None
@@ -176,7 +174,7 @@ class SamplingParams:
             _check(not self.use_beam_search, "use_beam_search", "cannot be used with structured output")
             _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: the grammar "
                    "decides when the output may end")
-        self._validate_thinking()
+        thinking.validate(self)
         if self.use_beam_search:
             self._validate_beam_search()
         else:
@@ -199,25 +197,6 @@ class SamplingParams:
             _check(value == neutral, name, f"cannot be used with beam search (it does not sample); "
                    f"leave it at {neutral!r}, got {value!r}")
         _check(not self.logit_bias, "logit_bias", "cannot be used with beam search")
-
-    def _validate_thinking(self) -> None:
-        for name in ("reasoning_start_ids", "reasoning_end_ids"):
-            ids = getattr(self, name)
-            _check(len(ids) <= MAX_TAG_IDS, name, f"may hold at most {MAX_TAG_IDS} ids, got {len(ids)}")
-            for t in ids:
-                _int(t, name, 0, MAX_TOKEN_ID, "", what="must hold integer token ids")
-        _check(bool(self.reasoning_end_ids) or not self.reasoning_start_ids, "reasoning_start_ids",
-               "need reasoning_end_ids too")
-        budget = self.thinking_token_budget
-        if budget is None:
-            return
-        _int(budget, "thinking_token_budget", 0, MAX_TOKENS)
-        _check(bool(self.reasoning_end_ids), "thinking_token_budget", "needs reasoning_end_ids: the tokens "
-               "that end the reasoning (the gateway sends them where it runs a reasoning parser)")
-        _check(not self.use_beam_search, "thinking_token_budget", "cannot be used with beam search")
-        # The grammar decides every token, and the forced end ids may be tokens it does not allow.
-        _check(self.constraint is None, "thinking_token_budget", "cannot be used with structured output or a "
-               "forced tool call")
 
     def _check_salt(self) -> None:
         salt = self.cache_salt

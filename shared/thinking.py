@@ -18,8 +18,17 @@ text, still splits it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from shared.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from shared.sampling import SamplingParams
 
 WAITING = -1
+MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
+MAX_TOKEN_ID = (1 << 31) - 1  # shared/sampling.py's bounds for the wire
+MAX_BUDGET = 1 << 20  # shared/sampling.py's MAX_TOKENS
 
 
 def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int | None:
@@ -64,3 +73,35 @@ def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
         if _ends_with(tokens, tag[:j], begin):
             return j
     return 0
+
+
+def validate(p: SamplingParams) -> None:
+    """SamplingParams' reasoning fields (ranges, and what a budget cannot be combined with), as
+    SamplingParams.validate checks the others: InvalidRequest naming the field."""
+    for name in ("reasoning_start_ids", "reasoning_end_ids"):
+        ids = getattr(p, name)
+        _check(len(ids) <= MAX_TAG_IDS, name, f"may hold at most {MAX_TAG_IDS} ids, got {len(ids)}")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids), name,
+               f"must hold integer token ids in [0, {MAX_TOKEN_ID}]")
+    _check(bool(p.reasoning_end_ids) or not p.reasoning_start_ids, "reasoning_start_ids",
+           "need reasoning_end_ids too")
+    budget = p.thinking_token_budget
+    if budget is None:
+        return
+    _check(_is_int(budget) and 0 <= budget <= MAX_BUDGET, "thinking_token_budget",
+           f"must be an integer in [0, {MAX_BUDGET}], got {repr(budget)[:50]}")
+    _check(bool(p.reasoning_end_ids), "thinking_token_budget", "needs reasoning_end_ids: the tokens that end "
+           "the reasoning (the gateway sends them where it runs a reasoning parser)")
+    _check(not p.use_beam_search, "thinking_token_budget", "cannot be used with beam search")
+    # The grammar decides every token, and the forced end ids may be tokens it does not allow.
+    _check(p.constraint is None, "thinking_token_budget", "cannot be used with structured output or a forced "
+           "tool call")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, param: str, why: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"{param} {why}", param=param)

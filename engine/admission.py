@@ -34,6 +34,9 @@ class Limits:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
+        for name in ("reasoning_start_ids", "reasoning_end_ids"):
+            if any(not 0 <= t < vocab for t in getattr(params, name)):
+                raise InvalidRequest(f"{name} must be in [0, {vocab})", param=name)
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:

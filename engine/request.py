@@ -45,7 +45,8 @@ class Request:
         self.stop_ids = frozenset(ids)
         # True when the sampler needs nothing but argmax: the per-step fast path checks one attribute.
         self.plain = params.greedy and not params.has_penalties and params.logprobs is None \
-            and params.min_tokens == 0 and params.one_sequence and params.constraint is None
+            and params.min_tokens == 0 and params.one_sequence and params.constraint is None \
+            and params.thinking_token_budget is None
         self.speculate = speculate  # the engine runs a proposer and this request may use it
         # Engine-stamped wall-clock times (time.time()): queued, scheduled, first_token, finished,
         # plus preempted (a count); sent with the final output so clients compute latencies.

@@ -6,7 +6,8 @@ A seeded row draws its E from a generator seeded by (seed, position), so its tok
 on what else is in the batch (nor on speculative decoding, see engine/speculative/verify.py).
 
 Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
-that order, in place on the logits. Logprobs (and the candidates of beam search, and the cumulative
+that order, in place on the logits, and last a spent thinking budget forces its end ids (engine/thinking.py).
+Logprobs (and the candidates of beam search, and the cumulative
 logprob best_of ranks by) are the raw model's log_softmax, taken before any of that, as OpenAI
 reports them; but rows under a structured-output constraint are masked first, in place (disallowed
 tokens -inf), so theirs are the log_softmax of the masked logits (docs/structured_output.md).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import thinking
 from engine.sequence import LogprobEntry, Sequence
 from engine.structured import apply_masks
 
@@ -35,7 +37,7 @@ class Sampler:
         apply_masks(logits, seqs)  # structured output: in place, before everything (logprobs included)
         lp_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None or s.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
-        logits = self._process(logits, seqs)
+        logits = thinking.force(self._process(logits, seqs), seqs)
         tokens = self._sample(logits, seqs)
         if raw_logp is None:
             return tokens, None

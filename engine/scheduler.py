@@ -9,10 +9,9 @@ then waiting requests by (priority, arrival). When a request cannot get blocks, 
 not yet served this step is preempted (swapped out or recomputed later). engine/policy.py holds
 the decisions the configuration makes: the prefill policies, the chunk sizes, whom to preempt.
 
-A waiting request starts on the longest cached prefix of its tokens (prefix caching). The
-modules that decide and return, for the scheduler to apply: engine/policy.py (admission, chunks,
-preemption victims), engine/groups.py (n / best_of forks, beam steps, a request's beams moving as
-one unit), engine/speculative/ (drafts and what verification leaves computed).
+A waiting request starts on the longest cached prefix of its tokens (prefix caching). Modules that decide and
+return, for the scheduler to apply: engine/policy.py (admission, chunks, victims), engine/groups.py (n, best_of
+forks, beams), engine/speculative/ (drafts, verification), engine/thinking.py (budgets).
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from engine import groups, policy, pooling, prompt_logprobs, structured
+from engine import groups, policy, pooling, prompt_logprobs, structured, thinking
 from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus, stop_reason
 from engine.speculative import Proposer, computed_after, plan_drafts
@@ -376,6 +375,7 @@ class Scheduler:
     def _append(self, seq: Sequence, token: int, entry: LogprobEntry | None) -> None:
         why = stop_reason(seq, token, self.max_model_len)
         seq.token_ids.append(token)
+        seq.thinking = thinking.after(seq)
         if entry is not None:
             seq.cumulative_logprob += entry[0]
             if seq.logprobs is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from engine import thinking
 from engine.request import Request
 from shared.sampling import SamplingParams
 
@@ -51,7 +52,8 @@ _REASONS = {
 class Sequence:
     __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
                  "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
-                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher", "pooled")
+                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher", "pooled",
+                 "thinking")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -77,6 +79,9 @@ class Sequence:
         self.matcher: Any = None
         # An embedding's pooled rows so far (engine/pooling.py accumulate); the scheduler writes it.
         self.pooled: Any = None
+        # A thinking budget's state (engine/thinking.py): where the reasoning began, None once it ended
+        # or without a budget; advanced by the scheduler with each token it appends.
+        self.thinking = thinking.initial(request.params, self.num_prompt_tokens)
 
     def fork(self, index: int) -> Sequence:
         """A new sequence of the same request with the same tokens and counters; the block manager

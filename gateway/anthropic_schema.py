@@ -17,7 +17,8 @@ grammar, SamplingParams), as the Responses door does:
     max_tokens, stop_sequences, temperature, top_p, top_k
                                         -> max_tokens, stop, temperature, top_p, top_k
     thinking (--reasoning-parser)       -> disabled: chat_template_kwargs enable_thinking false;
-                                           enabled / adaptive: the template's default (_thinking)
+                                           enabled / adaptive: the template's default; budget_tokens
+                                           below max_tokens: thinking_token_budget (anthropic_thinking)
 `cache_control` is accepted wherever Anthropic allows it: the prefix cache serves repeated prefixes
 without being asked. Every key at every depth is known or a 400 naming its path.
 """
@@ -30,6 +31,7 @@ from typing import Any
 
 from gateway.fields import known, obj_at, typed
 from gateway.openai_schema import ParsedRequest, Served, parse_chat
+from gateway.reasoning import anthropic_thinking
 from shared.errors import InvalidRequest
 
 TOP = frozenset(
@@ -62,7 +64,8 @@ _TEXT = frozenset({"type", "text", "cache_control", "citations"})
 _TOOL_USE = frozenset({"type", "id", "name", "input", "cache_control"})
 _TOOL_RESULT = frozenset({"type", "tool_use_id", "content", "is_error", "cache_control"})
 _TOOL = frozenset({"type", "name", "description", "input_schema", "cache_control"})
-_RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
+_RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format",
+            "thinking_token_budget": "thinking.budget_tokens"}
 
 
 @dataclass(slots=True)
@@ -82,8 +85,8 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise InvalidRequest("service_tier must be auto or standard_only", param="service_tier")
     max_tokens = 1 if count else typed(body, "max_tokens", int, "", required=True)
-    switch = _thinking(body.get("thinking"), served.reasoning_parser is not None,
-                       None if count else max_tokens)
+    thinking = anthropic_thinking(body.get("thinking"), served.reasoning_parser is not None,
+                                  None if count else max_tokens)
     messages = [*_system(body.get("system")), *_messages(body.get("messages"))]
     metadata = typed(body, "metadata", dict, "")
     if metadata is not None:
@@ -110,7 +113,7 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
         "tools": tools or None,
         **_tool_choice(body.get("tool_choice"), bool(tools)),
         "response_format": _output_format(body.get("output_config")),
-        "chat_template_kwargs": switch,
+        **thinking,
     }
     try:
         parsed = parse_chat(chat, served)
@@ -121,7 +124,10 @@ def parse_messages_body(body: Any, served: Served, count: bool = False) -> Messa
                 "enable_thinking switch",
                 param="thinking",
             ) from None
-        e.param = _RENAMED.get(e.param or "", e.param)
+        if e.param in _RENAMED:  # the Messages API's name, in the param and the message
+            old, e.param = e.param, _RENAMED[e.param]
+            if str(e).startswith(old):
+                e.args = (e.param + str(e)[len(old):],)
         raise
     return MessagesRequest(parsed, typed(body, "stream", bool, "") is True)
 
@@ -147,49 +153,6 @@ def _output_format(value: Any) -> dict[str, Any] | None:
         )
     schema = typed(fmt, "schema", dict, "output_config.format", required=True)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-
-
-def _thinking(value: Any, reasons: bool, max_tokens: int | None) -> dict[str, Any] | None:
-    """thinking -> the chat template's switch. Without --reasoning-parser only "disabled" is
-    accepted (the model does not reason). With one: "disabled" -> enable_thinking false (a 400
-    where the template has no such switch); "adaptive" and "enabled" -> the template's default
-    (the model thinks as long as it does); a budget_tokens below max_tokens cannot be enforced (a
-    400), one at or above it binds nothing that max_tokens does not. max_tokens None:
-    count_tokens, which generates nothing."""
-    if value is None:
-        return None
-    value = obj_at(value, "thinking")
-    kind = value.get("type")
-    if not reasons and kind != "disabled":
-        raise InvalidRequest(
-            "thinking is not supported: the model is not a reasoning model (only "
-            '{"type": "disabled"}; start the server with --reasoning-parser)',
-            param="thinking",
-        )
-    allowed = {"disabled": {"type"}, "adaptive": {"type", "display"},
-               "enabled": {"type", "display", "budget_tokens"}}
-    if kind not in allowed:
-        raise InvalidRequest("thinking.type must be enabled, adaptive or disabled",
-                             param="thinking.type")
-    known(value, frozenset(allowed[kind]), "thinking")
-    if value.get("display") not in (None, "summarized"):
-        raise InvalidRequest(
-            "thinking.display 'omitted' is not supported: the thinking is returned whole",
-            param="thinking.display",
-        )
-    if kind == "enabled":
-        budget = typed(value, "budget_tokens", int, "thinking", required=True)
-        if budget < 1024:
-            raise InvalidRequest("thinking.budget_tokens must be at least 1024",
-                                 param="thinking.budget_tokens")
-        if max_tokens is not None and budget < max_tokens:
-            raise InvalidRequest(
-                f"thinking.budget_tokens {budget} below max_tokens {max_tokens} cannot be "
-                "enforced: this server caps only the whole output (max_tokens); give a budget "
-                "of at least max_tokens, or thinking {\"type\": \"adaptive\"}",
-                param="thinking.budget_tokens",
-            )
-    return {"enable_thinking": False} if kind == "disabled" and reasons else None
 
 
 def _system(value: Any) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, overload
 
-from gateway.reasoning import Reasoning, prompt_opens
+from gateway.reasoning import Reasoning, parse_reasoning
 from gateway.request_fields import check_fields, check_stream_options
 from gateway.structured import constraint_of
 from gateway.templates import template_for, template_kwargs
@@ -86,7 +86,8 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
     parsed = _finish(body, ids, served, "messages", default_max_tokens=rest, chat=True,
                      tool_constraint=tools.constraint() if tools else None)
     parsed.tools = tools
-    parsed.reasoning = _reasoning(body, served, ids)
+    parsed.reasoning, parsed.params = parse_reasoning(body, served.reasoning_parser, served.tokenizer, ids,
+                                                      parsed.params)
     return with_prompt_logprobs(parsed, body)
 
 
@@ -103,24 +104,6 @@ def with_prompt_logprobs(parsed: ParsedRequest, body: dict[str, Any], echo_k: in
         parsed.params = dataclasses.replace(parsed.params, prompt_logprobs=max(wanted))
     parsed.prompt_logprobs = k
     return parsed
-
-
-def _reasoning(body: dict[str, Any], served: Served, ids: list[int]) -> Reasoning | None:
-    """--reasoning-parser: how this output starts (the prompt's tail says whether it opened
-    <think>)."""
-    include = body.get("include_reasoning")
-    if include is not None and not isinstance(include, bool):
-        raise InvalidRequest(f"include_reasoning must be true or false, got {_show(include)}",
-                             param="include_reasoning")
-    if served.reasoning_parser is None:
-        if include is not None:
-            raise InvalidRequest("include_reasoning is not supported: this server splits no "
-                                 "reasoning (start it with --reasoning-parser)",
-                                 param="include_reasoning")
-        return None
-    tail = served.tokenizer.decode(ids[-256:], skip_special_tokens=False)
-    opened = served.reasoning_parser == "deepseek_r1" or prompt_opens(tail)
-    return Reasoning(served.reasoning_parser, opened, include is not False)
 
 
 def parse_messages(messages: Any) -> list[dict[str, Any]]:
@@ -267,11 +250,14 @@ def _show(value: Any) -> str:
 # -- responses ------------------------------------------------------------------------------------------
 
 
-def usage(num_prompt: int, num_output: int, num_cached: int = 0) -> dict[str, Any]:
+def usage(num_prompt: int, num_output: int, num_cached: int = 0, reasoning: int | None = None) -> dict[str, Any]:
+    """reasoning: the reasoning tokens (tags included) of a chat request to a reasoning server."""
     u: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_output,
                          "total_tokens": num_prompt + num_output}
     if num_cached:
         u["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    if reasoning is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return u
 
 

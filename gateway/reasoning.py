@@ -20,7 +20,14 @@ Messages as a `thinking` block.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from gateway.fields import known, obj_at, typed
+from shared.errors import InvalidRequest
+from shared.sampling import SamplingParams
+from shared.tokenizer import encode
 
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
@@ -34,6 +41,69 @@ class Reasoning:
     parser: str
     opened: bool  # the output starts inside a think block (the prompt opened it, or deepseek_r1)
     include: bool = True  # vLLM's include_reasoning: false drops the reasoning from the response
+
+
+def parse_reasoning(body: dict[str, Any], parser: str | None, tokenizer: Any, ids: list[int],
+          params: SamplingParams) -> tuple[Reasoning | None, SamplingParams]:
+    """A chat body's reasoning fields -> how its output starts (the prompt's tail says whether it
+    opened <think>), and params with the tags' ids, by which the engine enforces vLLM's
+    thinking_token_budget and the gateway counts reasoning_tokens (shared/thinking.py). Without a
+    parser, a reasoning field is a 400."""
+    include, budget = body.get("include_reasoning"), body.get("thinking_token_budget")
+    if include is not None and not isinstance(include, bool):
+        raise InvalidRequest(f"include_reasoning must be true or false, got {repr(include)[:100]}",
+                             param="include_reasoning")
+    if parser is None:
+        for key in ("include_reasoning", "thinking_token_budget"):
+            if body.get(key) is not None:
+                raise InvalidRequest(f"{key} is not supported: this server splits no reasoning (start it "
+                                     "with --reasoning-parser)", param=key)
+        return None, params
+    tail = tokenizer.decode(ids[-256:], skip_special_tokens=False)
+    opened = parser == "deepseek_r1" or prompt_opens(tail)
+    start = () if opened else tuple(encode(tokenizer, OPEN, add_special_tokens=False))
+    end = tuple(encode(tokenizer, CLOSE, add_special_tokens=False))
+    params = dataclasses.replace(params, reasoning_start_ids=start, reasoning_end_ids=end,
+                                 thinking_token_budget=budget)  # validated there: a 400 naming it
+    return Reasoning(parser, opened, include is not False), params
+
+
+def anthropic_thinking(value: Any, reasons: bool, max_tokens: int | None) -> dict[str, Any]:
+    """Anthropic's thinking -> chat fields. Without --reasoning-parser only "disabled" is accepted
+    (the model does not reason). With one: "disabled" -> enable_thinking false (a 400 where the
+    template has no such switch); "adaptive" and "enabled" -> the template's default, and an enabled
+    budget_tokens below max_tokens -> thinking_token_budget (one at or above it binds nothing that
+    max_tokens does not, and is left out, so it refuses no grammar). max_tokens None: count_tokens,
+    which generates nothing."""
+    if value is None:
+        return {}
+    value = obj_at(value, "thinking")
+    kind = value.get("type")
+    if not reasons and kind != "disabled":
+        raise InvalidRequest(
+            "thinking is not supported: the model is not a reasoning model (only "
+            '{"type": "disabled"}; start the server with --reasoning-parser)',
+            param="thinking",
+        )
+    allowed = {"disabled": {"type"}, "adaptive": {"type", "display"},
+               "enabled": {"type", "display", "budget_tokens"}}
+    if kind not in allowed:
+        raise InvalidRequest("thinking.type must be enabled, adaptive or disabled",
+                             param="thinking.type")
+    known(value, frozenset(allowed[kind]), "thinking")
+    if value.get("display") not in (None, "summarized"):
+        raise InvalidRequest(
+            "thinking.display 'omitted' is not supported: the thinking is returned whole",
+            param="thinking.display",
+        )
+    if kind == "enabled":
+        budget = typed(value, "budget_tokens", int, "thinking", required=True)
+        if budget < 1024:  # Anthropic's minimum
+            raise InvalidRequest("thinking.budget_tokens must be at least 1024",
+                                 param="thinking.budget_tokens")
+        if max_tokens is not None and budget < max_tokens:
+            return {"thinking_token_budget": budget}
+    return {"chat_template_kwargs": {"enable_thinking": False}} if kind == "disabled" and reasons else {}
 
 
 def prompt_opens(prompt_text: str) -> bool:

@@ -29,7 +29,8 @@ _COMMON = frozenset({
 HONOURED = {
     False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # suffix: neutral values only
     True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools", "tool_choice",
-                     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"},
+                     "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
+                     "thinking_token_budget"},
 }
 # name -> the JSON type it must have. Accepted and unused: they describe the caller, not the output.
 INFORMATIONAL: dict[str, type] = {"user": str, "metadata": dict, "safety_identifier": str,

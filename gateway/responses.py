@@ -254,7 +254,7 @@ class Render:
             "input_tokens": end.prompt_tokens,
             "input_tokens_details": {"cached_tokens": end.cached_tokens},
             "output_tokens": end.output_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": end.reasoning_tokens},
             "total_tokens": end.prompt_tokens + end.output_tokens,
         }
         final = self.response(

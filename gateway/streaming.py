@@ -218,7 +218,7 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
             c.first = False
             yield response_object(rid, created, model, chat, True, [choice])
         if req.include_usage and last is not None:
-            yield response_object(rid, created, model, chat, True, [], text_usage(last, req.score_only))
+            yield response_object(rid, created, model, chat, True, [], text_usage(last, req))
     finally:
         await outputs.aclose()
 
@@ -254,16 +254,18 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
                     else completion_choice(index, text, c.finish_reason, lps))
         if req.prompt_logprobs is not None and not chat:  # vLLM's: per choice on completions
             body[-1]["prompt_logprobs"] = prompt_logprobs_view(c.prompt, req.prompt_logprobs)
-    resp = response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last, req.score_only))
+    resp = response_object(rid, created, app[SERVED].name, chat, False, body, text_usage(last, req))
     if req.prompt_logprobs is not None and chat:  # vLLM's: one list for the response on chat
         first = choices[min(choices)].prompt if choices else None
         resp["prompt_logprobs"] = prompt_logprobs_view(first, req.prompt_logprobs)
     return resp
 
 
-def text_usage(out: TextOutput, score_only: bool = False) -> dict[str, Any]:
-    """Over all choices: the last output's count is the request's (none generated with max_tokens 0)."""
-    return usage(out.num_prompt_tokens, 0 if score_only else out.num_output_tokens, out.num_cached_tokens)
+def text_usage(out: TextOutput, req: ParsedRequest) -> dict[str, Any]:
+    """Over all choices: the last output's counts are the request's (none generated with max_tokens 0);
+    reasoning_tokens where a reasoning parser splits the output."""
+    return usage(out.num_prompt_tokens, 0 if req.score_only else out.num_output_tokens, out.num_cached_tokens,
+                 out.num_reasoning_tokens if req.reasoning is not None else None)
 
 
 def sse_event(obj: Any) -> bytes:

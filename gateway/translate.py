@@ -12,7 +12,8 @@ ChoiceSplit: the reasoning parser, then the tool-call parser), and gets these ev
     Thought(text)                reasoning (--reasoning-parser only), all of it before any Text
     Text(text)                   content, as it may go out (--stream-interval applied)
     Call(ToolCall)               a whole tool call, after the content, once the output ended
-    End(reason, ...)             "stop" | "length", the stop string that hit, usage
+    End(reason, ...)             "stop" | "length", the stop string that hit, usage (reasoning
+                                 tokens included)
 
 The Responses and Messages doors ask for one choice (neither API has `n`).
 sse() writes named SSE events (`event: NAME` / `data: JSON`), the framing both those APIs use.
@@ -66,6 +67,7 @@ class End:
     prompt_tokens: int
     output_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of output_tokens, those in the reasoning part (--reasoning-parser)
 
 
 Event = Started | Thought | Text | Call | End
@@ -105,6 +107,7 @@ async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGen
                     out.num_prompt_tokens,
                     out.num_output_tokens,
                     out.num_cached_tokens,
+                    out.num_reasoning_tokens,
                 )
                 return
     finally:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shared import thinking
 from shared.detokenizer import Decoder, IncrementalDetokenizer
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
@@ -55,6 +56,9 @@ class TextOutput:
     # logprob None and no alternatives: nothing precedes it).
     prompt_logprobs: list[TokenLogprob] | None = None
     stop_string: str | None = None  # the stop string that ended this choice (Anthropic's stop_sequence)
+    # Of num_output_tokens, those in a reasoning part, tags included (params.reasoning_end_ids set, by the
+    # gateway's reasoning parser: shared/thinking.py finds the part by its tags' ids).
+    num_reasoning_tokens: int = 0
 
 
 class TokenStrings:
@@ -75,17 +79,50 @@ class TokenStrings:
 class Choice:
     """One choice's detokenizer, and with logprobs the tokens whose text is not released yet."""
 
-    def __init__(self, decoder: Decoder, stop: Sequence[str], num_top: int | None, strings: TokenStrings) -> None:
+    def __init__(self, decoder: Decoder, stop: Sequence[str], num_top: int | None, strings: TokenStrings,
+                 params: SamplingParams | None = None) -> None:
         self.detok = IncrementalDetokenizer(decoder, stop)
+        self._tags = (params.reasoning_start_ids, params.reasoning_end_ids) if params else ((), ())
+        self._thinking = thinking.initial(*self._tags, 0)  # where this choice reasons (shared/thinking.py)
+        self._seen: list[int] = []  # the output ids the state has taken, while it tracks
+        self.reasoning_tokens = 0  # a reasoning part's tokens, once it ended
         self.finish_reason: str | None = None
         self._num_top, self._strings = num_top, strings
         self._released = 0  # characters of text sent
         # [token position, end of its text in the decoded text (None: not decoded yet), entry]
         self._pending: deque[list[Any]] = deque()
 
+    @property
+    def num_reasoning_tokens(self) -> int:
+        state = self._thinking
+        if state is None or state == thinking.WAITING:
+            return self.reasoning_tokens
+        return thinking.span(state, self._seen, self._tags[0])
+
+    def _track(self, before: int) -> None:
+        """The reasoning state over the tokens the detokenizer took since it held before of them."""
+        for token in self.detok.token_ids[before:]:
+            state = self._thinking
+            if state is None:
+                self._seen = []
+                return
+            self._seen.append(token)
+            self._thinking = thinking.after(state, self._seen, 0, *self._tags)
+            if self._thinking is None and state != thinking.WAITING:
+                self.reasoning_tokens = thinking.span(state, self._seen, self._tags[0])
+
     def step(self, ids: list[int], logprobs: list[list[Any]] | None,
              final: bool) -> tuple[str, list[TokenLogprob] | None]:
         """-> the text now safe to send, and (with logprobs) the entries of the tokens it completes."""
+        before = len(self.detok.token_ids)
+        try:
+            return self._step(ids, logprobs, final)
+        finally:
+            if self._thinking is not None:
+                self._track(before)
+
+    def _step(self, ids: list[int], logprobs: list[list[Any]] | None,
+              final: bool) -> tuple[str, list[TokenLogprob] | None]:
         if self._num_top is None:
             return self.detok.step(ids, final), None
         if not ids:  # a row that only ends the choice: flush what is held back, with its tokens' entries
@@ -148,7 +185,8 @@ class Choices:
     def choice(self, index: int) -> Choice:
         c = self._choices.get(index)
         if c is None:
-            c = self._choices[index] = Choice(self._decoder, self.params.stop, self.params.logprobs, self._strings)
+            c = self._choices[index] = Choice(self._decoder, self.params.stop, self.params.logprobs, self._strings,
+                                              self.params)
         return c
 
     def feed(self, out: RequestOutput) -> list[TextOutput]:
@@ -199,8 +237,10 @@ class Choices:
 
     def _output(self, index: int, out: RequestOutput, text: str, ids: list[int],
                 entries: list[TokenLogprob] | None, reason: str | None) -> TextOutput:
+        reasoning = sum(c.num_reasoning_tokens for c in self._choices.values())
         return TextOutput(self.request_id, text, ids, False, reason, out.num_prompt_tokens or self.num_prompt_tokens,
-                          self.num_output_tokens, out.num_cached_tokens, index, entries)
+                          self.num_output_tokens, out.num_cached_tokens, index, entries,
+                          num_reasoning_tokens=reasoning)
 
 
 def join_outputs(parts: list[TextOutput], last: TextOutput) -> TextOutput:
@@ -210,4 +250,4 @@ def join_outputs(parts: list[TextOutput], last: TextOutput) -> TextOutput:
     prompt = next((p.prompt_logprobs for p in parts if p.prompt_logprobs is not None), None)
     return TextOutput(last.request_id, "".join(p.text for p in parts), [t for p in parts for t in p.token_ids], True,
                       reason, last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens, parts[0].index,
-                      lps, prompt)
+                      lps, prompt, num_reasoning_tokens=last.num_reasoning_tokens)

@@ -27,7 +27,9 @@ from shared.sampling import SamplingParams, check_priority
 # and OUTPUTS rows end with prompt_logprobs; embeddings: ADD may carry `pooling`, READY announces the
 # engine's pooler, an output row its `embedding` (an engine of 4 would have generated text for one).
 # 6: HELLO no longer names the client and READY no longer lists the eos ids (nobody read either).
-PROTOCOL_VERSION = 6
+# 7: SamplingParams.reasoning_start_ids, reasoning_end_ids and thinking_token_budget (an engine of 6
+# refuses every request of a reasoning server, which carries them).
+PROTOCOL_VERSION = 7
 
 
 class MsgType(bytes, enum.Enum):

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from shared import thinking
 from shared.constraints import Constraint
 from shared.errors import InvalidRequest
 
@@ -86,12 +87,19 @@ class SamplingParams:
     # requests with different salts never share cached blocks, nor learn of each other's prompts through
     # cached_tokens (docs/prefix_caching.md). None: the shared cache.
     cache_salt: str | None = None
+    # Reasoning models: the reasoning parser's tags' ids (no start ids: the prompt opened the block), and
+    # vLLM's thinking_token_budget, after which the engine forces the end ids (shared/thinking.py).
+    reasoning_start_ids: tuple[int, ...] = ()
+    reasoning_end_ids: tuple[int, ...] = ()
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
+        for name in ("reasoning_start_ids", "reasoning_end_ids"):
+            object.__setattr__(self, name, _as_tuple(getattr(self, name), name))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         object.__setattr__(self, "constraint", Constraint.from_wire(self.constraint))
         self._check_salt()
@@ -166,6 +174,7 @@ class SamplingParams:
             _check(not self.use_beam_search, "use_beam_search", "cannot be used with structured output")
             _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: the grammar "
                    "decides when the output may end")
+        thinking.validate(self)
         if self.use_beam_search:
             self._validate_beam_search()
         else:

@@ -50,9 +50,9 @@ def can_speculate(params: SamplingParams) -> bool:
     either way)."""
     p = params
     # A constrained request opts out: verifying drafts under its mask would need the matcher rolled back
-    # for every rejected draft (docs/structured_output.md).
+    # for every rejected draft (docs/structured_output.md); a thinking budget forces one token a step.
     return (p.speculative and p.one_sequence and not p.has_penalties and p.logprobs is None
-            and p.constraint is None)
+            and p.constraint is None and p.thinking_token_budget is None)
 
 
 def plan_drafts(proposer: Proposer, seq: Sequence, budget: int, max_model_len: int,

@@ -197,6 +197,7 @@ def test_what_openai_clients_send_back_passes() -> None:
             {"include_reasoning": True},
             "include_reasoning",
         ),  # no --reasoning-parser: a reasoning field is refused
+        ({"thinking_token_budget": 64}, "thinking_token_budget"),
         ({"reasoning_effort": "low"}, "reasoning_effort"),
         (
             {"chat_template_kwargs": {"enable_thinking": False}},

@@ -1,0 +1,107 @@
+"""Where a reasoning model's output reasons, by token ids: one state machine for the engine (which
+forces the end of the reasoning at a thinking budget, engine/thinking.py) and for the client side
+(which counts reasoning tokens for `usage`, shared/choices.py).
+
+The gateway tokenizes the reasoning parser's tags (`<think>`, `</think>`) with the model's tokenizer
+and sends their ids in SamplingParams (reasoning_start_ids, reasoning_end_ids); the engine never sees
+text. A state is an int or None, immutable, so a forked sequence copies it with its tokens:
+
+    WAITING  the output has not written the start ids yet (the prompt did not open the block)
+    k >= 0   reasoning began at index k of the caller's token list (the output's first index: the
+             prompt opened the block; else just after the start ids)
+    None     the reasoning ended (the end ids were written, or forced), or is not tracked
+
+Matching is by ids: exact for models whose tags are single tokens (Qwen3, QwQ, the DeepSeek-R1
+distills); a tag the model spells with other tokens is not seen here (the text parser, which works on
+text, still splits it).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from shared.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from shared.sampling import SamplingParams
+
+WAITING = -1
+MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
+MAX_TOKEN_ID = (1 << 31) - 1  # shared/sampling.py's bounds for the wire
+MAX_BUDGET = 1 << 20  # shared/sampling.py's MAX_TOKENS
+
+
+def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int | None:
+    """The state before the first output token; begin: where the output starts in the token list the
+    caller passes (the engine's holds the prompt too)."""
+    if not end_ids:
+        return None
+    return WAITING if start_ids else begin
+
+
+def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Sequence[int],
+          end_ids: Sequence[int]) -> int | None:
+    """The state once tokens (the output from index begin) has grown by its last token."""
+    if state is None:
+        return None
+    if state == WAITING:
+        return len(tokens) if _ends_with(tokens, start_ids, begin) else WAITING
+    return None if _ends_with(tokens, end_ids, state) else state
+
+
+def forced(state: int | None, tokens: Sequence[int], budget: int, end_ids: Sequence[int]) -> int | None:
+    """The token the output must take next: the next end id once `budget` reasoning tokens are out
+    (after the end ids' prefix the output may have begun already), else None."""
+    if state is None or state == WAITING or len(tokens) - state < budget:
+        return None
+    return end_ids[_partial(tokens, end_ids, state)]
+
+
+def span(state: int, tokens: Sequence[int], start_ids: Sequence[int]) -> int:
+    """Reasoning tokens so far of a state that reasons (k >= 0), its tags included."""
+    return len(tokens) - state + len(start_ids)
+
+
+def _ends_with(tokens: Sequence[int], tag: Sequence[int], begin: int) -> bool:
+    n = len(tag)
+    return len(tokens) - begin >= n and all(tokens[len(tokens) - n + i] == t for i, t in enumerate(tag))
+
+
+def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
+    """The longest proper prefix of tag that tokens[begin:] ends with."""
+    for j in range(min(len(tag) - 1, len(tokens) - begin), 0, -1):
+        if _ends_with(tokens, tag[:j], begin):
+            return j
+    return 0
+
+
+def validate(p: SamplingParams) -> None:
+    """SamplingParams' reasoning fields (ranges, and what a budget cannot be combined with), as
+    SamplingParams.validate checks the others: InvalidRequest naming the field."""
+    for name in ("reasoning_start_ids", "reasoning_end_ids"):
+        ids = getattr(p, name)
+        _check(len(ids) <= MAX_TAG_IDS, name, f"may hold at most {MAX_TAG_IDS} ids, got {len(ids)}")
+        _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids), name,
+               f"must hold integer token ids in [0, {MAX_TOKEN_ID}]")
+    _check(bool(p.reasoning_end_ids) or not p.reasoning_start_ids, "reasoning_start_ids",
+           "need reasoning_end_ids too")
+    budget = p.thinking_token_budget
+    if budget is None:
+        return
+    _check(_is_int(budget) and 0 <= budget <= MAX_BUDGET, "thinking_token_budget",
+           f"must be an integer in [0, {MAX_BUDGET}], got {repr(budget)[:50]}")
+    _check(bool(p.reasoning_end_ids), "thinking_token_budget", "needs reasoning_end_ids: the tokens that end "
+           "the reasoning (the gateway sends them where it runs a reasoning parser)")
+    _check(not p.use_beam_search, "thinking_token_budget", "cannot be used with beam search")
+    # The grammar decides every token, and the forced end ids may be tokens it does not allow.
+    _check(p.constraint is None, "thinking_token_budget", "cannot be used with structured output or a forced "
+           "tool call")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check(ok: bool, param: str, why: str) -> None:
+    if not ok:
+        raise InvalidRequest(f"{param} {why}", param=param)

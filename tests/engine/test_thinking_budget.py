@@ -1,0 +1,118 @@
+"""thinking_token_budget in the engine (engine/thinking.py): after exactly `budget` reasoning tokens the
+end ids are forced, one a step, and the model goes on; tiny random Llama, greedy, stepped in-process."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+
+from engine.core import EngineCore
+from shared.config import build_config
+from shared.constraints import Constraint
+from shared.errors import InvalidRequest
+from shared.sampling import SamplingParams
+
+PROMPT = list(range(3, 40))
+MAX = 20
+IDS = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama_dir: Any) -> EngineCore:
+    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16, enable_prefix_caching=False))
+
+
+def run(core: EngineCore, prompt: list[int] = PROMPT, **kw: Any) -> dict[int, list[Any]]:
+    """-> per choice index, its output ids; under -1 - index its logprob entries; under -100 the
+    prompt logprobs."""
+    rid = f"r{next(IDS)}"
+    core.add(rid, prompt, SamplingParams(**({"max_tokens": MAX, "ignore_eos": True, "temperature": 0} | kw)))
+    out: dict[int, list[Any]] = {}
+    while core.has_work():
+        for o in core.step():
+            assert not hasattr(o, "reason"), o  # an Error
+            out.setdefault(o.index, []).extend(o.new_token_ids)
+            if getattr(o, "logprobs", None):
+                out.setdefault(-1 - o.index, []).extend(o.logprobs)
+            if getattr(o, "prompt_logprobs", None):
+                out[-100] = o.prompt_logprobs
+    return out
+
+
+def unused(ref: list[int], k: int) -> list[int]:
+    """k token ids the free run never writes: an end tag the model does not write by itself."""
+    return [t for t in range(100, 200) if t not in ref][:k]
+
+
+def test_the_end_ids_are_forced_exactly_at_the_budget_then_the_model_goes_on(core: EngineCore) -> None:
+    ref = run(core)[0]
+    end = unused(ref, 3)
+    out = run(core, thinking_token_budget=5, reasoning_end_ids=end)[0]
+    assert out[:5] == ref[:5]  # the reasoning is the model's own
+    assert out[5:8] == end  # then the tag, forced
+    assert len(out) == MAX and end[0] not in out[8:]  # and the model goes on, unforced
+    free = run(core, PROMPT + out[:8], max_tokens=MAX - 8)[0]
+    assert out[8:] == free  # the answer is what the model writes after the forced tag
+
+
+def test_the_budget_counts_from_the_start_ids_when_the_output_writes_them(core: EngineCore) -> None:
+    ref = run(core)[0]
+    start, end = ref[2:4], unused(ref, 2)
+    assert ref.index(start[0]) == 2  # the first time the start ids appear
+    out = run(core, thinking_token_budget=3, reasoning_start_ids=start, reasoning_end_ids=end)[0]
+    assert out[:7] == ref[:7] and out[7:9] == end  # 4 tokens up to the tag, then 3 reasoning tokens
+    never = run(core, thinking_token_budget=3, reasoning_start_ids=unused(ref, 5)[3:], reasoning_end_ids=end)[0]
+    assert never == ref  # no start ids in the output: no reasoning to cut
+
+
+def test_an_end_tag_begun_or_written_by_the_model_is_not_forced_again(core: EngineCore) -> None:
+    ref = run(core)[0]
+    x, y = unused(ref, 2)
+    begun = run(core, thinking_token_budget=5, reasoning_end_ids=[ref[4], x, y])[0]
+    assert begun[:7] == [*ref[:5], x, y]  # ref[4] began the tag: only its rest is forced
+    assert run(core, thinking_token_budget=5, reasoning_end_ids=ref[1:3])[0] == ref  # closed at 3: nothing forced
+    assert run(core, thinking_token_budget=0, reasoning_end_ids=[x])[0][:1] == [x]  # no reasoning at all
+
+
+def test_forced_tokens_report_the_models_own_logprobs(core: EngineCore) -> None:
+    ref = run(core)[0]
+    end = unused(ref, 2)
+    got = run(core, thinking_token_budget=4, reasoning_end_ids=end, logprobs=0)
+    out, lps = got[0], got[-1]
+    assert out[4:6] == end and len(lps) == MAX
+    scored = run(core, PROMPT + out[:6], max_tokens=1, prompt_logprobs=0)[-100]
+    for j in (4, 5):  # the forced tokens: the model's log-softmax at their place, not 0
+        want = scored[len(PROMPT) + j][0]
+        assert math.isclose(lps[j][0], want, abs_tol=1e-4) and want < -1e-3
+
+
+def test_each_sampled_sequence_keeps_its_own_budget(core: EngineCore) -> None:
+    end = [150, 151]
+    out = run(core, thinking_token_budget=6, reasoning_end_ids=end, temperature=1.0, seed=3, n=3)
+    assert all(out[i][6:8] == end and len(out[i]) == MAX for i in range(3))
+    assert len({tuple(out[i][:6]) for i in range(3)}) > 1  # three samples, each forced at its own 6th token
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"thinking_token_budget": 4}, "thinking_token_budget"),  # no end ids to force
+    ({"thinking_token_budget": -1, "reasoning_end_ids": [5]}, "thinking_token_budget"),
+    ({"thinking_token_budget": 4, "reasoning_end_ids": [5], "use_beam_search": True, "beam_width": 2,
+      "temperature": 0}, "thinking_token_budget"),
+    ({"thinking_token_budget": 4, "reasoning_end_ids": [5], "constraint": Constraint("regex", "a+")},
+     "thinking_token_budget"),
+    ({"reasoning_start_ids": [5]}, "reasoning_start_ids"),
+    ({"reasoning_end_ids": ["5"]}, "reasoning_end_ids"),
+    ({"reasoning_end_ids": list(range(33))}, "reasoning_end_ids"),
+])
+def test_a_budget_that_cannot_be_honoured_is_refused(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_end_ids_outside_the_vocabulary_are_refused_by_the_engine(core: EngineCore) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        core.add("bad", PROMPT, SamplingParams(thinking_token_budget=4, reasoning_end_ids=[10**6]))
+    assert e.value.param == "reasoning_end_ids" and not core.has_work()

@@ -7,6 +7,8 @@ j sees every key at position <= ctx + j (full over the prefix, causal within the
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -116,15 +118,29 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> in
     return max(1, block_m // group_pad, min_q)
 
 
+class PrefillConfig(TypedDict):
+    """_prefill_kernel's constexprs and launch option, passed as **config."""
+    GROUP: int
+    GROUP_PAD: int
+    BLOCK_Q: int
+    D: int
+    BLOCK_D: int
+    BLOCK_N: int
+    BLOCK_SIZE: int
+    UPCAST: bool
+    PRECISION: str
+    num_warps: int
+
+
 def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   interpret: bool) -> dict:
+                   interpret: bool) -> PrefillConfig:
     """Constexprs and num_warps of _prefill_kernel; shared with the compile test. 64-row tiles,
     8 KiB K/V tiles and 8 warps compile without register spills on sm_90 for head dims 64 and 128
     (ptxas -v, checked by test_triton_compile.py); not tuned by timing yet (no GPU was lent)."""
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     tile_elems = 8192 // dtype.itemsize
-    return dict(
+    return PrefillConfig(
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=prefill_block_q(num_heads, num_kv_heads, dtype),
         D=head_dim, BLOCK_D=block_d, BLOCK_N=min(128, max(16, tile_elems // block_d)), BLOCK_SIZE=block_size,
         UPCAST=interpret, PRECISION="ieee" if dtype == torch.float32 else "tf32",

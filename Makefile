@@ -33,7 +33,7 @@ serve: install
 # Lint and types first: they take under a minute, and a failure there fails the suite before the slow tests.
 lint: install
 	$(PY) -m ruff check .
-	$(PY) -m mypy shared gateway kernels engine
+	$(PY) -m mypy shared gateway kernels engine tests
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

@@ -1,5 +1,6 @@
 # make serve: install and start the server on the embedded default model (127.0.0.1:8000)
-# make test:  install, lint (ruff), type-check (mypy) and run the test suite
+# make check: lint, type-check and the tests not marked slow: the developer's loop, under 3 minutes
+# make test:  install, lint (ruff), type-check (mypy) and run the test suite, slow tests included (CI)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -11,7 +12,7 @@ ARGS ?=
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 
-.PHONY: install serve lint test bench clean
+.PHONY: install serve lint check test bench clean
 
 # Reinstall only when the dependency list changes. torch first, so the project's own install finds the
 # pinned version (constraints.txt) already satisfied: with the default TORCH_INDEX, a `+cpu` build from the
@@ -33,7 +34,12 @@ serve: install
 # Lint and types first: they take under a minute, and a failure there fails the suite before the slow tests.
 lint: install
 	$(PY) -m ruff check .
-	$(PY) -m mypy shared gateway kernels engine
+	$(PY) -m mypy shared gateway kernels engine tests
+
+# The tests not marked slow (pyproject.toml's marker: real models, subprocess servers, Ray, tensor
+# parallel, the browser, lm-eval, Triton compiles). CI runs make test, which runs them all.
+check: lint
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 test: lint
 	$(PY) -m pytest -q $(ARGS)

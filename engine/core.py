@@ -235,7 +235,7 @@ class EngineCore:
                 "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
-def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list] | None:
+def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list[float | list[list[float]]]] | None:
     """[(logprob, [(id, logprob), ...]), ...] -> JSON-ready [[logprob, [[id, logprob], ...]], ...]."""
     if entries is None:
         return None

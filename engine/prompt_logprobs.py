@@ -124,9 +124,11 @@ def attach(deltas: list[Delta]) -> None:
             s.sent.add(d.index)
 
 
-def to_wire(entries: list[PromptEntry] | None) -> list[list | None] | None:
+def to_wire(entries: list[PromptEntry] | None) -> list[list[float | list[list[float]]] | None] | None:
     """-> JSON-ready [None, [logprob, rank, [[id, logprob], ...]], ...]: one per prompt token, the
     first None (nothing precedes it), as vLLM's prompt_logprobs."""
     if entries is None:
         return None
-    return [None, *([lp, rank, [[t, v] for t, v in top]] for lp, rank, top in entries)]
+    wire: list[list[float | list[list[float]]] | None] = [None]
+    wire.extend([lp, rank, [[t, v] for t, v in top]] for lp, rank, top in entries)
+    return wire

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
 
 # Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,7 +43,7 @@ def save_tiny(folder: Path, config_cls: type, model_cls: type, seed: int = 0, bi
 
 
 @pytest.fixture(scope="session", autouse=True)
-def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Derived files (dequantized weights, tokenizer) go to a per-session folder, never the user's home."""
     path = tmp_path_factory.mktemp("conveyor-cache")
     old = os.environ.get("CONVEYOR_CACHE")

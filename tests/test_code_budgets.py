@@ -41,7 +41,9 @@ def product_files() -> list[Path]:
 
 def measure() -> tuple[dict[str, tuple[int, int]], dict[tuple[str, str], int], int]:
     """-> files over a budget, functions over the budget, EngineCore.step's length."""
-    files, functions, step = {}, {}, 0
+    files: dict[str, tuple[int, int]] = {}
+    functions: dict[tuple[str, str], int] = {}
+    step = 0
     for path in product_files():
         rel, src = path.relative_to(ROOT).as_posix(), path.read_text()
         lines, chars = src.count("\n"), len(src)

@@ -6,6 +6,8 @@ device copy (bench/kernels.py), and the launchers keep every program's accesses 
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -62,10 +64,26 @@ def store_kv(
     )
 
 
-def store_config(num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+class StoreConfig(TypedDict):
+    """_store_kv_kernel's constexprs and launch option, passed as **config."""
+    HKV: int
+    D: int
+    BLOCK_H: int
+    BLOCK_D: int
+    BLOCK_SIZE: int
+    num_warps: int
+
+
+class MoveConfig(TypedDict):
+    """_move_blocks_kernel's constexpr and launch option."""
+    BLOCK_E: int
+    num_warps: int
+
+
+def store_config(num_kv_heads: int, head_dim: int, block_size: int) -> StoreConfig:
     """Constexprs and num_warps of _store_kv_kernel; shared with the compile test."""
-    return dict(HKV=num_kv_heads, D=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-                BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
+    return StoreConfig(HKV=num_kv_heads, D=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+                       BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=4)
 
 
 @triton.jit
@@ -110,10 +128,10 @@ def _move_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, ds
     _move_blocks_kernel[grid](src, dst, src_idx, dst_idx, src.stride(0), dst.stride(0), e, **config)
 
 
-def move_config(block_elems: int) -> dict:
+def move_config(block_elems: int) -> MoveConfig:
     """Constexprs and num_warps of _move_blocks_kernel: chunks of up to 4096 elements (8 KiB in
     bf16), 16 per thread at 8 warps: wide vector loads, enough programs for small moves."""
-    return dict(BLOCK_E=min(4096, triton.next_power_of_2(block_elems)), num_warps=8)
+    return MoveConfig(BLOCK_E=min(4096, triton.next_power_of_2(block_elems)), num_warps=8)
 
 
 def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -7,6 +7,8 @@ long sequences are split along the KV length into partitions that run in paralle
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
 import torch
 import triton
 import triton.language as tl
@@ -154,11 +156,32 @@ def decode_block_n(head_dim: int) -> int:
     return min(128, max(16, 4096 // block_d))
 
 
+class DecodeConfig(TypedDict):
+    """_decode_partition_kernel's constexprs and launch option, passed as **config."""
+    GROUP: int
+    GROUP_PAD: int
+    D: int
+    BLOCK_D: int
+    BLOCK_N: int
+    BLOCK_SIZE: int
+    UPCAST: bool
+    PRECISION: str
+    num_warps: int
+
+
+class ReduceConfig(TypedDict):
+    """_decode_reduce_kernel's constexprs and launch option."""
+    SPLITS_PAD: int
+    D: int
+    BLOCK_D: int
+    num_warps: int
+
+
 def decode_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                  interpret: bool) -> dict:
+                  interpret: bool) -> DecodeConfig:
     """Constexprs and num_warps of _decode_partition_kernel; shared with the compile test."""
     group = num_heads // num_kv_heads
-    return dict(
+    return DecodeConfig(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         D=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=decode_block_n(head_dim), BLOCK_SIZE=block_size,
@@ -167,9 +190,9 @@ def decode_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: 
     )
 
 
-def reduce_config(head_dim: int, num_splits: int) -> dict:
-    return dict(SPLITS_PAD=triton.next_power_of_2(num_splits), D=head_dim,
-                BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
+def reduce_config(head_dim: int, num_splits: int) -> ReduceConfig:
+    return ReduceConfig(SPLITS_PAD=triton.next_power_of_2(num_splits), D=head_dim,
+                        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1)
 
 
 def decode_attention(

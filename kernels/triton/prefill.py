@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NotRequired, TypedDict
 
 import torch
 import triton
@@ -165,16 +166,31 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype, block
     return max(1, block_m // group_pad, min_q)
 
 
+class PrefillConfig(TypedDict):
+    """_prefill_kernel's constexprs and launch option, passed as **config."""
+    GROUP: int
+    GROUP_PAD: int
+    BLOCK_Q: int
+    D: int
+    BLOCK_D: int
+    BLOCK_N: int
+    BLOCK_SIZE: int
+    UPCAST: bool
+    PRECISION: str
+    num_warps: int
+    num_stages: NotRequired[int]
+
+
 def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   interpret: bool, knobs: PrefillKnobs | None = None) -> dict:
+                   interpret: bool, knobs: PrefillKnobs | None = None) -> PrefillConfig:
     """Constexprs and launch options of _prefill_kernel; shared with the compile test. Fallback: 64-row
     tiles, 8 KiB K/V tiles and 8 warps, which compile without register spills on sm_90 for head dims
-    64 and 128 (ptxas -v, checked by test_triton_compile.py); not tuned by timing yet."""
+    64 and 128 (ptxas -v, checked by test_triton_compile.py); PREFILL_TUNED holds the timed choices."""
     knobs = knobs or PrefillKnobs()
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     tile_elems = 8192 // dtype.itemsize
-    config = dict(
+    config = PrefillConfig(
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=prefill_block_q(num_heads, num_kv_heads, dtype, knobs.block_m),
         D=head_dim, BLOCK_D=block_d, BLOCK_N=knobs.block_n or min(128, max(16, tile_elems // block_d)),

@@ -34,7 +34,7 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 
 
 def test_metrics_parse_and_move(server: Server) -> None:
-    async def main() -> tuple[dict[str, Any], dict[str, Any]]:
+    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         async with aiohttp.ClientSession() as session:
             before = await scrape(session, server.url)
             body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "ignore_eos": True}

@@ -33,7 +33,7 @@ from tests.e2e.conftest import TINY_CHAT
 from tests.e2e.servers import Server, is_idle, wait_engine_idle
 
 pytestmark = pytest.mark.slow
-VOCAB = int(TINY_CHAT["vocab_size"])  # type: ignore[call-overload]
+VOCAB = int(TINY_CHAT["vocab_size"])
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

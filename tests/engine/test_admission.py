@@ -20,7 +20,8 @@ def core(tiny_llama_dir) -> EngineCore:
 @pytest.mark.parametrize("prompt,params,param", [
     # The first case of issue #14: an id past the vocabulary once stopped the engine inside the sampler.
     (PROMPT, SamplingParams(min_tokens=1, stop_token_ids=(100_000,)), "stop_token_ids"),
-    (PROMPT, SamplingParams(logit_bias={"512": 1.0}), "logit_bias"),
+    # logit_bias in its wire form, a {"id": bias} dict that __post_init__ turns into the declared pairs
+    (PROMPT, SamplingParams(logit_bias={"512": 1.0}), "logit_bias"),  # type: ignore[arg-type]
     ([5, 512], SamplingParams(), "prompt"),
     ([], SamplingParams(), "prompt"),
     (PROMPT, SamplingParams(n=9), "n"),
@@ -41,7 +42,8 @@ def test_the_door_refuses_what_can_never_run_and_names_the_field(core, prompt, p
 def test_the_limits_themselves_are_accepted_and_run(core):
     top = core.model_config.vocab_size - 1
     core.add("edge", PROMPT + [top], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(top,),
-                                                    logit_bias={str(top): -1.0}, min_tokens=1))
+                                                    logit_bias={str(top): -1.0},  # type: ignore[arg-type]
+                                                    min_tokens=1))
     core.add("beams", PROMPT, SamplingParams(use_beam_search=True, beam_width=4, max_tokens=60, ignore_eos=True))
     core.add("n8", PROMPT, SamplingParams(temperature=1.0, n=8, max_tokens=3))
     finished = set()

@@ -219,6 +219,7 @@ def test_matryoshka_and_sentence_transformers_config(tiny_llama_dir: Path, tmp_p
         core.add("c", ids, SamplingParams(), pool=PoolingParams())
 
 
+@pytest.mark.slow  # sentence-transformers' own pipeline as the reference: about 20 s on 2 busy cores
 def test_a_qwen3_embedding_style_checkpoint_equals_sentence_transformers(tmp_path: Path) -> None:
     """Qwen3-Embedding's layout: a Qwen3Model (no LM head, tensor names without 'model.') with
     sentence-transformers' last-token Pooling and Normalize modules. --pooling auto reads them, and

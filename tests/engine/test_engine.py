@@ -21,7 +21,8 @@ def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 60)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+# Qwen2 only in make test: test_families.py compares every family with transformers in make check too.
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", pytest.param("tiny_qwen2_dir", marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_generate(fixture, request):
     folder = request.getfixturevalue(fixture)
     prompts = random_prompts(8, vocab=512)
@@ -53,6 +54,7 @@ def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
     assert [o.token_ids for o in ours] == ref
 
 
+@pytest.mark.slow  # two engines over the same prompts; test_block_manager.py pins the free-list order itself
 def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
     prompts = random_prompts(6, vocab=512, seed=1, lo=20, hi=90)
     cfg = build_config(str(tiny_llama_dir), num_blocks=96, block_size=16, max_num_batched_tokens=64)

@@ -118,7 +118,7 @@ def test_schedule_interval_admits_only_every_nth_step():
     s = make_scheduler(max_num_batched_tokens=64, schedule_interval=3)
     s.add(make_request("a", 4, max_tokens=30, arrival=0))
     run_step(s)  # step 1: admitted at once (nothing was running)
-    admitted_at = {}
+    admitted_at: dict[str, int] = {}
     for step in range(2, 9):
         s.add(make_request(f"n{step}", 4, max_tokens=30, arrival=step))
         plan = run_step(s)

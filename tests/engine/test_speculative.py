@@ -248,6 +248,7 @@ def resample_from_p(p, drafts, q, req):
     return k, verify_module._draw(p[k], None)
 
 
+@pytest.mark.slow  # thousands of samples per proposer: 10 to 20 s each on 2 busy cores
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_sampling_distribution_unchanged(small_vocab_dirs, proposer, monkeypatch):
     target, draft = small_vocab_dirs

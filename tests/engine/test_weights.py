@@ -38,7 +38,8 @@ def test_config_reads_old_and_new_rope_spellings():
     new = ModelConfig.from_hf({**LLAMA, "rope_parameters": {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
-    assert old == new and old.rope_theta == 500000.0 and old.rope_scaling["rope_type"] == "llama3"
+    assert old == new and old.rope_theta == 500000.0 and old.rope_scaling is not None
+    assert old.rope_scaling["rope_type"] == "llama3"
     plain = ModelConfig.from_hf({**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
     assert plain.rope_scaling is None and plain.head_dim == 16 and plain.num_kv_heads == 2
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):

@@ -64,7 +64,7 @@ def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second
         waiting_cap = limits.max_concurrent_requests > 1
         with slow_engine() as eng:
             if waiting_cap:
-                eng._step = lambda: None  # noqa: SLF001 - a queue that never moves: requests stay waiting
+                eng._step = lambda: None  # type: ignore[method-assign]  # a queue that never moves: requests stay waiting
             async with gateway(eng, limits=limits) as http:
                 first = asyncio.ensure_future(http.post("/v1/completions", json={**LONG_STREAM, "prompt": "hi hi"}))
                 assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.adds()) == 1)

@@ -3,6 +3,7 @@ dead replicas out of the ring."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ class FakeClient:
     connected: bool = True
 
 
-def router(n: int = 3, **config: int) -> Router:
+def router(n: int = 3, **config: Any) -> Router:
     return Router([FakeClient(f"tcp://replica-{i}:5555") for i in range(n)],  # type: ignore[misc]
                   RouterConfig(affinity_tokens=32, **config))
 

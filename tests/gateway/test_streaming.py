@@ -79,7 +79,7 @@ def _read_all(sock: socket.socket) -> bytes:
 
 def _dechunk(body: bytes) -> bytes:
     """HTTP/1.1 chunked transfer encoding -> the bytes."""
-    out, i = [], 0
+    out, i = list[bytes](), 0
     while True:
         j = body.index(b"\r\n", i)
         size = int(body[i:j], 16)

@@ -3,6 +3,7 @@ hold-back, the shipped template's rendering, and which field spellings become wh
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,7 @@ def test_shipped_template_renders_tools_calls_and_results() -> None:
     template = template_for(tok, None, uses_tools=True)
     assert template == HERMES_CHATML and template_for(tok, None, uses_tools=False) is None
     assert template_for(tok, "{{ x }}", uses_tools=False) == "{{ x }}"  # --chat-template wins
+    messages: list[dict[str, Any]]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
                     "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
@@ -77,6 +79,7 @@ def test_tool_choice_shapes() -> None:
     assert c is not None and c.kind == "structural_tag" and json.loads(c.value)["format"]["stop_after_first"]
     auto = parse_tools({"tools": TOOLS}, "auto")
     assert auto is not None and auto.constraint() is None
+    bad: dict[str, Any]
     for bad in ({"tool_choice": "required"}, {"tools": []}, {"tools": [{"type": "function", "function": {}}]},
                 {"tools": TOOLS, "tool_choice": "always"}, {"tools": TOOLS, "parallel_tool_calls": "yes"}):
         with pytest.raises(InvalidRequest):
@@ -94,6 +97,7 @@ def test_field_spellings_become_constraints() -> None:
     assert constraint_of({"guided_choice": ["a", "b"]}) == constraint_of({"structured_outputs": {"choice": ["a", "b"]}})
     assert constraint_of({"guided_regex": "a+"}) == Constraint("regex", "a+")
     assert constraint_of({"structured_outputs": {"grammar": "root ::= \"a\""}}) == Constraint("grammar", 'root ::= "a"')
+    bad: dict[str, Any]
     for bad in ({"guided_regex": "a", "guided_choice": ["a"]}, {"structured_outputs": {"regex": "a", "choice": ["a"]}},
                 {"structured_outputs": {"whitespace_pattern": " "}}, {"guided_choice": []}, {"guided_json": "{"},
                 {"response_format": {"type": "json_schema"}}, {"response_format": "json"}):

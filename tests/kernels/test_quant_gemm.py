@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernel_choice
 from engine.load import amx
+from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
@@ -74,7 +74,7 @@ def test_the_module_takes_the_tiles_in_their_row_range() -> None:
     """forward and add_to run the AMX kernel from amx_from rows and hand over to the packed copy from
     packed_from: each range gives that kernel's own bits."""
     m = module(576, 576)
-    m.packed, m.packed_from = kernel_choice.PackedLinear(m.dequantized(), None), 64
+    m.packed, m.packed_from = PackedLinear(m.dequantized(), None), 64
     m.amx_from = 8
     x = torch.randn(70, 576).to(torch.bfloat16)
     h = torch.randn(70, 576).to(torch.bfloat16)

@@ -18,6 +18,12 @@ from kernels.torch_backend import TorchBackend
 
 SHAPES = list(itertools.product([64, 128], [1, 4, 8], [16, 32]))  # head_dim, GQA ratio, block_size
 SHAPE_IDS = [f"d{d}-g{g}-bs{bs}" for d, g, bs in SHAPES]
+
+
+def first_fast(cases: list[tuple]) -> list:
+    """A sweep under the Triton interpreter takes seconds a case: its first case runs in make check, the
+    rest are marked slow (make test runs them all)."""
+    return [case if i == 0 else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
 FP32_TOL = 1e-3
 
 
@@ -61,7 +67,7 @@ def _case_decode_kernel(head_dim: int, group: int, block_size: int) -> None:
         assert torch.isnan(out[others]).all(), f"partition={partition}: wrote a row that is not a decode row"
 
 
-@pytest.mark.parametrize("head_dim,group,block_size", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("head_dim,group,block_size", first_fast(SHAPES), ids=SHAPE_IDS)
 def test_decode_kernel(head_dim: int, group: int, block_size: int) -> None:
     """Split-K decode with 1, several and many partitions, GQA, lengths across block boundaries."""
     run_isolated(_case_decode_kernel, head_dim=head_dim, group=group, block_size=block_size)
@@ -101,7 +107,7 @@ def _case_prefill_kernel(head_dim: int, group: int, block_size: int) -> None:
     assert torch.isnan(out[decode_row]).all(), "the prefill kernel wrote the decode row"
 
 
-@pytest.mark.parametrize("head_dim,group,block_size", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("head_dim,group,block_size", first_fast(SHAPES), ids=SHAPE_IDS)
 def test_prefill_kernel(head_dim: int, group: int, block_size: int) -> None:
     """Varlen prefill: causal within the new tokens, full over a cached prefix, GQA row packing."""
     run_isolated(_case_prefill_kernel, head_dim=head_dim, group=group, block_size=block_size)
@@ -161,7 +167,7 @@ BACKEND_CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim,group,block_size,dtype,split", BACKEND_CASES,
+@pytest.mark.parametrize("head_dim,group,block_size,dtype,split", first_fast(BACKEND_CASES),
                          ids=[f"d{d}-g{g}-bs{b}-{t}-{'split' if s else 'nosplit'}" for d, g, b, t, s in BACKEND_CASES])
 def test_backend_forward_matches_torch(head_dim: int, group: int, block_size: int, dtype: str, split: bool) -> None:
     """TritonBackend and TorchBackend, same BatchLayout, public plan/forward: same output, same cache."""
@@ -219,6 +225,7 @@ def _case_cpu_refused() -> None:
     assert type(get_backend("auto", "cpu")).__name__ == "TorchBackend"
 
 
+@pytest.mark.slow  # a fresh worker without the interpreter: about a minute on 2 busy cores
 def test_triton_on_cpu_without_interpreter_is_refused() -> None:
     """--attention-backend triton on a CPU machine fails at start-up with a readable reason."""
     run_isolated(_case_cpu_refused, interpret=False)

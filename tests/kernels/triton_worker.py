@@ -43,8 +43,8 @@ def _serve(conn: Connection, interpret: bool) -> None:
 
 
 def _worker(interpret: bool) -> tuple[mp.process.BaseProcess, Connection]:
-    proc, conn = _workers.get(interpret, (None, None))
-    if proc is None or not proc.is_alive():
+    worker = _workers.get(interpret)
+    if worker is None or not worker[0].is_alive():
         parent, child = mp.get_context("spawn").Pipe()
         # daemon: the interpreter's exit hooks end it instead of waiting for it.
         proc = mp.get_context("spawn").Process(target=_serve, args=(child, interpret), daemon=True)
@@ -52,7 +52,7 @@ def _worker(interpret: bool) -> tuple[mp.process.BaseProcess, Connection]:
         child.close()
         conn = parent
         _workers[interpret] = (proc, conn)
-    return proc, conn
+    return _workers[interpret]
 
 
 def _drop(interpret: bool) -> None:

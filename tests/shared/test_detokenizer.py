@@ -54,7 +54,7 @@ class CountingTokenizer:
     """Records how many ids each decode call gets, to check the per-step work bound."""
 
     def __init__(self, tok: Any) -> None:
-        self.tok, self.sizes = tok, []
+        self.tok, self.sizes = tok, list[int]()
 
     def decode(self, ids: list[int], **kw: Any) -> str:
         self.sizes.append(len(ids))

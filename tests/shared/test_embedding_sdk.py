@@ -4,6 +4,7 @@ ADD carries the pooling request and the truncated tokens."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,7 @@ def test_embed_checks_then_sends_pooling_and_the_last_tokens() -> None:
             eng.ready.pooling = PoolingInfo("last", True, 8).to_dict()
             async with AsyncEngineClient(eng.address) as client:
                 assert client.pooling == PoolingInfo("last", True, 8)
-                cases = (
+                cases: tuple[tuple[dict[str, Any], str], ...] = (
                     (dict(dimensions=4), "dimensions"),
                     (dict(truncate_prompt_tokens=17), "truncate_prompt_tokens"),
                     (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),

@@ -30,7 +30,7 @@ def continuing(add: P.Add) -> list[int]:
 
 
 async def read_some(stream: Any, n: int) -> list[P.RequestOutput]:
-    outs = []
+    outs: list[P.RequestOutput] = []
     while sum(len(o.new_token_ids) for o in outs) < n:
         outs.append(await stream.__anext__())
     return outs
@@ -99,7 +99,9 @@ def test_requests_that_cannot_resume_exactly_fail_at_once(params: SamplingParams
     run(main())
 
 
-@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.3, logit_bias={3: 2.0}, logprobs=2),
+# logit_bias in its wire form, which SamplingParams.__post_init__ turns into the declared pairs
+@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.3, logit_bias={3: 2.0},  # type: ignore[arg-type]
+                                                   logprobs=2),
                                     SamplingParams(temperature=0), SamplingParams(best_of=1, n=1)])
 def test_resumable_params(params: SamplingParams) -> None:
     assert resume_refusal(params) is None

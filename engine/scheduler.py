@@ -130,10 +130,8 @@ class Scheduler:
             if not any(ns):  # beams that computed this step's token and wait for the group to step
                 i += 1
                 continue
-            drafts = None
-            if len(unit) == 1 and seq.request.speculate and ns[0] == 1 and self.proposer is not None:
-                drafts = plan_drafts(self.proposer, seq, budget, self.max_model_len, self.bm)
-                ns[0] += drafts.num if drafts is not None else 0
+            drafts = plan_drafts(self.proposer, unit, ns, budget, self.max_model_len, self.bm)
+            ns[0] += drafts.num if drafts is not None else 0
             if not self._reserve(unit, ns, plan, i, planned):
                 continue  # the unit itself was preempted; running[i] is now the next sequence
             for s, n in zip(unit, ns):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine import groups, policy, pooling, prompt_logprobs, structured
 from engine.block_manager import BlockManager, PrefixHit
@@ -51,7 +51,9 @@ class Scheduler:
         self.num_stalled_steps = 0
         self._moved = False
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, matcher: Any = None) -> None:
+        """matcher: a constrained root's compiled grammar (xgrammar)."""
+        seq.matcher = matcher
         if seq.group is not None:
             groups.start(seq)
         self.waiting.insert(policy.place(self.waiting, seq), seq)

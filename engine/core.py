@@ -253,21 +253,10 @@ class EngineCore:
             "num_cached_cpu_blocks": len(bm.cpu.cached),
             **{f"total_{k}": v for k, v in self.totals.items()},
             **self.last_step,
-            **self._spec_stats(),
+            **(self.scheduler.spec_stats.gauges() if self.proposer is not None else {}),
             "num_waiting_grammar": self.requests.num_compiling,
             **{f"total_{k}": v for k, v in self.grammars.stats.items()},
         }
-
-    def _spec_stats(self) -> dict[str, float]:
-        """Speculative decoding: counters, the share of drafts accepted, and tokens per verification
-        (accepted drafts + the one the target adds: 1.0 means speculation bought nothing)."""
-        if self.proposer is None:
-            return {}
-        st = self.scheduler.spec_stats
-        drafts, accepted, steps = st["spec_draft_tokens"], st["spec_accepted_tokens"], st["spec_verifications"]
-        return {**{f"total_{k}": v for k, v in st.items()},
-                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
-                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
 def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list] | None:

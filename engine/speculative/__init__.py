@@ -79,6 +79,27 @@ def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
     return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1))
 
 
+class SpecStats(dict[str, int]):
+    """Speculative decoding's counters, as STATS reports them: verification steps (a request with
+    drafts), drafts verified, drafts accepted."""
+
+    def __init__(self) -> None:
+        super().__init__(spec_verifications=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+
+    def verified(self, num_drafts: int, num_accepted: int) -> None:
+        self["spec_verifications"] += 1
+        self["spec_draft_tokens"] += num_drafts
+        self["spec_accepted_tokens"] += num_accepted
+
+    def gauges(self) -> dict[str, float]:
+        """The counters, the share of drafts accepted, and tokens per verification (accepted drafts +
+        the one the target adds: 1.0 means speculation bought nothing)."""
+        drafts, accepted, steps = self["spec_draft_tokens"], self["spec_accepted_tokens"], self["spec_verifications"]
+        return {**{f"total_{k}": v for k, v in self.items()},
+                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
+
+
 def computed_after(computed_before: int, drafted: int, num_accepted: int, num_tokens: int) -> tuple[int, int]:
     """A verified step computed the last token and the drafts; the accepted drafts and the target's
     token were appended since (up to a stop), to num_tokens. -> (the sequence's computed tokens: its

@@ -82,7 +82,7 @@ def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, 
     for i in range(num_seqs):
         core.add(f"o{num_seqs}-{i}", [rng.randrange(100, 40000) for _ in range(64)],
                  SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
-    while any(r.num_output_tokens == 0 for r in core.sequences.values()):
+    while any(live.root.num_output_tokens == 0 for live in core.requests.values()):
         core.step()
     runner = core.runner
     model, sampler = Timed(runner.model), Timed(runner.sampler)
@@ -92,7 +92,7 @@ def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, 
         core.step()
     total = time.perf_counter() - t0
     runner.model, runner.sampler = model.fn, sampler.fn
-    core.abort(list(core.sequences))
+    core.abort(list(core.requests))
     outside = 1 - (model.total + sampler.total) / total
     return total / steps * 1e3, model.total / steps * 1e3, sampler.total / steps * 1e3, outside
 

@@ -88,7 +88,7 @@ def fill(core: Any, num_seqs: int, context: tuple[int, int], steps: int) -> None
         n = lo + (hi - lo) * i // max(1, num_seqs - 1)
         core.add(f"p{i}", [rng.randrange(100, 40000) for _ in range(n)],
                  SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while any(r.num_output_tokens == 0 for r in core.sequences.values()):
+    while any(live.root.num_output_tokens == 0 for live in core.requests.values()):
         core.step()
     for _ in range(3):  # shape-dependent warm-up in oneDNN and the allocator
         core.step()
@@ -217,13 +217,13 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
           f"{args.context[0]}..{args.context[1]}, "
           f"{args.steps} steps each pass; native kernel's context limit: {limit}", flush=True)
     fill(core, num_seqs, args.context, args.steps)
-    contexts = [s.num_tokens for s in core.sequences.values()]
+    contexts = [live.root.num_tokens for live in core.requests.values()]
     timed = timed_steps(core, args.steps)
     prof = profiled_steps(core, args.steps)
     again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
     timed = {k: (timed[k] + again[k]) / 2 for k in timed}
-    if len(core.sequences) != num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
-        raise RuntimeError(f"{num_seqs - len(core.sequences)} sequences finished while measured")
+    if len(core.requests) != num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
+        raise RuntimeError(f"{num_seqs - len(core.requests)} sequences finished while measured")
     flops = step_flops(contexts)
     peak = gemm_gflops(dtype=dtype)
     at_rows = gemm_gflops(n_tokens=num_seqs, dtype=dtype)
@@ -243,7 +243,7 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
           f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
     print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; rows scaled by "
           f"{scale:.2f})", flush=True)
-    core.abort(list(core.sequences))
+    core.abort(list(core.requests))
     return {"config": f"{dtype}, {quantization}", "seqs": num_seqs, "step": timed["step"], "gemm": gemm_ms,
             "forward": timed["forward"]}
 

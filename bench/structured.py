@@ -67,7 +67,7 @@ def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[flo
         times.append(time.perf_counter() - t0)
         masks.append(mask_time[0])
         assert len(core.scheduler.running) == batch, "a sequence ended during the measurement"
-    core.abort(list(core.sequences))
+    core.abort(list(core.requests))
     sampler_module.apply_masks = real
     return times, masks
 
@@ -117,7 +117,7 @@ def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
         t0 = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - t0)
-    core.abort(list(core.sequences))
+    core.abort(list(core.requests))
     return sorted(before)[2], max(times), len(times)
 
 

@@ -10,6 +10,7 @@ from engine import pooling, prompt_logprobs
 from engine.build import build
 from engine.observe.trace import Tracer, no_mark
 from engine.request import Request
+from engine.requests import LiveRequest, RequestTable, RoutedOutputs
 from engine.scheduler import Scheduler
 from engine.sequence import LogprobEntry, Sequence
 from engine.speculative import can_speculate
@@ -38,7 +39,7 @@ class EngineCore:
         # Structured output: grammars compile in worker processes; the tokenizer loads on first use.
         self.grammars = Grammars(functools.partial(load_tokenizer, self.source), self.model_config.vocab_size,
                                  self.eos_token_ids, timeout=config.grammar_compile_timeout)
-        self.sequences: dict[str, Sequence] = {}  # each live request's first (root) sequence, by request id
+        self.requests = RequestTable()  # every live request: its root sequence, client, pending grammar
         self.num_steps = 0
         self.step_seconds = 0.0  # wall-clock time spent in step(): mean step time = delta / delta num_steps
         self.totals = {"prefill_tokens": 0, "decode_tokens": 0,
@@ -52,11 +53,12 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-            pool: PoolingParams | None = None) -> None:
+            pool: PoolingParams | None = None, client: bytes | None = None) -> None:
         """Raises InvalidRequest when the request can never run; nothing is queued then. FCFS is by
         the engine's own clock at receipt: clients' clocks differ (and skew across machines). pool: an
-        embedding request (engine/pooling.py), whose params are not used."""
-        if request_id in self.sequences:
+        embedding request (engine/pooling.py), whose params are not used. client: who owns it (the
+        loop routes its outputs there)."""
+        if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", param="request_id")
         if pool is None:
             self.limits.check(prompt_token_ids, params)
@@ -68,48 +70,74 @@ class EngineCore:
                       speculate=speculate, pooling=pool)
         req.events["queued"] = time.time()
         root = Sequence(req)
-        self.sequences[request_id] = root
-        if params.constraint is not None and pool is None:
-            self.grammars.add(root)  # the scheduler gets it once its grammar is compiled (step)
-        else:
+        constraint = params.constraint if pool is None else None
+        grammar = self.grammars.compile(constraint) if constraint is not None else None
+        self.requests.add(request_id, LiveRequest(root, client, grammar))
+        if grammar is None:  # a constrained one joins the scheduler once its grammar compiled (step)
             self.scheduler.add(root)
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+    def abort(self, request_ids: list[str]) -> RoutedOutputs:
         """Idempotent: unknown or finished ids are ignored. -> one final output per live request."""
-        outs = []
+        outs = RoutedOutputs()
         for rid in request_ids:
-            root = self.sequences.pop(rid, None)
-            if root is None:
-                continue
-            if not self.grammars.drop(rid):
-                self.scheduler.abort(root)
-            req = root.request
-            outs.append(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens))
+            record = self._end(rid)
+            if record is not None:
+                req = record.root.request
+                outs.add(RequestOutput(rid, [], True, "abort", req.num_prompt_tokens, req.num_cached_tokens),
+                         record.client)
         return outs
 
-    def stop_choice(self, request_id: str, index: int) -> list[RequestOutput | Error]:
+    def _end(self, request_id: str) -> LiveRequest | None:
+        """A request ends before it finished (abort, client gone, failure): out of the table, and out
+        of whatever holds it: its compile (killed when no one else waits for it) or the scheduler's
+        queues (every sequence of it, blocks freed). -> its record; None when it was not live."""
+        record = self.requests.end(request_id)
+        if record is None:
+            return None
+        if record.grammar is not None:
+            if all(f is not record.grammar for f in self.requests.compiling().values()):
+                self.grammars.release(record.grammar)
+        else:
+            self.scheduler.abort(record.root)
+        return record
+
+    def stop_choice(self, request_id: str, index: int) -> RoutedOutputs:
         """End one choice of a request (a stop string the gateway found in its text), freeing its blocks.
         -> its "stop" row, which ends the request when it was the last choice running; nothing when
         the request or choice is unknown, finished, or not streamed (the client has not seen it)."""
-        root = self.sequences.get(request_id)
-        g = root.group if root is not None else None
-        if g is None or not g.streams:
-            return []
-        seq = next((s for s in g.seqs if s.index == index), None)
-        return [self._output(d) for d in self.scheduler.stop_sequence(seq)] if seq is not None else []
+        record = self.requests.get(request_id)
+        g = record.root.group if record is not None else None
+        outs = RoutedOutputs()
+        seq = next((s for s in g.seqs if s.index == index), None) if g is not None and g.streams else None
+        for d in self.scheduler.stop_sequence(seq) if seq is not None else []:
+            self._emit(outs, d)
+        return outs
 
-    def fail_all(self, why: str) -> list[Error]:
+    def fail_all(self, why: str) -> RoutedOutputs:
         """End every request in the engine with an error (the step failed in a way no one request
         explains), freeing every block. -> one ERROR per request."""
-        errors = [_failed(rid, why) for rid in self.sequences]
-        self.abort(list(self.sequences))
-        return errors
+        outs = RoutedOutputs()
+        for rid in list(self.requests):
+            record = self._end(rid)
+            assert record is not None
+            outs.add(_failed(rid, why), record.client)
+        return outs
+
+    def close(self) -> None:
+        """Ends every request still live (the engine stops), then what the engine started besides
+        itself: tensor-parallel workers, the grammar compile server."""
+        try:
+            for rid in list(self.requests):
+                self._end(rid)
+        finally:
+            self.runner.close()
+            self.grammars.close()
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.grammars.waiting)
+        return self.scheduler.has_work() or self.requests.num_compiling > 0
 
     # ------------------------------------------------------------------ the step
-    def step(self) -> list[RequestOutput | Error]:
+    def step(self) -> RoutedOutputs:
         """One step. -> each request's new tokens, or an ERROR for a request that failed in it."""
         t0 = time.perf_counter()
         compiled = self._take_compiled()  # requests whose grammar is ready join the scheduler
@@ -119,12 +147,13 @@ class EngineCore:
             return compiled
         if self.tracer is not None:
             self.tracer.before_execute(plan)
-        deltas = self._run(plan)  # swap, copy, one forward, one sample; then advance, stop, free
-        outputs = [self._output(d) for d in deltas]
+        outputs = compiled  # then swap, copy, one forward, one sample; advance, stop, free
+        for d in self._run(plan):
+            self._emit(outputs, d)
         self._record(plan, time.perf_counter() - t0)
         if self.tracer is not None:
-            self.tracer.end_step(self.num_steps, plan, outputs, self.sequences)
-        return compiled + outputs
+            self.tracer.end_step(self.num_steps, plan, outputs, self.requests)
+        return outputs
 
     def _run(self, plan: StepPlan) -> list[Delta]:
         """The plan executed and applied. A forward that fails ends only this step's requests; an
@@ -139,30 +168,40 @@ class EngineCore:
         self.mark("output")
         return self.scheduler.update(plan, output)
 
-    def _take_compiled(self) -> list[RequestOutput | Error]:
+    def _take_compiled(self) -> RoutedOutputs:
         """Schedule the requests whose grammar compiled; an ERROR (400, the compiler's message) for those
         whose constraint does not compile. With nothing else to run, wait a moment for a compile rather
         than spin the loop (a new message waits at most that long)."""
-        if not self.grammars.waiting:  # the common step: no constrained request waits for its grammar
-            return []
+        outs = RoutedOutputs()
+        if not self.requests.num_compiling:  # the common step: no constrained request waits for its grammar
+            return outs
         if not self.scheduler.has_work():
-            self.grammars.wait(0.005)
-        ready, failed = self.grammars.ready()
-        for root in ready:
-            self.scheduler.add(root)
-        for rid, _, _ in failed:
-            del self.sequences[rid]
-        return [Error(rid, why, status) for rid, why, status in failed]
+            self.grammars.wait(self.requests.compiling().values(), 0.005)
+        ready, failed = self.grammars.ready(self.requests.compiling())
+        for rid, matcher in ready:
+            self.requests.compiled(rid)
+            self.scheduler.add(self.requests[rid].root, matcher)
+        for rid, why, status in failed:
+            record = self.requests.end(rid)  # its compile is over: nothing else holds it
+            assert record is not None
+            outs.add(Error(rid, why, status), record.client)
+        return outs
 
     def set_tracer(self, tracer: Tracer | None) -> None:
         """Record steps and request lifecycles into tracer from the next step on (None: stop recording)."""
         self.tracer = tracer
         self.mark = self.runner.mark = tracer.mark if tracer is not None else no_mark
 
+    def _emit(self, outs: RoutedOutputs, d: Delta) -> None:
+        """d's output into outs, with its client; a delta that ends its request ends it in the table
+        (the scheduler has ended its sequences and freed their blocks)."""
+        rid = d.request.request_id
+        record = self.requests.end(rid) if d.finished else self.requests.get(rid)
+        assert record is not None, f"an output for {rid}, which is not live"
+        outs.add(self._output(d), record.client)
+
     def _output(self, d: Delta) -> RequestOutput | Error:
         req = d.request
-        if d.finished:
-            del self.sequences[req.request_id]
         if d.error is not None:
             return _failed(req.request_id, d.error)
         embedding = None
@@ -174,10 +213,6 @@ class EngineCore:
                              req.num_cached_tokens, req.events if d.finished else None,
                              _wire_logprobs(d.logprobs), d.index, prompt_logprobs.to_wire(d.prompt_logprobs),
                              embedding)
-
-    def close(self) -> None:
-        """Stops what the engine started besides itself (tensor-parallel workers)."""
-        self.runner.close()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (benchmarks, or after swapping weights); running requests go on."""
@@ -218,21 +253,10 @@ class EngineCore:
             "num_cached_cpu_blocks": len(bm.cpu.cached),
             **{f"total_{k}": v for k, v in self.totals.items()},
             **self.last_step,
-            **self._spec_stats(),
-            "num_waiting_grammar": len(self.grammars.waiting),
+            **(self.scheduler.spec_stats.gauges() if self.proposer is not None else {}),
+            "num_waiting_grammar": self.requests.num_compiling,
             **{f"total_{k}": v for k, v in self.grammars.stats.items()},
         }
-
-    def _spec_stats(self) -> dict[str, float]:
-        """Speculative decoding: counters, the share of drafts accepted, and tokens per verification
-        (accepted drafts + the one the target adds: 1.0 means speculation bought nothing)."""
-        if self.proposer is None:
-            return {}
-        st = self.scheduler.spec_stats
-        drafts, accepted, steps = st["spec_draft_tokens"], st["spec_accepted_tokens"], st["spec_verifications"]
-        return {**{f"total_{k}": v for k, v in st.items()},
-                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
-                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
 def _wire_logprobs(entries: list[LogprobEntry] | None) -> list[list[float | list[list[float]]]] | None:

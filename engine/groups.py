@@ -57,32 +57,35 @@ def end(seq: Sequence) -> list[Sequence]:
     return live
 
 
-def ready_to_fork(seq: Sequence) -> bool:
-    g = seq.group
-    return g is not None and not g.forked and seq.num_computed_tokens == seq.num_tokens - 1
-
-
-def fork(root: Sequence) -> list[Sequence]:
-    """root -> the num_seqs - 1 new sequences it forks into; the caller shares root's blocks with them."""
-    g = group_of(root)
-    assert not g.forked
+def fork_if_ready(root: Sequence) -> list[tuple[Sequence, Sequence]]:
+    """Once root of a group that has not forked has computed its prompt but for the last token: ->
+    (root, child) for the num_seqs - 1 new sequences it forks into, for the caller to share root's
+    blocks with (as with a beam step's forks); nothing before."""
+    g = root.group
+    if g is None or g.forked or root.num_computed_tokens != root.num_tokens - 1:
+        return []
     g.forked = True
     children = [root.fork(i) for i in range(1, root.params.num_seqs)]
     g.seqs += children
-    return children
+    return [(root, child) for child in children]
 
 
-def retire(seq: Sequence) -> None:
-    """A finished sequence leaves the live ones."""
+def settle(seq: Sequence) -> tuple[bool, list[Delta] | None]:
+    """seq of a group appended a token or was stopped; a finished one leaves the live sequences. ->
+    (whether the request is done now, what the client gets: None for seq's own new tokens when the
+    group streams, else its n best sequences once it is done, nothing before)."""
     g = group_of(seq)
-    g.seqs.remove(seq)
-    g.finished.append(seq)
+    if seq.status.finished:
+        g.seqs.remove(seq)
+        g.finished.append(seq)
+    if g.streams:
+        return g.done, None
+    return g.done, _best_of(seq) if g.done else []
 
 
-def best_of(seq: Sequence) -> list[Delta]:
+def _best_of(seq: Sequence) -> list[Delta]:
     """seq's group (not streaming) is done: its n best sequences by cumulative logprob, whole."""
     g, request = group_of(seq), seq.request
-    assert g.done
     best = sorted(g.finished, key=lambda s: -s.cumulative_logprob)[:request.params.n]
     return [Delta(request, s.output_token_ids, i, s.status.finish_reason, i == len(best) - 1, s.logprobs)
             for i, s in enumerate(best)]

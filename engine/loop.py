@@ -19,7 +19,6 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -27,6 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from engine.core import EngineCore
 from engine.observe.dashboard import Observer
 from engine.observe.trace import Tracer
+from engine.requests import RoutedOutputs
 from engine.step import EngineFault
 from shared.errors import ConveyorError, ProtocolError
 from shared.protocol import (
@@ -93,7 +93,6 @@ class EngineLoop:
                         "this port can submit requests and read their outputs. Make keys with `conveyor keys "
                         "DIR` and start the engine with --curve-keys DIR/engine (docs/deployment.md) !!!", address)
         self.sock.bind(address)
-        self.owner: dict[str, bytes] = {}  # request_id -> client identity
         # Clients whose output queue was full: the errors they are owed, delivered once they read again.
         self.behind: dict[bytes, dict[str, Error]] = {}
         self.next_beat = 0.0
@@ -117,7 +116,7 @@ class EngineLoop:
                     self._drain()
                 # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their thread, to
                 # every client with requests in flight (none while idle)
-                self.heartbeats.targets = frozenset(self.owner.values()) - self.behind.keys()
+                self.heartbeats.targets = self.core.requests.clients() - self.behind.keys()
                 if busy or self.core.has_work():
                     outputs = self._step()
                     if self.observer.watchers:
@@ -148,7 +147,7 @@ class EngineLoop:
             return
         log.info("trace written to %s", self.trace_file)
 
-    def _step(self) -> Sequence[RequestOutput | Error]:
+    def _step(self) -> RoutedOutputs:
         """EngineCore.step ends a request that fails inside it; this is the net under that net. A bug
         that escapes the step cannot be pinned on one request: every request in the engine ends with
         an error, its blocks freed, and the engine goes on serving new ones."""
@@ -159,11 +158,11 @@ class EngineLoop:
             # requests and resubmit them to the engine a supervisor starts again (shared/resume.py),
             # as after a SIGKILL. A collective library's message is for this log, not for a client.
             log.error("the engine cannot go on: %s; exiting with %d requests in flight for their "
-                      "clients to resume", e, len(self.core.sequences))
+                      "clients to resume", e, len(self.core.requests))
             raise SystemExit(f"engine failed: {e}") from e
         except Exception as e:
             log.exception("the engine step failed outside any one request; ending all %d requests",
-                          len(self.core.sequences))
+                          len(self.core.requests))
             return self.core.fail_all(f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
@@ -200,19 +199,18 @@ class EngineLoop:
                 return
             try:
                 # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
-                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.pooling)
+                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.pooling, client)
             except ConveyorError as e:
                 self._send(client, Error(msg.request_id, str(e), e.status))
                 return
             except Exception as e:  # a check that should have refused it did not: refuse it here
                 log.exception("request %s: adding it failed", msg.request_id)
                 self._send(client, Error(msg.request_id, f"the engine could not add this request: {e}", 500))
-                return
-            self.owner[msg.request_id] = client
         elif isinstance(msg, Abort):
-            self._send_outputs(self.core.abort([r for r in msg.request_ids if self.owner.get(r) == client]))
+            requests = self.core.requests
+            self._send_outputs(self.core.abort([r for r in msg.request_ids if requests.client_of(r) == client]))
         elif isinstance(msg, StopChoice):
-            if self.owner.get(msg.request_id) == client:  # as for ABORT: only the client that owns the request
+            if self.core.requests.client_of(msg.request_id) == client:  # as for ABORT: only its owner may
                 self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
             version = msg.protocol_version
@@ -248,14 +246,17 @@ class EngineLoop:
         if self.trace_file is None:
             self.core.set_tracer(None)
 
-    def _send_outputs(self, outputs: Sequence[RequestOutput | Error]) -> None:
+    def _send_outputs(self, outputs: RoutedOutputs) -> None:
+        """Each output to the client that owns its request (outputs says whose: a request that ended
+        has left the engine's table)."""
         by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
         for out in outputs:
             assert out.request_id is not None
+            client = outputs.clients[out.request_id]
+            assert client is not None, "every request the loop added has its client"
             if isinstance(out, Error):  # the request failed in the engine: this is its last word
-                self._send(self.owner.pop(out.request_id), out)
+                self._send(client, out)
                 continue
-            client = self.owner.pop(out.request_id) if out.finished else self.owner[out.request_id]
             by_client[client].append(out)
         for client, outs in by_client.items():
             if any(o.prompt_logprobs is not None for o in outs):  # alone, so each message stays bounded
@@ -284,10 +285,8 @@ class EngineLoop:
             self._gone(client)
 
     def _gone(self, client: bytes) -> None:
-        gone = [rid for rid, c in self.owner.items() if c == client]
+        gone = self.core.requests.of_client(client)
         log.warning("client %s is gone; aborting its %d requests", client.hex(), len(gone))
-        for rid in gone:
-            del self.owner[rid]
         self.core.abort(gone)
         self.behind.pop(client, None)
         self.observer.drop(client)
@@ -296,10 +295,8 @@ class EngineLoop:
         """Aborting is the one bounded choice: holding its outputs here would grow without limit, and
         pausing only its requests would still hold their KV blocks. The client hears it through an
         ERROR per request, sent once it has read its queue (_beat), so no stream of its hangs."""
-        mine = [rid for rid, c in self.owner.items() if c == client]
+        mine = self.core.requests.of_client(client)
         log.warning("client %s left %d messages unread; aborting its %d requests", client.hex(), HWM, len(mine))
-        for rid in mine:
-            del self.owner[rid]
         self.core.abort(mine)
         self.observer.drop(client)
         self.behind[client] = {}

@@ -5,24 +5,24 @@ counters and status (the block manager writes only block tables, and says what i
 One token budget per step (max_num_batched_tokens) and a cap on sequences (max_num_seqs).
 Order of service: running requests (in admission order, each the rest of its gap: 1 for a
 decode, a chunk for a prompt), then swapped-out requests (they come back before anyone new),
-then waiting requests by (priority, arrival). When a request cannot get blocks, a running request
-not yet served this step is preempted (swapped out or recomputed later). engine/policy.py holds
-the decisions the configuration makes: the prefill policies, the chunk sizes, whom to preempt.
+then waiting requests by (priority, arrival), each from the longest cached prefix of its tokens.
+When a request cannot get blocks, a running request not yet served this step is preempted
+(swapped out or recomputed later).
 
-A waiting request starts on the longest cached prefix of its tokens (prefix caching). Modules that decide and
-return, for the scheduler to apply: engine/policy.py (admission, chunks, victims), engine/groups.py (n, best_of
-forks, beams), engine/speculative/ (drafts, verification), engine/thinking.py (budgets).
+Modules that decide and return, for the scheduler to apply: engine/policy.py (prefill policies,
+admission, chunks, victims), engine/groups.py (forks, beams as one unit), engine/speculative/
+(drafts, verification, counters), engine/thinking.py (reasoning budgets).
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine import groups, policy, pooling, prompt_logprobs, structured, thinking
 from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus, stop_reason
-from engine.speculative import Proposer, computed_after, plan_drafts
+from engine.speculative import Proposer, SpecStats, computed_after, plan_drafts
 from engine.step import Delta, Drafts, StepOutput, StepPlan
 from shared.config import SchedulerConfig
 
@@ -39,8 +39,7 @@ class Scheduler:
         self.max_model_len = max_model_len  # the engine's limit, narrowed by model, backend, pool, draft
         self.bm = block_manager
         self.proposer = proposer
-        # Speculative decoding counters: verification steps (a request with drafts), drafts, accepted.
-        self.spec_stats = {"spec_verifications": 0, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+        self.spec_stats = SpecStats()
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival_time)
         self.swapped: list[Sequence] = []  # sorted by (priority, arrival_time)
         self.running: list[Sequence] = []  # admission order
@@ -50,7 +49,9 @@ class Scheduler:
         self.num_stalled_steps = 0
         self._moved = False
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, matcher: Any = None) -> None:
+        """matcher: a constrained root's compiled grammar (xgrammar)."""
+        seq.matcher = matcher
         if seq.group is not None:
             groups.start(seq)
         self.waiting.insert(policy.place(self.waiting, seq), seq)
@@ -118,28 +119,24 @@ class Scheduler:
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i, others_waiting = 0, bool(self.waiting)
-        planned: set[int] = set()  # beams served ahead of their place, with the first of their group
+        planned: set[int] = set()  # served this step (beams with the first of their group)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if planned and id(seq) in planned:
-                i += 1
-                continue
             unit = groups.unit_of(seq)
-            ns = policy.split(self.config, unit, budget, others_waiting)
-            if not any(ns):  # beams that computed this step's token and wait for the group to step
+            # Nothing for beams served ahead of their place, or that computed this step's token and wait
+            # for the rest of their group to step.
+            ns = [] if id(seq) in planned else policy.split(self.config, unit, budget, others_waiting)
+            if not any(ns):
                 i += 1
                 continue
-            drafts = None
-            if len(unit) == 1 and seq.request.speculate and ns[0] == 1 and self.proposer is not None:
-                drafts = plan_drafts(self.proposer, seq, budget, self.max_model_len, self.bm)
-                ns[0] += drafts.num if drafts is not None else 0
+            drafts = plan_drafts(self.proposer, unit, ns, budget, self.max_model_len, self.bm)
+            ns[0] += drafts.num if drafts is not None else 0
             if not self._reserve(unit, ns, plan, i, planned):
                 continue  # the unit itself was preempted; running[i] is now the next sequence
             for s, n in zip(unit, ns):
                 if n:
                     plan.add(s, n, drafts if s is seq else None)
-            if len(unit) > 1:
-                planned.update(map(id, unit))
+            planned.update(map(id, unit))
             budget -= sum(ns)
             i += 1
         return budget
@@ -163,19 +160,16 @@ class Scheduler:
 
     def _preempt(self, seqs: list[Sequence], plan: StepPlan) -> None:
         """seqs (one sequence, or a request's beams) leave the batch together, swapped or to recompute."""
+        swap = self.config.preemption_mode != "recompute" and self.bm.can_swap_out(seqs)
+        mode, queue = ("swap", self.swapped) if swap else ("recompute", self.waiting)  # swap while the CPU has room
+        if swap:
+            self.bm.do_swap_out(seqs)
         for seq in seqs:
             self.running.remove(seq)
             seq.draft_computed = 0  # draft K/V is neither swapped nor kept
-        swap = self.config.preemption_mode != "recompute" and self.bm.can_swap_out(seqs)
-        mode = "swap" if swap else "recompute"  # swap (or auto) while the CPU pool has room
-        if swap:
-            self.bm.do_swap_out(seqs)
-        else:
-            for seq in seqs:
+            if not swap:
                 self.bm.free(seq)
                 seq.num_computed_tokens = 0
-        for seq in seqs:
-            queue = self.swapped if mode == "swap" else self.waiting
             queue.insert(policy.place(queue, seq), seq)
             seq.status = SequenceStatus.PREEMPTED
             plan.preempted.append(seq)
@@ -186,19 +180,10 @@ class Scheduler:
 
     def _schedule_swapped(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and budget > 0:
-            unit = groups.unit_of(self.swapped[0])
-            if len(self.running) + len(unit) > self.config.max_num_seqs:
+            used = self._start_unit(groups.unit_of(self.swapped[0]), self.swapped, plan, budget)
+            if used is None:
                 break
-            ns = policy.split(self.config, unit, budget, others_waiting=False)
-            if not self.bm.can_swap_in(unit, [s.num_computed_tokens + n for s, n in zip(unit, ns)]):
-                break
-            self.bm.do_swap_in(unit)
-            for s, n in zip(unit, ns):
-                self.swapped.remove(s)
-                if n:
-                    self.bm.allocate(s, s.num_computed_tokens + n)
-                self._start(s, plan, n)
-            budget -= sum(ns)
+            budget -= used
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
@@ -209,10 +194,11 @@ class Scheduler:
             seq = self.waiting[i]
             unit = groups.unit_of(seq)
             if len(unit) > 1:  # a request's beams, back from a recompute: all of them or none
-                used = self._admit_beams(unit, plan, budget)
+                used = self._start_unit(unit, self.waiting, plan, budget)
                 if used is None:
                     break
                 budget -= used
+                self.steps_since_admission = 0
                 continue
             # An embedding pools every row, so it never starts on a cached prefix (engine/pooling.py).
             hit = self.bm.lookup(seq) if seq.request.pooling is None else PrefixHit()
@@ -240,22 +226,26 @@ class Scheduler:
             self._start(seq, plan, n)
             budget -= n
             self.steps_since_admission = 0
-            if groups.ready_to_fork(seq):  # its prompt is cached but for the last token
-                self._fork(seq)
+            self._fork(groups.fork_if_ready(seq))  # when its prompt is cached but for the last token
         return budget
 
-    def _admit_beams(self, beams: list[Sequence], plan: StepPlan, budget: int) -> int | None:
-        """Start the recompute of a request's beams together. -> tokens planned, or None when they do
-        not fit now. No prefix lookup: the beams' own blocks were freed, and a hit would only save time."""
-        ns = policy.split(self.config, beams, budget, others_waiting=True)
-        fits = self.bm.can_allocate(sum(self.bm.blocks_for(n) for n in ns))
-        if not fits or len(self.running) + len(beams) > self.config.max_num_seqs:
+    def _start_unit(self, unit: list[Sequence], queue: list[Sequence], plan: StepPlan, budget: int) -> int | None:
+        """Start unit (one sequence, or a request's beams: all of them or none) from queue: swapped back
+        in, or (waiting) beams to recompute, without a prefix lookup: their own blocks were freed, and a
+        hit would only save time. -> tokens planned, or None when it does not fit now."""
+        swap = queue is self.swapped
+        ns = policy.split(self.config, unit, budget, others_waiting=not swap)
+        wants = [s.num_computed_tokens + n for s, n in zip(unit, ns)]
+        fits = self.bm.can_swap_in(unit, wants) if swap else self.bm.can_allocate(sum(map(self.bm.blocks_for, ns)))
+        if not fits or len(self.running) + len(unit) > self.config.max_num_seqs:
             return None
-        for s, n in zip(beams, ns):
-            self.waiting.remove(s)
-            self.bm.allocate(s, n)
+        if swap:
+            self.bm.do_swap_in(unit)
+        for s, n, want in zip(unit, ns, wants):
+            queue.remove(s)
+            if n:
+                self.bm.allocate(s, want)
             self._start(s, plan, n)
-        self.steps_since_admission = 0
         return sum(ns)
 
     def _start(self, seq: Sequence, plan: StepPlan, n: int) -> None:
@@ -267,10 +257,11 @@ class Scheduler:
         if n:  # 0: a request about to fork whose prompt is cached but for the last token
             plan.add(seq, n)
 
-    def _fork(self, root: Sequence) -> None:
+    def _fork(self, forks: list[tuple[Sequence, Sequence]]) -> None:
+        """Each (parent, child): the child shares its parent's blocks and runs from now on."""
         self._moved = True
-        for child in groups.fork(root):
-            self.bm.fork(root, child)
+        for parent, child in forks:
+            self.bm.fork(parent, child)
             self.running.append(child)
 
     # ---------------------------------------------------------------- update
@@ -324,8 +315,7 @@ class Scheduler:
         seq.num_computed_tokens += n
         self.bm.computed(seq, before)
         if sampled is None:  # a prompt chunk that does not reach the end samples nothing
-            if groups.ready_to_fork(seq):  # a chunk that ends one short of the prompt
-                self._fork(seq)
+            self._fork(groups.fork_if_ready(seq))  # after a chunk that ends one short of the prompt
             return []
         token, entry = output.tokens[sampled], output.logprobs[sampled] if output.logprobs else None
         seq.just_resumed = False
@@ -356,10 +346,7 @@ class Scheduler:
         """A verified step: the accepted drafts and the token after them join the sequence (up to a
         stop); the K/V of rejected drafts is dropped with the blocks that only they used."""
         before, drafted = seq.num_computed_tokens, seq.num_tokens + num_drafts - 1
-        st = self.spec_stats
-        st["spec_verifications"] += 1
-        st["spec_draft_tokens"] += num_drafts
-        st["spec_accepted_tokens"] += len(accepted)
+        self.spec_stats.verified(num_drafts, len(accepted))
         seq.just_resumed = False
         for t in (*accepted, token):
             self._append(seq, t, None)
@@ -404,21 +391,15 @@ class Scheduler:
 
     def _group_deltas(self, seq: Sequence) -> list[Delta]:
         """After a sequence of a group appended a token (or was stopped): what the client gets now."""
-        g = groups.group_of(seq)
-        if seq.status.finished:
-            groups.retire(seq)
-            if g.done:  # the request's timestamps are the root's, whichever sequence ended last
-                seq.request.events["finished"] = time.time()
-        if g.streams:
-            return [self._delta(seq, g.done)]
-        return groups.best_of(seq) if g.done else []
+        done, best = groups.settle(seq)
+        if done and seq.status.finished:  # the request's timestamps are the root's, whichever ended last
+            seq.request.events["finished"] = time.time()
+        return [self._delta(seq, done)] if best is None else best
 
     def _apply_beam_step(self, step: groups.BeamStep) -> list[Delta]:
         request = step.request
         request.events.setdefault("first_token", time.time())
-        for parent, child in step.forks:
-            self.bm.fork(parent, child)
-            self.running.append(child)
+        self._fork(step.forks)
         for seq, token, score in step.appends:
             seq.token_ids.append(token)
             seq.cumulative_logprob = score

@@ -3,14 +3,15 @@
 Library: xgrammar (docs/structured_output.md says why, with the figures that chose it over llguidance).
 
 Life of a constrained request:
-1. `EngineCore.add` hands it to `Grammars.add`: its grammar is compiled in a worker process
+1. `EngineCore.add` asks `Grammars.compile` for its grammar, compiled in a worker process
    (engine/grammar_worker.py; compiled grammars are cached by their text, and a second request for a
-   grammar being compiled waits on the same future). The request waits here, in no scheduler queue,
-   holding no blocks: the step never waits for a compile. A compile has a time and a memory budget (over
-   either, the request gets a 400), and it is killed when every request waiting for it is aborted.
+   grammar being compiled waits on the same future). The request waits in the engine's RequestTable
+   (engine/requests.py) with that future, in no scheduler queue, holding no blocks: the step never
+   waits for a compile. A compile has a time and a memory budget (over either, the request gets a
+   400), and it is killed (`Grammars.release`) when every request waiting for it is aborted.
 2. Each step, `Grammars.ready` takes the finished compiles: an invalid schema, regex or grammar is an
-   ERROR with status 400 and the compiler's message (nothing was queued); a valid one gives the root
-   sequence its matcher and goes to the scheduler.
+   ERROR with status 400 and the compiler's message (nothing was queued); a valid one gives its matcher
+   to the root sequence, which goes to the scheduler.
 3. The sampler calls `apply_masks` on its logits: one bitmask row per constrained sequence, filled by
    its matcher and applied in place (a masked token's logit becomes -inf). Stop tokens are in the mask
    exactly when the grammar can end.
@@ -33,7 +34,7 @@ import subprocess
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -128,9 +129,9 @@ class _CompileServer:
 
 class Grammars:
     """Compiles constraints in a compile server process (engine/grammar_worker.py: a forked child per
-    compile, killable, with a time and a memory budget), caches the results by text, and holds the
-    requests that wait for theirs. A compile whose requests all went away is killed. `load_tokenizer`
-    runs once, on the first constrained request."""
+    compile, killable, with a time and a memory budget) and caches the results by text. The requests
+    that wait for a compile wait in EngineCore's RequestTable; a compile whose requests all went away
+    is killed. `load_tokenizer` runs once, on the first constrained request."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: tuple[int, ...],
                  max_workers: int = COMPILE_WORKERS, timeout: float = COMPILE_TIMEOUT,
@@ -143,57 +144,49 @@ class Grammars:
         self._starting: Future[_CompileServer] | None = None  # the first use starts it, in a thread
         self._cache: OrderedDict[Constraint, tuple[int, Future[xgr.CompiledGrammar]]] = OrderedDict()
         self._pending: list[tuple[Constraint, Future[xgr.CompiledGrammar]]] = []  # before the server is up
-        self.waiting: dict[str, tuple[Sequence, Future[xgr.CompiledGrammar]]] = {}  # by request id
         self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0, "grammar_compiles_cancelled": 0}
 
     # ---------------------------------------------------------------- requests
-    def add(self, root: Sequence) -> None:
-        constraint = root.params.constraint
-        assert constraint is not None
-        self.waiting[root.request.request_id] = (root, self.compile(constraint))
+    def release(self, future: Future[xgr.CompiledGrammar]) -> None:
+        """No request waits for future any more (the last one was aborted): a compile still running is
+        killed, its process with it. The caller (EngineCore, from its RequestTable) knows who waits."""
+        if future.done():
+            return
+        key = next((c for c, (_, f) in self._cache.items() if f is future), None)
+        if key is None:
+            return
+        job_id, _ = self._cache.pop(key)
+        self.stats["grammar_compiles_cancelled"] += 1
+        if job_id >= 0 and self._server is not None:
+            self._server.cancel(job_id)
+        else:
+            self._pending = [(c, f) for c, f in self._pending if f is not future]
 
-    def drop(self, request_id: str) -> bool:
-        """An abort of a request still waiting for its grammar. -> whether it was here. The last request
-        waiting for a compile takes the compile with it (its process is killed)."""
-        entry = self.waiting.pop(request_id, None)
-        if entry is None:
-            return False
-        future = entry[1]
-        if not future.done() and all(f is not future for _, f in self.waiting.values()):
-            key = next((c for c, (_, f) in self._cache.items() if f is future), None)
-            if key is not None:
-                job_id, _ = self._cache.pop(key)
-                self.stats["grammar_compiles_cancelled"] += 1
-                if job_id >= 0 and self._server is not None:
-                    self._server.cancel(job_id)
-                else:
-                    self._pending = [(c, f) for c, f in self._pending if f is not future]
-        return True
+    @staticmethod
+    def wait(waiting: Iterable[Future[xgr.CompiledGrammar]], timeout: float) -> None:
+        """Until one of the waiting compiles finishes, or timeout seconds."""
+        futures.wait(list(waiting), timeout, futures.FIRST_COMPLETED)
 
-    def wait(self, timeout: float) -> None:
-        """Until a waiting request's compile finishes, or timeout seconds."""
-        futures.wait([f for _, f in self.waiting.values()], timeout, futures.FIRST_COMPLETED)
-
-    def ready(self) -> tuple[list[Sequence], list[tuple[str, str, int]]]:
-        """The waiting requests whose compile finished: (roots with their matcher, ready to schedule),
-        (request id, why, HTTP status) for the others: 400 when the constraint does not compile (or not
-        within the budget), 500 when the engine could not compile anything. Never blocks."""
+    def ready(self, waiting: dict[str, Future[xgr.CompiledGrammar]]
+              ) -> tuple[list[tuple[str, xgr.GrammarMatcher]], list[tuple[str, str, int]]]:
+        """Of waiting (request id -> its compile), those whose compile finished: (request id, its
+        matcher) for those ready to schedule, (request id, why, HTTP status) for the others: 400 when
+        the constraint does not compile (or not within the budget), 500 when the engine could not
+        compile anything. Never blocks."""
         self._flush_pending()
-        ok: list[Sequence] = []
+        ok: list[tuple[str, xgr.GrammarMatcher]] = []
         failed: list[tuple[str, str, int]] = []
-        for rid in [rid for rid, (_, f) in self.waiting.items() if f.done()]:
-            root, future = self.waiting.pop(rid)
+        for rid, future in waiting.items():
+            if not future.done():
+                continue
             try:
-                root.matcher = self.matcher(future.result())
+                ok.append((rid, self.matcher(future.result())))
             except GrammarError as e:
                 failed.append((rid, str(e), 400))
-                continue
             except Exception as e:  # noqa: BLE001 - answered to the request, never raised into the step
                 log.exception("request %s: its grammar could not be compiled", rid)
                 failed.append((rid, f"the engine could not compile this request's constraint: "
                                     f"{type(e).__name__}: {e}", 500))
-                continue
-            ok.append(root)
         return ok, failed
 
     # ---------------------------------------------------------------- compiling

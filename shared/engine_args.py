@@ -56,8 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
       "ratio * running (default 0 = off): bigger admission batches, later first tokens")
     a("--max-long-prefills", type=int, help=f"long prompts prefilling at once (default {s.max_long_prefills}): "
       "fewer = short prompts behind a long one get their first token sooner")
-    a("--long-prefill-threshold", type=int,
-      help="tokens left that make a prompt long (default: half of --max-num-batched-tokens, at least 256)")
+    a("--long-prefill-threshold", type=int, help="tokens that make a prompt long (default: half the budget, >= 256)")
     a("--preemption-mode", choices=PREEMPTION_MODES, help="(default auto) swap: copy blocks to the CPU pool; "
       "recompute: free them and prefill again; auto: swap while the CPU pool has room")
     a("--block-size", type=int, help=f"tokens per KV block (default {c.block_size})")

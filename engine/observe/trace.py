@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,9 +86,9 @@ class Tracer:
             if s.request.request_id not in self._lives:
                 self._start(s.request.request_id, s.request.events.get("queued"))
 
-    def end_step(self, step: int, plan: StepPlan, outputs: list[RequestOutput | Error], live: dict[str, Any]) -> None:
+    def end_step(self, step: int, plan: StepPlan, outputs: list[RequestOutput | Error], live: Container[str]) -> None:
         """Close the step's span and its phases, and move each request it touched along its lifecycle.
-        live: the engine's live requests by id (a request missing from it ended outside a step)."""
+        live: the ids of the engine's live requests (a request missing from it ended outside a step)."""
         end = time.perf_counter()
         marks = self._marks + [("", end)]
         start_us, end_us = self._us(marks[0][1]), self._us(end)

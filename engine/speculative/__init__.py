@@ -7,7 +7,7 @@ before the forward, which fills in drafts that need a model. Both return Drafts,
 plan carries; nothing is stored on the sequence. Prompt lookup does all its work in plan(); a
 draft model does its work in propose().
 
-The scheduler asks for drafts only for a decoding request that may speculate, and at most
+`plan_drafts` gives drafts only to a decoding request that may speculate, and at most
 `draft_limit` of them (fewer near max_tokens, max_model_len or the end of the step's budget: the
 budget counts every verified token). Drafts never cause a preemption: when the blocks for them are
 not free, the request decodes plainly. After verification the scheduler appends the accepted drafts
@@ -55,10 +55,14 @@ def can_speculate(params: SamplingParams) -> bool:
             and p.constraint is None and p.thinking_token_budget is None)
 
 
-def plan_drafts(proposer: Proposer, seq: Sequence, budget: int, max_model_len: int,
+def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], budget: int, max_model_len: int,
                 bm: BlockManager) -> Drafts | None:
-    """The drafts seq verifies this step (its last token is the budget's first), none unless their
-    blocks are free already: drafts never cause a preemption."""
+    """The drafts a unit the scheduler serves (ns[i] tokens for unit[i]) verifies this step: only a lone
+    sequence that may speculate and decodes (its last token is the budget's first), and none unless
+    their blocks are free already: drafts never cause a preemption."""
+    seq = unit[0]
+    if proposer is None or len(unit) != 1 or not seq.request.speculate or ns[0] != 1:
+        return None
     k = draft_limit(seq, proposer.k, budget - 1, max_model_len)
     drafts = proposer.plan(seq, k) if k else None
     if drafts is None or not drafts.num or not bm.can_allocate(bm.num_new_blocks(seq, seq.num_tokens + drafts.num)):
@@ -73,6 +77,27 @@ def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
     if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
         return 0
     return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1))
+
+
+class SpecStats(dict[str, int]):
+    """Speculative decoding's counters, as STATS reports them: verification steps (a request with
+    drafts), drafts verified, drafts accepted."""
+
+    def __init__(self) -> None:
+        super().__init__(spec_verifications=0, spec_draft_tokens=0, spec_accepted_tokens=0)
+
+    def verified(self, num_drafts: int, num_accepted: int) -> None:
+        self["spec_verifications"] += 1
+        self["spec_draft_tokens"] += num_drafts
+        self["spec_accepted_tokens"] += num_accepted
+
+    def gauges(self) -> dict[str, float]:
+        """The counters, the share of drafts accepted, and tokens per verification (accepted drafts +
+        the one the target adds: 1.0 means speculation bought nothing)."""
+        drafts, accepted, steps = self["spec_draft_tokens"], self["spec_accepted_tokens"], self["spec_verifications"]
+        return {**{f"total_{k}": v for k, v in self.items()},
+                "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
+                "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
 def computed_after(computed_before: int, drafted: int, num_accepted: int, num_tokens: int) -> tuple[int, int]:

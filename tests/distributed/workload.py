@@ -53,4 +53,4 @@ def assert_all_free(core: EngineCore) -> None:
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
     assert set(bm.ref_counts) == {0} and set(bm.cpu.ref_counts) <= {0}
-    assert not core.sequences
+    assert not core.requests

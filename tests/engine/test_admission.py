@@ -36,7 +36,7 @@ def test_the_door_refuses_what_can_never_run_and_names_the_field(core, prompt, p
     with pytest.raises(InvalidRequest) as err:
         core.add("r", prompt, params)
     assert err.value.param == param
-    assert not core.has_work() and "r" not in core.sequences
+    assert not core.has_work() and "r" not in core.requests
 
 
 def test_the_limits_themselves_are_accepted_and_run(core):

@@ -74,8 +74,8 @@ def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
         while core.has_work():
             for out in core.step():
                 toks[out.request_id] += out.new_token_ids
-            for rid, req in core.sequences.items():
-                tables[rid] = list(req.block_table)
+            for rid, live in core.requests.items():
+                tables[rid] = list(live.root.block_table)
         results.append((toks, tables))
     assert results[0][0] == results[1][0]
     long_tables = [t for t in results[1][1].values() if len(t) > 2]

@@ -42,7 +42,7 @@ def run(core: EngineCore, requests: dict[str, tuple[list[int], SamplingParams]]
                 tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
     assert not core.has_work()
     bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and set(bm.ref_counts) == {0} and not core.sequences
+    assert bm.num_free_blocks == bm.num_blocks and set(bm.ref_counts) == {0} and not core.requests
     return tokens, errors
 
 

@@ -7,10 +7,12 @@ import asyncio
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
 from engine.loop import EngineLoop
+from engine.requests import LiveRequest, RequestTable, RoutedOutputs
 from shared.client import AsyncEngineClient
 from shared.embedding import PoolingInfo
 from shared.protocol import RequestOutput
@@ -33,36 +35,40 @@ class SlowFirstStep:
 
     def __init__(self) -> None:
         self.adds: list[str] = []
-        self.pending: list[str] = []
-        self.sequences: dict[str, object] = {}
+        self.requests = RequestTable()  # the loop reads who owns what here, as of EngineCore
         self.loop: EngineLoop | None = None
         self.stop = False
         self.slow = True
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, priority: int = 0,
-            pool: object = None) -> None:
+            pool: object = None, client: bytes | None = None) -> None:
         self.adds.append(request_id)
-        self.pending.append(request_id)
+        self.requests.add(request_id, LiveRequest(None, client))  # type: ignore[arg-type]  # no sequence to run
 
-    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
-        gone = [r for r in self.pending if r in request_ids]
-        self.pending = [r for r in self.pending if r not in request_ids]
-        return [RequestOutput(r, [], True, "abort") for r in gone]
+    def _end(self, request_ids: list[str], out: Callable[[str], RequestOutput]) -> RoutedOutputs:
+        outs = RoutedOutputs()
+        for rid in request_ids:
+            live = self.requests.end(rid)
+            if live is not None:
+                outs.add(out(rid), live.client)
+        return outs
+
+    def abort(self, request_ids: list[str]) -> RoutedOutputs:
+        return self._end(request_ids, lambda r: RequestOutput(r, [], True, "abort"))
 
     def has_work(self) -> bool:
         if self.stop:
             raise Stopped
-        return bool(self.pending)
+        return bool(self.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> RoutedOutputs:
         assert self.loop is not None
         beats = math.ceil(3 * TIMEOUT / INTERVAL)
         deadline = time.monotonic() + 60
         while self.slow and self.loop.heartbeats.sent < beats and time.monotonic() < deadline:
             time.sleep(0.01)
         self.slow = False
-        done, self.pending = self.pending, []
-        return [RequestOutput(r, [7, 8], True, "length", 3) for r in done]
+        return self._end(list(self.requests), lambda r: RequestOutput(r, [7, 8], True, "length", 3))
 
     def stats(self) -> dict[str, float]:
         return {}

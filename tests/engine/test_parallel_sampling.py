@@ -26,7 +26,7 @@ def test_n4_on_a_300_token_prompt_holds_the_prompt_blocks_once(tiny_llama_dir):
     core.add("a", prompt, SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=6, ignore_eos=True))
     core.step()  # prefills 299 tokens once, then forks
     assert (core.last_step["step_num_seqs"], core.last_step["step_prefill_tokens"]) == (1, 299)
-    seqs = core.sequences["a"].group.seqs
+    seqs = core.requests["a"].root.group.seqs
     assert len(seqs) == 4 and all(s.block_table == seqs[0].block_table for s in seqs)
     table = seqs[0].block_table
     assert len(table) == 19 and 64 - bm.num_free_blocks == 19  # 299 tokens = 18 full blocks + 11
@@ -138,7 +138,7 @@ def test_a_choice_ended_by_a_stop_string_frees_its_blocks_and_leaves_the_others_
         assert got[("r", i)] == want[("r", i)][:len(got[("r", i)])] and len(got[("r", i)]) < 12
     last = [o for o in rows if o.request_id == "r"][-1]
     assert (last.index, last.finished, last.finish_reason) == (2, True, "length")
-    assert "r" not in core.sequences and bm.num_free_blocks == 64
+    assert "r" not in core.requests and bm.num_free_blocks == 64
 
 
 def test_stopping_the_last_running_choice_ends_the_request(tiny_llama_dir):
@@ -171,5 +171,5 @@ def test_a_choice_stopped_while_preempted_frees_every_block(tiny_llama_dir, mode
     assert stopped not in core.scheduler.swapped and stopped not in core.scheduler.waiting
     while core.has_work():
         rows += core.step()
-    assert not core.sequences
+    assert not core.requests
     assert core.block_manager.num_free_blocks == 14 and core.block_manager.cpu.num_free == 64

@@ -71,7 +71,7 @@ def test_outputs_identical_under_memory_pressure(tiny_llama_dir, reference, mode
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
     assert set(bm.ref_counts) == {0} and set(bm.cpu.ref_counts) <= {0}
-    assert not core.sequences
+    assert not core.requests
 
 
 def test_swapped_request_resumes_into_other_blocks(tiny_llama_dir):
@@ -84,8 +84,8 @@ def test_swapped_request_resumes_into_other_blocks(tiny_llama_dir):
     tables: dict[str, set[tuple[int, ...]]] = {f"r{i}": set() for i in range(3)}
     while core.has_work():
         core.step()
-        for rid, req in core.sequences.items():
-            if not req.swapped and req.block_table:
-                tables[rid].add(tuple(req.block_table[:3]))
+        for rid, live in core.requests.items():
+            if not live.root.swapped and live.root.block_table:
+                tables[rid].add(tuple(live.root.block_table[:3]))
     assert core.stats()["num_preemptions_swap"] > 0
     assert any(len(t) > 1 for t in tables.values()), "some request must have resumed into different blocks"

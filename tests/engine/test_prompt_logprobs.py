@@ -139,7 +139,7 @@ def test_preempted_prefills_keep_the_numbers(tiny_llama_dir, mode, cpu_blocks):
         else:
             assert_matches(out[rid][0], prompts[i], ref)  # (bits differ with the batch's shape only)
     bm = core.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not core.sequences
+    assert bm.num_free_blocks == bm.num_blocks and not core.requests
 
 
 def test_n_greater_than_one_scores_the_prompt_once_and_sends_it_with_each_choice(tiny_llama_dir):

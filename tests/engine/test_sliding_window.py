@@ -112,7 +112,7 @@ def assert_all_blocks_back(core: EngineCore) -> None:
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.cpu.num_free == bm.cpu.num_blocks
     assert set(bm.ref_counts) == {0} and set(bm.cpu.ref_counts) <= {0}
-    assert not core.sequences
+    assert not core.requests
     if bm.window is not None:  # nobody ever wrote the placeholder: it still holds the zeros it started with
         assert not core.runner.kv_cache.device[:, :, bm.placeholder].any()
 

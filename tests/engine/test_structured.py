@@ -230,7 +230,7 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_engine_goes_on(
             elif out.finished:
                 finished.add(out.request_id)
     assert [(e.request_id, e.status) for e in errors] == [("bad", 400)] and words in errors[0].message
-    assert finished == {"good"} and "bad" not in core.sequences
+    assert finished == {"good"} and "bad" not in core.requests
 
 
 def test_sampling_params_refuse_what_a_constraint_cannot_honour() -> None:

@@ -39,28 +39,29 @@ from gateway.translate import Call, End, Started, Text, Thought, events, sse
 from shared.errors import ConveyorError, InvalidRequest
 
 
-def parse(app: web.Application, body: Any, local: ResponseStore | None = None) -> ResponsesRequest:
+def parse(app: web.Application, body: Any, local: ResponseStore | None = None,
+          tenant: str | None = None) -> ResponsesRequest:
     """The body -> the request, its previous_response_id's conversation looked up first (404 if
-    gone);
-    local: a WebSocket's own responses, looked up before the server's store."""
-    return parse_responses(body, app[SERVED], history_of(app, body, local))
+    gone); local: a WebSocket's own responses, looked up before the server's store; tenant: the
+    API key's (gateway/state.py TENANT), whose stored responses alone it sees."""
+    return parse_responses(body, app[SERVED], history_of(app, body, local, tenant))
 
 
-def history_of(app: web.Application, body: Any,
-               local: ResponseStore | None = None) -> list[dict[str, Any]] | None:
+def history_of(app: web.Application, body: Any, local: ResponseStore | None = None,
+               tenant: str | None = None) -> list[dict[str, Any]] | None:
     """previous_response_id's stored conversation (None without one; 404 if gone), read on the
     event loop, which alone writes the store."""
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
     if not isinstance(prev, str):
         return None
     stored = local.find(prev) if local is not None else None
-    return (stored or app[RESPONSES].get(prev, "previous_response_id")).history
+    return (stored or app[RESPONSES].get(prev, "previous_response_id", tenant)).history
 
 
 async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await read_json(request)  # tokenized off the event loop, as on the chat route
-    req = await tokenizing(parse_responses, body, app[SERVED], history_of(app, body))
+    req = await tokenizing(parse_responses, body, app[SERVED], history_of(app, body, None, request.get(TENANT)))
     req.parsed.tenant = request.get(TENANT)
     render = Render(app, req, f"resp_{uuid.uuid4().hex}")
     if req.stream:
@@ -70,13 +71,14 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    return json_response(request.app[RESPONSES].get(request.match_info["response_id"]).response)
+    stored = request.app[RESPONSES].get(request.match_info["response_id"], owner=request.get(TENANT))
+    return json_response(stored.response)
 
 
 async def input_items(request: web.Request) -> web.Response:
     """One page of a stored response's input items: `limit` (1-100, default 20), `order` (asc or
     desc, the default), `after` (an item id: the page starts after it)."""
-    stored = request.app[RESPONSES].get(request.match_info["response_id"])
+    stored = request.app[RESPONSES].get(request.match_info["response_id"], owner=request.get(TENANT))
     query = request.query
     for key in query:
         if key not in ("limit", "order", "after"):
@@ -107,7 +109,7 @@ async def input_items(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    request.app[RESPONSES].delete(rid)
+    request.app[RESPONSES].delete(rid, request.get(TENANT))
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
@@ -265,7 +267,7 @@ class Render:
         self.final_response = final
         self.stored = Stored(final, [*self.req.history, self._assistant()], self.req.input_items)
         if self.req.store:
-            self.app[RESPONSES].put(self.rid, self.stored)
+            self.app[RESPONSES].put(self.rid, self.stored, self.req.parsed.tenant)
         out.append(
             self.event("response.incomplete" if cut else "response.completed", response=final)
         )

@@ -4,7 +4,9 @@ A stored response keeps its response object (GET /v1/responses/{id}), its reques
 (GET /v1/responses/{id}/input_items) and its conversation as chat messages (the input items after
 the instructions, then the output), which `previous_response_id` continues.
 --responses-store-size caps how many are kept; the least recently used goes first. With several
-gateway workers each process has its own store (docs/api.md).
+gateway workers each process has its own store (docs/api.md). Under --cache-isolation per-key each
+response belongs to its API key's tenant: another key's request reads, continues or deletes it as if
+it did not exist (404), as OpenAI scopes responses to a project.
 """
 
 from __future__ import annotations
@@ -36,33 +38,38 @@ class Stored:
 
 
 class ResponseStore:
+    """owner: the tenant a response belongs to (None: the one tenant of a server without per-key
+    isolation)."""
+
     def __init__(self, size: int) -> None:
         self.size = size
-        self._items: OrderedDict[str, Stored] = OrderedDict()
+        self._items: OrderedDict[tuple[str, str], Stored] = OrderedDict()
 
-    def put(self, rid: str, stored: Stored) -> None:
+    def put(self, rid: str, stored: Stored, owner: str | None = None) -> None:
         if self.size <= 0:
             return
-        self._items[rid] = stored
-        self._items.move_to_end(rid)
+        key = (owner or "", rid)
+        self._items[key] = stored
+        self._items.move_to_end(key)
         while len(self._items) > self.size:
             self._items.popitem(last=False)
 
-    def find(self, rid: str) -> Stored | None:
-        stored = self._items.get(rid)
+    def find(self, rid: str, owner: str | None = None) -> Stored | None:
+        key = (owner or "", rid)
+        stored = self._items.get(key)
         if stored is not None:
-            self._items.move_to_end(rid)
+            self._items.move_to_end(key)
         return stored
 
-    def get(self, rid: str, param: str | None = None) -> Stored:
+    def get(self, rid: str, param: str | None = None, owner: str | None = None) -> Stored:
         """The stored response, or NotFound (404 in OpenAI's shape)."""
-        stored = self.find(rid)
+        stored = self.find(rid, owner)
         if stored is None:
             raise NotFound(f"Response with id '{rid[:100]}' not found.", param=param)
         return stored
 
-    def delete(self, rid: str) -> None:
-        if self._items.pop(rid, None) is None:
+    def delete(self, rid: str, owner: str | None = None) -> None:
+        if self._items.pop((owner or "", rid), None) is None:
             raise NotFound(f"Response with id '{rid[:100]}' not found.")
 
     def __len__(self) -> int:

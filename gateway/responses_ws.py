@@ -102,7 +102,7 @@ class _Session:
             await asyncio.wait([before])
         render = None
         try:
-            req = parse(self.app, body, self.kept)
+            req = parse(self.app, body, self.kept, self.tenant)
             req.stream, req.parsed.tenant = True, self.tenant
             extra = {"stream_id": lane} if lane is not None else None
             render = Render(self.app, req, f"resp_{uuid.uuid4().hex}", extra)

@@ -71,3 +71,35 @@ def test_without_isolation_keys_share_the_cache(tiny_chat_model: Path, tmp_path:
         assert _cached(server.url, "sk-bob") > 0  # what isolation is for: bob learns alice sent this prompt
         with pytest.raises(openai.AuthenticationError):
             _cached(server.url, "sk-carol")
+
+
+def test_per_key_isolation_keeps_each_keys_stored_responses_to_itself(tiny_chat_model: Path, tmp_path: Path) -> None:
+    """A stored response belongs to its key's tenant: another key can neither read, continue nor delete
+    it (404, as for an id that does not exist); its own key can. Without isolation keys share the store."""
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
+            "--api-key", "sk-alice", "sk-bob", "--cache-isolation", "per-key"]
+    with Server(argv, log_path=tmp_path / "server.log") as server:
+        alice, bob = (openai.OpenAI(base_url=server.url + "/v1", api_key=k, max_retries=0, timeout=300)
+                      for k in ("sk-alice", "sk-bob"))
+        first = alice.responses.create(model="tiny-chat", input="Hello", max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.input_items.list(first.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.create(model="tiny-chat", input="And?", max_output_tokens=4, previous_response_id=first.id)
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.delete(first.id)
+        assert alice.responses.retrieve(first.id).id == first.id  # bob's delete did not reach it
+        follow = alice.responses.create(model="tiny-chat", input="And?", max_output_tokens=4,
+                                        previous_response_id=first.id)
+        assert follow.previous_response_id == first.id
+        alice.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(first.id)
+    argv = argv[:-2]  # the same keys, no isolation: one tenant, one store
+    with Server(argv, log_path=tmp_path / "shared.log") as server:
+        alice, bob = (openai.OpenAI(base_url=server.url + "/v1", api_key=k, max_retries=0, timeout=300)
+                      for k in ("sk-alice", "sk-bob"))
+        first = alice.responses.create(model="tiny-chat", input="Hello", max_output_tokens=4)
+        assert bob.responses.retrieve(first.id).id == first.id

@@ -37,6 +37,11 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
+    """CONVEYOR_KERNEL_CACHE, else CONVEYOR_CACHE's kernels folder. A build's name holds its key (sources,
+    torch, CPU flags, compiler flags), so one folder can serve every test session and checkout."""
+    own = os.environ.get("CONVEYOR_KERNEL_CACHE")
+    if own:
+        return Path(own)
     root = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor"))
     return root / "kernels"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine import thinking
 from engine.request import Request
+from shared import thinking
 from shared.sampling import SamplingParams
 
 # One logprob entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...] top k).
@@ -81,7 +81,9 @@ class Sequence:
         self.pooled: Any = None
         # A thinking budget's state (engine/thinking.py): where the reasoning began, None once it ended
         # or without a budget; advanced by the scheduler with each token it appends.
-        self.thinking = thinking.initial(request.params, self.num_prompt_tokens)
+        p = request.params
+        self.thinking = None if p.thinking_token_budget is None else thinking.initial(
+            p.reasoning_start_ids, p.reasoning_end_ids, self.num_prompt_tokens)
 
     def fork(self, index: int) -> Sequence:
         """A new sequence of the same request with the same tokens and counters; the block manager

@@ -3,8 +3,8 @@
 goes on with its answer (Anthropic's thinking.budget_tokens, vLLM's thinking_token_budget).
 
 - The state (shared/thinking.py: where the reasoning began, or that it ended) is `Sequence.thinking`,
-  written by the scheduler alone (`after`, with each token it appends); an int or None, so a fork
-  copies it and preemption keeps it with the tokens.
+  set at creation (engine/sequence.py), then written by the scheduler alone (`after`, with each token
+  it appends); an int or None, so a fork copies it and preemption keeps it with the tokens.
 - The sampler asks `force` for the rows whose budget is spent: their logits become -inf but for the
   forced id, after the raw log-softmax is taken, so a forced token's logprob is what the model gave it.
 - Budgeted requests do not speculate (engine/speculative can_speculate) and refuse beam search and
@@ -20,14 +20,6 @@ from shared import thinking
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
-    from shared.sampling import SamplingParams
-
-
-def initial(params: SamplingParams, num_prompt_tokens: int) -> int | None:
-    """A new sequence's state: None (nothing to track) unless the request has a budget."""
-    if params.thinking_token_budget is None:
-        return None
-    return thinking.initial(params.reasoning_start_ids, params.reasoning_end_ids, num_prompt_tokens)
 
 
 def after(seq: Sequence) -> int | None:

@@ -174,7 +174,8 @@ class SamplingParams:
             _check(not self.use_beam_search, "use_beam_search", "cannot be used with structured output")
             _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: the grammar "
                    "decides when the output may end")
-        thinking.validate(self)
+        thinking.validate(self.reasoning_start_ids, self.reasoning_end_ids, self.thinking_token_budget,
+                          self.use_beam_search, self.constraint is not None)
         if self.use_beam_search:
             self._validate_beam_search()
         else:

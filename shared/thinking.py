@@ -18,12 +18,8 @@ text, still splits it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from shared.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from shared.sampling import SamplingParams
 
 WAITING = -1
 MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
@@ -75,26 +71,24 @@ def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
     return 0
 
 
-def validate(p: SamplingParams) -> None:
+def validate(start_ids: Sequence[int], end_ids: Sequence[int], budget: int | None, beam_search: bool,
+             constrained: bool) -> None:
     """SamplingParams' reasoning fields (ranges, and what a budget cannot be combined with), as
     SamplingParams.validate checks the others: InvalidRequest naming the field."""
-    for name in ("reasoning_start_ids", "reasoning_end_ids"):
-        ids = getattr(p, name)
+    for name, ids in (("reasoning_start_ids", start_ids), ("reasoning_end_ids", end_ids)):
         _check(len(ids) <= MAX_TAG_IDS, name, f"may hold at most {MAX_TAG_IDS} ids, got {len(ids)}")
         _check(all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids), name,
                f"must hold integer token ids in [0, {MAX_TOKEN_ID}]")
-    _check(bool(p.reasoning_end_ids) or not p.reasoning_start_ids, "reasoning_start_ids",
-           "need reasoning_end_ids too")
-    budget = p.thinking_token_budget
+    _check(bool(end_ids) or not start_ids, "reasoning_start_ids", "need reasoning_end_ids too")
     if budget is None:
         return
     _check(_is_int(budget) and 0 <= budget <= MAX_BUDGET, "thinking_token_budget",
            f"must be an integer in [0, {MAX_BUDGET}], got {repr(budget)[:50]}")
-    _check(bool(p.reasoning_end_ids), "thinking_token_budget", "needs reasoning_end_ids: the tokens that end "
+    _check(bool(end_ids), "thinking_token_budget", "needs reasoning_end_ids: the tokens that end "
            "the reasoning (the gateway sends them where it runs a reasoning parser)")
-    _check(not p.use_beam_search, "thinking_token_budget", "cannot be used with beam search")
+    _check(not beam_search, "thinking_token_budget", "cannot be used with beam search")
     # The grammar decides every token, and the forced end ids may be tokens it does not allow.
-    _check(p.constraint is None, "thinking_token_budget", "cannot be used with structured output or a forced "
+    _check(not constrained, "thinking_token_budget", "cannot be used with structured output or a forced "
            "tool call")
 
 

@@ -5,6 +5,7 @@ Components receive the slice they need, never the whole EngineConfig.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
@@ -64,7 +65,7 @@ class SchedulerConfig:
                  "long_prefill_threshold must be >= 1")
         _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
 
-    @property
+    @cached_property  # read for every running sequence every step
     def long_prompt_tokens(self) -> int:
         """Tokens left that make a prompt long (long_prefill_threshold, or its default)."""
         if self.long_prefill_threshold is not None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NotRequired, TypedDict
+from typing import NotRequired
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode import LOG2E, kv_tile, softmax_update
+from kernels.triton.decode import LOG2E, DecodeConfig, kv_tile, softmax_update
 
 
 @triton.jit
@@ -166,18 +166,10 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype, block
     return max(1, block_m // group_pad, min_q)
 
 
-class PrefillConfig(TypedDict):
-    """_prefill_kernel's constexprs and launch option, passed as **config."""
-    GROUP: int
-    GROUP_PAD: int
+class PrefillConfig(DecodeConfig):
+    """_prefill_kernel's constexprs and launch options, passed as **config: the decode kernel's, plus
+    the new tokens per tile and the pipeline stages where tuned."""
     BLOCK_Q: int
-    D: int
-    BLOCK_D: int
-    BLOCK_N: int
-    BLOCK_SIZE: int
-    UPCAST: bool
-    PRECISION: str
-    num_warps: int
     num_stages: NotRequired[int]
 
 

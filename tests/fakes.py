@@ -182,3 +182,20 @@ class FakeEngine:
                 del self._live[rid]
         for ident, outs in per_client.items():  # one OUTPUTS message per client per step, as the engine does
             self._send(ident, P.Outputs(outs))
+
+
+class Stopped(Exception):
+    """Raised inside a test's engine loop (from a patched has_work or step) to end EngineLoop.run."""
+
+
+def serve_in_thread(loop: Any) -> threading.Thread:
+    """loop.run() on a daemon thread, started; a Stopped raised inside it ends it quietly."""
+    def serve() -> None:
+        try:
+            loop.run()
+        except Stopped:
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread

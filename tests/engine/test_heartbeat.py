@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,12 +16,9 @@ from shared.client import AsyncEngineClient
 from shared.embedding import PoolingInfo
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
+from tests.fakes import Stopped, serve_in_thread
 
 INTERVAL, TIMEOUT = 0.05, 0.5
-
-
-class Stopped(Exception):
-    """Ends EngineLoop.run from its own thread at the end of the test."""
 
 
 class SlowFirstStep:
@@ -82,14 +78,7 @@ def test_a_step_longer_than_the_silence_timeout_is_not_a_lost_engine(tmp_path: P
     loop = EngineLoop(core, f"ipc://{tmp_path}/engine.sock", heartbeat_interval=INTERVAL)  # type: ignore[arg-type]
     core.loop = loop
 
-    def serve() -> None:
-        try:
-            loop.run()
-        except Stopped:
-            pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    thread = serve_in_thread(loop)
 
     async def main() -> list[int]:
         async with AsyncEngineClient(loop.address, engine_timeout=TIMEOUT) as client:

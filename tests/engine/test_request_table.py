@@ -20,7 +20,7 @@ from shared.config import build_config
 from shared.constraints import Constraint
 from shared.protocol import Abort, Add, Error, Outputs, RequestOutput, decode, encode
 from shared.sampling import SamplingParams
-from tests.fakes import smollm2_tokenizer
+from tests.fakes import Stopped, serve_in_thread, smollm2_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
@@ -206,10 +206,6 @@ def ended(rid: str) -> Callable[[dict[str, list[RequestOutput | Error]]], bool]:
     return lambda outs: any(isinstance(o, Error) or o.finished for o in outs.get(rid, []))
 
 
-class Stopped(Exception):
-    """Ends EngineLoop.run from its own thread at the end of the test."""
-
-
 @pytest.fixture
 def serving(make_core: Callable[..., EngineCore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             ) -> Iterator[tuple[EngineLoop, zmq.Context[zmq.Socket[bytes]]]]:
@@ -225,14 +221,7 @@ def serving(make_core: Callable[..., EngineCore], tmp_path: Path, monkeypatch: p
 
     monkeypatch.setattr(core, "has_work", until_stopped)
 
-    def serve() -> None:
-        try:
-            loop.run()
-        except Stopped:
-            pass
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
+    thread = serve_in_thread(loop)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         yield loop, ctx

@@ -36,6 +36,7 @@ KEY = "dash-key"
 AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 PREFIX = list(range(1000, 1024))  # 3 blocks of 8 every long prompt starts with: prefix-cache sharing
 DEADLINE = 60.0
+NUM_BLOCKS = 64
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,11 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(model: Path, trace_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("dash") / "server.log"
-    # 24 blocks of 8 (192 tokens) for six requests of up to 32 + 120 tokens: most wait swapped out (a CPU pool
-    # of 32 blocks), and the running ones share the prefix's blocks.
-    with Server(["serve", "--model", str(model), "--num-threads", "1", "--num-blocks", "24", "--block-size", "8",
-                 "--swap-space", "1MiB", "--preemption-mode", "swap", "--api-key", KEY,
+    # 64 blocks of 8 (512 tokens) for an n=4 request that grows to 50 of them and six requests of up to
+    # 32 + 120 tokens (19 blocks each): most wait swapped out (a CPU pool of 128 blocks), and the running ones
+    # share the prefix's blocks.
+    with Server(["serve", "--model", str(model), "--num-threads", "1", "--num-blocks", str(NUM_BLOCKS),
+                 "--block-size", "8", "--swap-space", "4MiB", "--preemption-mode", "swap", "--api-key", KEY,
                  "--trace-file", str(trace_file), "--log-level", "info"], log_path=log) as srv:
         yield srv
 
@@ -114,13 +116,20 @@ def in_thread(fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
 
 
 def workload(url: str) -> list[Any]:
-    """Six long prompts on one prefix (they swap), then an n=4 request among them; -> their bodies."""
+    """An n=4 request, then (once it runs) six long prompts on one prefix, which swap; -> their bodies.
+
+    The n=4 request goes first and, at a higher priority, is never preempted: its forks share their prompt's
+    blocks for all of its 96 steps, many snapshots long on any CPU. Sent among the others it could wait until
+    the swapped queue drained (waiting requests are admitted only then) and run in a fraction of a second."""
+    n4 = {"prompt": list(range(3000, 3016)), "n": 4, "max_tokens": 96, "temperature": 1.0, "seed": 7,
+          "ignore_eos": True, "priority": -1}
     bodies = [{"prompt": PREFIX + [2000 + 10 * i + j for j in range(8)], "max_tokens": 120, "temperature": 0,
                "ignore_eos": True} for i in range(6)]
-    bodies.append({"prompt": list(range(3000, 3016)), "n": 4, "max_tokens": 32, "temperature": 1.0, "seed": 7,
-                   "ignore_eos": True, "priority": -1})
-    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-        return list(pool.map(lambda b: post(url, b), bodies))
+    with concurrent.futures.ThreadPoolExecutor(1 + len(bodies)) as pool:
+        first = pool.submit(post, url, n4)
+        wait_until(lambda: metrics(url)["conveyor_num_requests_running"] > 0, "the n=4 request never ran")
+        rest = [pool.submit(post, url, b) for b in bodies]
+        return [f.result() for f in (first, *rest)]
 
 
 def short_workload(url: str) -> list[list[str]]:
@@ -172,7 +181,7 @@ def test_engine_outputs_are_the_same_with_a_viewer_connected(server: Server, pag
 
 def test_dashboard_shows_queues_blocks_and_steps_live(server: Server, page: Any, tmp_path: Path) -> None:
     start = dom(page)
-    assert start["cells"] == start["kv_total"] == 24
+    assert start["cells"] == start["kv_total"] == NUM_BLOCKS
     load = in_thread(lambda: workload(server.url))
 
     def swapped(d: dict[str, Any]) -> bool:
@@ -214,7 +223,7 @@ def test_dashboard_shows_queues_blocks_and_steps_live(server: Server, page: Any,
     assert seen["a request in the swapped queue"]["step"] > start["step"]
 
     bodies = load.result(timeout=180)
-    assert [len(b["choices"]) for b in bodies] == [1] * 6 + [4]
+    assert [len(b["choices"]) for b in bodies] == [4] + [1] * 6
     m = metrics(server.url)
     assert m["conveyor_num_preemptions_total"] > 0
 

@@ -379,19 +379,29 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
     ldr = residual->stride(0);
   }
   if (m == 0) return y;
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<bf>());
-  int x_min_exponent = kNoExponent;
+  // x's even k, then its odd k, as float32 with denormals read as (signed) zero, as DAZ reads them; and the
+  // least exponent of its normal values. 32 elements (16 pairs) a step: K is a multiple of 32.
+  std::vector<float> xs(2 * m * kh);
+  const bf* xp = x.data_ptr<bf>();
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), exponent = _mm512_set1_epi32(0x7F800000);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512i least = _mm512_set1_epi32(255);
   for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < 2 * kh; ++i) x_min_exponent = std::min(x_min_exponent, exponent_of(xp[r * x.stride(0) + i]));
-  const bool plain = x_min_exponent + w_min_exponent - 14 >= -126;
-  std::vector<float> xs(2 * m * kh);  // x's even k, then its odd k
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < 2 * kh; ++i) {
-      uint16_t v = xp[r * x.stride(0) + i];
-      if (exponent_of(v) == kNoExponent) v &= 0x8000;  // DAZ: a denormal reads as (signed) zero
-      const uint32_t bits = static_cast<uint32_t>(v) << 16;
-      std::memcpy(&xs[((i % 2) * m + r) * kh + i / 2], &bits, sizeof(bits));
+    for (int64_t i = 0; i < kh; i += 16) {
+      const __m512i pairs = _mm512_loadu_si512(xp + r * x.stride(0) + 2 * i);
+      const __m512i even = _mm512_slli_epi32(pairs, 16), odd = _mm512_and_si512(pairs, high);
+      const __mmask16 even_normal = _mm512_test_epi32_mask(even, exponent);
+      const __mmask16 odd_normal = _mm512_test_epi32_mask(odd, exponent);
+      _mm512_storeu_si512(&xs[r * kh + i], _mm512_mask_blend_epi32(even_normal, _mm512_and_si512(even, sign), even));
+      _mm512_storeu_si512(&xs[(m + r) * kh + i], _mm512_mask_blend_epi32(odd_normal, _mm512_and_si512(odd, sign), odd));
+      const __m512i field_even = _mm512_srli_epi32(_mm512_and_si512(even, exponent), 23);
+      const __m512i field_odd = _mm512_srli_epi32(_mm512_and_si512(odd, exponent), 23);
+      least = _mm512_mask_min_epu32(least, even_normal, least, field_even);
+      least = _mm512_mask_min_epu32(least, odd_normal, least, field_odd);
     }
+  const int field = static_cast<int>(_mm512_reduce_min_epu32(least));
+  const int x_min_exponent = field == 255 ? kNoExponent : field - 127;
+  const bool plain = x_min_exponent + w_min_exponent - 14 >= -126;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const bf* sp = scale_zero.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();

@@ -18,7 +18,8 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 
 --gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
 quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
-through torch's int kernels and through the packed bfloat16 copies, by row count; each pair of passes is
+through torch's int kernels, through the packed bfloat16 copies and, on AMX CPUs, through the AMX kernel's
+tiles ("AMX") and its rows path ("AMX rows", up to 8 rows: the same bits), by row count; each set of passes is
 taken when the machine is quiet (other processes under --quiet of the CPUs), the best of --reps.
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
@@ -184,19 +185,26 @@ def gemm(args: argparse.Namespace) -> None:
         for _ in range(args.reps):
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
-                _, q, p, t = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
-                                                       time.perf_counter)[0]
+                _, q, p, t, s = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
+                                                          time.perf_counter)[0]
                 if quiet:
-                    old = best.setdefault(r, [q, p, t])
-                    best[r] = [min(a, b) for a, b in zip(old, (q, p, t))]
-        for r, (q, p, t) in sorted(best.items()):
+                    old = best.setdefault(r, [q, p, t, s])
+                    best[r] = [min(a, b) for a, b in zip(old, (q, p, t, s))]
+        for r, (q, p, t, s) in sorted(best.items()):
             amx = f"  AMX {t * 1e3:8.2f}" if t < float("inf") else ""
+            amx += f"  AMX rows {s * 1e3:8.2f}" if s < float("inf") else ("  AMX rows        -" if amx else "")
             print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}{amx}  x {q / p:5.2f}")
-        faster = [r for r, (q, p, _) in best.items() if p < q]
+        faster = [r for r, (q, p, _, _) in best.items() if p < q]
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
-        tiles = [r for r, (q, p, t) in best.items() if t < min(q, p)]
+        tiles = [r for r, (q, p, t, _) in best.items() if t < min(q, p)]
         if tiles:
-            print(f"{kind}: AMX fastest at rows {sorted(tiles)}", flush=True)
+            print(f"{kind}: AMX tiles fastest at rows {sorted(tiles)}", flush=True)
+        by_rows = [r for r, (q, p, t, s) in best.items() if s < min(q, p, t)]
+        if by_rows:
+            print(f"{kind}: AMX rows path fastest at rows {sorted(by_rows)}", flush=True)
+        beats = [r for r, (_, _, t, s) in best.items() if s < t]
+        if beats:
+            print(f"{kind}: AMX rows path faster than its tiles at rows {sorted(beats)}", flush=True)
 
 
 def ab(args: argparse.Namespace) -> None:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.load import amx
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import PLAIN_MAX_BYTES, QUANTIZED_TILES_ROWS, PackedLinear, quantized_packed_from
 from engine.load.quant import Int4Linear, QuantizedLinear
@@ -113,7 +114,7 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
               reps: int = 3) -> int:
     """The first row count from which the packed copies, called in turn as a forward calls them,
     are faster than the int kernel at that row count and every larger one tried; NEVER if none."""
-    faster = [packed < quantized for _, quantized, packed, _ in chain_times(modules, rows, reps)]
+    faster = [packed < quantized for _, quantized, packed, *_ in chain_times(modules, rows, reps)]
     for i, r in enumerate(rows):
         if all(faster[i:]):
             return r
@@ -122,22 +123,35 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
 
 def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
                 clock: Callable[[], float] = time.perf_counter
-                ) -> list[tuple[int, float, float, float]]:
-    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX kernel:
-    inf where the modules have no AMX codes), the best of reps, for one call of each module in turn
-    (each module's weights leave the cache before it comes round again, as in a forward). clock: a
-    bench on a shared machine passes time.thread_time (one thread)."""
+                ) -> list[tuple[int, float, float, float, float]]:
+    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX kernel's tiles,
+    through its rows path: inf where the modules have no AMX codes or the rows path does not take that
+    many rows), the best of reps, for one call of each module in turn (each module's weights leave the
+    cache before it comes round again, as in a forward). clock: a bench on a shared machine passes
+    time.thread_time (one thread)."""
     out = []
+    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
     with torch.inference_mode():
         for r in rows:
             xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
             quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps, clock)
             copies = [(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None]
             packed = _best(copies, reps, clock)
-            tiles = [(m.tile_mm, x) for m, x in zip(modules, xs)
-                     if isinstance(m, Int4Linear) and m.tile_codes is not None]
-            out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf")))
+            tx = [torch.randn(r, m.shape()[1], dtype=torch.bfloat16) for m in tiled]
+            tiles = [(_amx_call(m, False), x) for m, x in zip(tiled, tx)]
+            by_rows = [(_amx_call(m, True), x) for m, x in zip(tiled, tx)]
+            out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf"),
+                        _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT else float("inf")))
     return out
+
+
+def _amx_call(m: Int4Linear, rows_path: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ W.T on the AMX kernel's rows path or on its tiles, whatever the rows."""
+    codes, scale_zero = m.tile_codes, m.tile_scale_zero
+    assert codes is not None and scale_zero is not None
+    if rows_path:
+        return lambda x: amx.int4_mm_rows(x, codes, scale_zero, m.tile_min_exponent)
+    return lambda x: amx.int4_mm_tiles(x, codes, scale_zero)
 
 
 def _best(calls: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int,

@@ -175,6 +175,8 @@ class Int4Linear(QuantizedLinear):
         self.tile_scale_zero: torch.Tensor | None
         self.register_buffer("tile_codes", torch.cat([c for c, _ in tiles]) if tiles else None)
         self.register_buffer("tile_scale_zero", torch.cat([z for _, z in tiles]) if tiles else None)
+        self.tile_min_exponent = (amx.min_exponent(self.tile_codes, self.tile_scale_zero)
+                                  if self.tile_codes is not None and self.tile_scale_zero is not None else 0)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -183,9 +185,10 @@ class Int4Linear(QuantizedLinear):
         return self.tile_mm(x, residual)
 
     def tile_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ residual) on the AMX kernel, whatever the rows."""
+        """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), whatever the rows."""
         assert self.tile_codes is not None and self.tile_scale_zero is not None
-        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero, residual)
+        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero, self.tile_min_exponent,
+                           residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scales_zeros.dtype:

@@ -1,5 +1,6 @@
-"""The AMX int4 GEMM (kernels/cpu/quant_gemm.cpp) against a dequantize-then-matmul reference, and each
-row's bits independent of the rows beside it. Skipped where the CPU has no AMX tiles; every machine runs
+"""The AMX int4 GEMM (kernels/cpu/quant_gemm.cpp) against a dequantize-then-matmul reference, each row's
+bits independent of the rows beside it, and its rows path (a few rows on AVX-512) bitwise equal to its
+tiles. Skipped where the CPU has no AMX tiles (the engine makes the codes only there); every machine runs
 the packing checks, which need no kernel."""
 from __future__ import annotations
 
@@ -82,3 +83,90 @@ def test_the_module_takes_the_tiles_in_their_row_range() -> None:
     assert torch.equal(m.forward(x[:8]), m.tile_mm(x[:8]))
     assert torch.equal(m.add_to(h[:40], x[:40]), m.tile_mm(x[:40], h[:40]))
     assert torch.equal(m.forward(x), m.packed.forward(x))
+
+
+def rows_path(m: Int4Linear, x: torch.Tensor, residual: torch.Tensor | None = None,
+              w_min_exponent: int | None = None) -> torch.Tensor:
+    """The rows path over x, at most ROWS_PATH_LIMIT rows a call."""
+    assert m.tile_codes is not None and m.tile_scale_zero is not None
+    e = m.tile_min_exponent if w_min_exponent is None else w_min_exponent
+    step = amx.ROWS_PATH_LIMIT
+    return torch.cat([amx.int4_mm_rows(x[i:i + step], m.tile_codes, m.tile_scale_zero, e,
+                                       None if residual is None else residual[i:i + step])
+                      for i in range(0, x.shape[0], step)])
+
+
+def tiles(m: Int4Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    assert m.tile_codes is not None and m.tile_scale_zero is not None
+    return amx.int4_mm_tiles(x, m.tile_codes, m.tile_scale_zero, residual)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", SHAPES + [(80, 96)])
+@pytest.mark.parametrize("rows", range(1, 9))
+def test_the_rows_path_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
+    """Within the same tolerance as the tiles (bfloat16 output rounding; the sum's order differs from the
+    reference's), with and without the residual."""
+    m = module(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = x.float() @ m.dequantized().float().t()
+    got = rows_path(m, x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
+    residual = torch.randn(rows, n).to(torch.bfloat16)
+    torch.testing.assert_close(rows_path(m, x, residual).float(), want + residual.float(), rtol=2**-7,
+                               atol=2e-3 * (want + residual.float()).abs().max().item())
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
+def test_the_rows_path_gives_each_row_the_tiles_bits(rows: int) -> None:
+    """Each row through the rows path (8 rows a call) has the bits of the same row inside one tiles call of
+    `rows` rows: plain activations, activations over 2^-60..2^60 (large cancellations), and ones with
+    denormal and near-denormal values, where the kernel takes its MXCSR-switched way; that way is also
+    forced on plain activations. With and without the residual, at 1 and 2 threads."""
+    m = module(576, 1536, seed=5)
+    gen = torch.Generator().manual_seed(rows)
+    plain = torch.randn(rows, 1536, generator=gen)
+    wide = plain * torch.exp2(torch.randint(-60, 61, (rows, 1536), generator=gen).float())
+    tiny = plain * 2.0**-120
+    residual = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for x in (plain, wide, tiny):
+                xb = x.to(torch.bfloat16)
+                assert torch.equal(rows_path(m, xb).view(torch.int16), tiles(m, xb).view(torch.int16)), t
+                assert torch.equal(rows_path(m, xb, residual).view(torch.int16),
+                                   tiles(m, xb, residual).view(torch.int16)), t
+            xb = plain.to(torch.bfloat16)
+            assert torch.equal(rows_path(m, xb, w_min_exponent=-(1 << 20)).view(torch.int16),
+                               tiles(m, xb).view(torch.int16))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_the_module_takes_the_rows_path_for_a_few_rows() -> None:
+    """tile_mm (what forward and add_to call) goes to the rows path up to ROWS_PATH_MAX rows: the tiles'
+    bits either way."""
+    m = module(576, 576)
+    x = torch.randn(amx.ROWS_PATH_MAX + 1, 576).to(torch.bfloat16)
+    for r in (1, amx.ROWS_PATH_MAX, amx.ROWS_PATH_MAX + 1):
+        assert torch.equal(m.tile_mm(x[:r]), tiles(m, x[:r]))
+
+
+@needs_amx
+def test_the_rows_path_refuses_what_it_does_not_take() -> None:
+    """More than ROWS_PATH_LIMIT rows, and x whose K does not match the codes (K is a multiple of 32 and N
+    of 16 by construction: amx.fits)."""
+    m = module(48, 64)
+    assert m.tile_codes is not None and m.tile_scale_zero is not None
+    with pytest.raises(RuntimeError, match="at most"):
+        amx.int4_mm_rows(torch.zeros(amx.ROWS_PATH_LIMIT + 1, 64, dtype=torch.bfloat16), m.tile_codes,
+                         m.tile_scale_zero, m.tile_min_exponent)
+    with pytest.raises(RuntimeError, match="codes do not match"):
+        amx.int4_mm_rows(torch.zeros(1, 48, dtype=torch.bfloat16), m.tile_codes, m.tile_scale_zero,
+                         m.tile_min_exponent)
+    assert not amx.fits(48, 48) and not amx.fits(40, 64)

@@ -58,7 +58,8 @@ inline __m512 dots16(const __m512bh* qv, const bf* k, int64_t stride, int64_t n)
   return reduce16(a);
 }
 
-// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi].
+// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi]
+// (offsets in the block; outside [0, BS) is fine).
 template <int C>
 inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
   const int64_t stride = p.Hkv * p.D;
@@ -100,67 +101,75 @@ inline float softmax_update(float* sr, int64_t n16, float* m, float* l) {
   return alpha;
 }
 
-// acc rows g0..g0+rows-1 (at most 4), dims [d, d + 16 * w): rescaled by alpha, plus the weighted V rows.
+// acc rows g0..g0+R-1 (R at most 4), dims [d, d + 16 * W): rescaled by alpha, plus the weighted V rows of
+// the unit's keys [lo, hi] (offsets from its block 0) in position order; w: row g's weights at g * row.
 template <int W, int R>
-inline void pv(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
+inline void pv(const conveyor::Params& p, const conveyor::Span& s, const float* w, int64_t row, const float* alpha,
                float* acc, int64_t d, int64_t lo, int64_t hi) {
-  const int64_t D = p.D, stride = p.Hkv * D;
-  constexpr int rows = R;
+  const int64_t D = p.D, BS = p.BS, stride = p.Hkv * D, n16 = (BS + 15) / 16 * 16;
   __m512 a[R][W];
-  for (int g = 0; g < rows; ++g)
-    for (int w = 0; w < W; ++w)
-      a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * w), _mm512_set1_ps(alpha[g]));
-  for (int64_t i = lo; i <= hi; ++i) {
-    __m512 vi[W];
-    for (int w = 0; w < W; ++w) vi[w] = widen16(v + i * stride + d + 16 * w);
-    for (int g = 0; g < rows; ++g) {
-      const __m512 wi = _mm512_set1_ps(sr[g * n16 + i]);
-      for (int w = 0; w < W; ++w) a[g][w] = _mm512_fmadd_ps(wi, vi[w], a[g][w]);
+  for (int g = 0; g < R; ++g)
+    for (int x = 0; x < W; ++x)
+      a[g][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * x), _mm512_set1_ps(alpha[g]));
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    const bf* v = static_cast<const bf*>(s.v[b]) + d;
+    const float* wb = w + b * n16;
+    const int64_t i1 = std::min(hi - b * BS, BS - 1);
+    for (int64_t i = std::max<int64_t>(lo - b * BS, 0); i <= i1; ++i) {
+      __m512 vi[W];
+      for (int x = 0; x < W; ++x) vi[x] = widen16(v + i * stride + 16 * x);
+      for (int g = 0; g < R; ++g) {
+        const __m512 wi = _mm512_set1_ps(wb[g * row + i]);
+        for (int x = 0; x < W; ++x) a[g][x] = _mm512_fmadd_ps(wi, vi[x], a[g][x]);
+      }
     }
   }
-  for (int g = 0; g < rows; ++g)
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + g * D + d + 16 * w, a[g][w]);
+  for (int g = 0; g < R; ++g)
+    for (int x = 0; x < W; ++x) _mm512_storeu_ps(acc + g * D + d + 16 * x, a[g][x]);
 }
 
 // The rows' V update over dims [d, D), 64 at a time, then 32.
 template <int R>
-inline void pv_rows(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
-                    float* acc, int64_t lo, int64_t hi) {
+inline void pv_rows(const conveyor::Params& p, const conveyor::Span& s, const float* w, int64_t row,
+                    const float* alpha, float* acc, int64_t lo, int64_t hi) {
   int64_t d = 0;
-  for (; d + 64 <= p.D; d += 64) pv<4, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
-  if (d < p.D) pv<2, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
+  for (; d + 64 <= p.D; d += 64) pv<4, R>(p, s, w, row, alpha, acc, d, lo, hi);
+  if (d < p.D) pv<2, R>(p, s, w, row, alpha, acc, d, lo, hi);
 }
 
+// One online-softmax update per row per unit: the scores of every unit block the row sees, one max, the
+// exponentials, one rescale of the accumulator, then the V rows of the keys it sees.
 template <int C>
 void block_c(const conveyor::Params& p, const conveyor::Span& s) {
-  const int64_t G = p.G, D = p.D, n16 = (p.BS + 15) / 16 * 16;
-  thread_local float* sr = nullptr;  // [G][n16] scores, then weights: grown, never freed
+  const int64_t G = p.G, D = p.D, BS = p.BS, n16 = (BS + 15) / 16 * 16, row = s.nb * n16;
+  thread_local float* sr = nullptr;  // [G][nb * n16] scores, then weights: grown, never freed
   thread_local int64_t capacity = 0;
-  if (capacity < G * n16) {
+  if (capacity < G * row) {
     delete[] sr;
-    sr = new float[G * n16];
-    capacity = G * n16;
+    sr = new float[G * row];
+    capacity = G * row;
   }
   float alpha[64];
-  const bf* k = static_cast<const bf*>(s.k);
-  const bf* v = static_cast<const bf*>(s.v);
   for (int64_t j = 0; j < s.n; ++j) {
     int64_t lo, hi;
-    conveyor::visible_keys(p, s.pos0 + j, s.b0, &lo, &hi);
+    conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &lo, &hi);
     if (lo > hi) continue;
-    const int64_t r0 = j * G;
+    const int64_t r0 = j * G, blo = lo / BS, bhi = hi / BS;
     for (int64_t g = 0; g < G; ++g) {
-      scores<C>(p, static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head, k, lo, hi, sr + g * n16);
-      alpha[g] = softmax_update(sr + g * n16, n16, s.m + r0 + g, s.l + r0 + g);
+      const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
+      float* sg = sr + g * row;
+      for (int64_t b = blo; b <= bhi; ++b)
+        scores<C>(p, q, static_cast<const bf*>(s.k[b]), lo - b * BS, hi - b * BS, sg + b * n16);
+      alpha[g] = softmax_update(sg + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
     }
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       const int64_t rows = G - g0 < 4 ? G - g0 : 4;
       float* acc = s.acc + (r0 + g0) * D;
-      const float* w = sr + g0 * n16;
-      if (rows == 4) pv_rows<4>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 3) pv_rows<3>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 2) pv_rows<2>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 1) pv_rows<1>(p, v, w, n16, alpha + g0, acc, lo, hi);
+      const float* w = sr + g0 * row;
+      if (rows == 4) pv_rows<4>(p, s, w, row, alpha + g0, acc, lo, hi);
+      if (rows == 3) pv_rows<3>(p, s, w, row, alpha + g0, acc, lo, hi);
+      if (rows == 2) pv_rows<2>(p, s, w, row, alpha + g0, acc, lo, hi);
+      if (rows == 1) pv_rows<1>(p, s, w, row, alpha + g0, acc, lo, hi);
     }
   }
 }

@@ -81,7 +81,7 @@ inline float sum_tree(const float* t) {
 }
 
 // Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi]
-// (offsets in the block; outside [0, BS) is fine).
+// (offsets in the block; lo may be negative, hi at most BS - 1: the padding must weigh 0).
 template <int C>
 inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
   const int64_t stride = p.Hkv * p.D;
@@ -190,7 +190,7 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
       const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
       float* sg = sr.data() + g * row;
       for (int64_t b = blo; b <= bhi; ++b)
-        scores<C>(p, q, static_cast<const bf*>(s.k[b]), lo - b * BS, hi - b * BS, sg + b * n16);
+        scores<C>(p, q, static_cast<const bf*>(s.k[b]), lo - b * BS, std::min(hi - b * BS, BS - 1), sg + b * n16);
       alpha[g] = softmax_update(sg + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
     }
     pv_token(p, s, sr.data(), row, 1, alpha, s.acc + r0 * p.D, lo, hi);

@@ -2,8 +2,9 @@
 // the cache's rows (no widened copy), float32 softmax and V accumulation (16 lanes). paged_attention.cpp
 // includes it inside a `#pragma GCC target` region with avx512bf16, and calls it only where the CPU
 // reports avx512_bf16 and the head dim is a multiple of 32.
-// The G query heads of one KV head go through the block together: each key's scores for all G rows
-// come from the block's K rows while they sit in L1, and each V row is widened once for all G rows.
+// One call is one softmax unit (up to 64 positions, several blocks) of one KV head: one online-softmax
+// update per row per unit. Spans of few tokens (decodes) score with keys as lanes (block_keys), prompt
+// chunks with tokens as lanes (block_rows); both give every row the same arithmetic, so the same bits.
 
 namespace bf16 {
 
@@ -238,6 +239,40 @@ inline __m512 dots_rows(const __m512i* qt, const int32_t* k) {
   return a[0];
 }
 
+// R rows' V update (rows of any tokens and heads; row r's weight for key x of the unit at w[r][x * 16], its
+// accumulator at acc[r]) over the keys [lo, hi] in position order, 64 dims at a time, then 32.
+template <int W, int R>
+inline void pv_group_w(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
+                       const float* alpha, int64_t d, int64_t lo, int64_t hi) {
+  const int64_t BS = p.BS, stride = p.Hkv * p.D, n16 = (BS + 15) / 16 * 16;
+  __m512 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < W; ++x) a[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16 * x), _mm512_set1_ps(alpha[r]));
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    const bf* v = static_cast<const bf*>(s.v[b]) + d;
+    const int64_t i1 = std::min(hi - b * BS, BS - 1);
+    for (int64_t i = std::max<int64_t>(lo - b * BS, 0); i <= i1; ++i) {
+      __m512 vi[W];
+      for (int x = 0; x < W; ++x) vi[x] = widen16(v + i * stride + 16 * x);
+      const int64_t at = (b * n16 + i) * 16;
+      for (int r = 0; r < R; ++r) {
+        const __m512 wi = _mm512_set1_ps(w[r][at]);
+        for (int x = 0; x < W; ++x) a[r][x] = _mm512_fmadd_ps(wi, vi[x], a[r][x]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < W; ++x) _mm512_storeu_ps(acc[r] + d + 16 * x, a[r][x]);
+}
+
+template <int R>
+inline void pv_group(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
+                     const float* alpha, int64_t lo, int64_t hi) {
+  int64_t d = 0;
+  for (; d + 64 <= p.D; d += 64) pv_group_w<4, R>(p, s, w, acc, alpha, d, lo, hi);
+  if (d < p.D) pv_group_w<2, R>(p, s, w, acc, alpha, d, lo, hi);
+}
+
 // Rows as lanes (a prompt chunk's 16 tokens): per query head, the tokens' queries transposed once, each key's
 // scores for all tokens by broadcast vdpbf16ps (no horizontal reduction), the max, exponentials and sums
 // down the lanes; then each token's V update as in block_keys. Every row's arithmetic is block_keys':
@@ -314,8 +349,30 @@ void block_rows(const conveyor::Params& p, const conveyor::Span& s) {
       alpha[j][g] = al[j];
     }
   }
-  for (int64_t j = 0; j < s.n; ++j)
-    if (lo[j] <= hi[j]) pv_token(p, s, wt.data() + j, keys * 16, 16, alpha[j], s.acc + j * G * D, lo[j], hi[j]);
+  // The V update, rows (token, head) in groups of up to 6 over the union of their keys: a key a row does
+  // not see weighs +0 there, and adding +0 * v (v finite: every key of the span's range is written)
+  // leaves its accumulator, never -0, unchanged.
+  const float* wr[6];
+  float* ar[6];
+  float al[6];
+  int64_t n = 0, glo = 0, ghi = 0;
+  for (int64_t j = 0; j < s.n; ++j) {
+    if (lo[j] > hi[j]) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      if (n == 0) glo = lo[j], ghi = hi[j];
+      glo = std::min<int64_t>(glo, lo[j]), ghi = std::max<int64_t>(ghi, hi[j]);
+      wr[n] = wt.data() + g * keys * 16 + j, ar[n] = s.acc + (j * G + g) * D, al[n] = alpha[j][g];
+      if (++n == 6) pv_group<6>(p, s, wr, ar, al, glo, ghi), n = 0;
+    }
+  }
+  switch (n) {
+    case 5: pv_group<5>(p, s, wr, ar, al, glo, ghi); break;
+    case 4: pv_group<4>(p, s, wr, ar, al, glo, ghi); break;
+    case 3: pv_group<3>(p, s, wr, ar, al, glo, ghi); break;
+    case 2: pv_group<2>(p, s, wr, ar, al, glo, ghi); break;
+    case 1: pv_group<1>(p, s, wr, ar, al, glo, ghi); break;
+    default: break;
+  }
 }
 
 template <int C>

@@ -17,7 +17,11 @@ With --native: the native kernel (kernels/cpu) against gather + SDPA, batches of
 size, in bfloat16 and float32, side by side in one run (what TorchBackend.NATIVE_MAX_CONTEXT once
 guessed at).
 
-    python bench/cpu_attention.py [--native]
+With --prompts: bfloat16 prompt attention (fresh prompts of 128..2048 tokens, one 512-token chunk over a
+cached 1024) on the native kernel's best path against SDPA, plus single decodes over contexts 256..4096
+(to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA shape.
+
+    python bench/cpu_attention.py [--native | --prompts] [--threads N]
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from bench.kernels import Case, Shape, attention_traffic, build_batch  # noqa: E
 
 # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64; the engine's default block size.
 SMOLLM2 = Shape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+GQA128 = Shape(num_heads=12, num_kv_heads=2, head_dim=128, block_size=16)  # Qwen2.5-1.5B's attention
 
 
 def cases() -> list[Case]:
@@ -115,6 +120,43 @@ def native_vs_sdpa(runs: int) -> None:
                   + f" {ms[0] / best:5.1f}x {nbytes / best / 1e6:6.1f}")
 
 
+def prompts_vs_sdpa(runs: int) -> None:
+    """One layer's store + attention in bfloat16: SDPA (the torch backend's prompt path) against the native
+    kernel on the path isa "auto" picks, for prompts; decodes on the native kernel alone."""
+    import torch
+
+    import kernels.torch_backend as tb
+
+    sdpa, native = tb.TorchBackend("cpu"), tb.TorchBackend("cpu", native=True)
+    native.native_prompts = True
+    if not native.native:
+        print("native kernel unavailable here: nothing to compare")
+        return
+    print(f"bfloat16, one layer's store + attention, ms, min of {runs}; x: SDPA / native")
+    gen = torch.Generator().manual_seed(0)
+    for shape in (SMOLLM2, GQA128):
+        print(f"H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} block={shape.block_size}")
+        print(f"{'case':26s} {'SDPA':>9s} {'native':>9s} {'x':>6s} {'GFLOP/s':>8s}")
+        prompts = [Case(f"prompt {n}", [n], [0]) for n in (128, 512, 1024, 2048)]
+        decodes = [Case(f"1 decode x L={n}", [1], [n - 1]) for n in (256, 1024, 4096)]
+        for case in prompts + [Case("chunk 512 over 1024", [512], [1024])] + decodes:
+            layout, q, k, v, kc, vc = build_batch(case, shape, torch.bfloat16, torch.device("cpu"), gen)
+            scale = shape.head_dim ** -0.5
+            meta = native.plan(layout)
+            run_native = functools.partial(native.forward, q, k, v, kc, vc, meta, scale)
+            ms_native = min_ms(run_native, runs)
+            _, flops = attention_traffic(case, shape, 2)
+            if case.query_lens[0] == 1:
+                print(f"{case.name:26s} {'':>9s} {ms_native:9.3f} {'':>6s} {flops / ms_native / 1e6:8.1f}")
+                continue
+            base = sdpa.plan(layout)
+            torch.testing.assert_close(run_native().float(), sdpa.forward(q, k, v, kc, vc, base, scale).float(),
+                                       atol=2e-2, rtol=2e-2)
+            ms_sdpa = min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)
+            print(f"{case.name:26s} {ms_sdpa:9.3f} {ms_native:9.3f} {ms_sdpa / ms_native:5.2f}x "
+                  f"{flops / ms_native / 1e6:8.1f}")
+
+
 def min_ms(fn, runs: int) -> float:
     """The fastest of runs: on a machine other processes share, the run least disturbed."""
     fn()
@@ -131,6 +173,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=15)
     ap.add_argument("--native", action="store_true", help="native kernel vs gather + SDPA, bf16 and fp32")
+    ap.add_argument("--prompts", action="store_true", help="bfloat16 prompts: native kernel vs SDPA")
     args = ap.parse_args()
     pin_threads(args.threads)
     import torch
@@ -141,6 +184,9 @@ def main() -> None:
     print(f"machine: {machine()}")
     if args.native:
         native_vs_sdpa(args.runs)
+        return
+    if args.prompts:
+        prompts_vs_sdpa(args.runs)
         return
     src = torch.empty(1 << 26)  # 256 MiB
     dst = torch.empty_like(src)

@@ -2,12 +2,17 @@
 // the cache's rows (no widened copy), float32 softmax and V accumulation (16 lanes). paged_attention.cpp
 // includes it inside a `#pragma GCC target` region with avx512bf16, and calls it only where the CPU
 // reports avx512_bf16 and the head dim is a multiple of 32.
-// The G query heads of one KV head go through the block together: each key's scores for all G rows
-// come from the block's K rows while they sit in L1, and each V row is widened once for all G rows.
+// One call is one softmax unit (up to 64 positions, several blocks) of one KV head: one online-softmax
+// update per row per unit. Spans of few tokens (decodes) score with keys as lanes (block_keys), prompt
+// chunks with tokens as lanes (block_rows); both give every row the same arithmetic, so the same bits.
 
 namespace bf16 {
 
 using bf = c10::BFloat16;
+
+// Spans of at least this many tokens (at most 16) take the rows-as-lanes layout; fewer, keys as lanes.
+// Either gives a row the same bits.
+constexpr int64_t kRowsAsLanes = 8;
 
 // Lane i: the sum of a[i]'s 16 lanes (a transposing reduction: 15 shuffles and adds for 16 keys).
 inline __m512 hadd16(__m512 a, __m512 b) {
@@ -58,7 +63,26 @@ inline __m512 dots16(const __m512bh* qv, const bf* k, int64_t stride, int64_t n)
   return reduce16(a);
 }
 
-// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi].
+// Soft-capping, lane by lane: cap * tanh(s / cap).
+inline __m512 cap16(__m512 s, float cap) {
+  alignas(64) float t[16];
+  _mm512_store_ps(t, s);
+  for (float& x : t) x = cap * __builtin_tanhf(x / cap);
+  return _mm512_load_ps(t);
+}
+
+// The one order a row's 16 partial sums are added in: t[i] + t[i + 8], then + 4, + 2, + 1. Both layouts
+// below use it (the keys-as-lanes one on a stored vector, the rows-as-lanes one on 16 vectors).
+inline float sum_tree(const float* t) {
+  float a[8];
+  for (int i = 0; i < 8; ++i) a[i] = t[i] + t[i + 8];
+  for (int i = 0; i < 4; ++i) a[i] = a[i] + a[i + 4];
+  for (int i = 0; i < 2; ++i) a[i] = a[i] + a[i + 2];
+  return a[0] + a[1];
+}
+
+// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi]
+// (offsets in the block; lo may be negative, hi at most BS - 1: the padding must weigh 0).
 template <int C>
 inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
   const int64_t stride = p.Hkv * p.D;
@@ -68,12 +92,7 @@ inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t 
     const int64_t n = p.BS - i0;
     __m512 s = _mm512_mul_ps(n >= 16 ? dots16<C>(qv, k + i0 * stride, stride, 16)
                                      : dots16<C>(qv, k + i0 * stride, stride, n), _mm512_set1_ps(p.scale));
-    if (p.cap > 0.f) {
-      alignas(64) float t[16];
-      _mm512_store_ps(t, s);
-      for (float& x : t) x = p.cap * __builtin_tanhf(x / p.cap);
-      s = _mm512_load_ps(t);
-    }
+    if (p.cap > 0.f) s = cap16(s, p.cap);
     const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)),
                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 seen = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
@@ -96,73 +115,270 @@ inline float softmax_update(float* sr, int64_t n16, float* m, float* l) {
     _mm512_storeu_ps(sr + i, e);
     sum = _mm512_add_ps(sum, e);
   }
-  *l = *l * alpha + _mm512_reduce_add_ps(sum);
+  alignas(64) float t[16];
+  _mm512_store_ps(t, sum);
+  *l = __builtin_fmaf(*l, alpha, sum_tree(t));
   return alpha;
 }
 
-// acc rows g0..g0+rows-1 (at most 4), dims [d, d + 16 * w): rescaled by alpha, plus the weighted V rows.
+// acc rows g0..g0+R-1 (R at most 4), dims [d, d + 16 * W): rescaled by alpha, plus the weighted V rows of
+// the unit's keys [lo, hi] (offsets from its block 0) in position order; w: row g's weight for key i of
+// block b at g * row + (b * n16 + i) * ks.
 template <int W, int R>
-inline void pv(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
-               float* acc, int64_t d, int64_t lo, int64_t hi) {
-  const int64_t D = p.D, stride = p.Hkv * D;
-  constexpr int rows = R;
+inline void pv(const conveyor::Params& p, const conveyor::Span& s, const float* w, int64_t row, int64_t ks,
+               const float* alpha, float* acc, int64_t d, int64_t lo, int64_t hi) {
+  const int64_t D = p.D, BS = p.BS, stride = p.Hkv * D, n16 = (BS + 15) / 16 * 16;
   __m512 a[R][W];
-  for (int g = 0; g < rows; ++g)
-    for (int w = 0; w < W; ++w)
-      a[g][w] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * w), _mm512_set1_ps(alpha[g]));
-  for (int64_t i = lo; i <= hi; ++i) {
-    __m512 vi[W];
-    for (int w = 0; w < W; ++w) vi[w] = widen16(v + i * stride + d + 16 * w);
-    for (int g = 0; g < rows; ++g) {
-      const __m512 wi = _mm512_set1_ps(sr[g * n16 + i]);
-      for (int w = 0; w < W; ++w) a[g][w] = _mm512_fmadd_ps(wi, vi[w], a[g][w]);
+  for (int g = 0; g < R; ++g)
+    for (int x = 0; x < W; ++x)
+      a[g][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d + 16 * x), _mm512_set1_ps(alpha[g]));
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    const bf* v = static_cast<const bf*>(s.v[b]) + d;
+    const float* wb = w + b * n16 * ks;
+    const int64_t i1 = std::min(hi - b * BS, BS - 1);
+    for (int64_t i = std::max<int64_t>(lo - b * BS, 0); i <= i1; ++i) {
+      __m512 vi[W];
+      for (int x = 0; x < W; ++x) vi[x] = widen16(v + i * stride + 16 * x);
+      for (int g = 0; g < R; ++g) {
+        const __m512 wi = _mm512_set1_ps(wb[g * row + i * ks]);
+        for (int x = 0; x < W; ++x) a[g][x] = _mm512_fmadd_ps(wi, vi[x], a[g][x]);
+      }
     }
   }
-  for (int g = 0; g < rows; ++g)
-    for (int w = 0; w < W; ++w) _mm512_storeu_ps(acc + g * D + d + 16 * w, a[g][w]);
+  for (int g = 0; g < R; ++g)
+    for (int x = 0; x < W; ++x) _mm512_storeu_ps(acc + g * D + d + 16 * x, a[g][x]);
 }
 
 // The rows' V update over dims [d, D), 64 at a time, then 32.
 template <int R>
-inline void pv_rows(const conveyor::Params& p, const bf* v, const float* sr, int64_t n16, const float* alpha,
-                    float* acc, int64_t lo, int64_t hi) {
+inline void pv_rows(const conveyor::Params& p, const conveyor::Span& s, const float* w, int64_t row, int64_t ks,
+                    const float* alpha, float* acc, int64_t lo, int64_t hi) {
   int64_t d = 0;
-  for (; d + 64 <= p.D; d += 64) pv<4, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
-  if (d < p.D) pv<2, R>(p, v, sr, n16, alpha, acc, d, lo, hi);
+  for (; d + 64 <= p.D; d += 64) pv<4, R>(p, s, w, row, ks, alpha, acc, d, lo, hi);
+  if (d < p.D) pv<2, R>(p, s, w, row, ks, alpha, acc, d, lo, hi);
+}
+
+// The V update of one token's G rows (acc: its row 0), in groups of at most 4 (each V row widened once a
+// group); a row's arithmetic is the same in any group.
+inline void pv_token(const conveyor::Params& p, const conveyor::Span& s, const float* w, int64_t row, int64_t ks,
+                     const float* alpha, float* acc, int64_t lo, int64_t hi) {
+  for (int64_t g0 = 0; g0 < p.G; g0 += 4) {
+    const int64_t rows = p.G - g0 < 4 ? p.G - g0 : 4;
+    const float* wg = w + g0 * row;
+    float* ag = acc + g0 * p.D;
+    if (rows == 4) pv_rows<4>(p, s, wg, row, ks, alpha + g0, ag, lo, hi);
+    if (rows == 3) pv_rows<3>(p, s, wg, row, ks, alpha + g0, ag, lo, hi);
+    if (rows == 2) pv_rows<2>(p, s, wg, row, ks, alpha + g0, ag, lo, hi);
+    if (rows == 1) pv_rows<1>(p, s, wg, row, ks, alpha + g0, ag, lo, hi);
+  }
+}
+
+// Keys as lanes (decode rows, short queries): one online-softmax update per row per unit: the scores of
+// every unit block the row sees, one max, the exponentials, one rescale of the accumulator, then the V
+// rows of the keys it sees.
+template <int C>
+void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
+  const int64_t G = p.G, BS = p.BS, n16 = (BS + 15) / 16 * 16, row = s.nb * n16;
+  thread_local std::vector<float> sr;  // [G][nb * n16] scores, then weights
+  if (static_cast<int64_t>(sr.size()) < G * row) sr.resize(G * row);
+  float alpha[64];
+  for (int64_t j = 0; j < s.n; ++j) {
+    int64_t lo, hi;
+    conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &lo, &hi);
+    if (lo > hi) continue;
+    const int64_t r0 = j * G, blo = lo / BS, bhi = hi / BS;
+    for (int64_t g = 0; g < G; ++g) {
+      const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
+      float* sg = sr.data() + g * row;
+      for (int64_t b = blo; b <= bhi; ++b)
+        scores<C>(p, q, static_cast<const bf*>(s.k[b]), lo - b * BS, std::min(hi - b * BS, BS - 1), sg + b * n16);
+      alpha[g] = softmax_update(sg + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
+    }
+    pv_token(p, s, sr.data(), row, 1, alpha, s.acc + r0 * p.D, lo, hi);
+  }
+}
+
+// 16 rows of 16 dwords transposed in place (r[i] lane c -> r[c] lane i): moves bits only.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int a = 0; a < 4; ++a) {  // r[4a + e], 128-bit lane l: rows 4a..4a+3 at column 4l + e
+    r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+    r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+    r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+    r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    const __m512i xl = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), xh = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i yl = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
+    const __m512i yh = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(xl, yl, 0x88), t[4 + e] = _mm512_shuffle_i32x4(xl, yl, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(xh, yh, 0x88), t[12 + e] = _mm512_shuffle_i32x4(xh, yh, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// One key's scores for 16 rows, row j in lane j (qt: the rows' queries transposed, pair of dims c in qt[c]):
+// the same arithmetic as dots16 + reduce16 for each row (lane l of a row's dot holds the pairs 16c + l
+// summed over c in order; the 16 lane sums added pairwise, neighbours first).
+template <int C>
+inline __m512 dots_rows(const __m512i* qt, const int32_t* k) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int l = 0; l < 16; ++l) {
+    a[l] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c)
+      a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)qt[16 * c + l], (__m512bh)_mm512_set1_epi32(k[16 * c + l]));
+  }
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = _mm512_add_ps(a[2 * i], a[2 * i + 1]);
+  return a[0];
+}
+
+// R rows' V update (rows of any tokens and heads; row r's weight for key x of the unit at w[r][x * 16], its
+// accumulator at acc[r]) over the keys [lo, hi] in position order, 64 dims at a time, then 32.
+template <int W, int R>
+inline void pv_group_w(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
+                       const float* alpha, int64_t d, int64_t lo, int64_t hi) {
+  const int64_t BS = p.BS, stride = p.Hkv * p.D, n16 = (BS + 15) / 16 * 16;
+  __m512 a[R][W];
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < W; ++x) a[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16 * x), _mm512_set1_ps(alpha[r]));
+  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
+    const bf* v = static_cast<const bf*>(s.v[b]) + d;
+    const int64_t i1 = std::min(hi - b * BS, BS - 1);
+    for (int64_t i = std::max<int64_t>(lo - b * BS, 0); i <= i1; ++i) {
+      __m512 vi[W];
+      for (int x = 0; x < W; ++x) vi[x] = widen16(v + i * stride + 16 * x);
+      const int64_t at = (b * n16 + i) * 16;
+      for (int r = 0; r < R; ++r) {
+        const __m512 wi = _mm512_set1_ps(w[r][at]);
+        for (int x = 0; x < W; ++x) a[r][x] = _mm512_fmadd_ps(wi, vi[x], a[r][x]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < W; ++x) _mm512_storeu_ps(acc[r] + d + 16 * x, a[r][x]);
+}
+
+template <int R>
+inline void pv_group(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
+                     const float* alpha, int64_t lo, int64_t hi) {
+  int64_t d = 0;
+  for (; d + 64 <= p.D; d += 64) pv_group_w<4, R>(p, s, w, acc, alpha, d, lo, hi);
+  if (d < p.D) pv_group_w<2, R>(p, s, w, acc, alpha, d, lo, hi);
+}
+
+// Rows as lanes (a prompt chunk's 16 tokens): per query head, the tokens' queries transposed once, each key's
+// scores for all tokens by broadcast vdpbf16ps (no horizontal reduction), the max, exponentials and sums
+// down the lanes; then each token's V update as in block_keys. Every row's arithmetic is block_keys':
+// scores as above; a key a row cannot see scores -inf and weighs exactly 0, which leaves its max and sum
+// unchanged (the sum of weights in block_keys' order: per lane of 16 keys across the row's blocks, then
+// sum_tree); alpha by the same expf, l by the same fma. At most 16 tokens.
+template <int C>
+void block_rows(const conveyor::Params& p, const conveyor::Span& s) {
+  const int64_t G = p.G, D = p.D, BS = p.BS, n16 = (BS + 15) / 16 * 16, keys = s.nb * n16, stride = p.Hkv * D;
+  thread_local std::vector<float> wt;  // [G][keys][16 tokens] scores, then weights
+  if (static_cast<int64_t>(wt.size()) < G * keys * 16) wt.resize(G * keys * 16);
+  int32_t lo[16], hi[16];  // the keys each token sees (offsets in the unit); lo > hi: none
+  int64_t kmin = keys, kmax = -1;
+  for (int64_t j = 0; j < 16; ++j) {
+    int64_t a = 1, b = 0;
+    if (j < s.n) conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &a, &b);
+    lo[j] = static_cast<int32_t>(a), hi[j] = static_cast<int32_t>(b);
+    if (a <= b) kmin = std::min(kmin, a), kmax = std::max(kmax, b);
+  }
+  if (kmin > kmax) return;
+  const int64_t blo = kmin / BS, bhi = kmax / BS;
+  const __m512i lo_v = _mm512_loadu_si512(lo), hi_v = _mm512_loadu_si512(hi);
+  float alpha[16][64];
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i qt[8 * 16];  // [D / 2] the tokens' query pairs, token j in lane j
+    for (int64_t d = 0; d < D; d += 32) {
+      __m512i r[16];
+      for (int64_t j = 0; j < 16; ++j)
+        r[j] = j < s.n ? _mm512_loadu_si512(static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head + d)
+                       : _mm512_setzero_si512();
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) qt[d / 2 + c] = r[c];
+    }
+    float* w = wt.data() + g * keys * 16;
+    __m512 mx = _mm512_set1_ps(-__builtin_inff());
+    for (int64_t b = blo; b <= bhi; ++b) {
+      const int32_t* k = static_cast<const int32_t*>(s.k[b]);
+      for (int64_t i = 0; i < n16; ++i) {
+        const int64_t x = b * BS + i;
+        __m512 sc = _mm512_set1_ps(-__builtin_inff());
+        if (i < BS && x >= kmin && x <= kmax) {
+          sc = _mm512_mul_ps(dots_rows<C>(qt, k + i * stride / 2), _mm512_set1_ps(p.scale));
+          if (p.cap > 0.f) sc = cap16(sc, p.cap);
+          const __m512i xv = _mm512_set1_epi32(static_cast<int>(x));
+          const __mmask16 seen = _mm512_cmple_epi32_mask(lo_v, xv) & _mm512_cmpge_epi32_mask(hi_v, xv);
+          sc = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), sc);
+        }
+        _mm512_storeu_ps(w + (b * n16 + i) * 16, sc);
+        mx = _mm512_max_ps(mx, sc);
+      }
+    }
+    alignas(64) float m_old[16], m_new[16], al[16];
+    for (int64_t j = 0; j < 16; ++j) m_old[j] = lo[j] <= hi[j] ? s.m[j * G + g] : 0.f;
+    _mm512_store_ps(m_new, _mm512_max_ps(_mm512_load_ps(m_old), mx));
+    for (int64_t j = 0; j < 16; ++j) al[j] = __builtin_expf(m_old[j] - m_new[j]);
+    const __m512 mv = _mm512_load_ps(m_new);
+    __m512 sum[16];
+    for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
+    for (int64_t x = blo * n16; x < (bhi + 1) * n16; ++x) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + x * 16), mv));
+      _mm512_storeu_ps(w + x * 16, e);
+      sum[x % 16] = _mm512_add_ps(sum[x % 16], e);
+    }
+    for (int i = 0; i < 8; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 8]);
+    for (int i = 0; i < 4; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 4]);
+    for (int i = 0; i < 2; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 2]);
+    alignas(64) float total[16];
+    _mm512_store_ps(total, _mm512_add_ps(sum[0], sum[1]));
+    for (int64_t j = 0; j < s.n; ++j) {
+      if (lo[j] > hi[j]) continue;
+      const int64_t r = j * G + g;
+      s.m[r] = m_new[j];
+      s.l[r] = __builtin_fmaf(s.l[r], al[j], total[j]);
+      alpha[j][g] = al[j];
+    }
+  }
+  // The V update, rows (token, head) in groups of up to 6 over the union of their keys: a key a row does
+  // not see weighs +0 there, and adding +0 * v (v finite: every key of the span's range is written)
+  // leaves its accumulator, never -0, unchanged.
+  const float* wr[6];
+  float* ar[6];
+  float al[6];
+  int64_t n = 0, glo = 0, ghi = 0;
+  for (int64_t j = 0; j < s.n; ++j) {
+    if (lo[j] > hi[j]) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      if (n == 0) glo = lo[j], ghi = hi[j];
+      glo = std::min<int64_t>(glo, lo[j]), ghi = std::max<int64_t>(ghi, hi[j]);
+      wr[n] = wt.data() + g * keys * 16 + j, ar[n] = s.acc + (j * G + g) * D, al[n] = alpha[j][g];
+      if (++n == 6) pv_group<6>(p, s, wr, ar, al, glo, ghi), n = 0;
+    }
+  }
+  switch (n) {
+    case 5: pv_group<5>(p, s, wr, ar, al, glo, ghi); break;
+    case 4: pv_group<4>(p, s, wr, ar, al, glo, ghi); break;
+    case 3: pv_group<3>(p, s, wr, ar, al, glo, ghi); break;
+    case 2: pv_group<2>(p, s, wr, ar, al, glo, ghi); break;
+    case 1: pv_group<1>(p, s, wr, ar, al, glo, ghi); break;
+    default: break;
+  }
 }
 
 template <int C>
 void block_c(const conveyor::Params& p, const conveyor::Span& s) {
-  const int64_t G = p.G, D = p.D, n16 = (p.BS + 15) / 16 * 16;
-  thread_local float* sr = nullptr;  // [G][n16] scores, then weights: grown, never freed
-  thread_local int64_t capacity = 0;
-  if (capacity < G * n16) {
-    delete[] sr;
-    sr = new float[G * n16];
-    capacity = G * n16;
-  }
-  float alpha[64];
-  const bf* k = static_cast<const bf*>(s.k);
-  const bf* v = static_cast<const bf*>(s.v);
-  for (int64_t j = 0; j < s.n; ++j) {
-    int64_t lo, hi;
-    conveyor::visible_keys(p, s.pos0 + j, s.b0, &lo, &hi);
-    if (lo > hi) continue;
-    const int64_t r0 = j * G;
-    for (int64_t g = 0; g < G; ++g) {
-      scores<C>(p, static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head, k, lo, hi, sr + g * n16);
-      alpha[g] = softmax_update(sr + g * n16, n16, s.m + r0 + g, s.l + r0 + g);
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      const int64_t rows = G - g0 < 4 ? G - g0 : 4;
-      float* acc = s.acc + (r0 + g0) * D;
-      const float* w = sr + g0 * n16;
-      if (rows == 4) pv_rows<4>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 3) pv_rows<3>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 2) pv_rows<2>(p, v, w, n16, alpha + g0, acc, lo, hi);
-      if (rows == 1) pv_rows<1>(p, v, w, n16, alpha + g0, acc, lo, hi);
-    }
-  }
+  if (s.n >= kRowsAsLanes) return block_rows<C>(p, s);
+  block_keys<C>(p, s);
 }
 
 void block(const conveyor::Params& p, const conveyor::Span& s) {

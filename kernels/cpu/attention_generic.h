@@ -134,6 +134,7 @@ inline void attend_row(const conveyor::Params& p, const float* qr, const float* 
   accumulate(acc, sr + lo, values + lo * vstride, vstride, hi - lo + 1, D);
 }
 
+// The generic paths keep one online-softmax update per block: a unit's blocks go through one by one.
 template <typename Q, typename KV>
 void block(const conveyor::Params& p, const conveyor::Span& s) {
   const int64_t BS = p.BS, D = p.D, G = p.G, stride = p.Hkv * D;
@@ -146,29 +147,33 @@ void block(const conveyor::Params& p, const conveyor::Span& s) {
     capacity = need;
   }
   float *kf = scratch, *vf = kf + BS * D, *qf = vf + BS * D, *sr = qf + D;
-  const float *keys = kf, *values = vf;
-  int64_t kstride = D;
-  if constexpr (sizeof(KV) == sizeof(float)) {
-    keys = reinterpret_cast<const float*>(s.k), values = reinterpret_cast<const float*>(s.v), kstride = stride;
-  } else {
-    const KV* kb = static_cast<const KV*>(s.k);
-    const KV* vb = static_cast<const KV*>(s.v);
-    for (int64_t i = 0; i < BS; ++i)
+  for (int64_t b = 0; b < s.nb; ++b) {
+    const int64_t b0 = s.b0 + b * BS;
+    const float *keys = kf, *values = vf;
+    int64_t kstride = D;
+    if constexpr (sizeof(KV) == sizeof(float)) {
+      keys = static_cast<const float*>(s.k[b]), values = static_cast<const float*>(s.v[b]), kstride = stride;
+    } else {
+      if (s.pos0 + s.n - 1 < b0) break;  // no token sees this block (nor the next): do not widen it
+      const KV* kb = static_cast<const KV*>(s.k[b]);
+      const KV* vb = static_cast<const KV*>(s.v[b]);
+      for (int64_t i = 0; i < BS; ++i)
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) {
-        kf[i * D + d] = widen_(kb[i * stride + d]);
-        vf[i * D + d] = widen_(vb[i * stride + d]);
+        for (int64_t d = 0; d < D; ++d) {
+          kf[i * D + d] = widen_(kb[i * stride + d]);
+          vf[i * D + d] = widen_(vb[i * stride + d]);
+        }
+    }
+    for (int64_t j = 0; j < s.n; ++j) {
+      int64_t lo, hi;
+      conveyor::visible_keys(p, s.pos0 + j, b0, BS, &lo, &hi);
+      if (lo > hi) continue;  // a block after the token (causal) or before its window
+      for (int64_t g = 0; g < G; ++g) {
+        const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
+        for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
+        const int64_t r = j * G + g;
+        attend_row(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
       }
-  }
-  for (int64_t j = 0; j < s.n; ++j) {
-    int64_t lo, hi;
-    conveyor::visible_keys(p, s.pos0 + j, s.b0, &lo, &hi);
-    if (lo > hi) continue;  // a block after the token (causal) or before its window
-    for (int64_t g = 0; g < G; ++g) {
-      const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
-      for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
-      const int64_t r = j * G + g;
-      attend_row(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
     }
   }
 }

@@ -2,9 +2,9 @@
 // and prompt chunks, reading K/V blocks where they lie in the cache (no gather into a buffer).
 //
 // A row (one token, one query head) walks its context in a fixed order, whatever else is in the step:
-// the context is cut into partitions of part_tokens positions from position 0; each partition's blocks
-// go through an online softmax from a fresh state into an unnormalised partial (max, sum, accumulator);
-// the partials merge in partition order. The block arithmetic (attention_generic.h, attention_bf16.h)
+// the context is cut into partitions of part_tokens positions from position 0, and each partition into
+// softmax units of 64 positions (unit_tokens); each partition's units go through an online softmax from a
+// fresh state into an unnormalised partial (max, sum, accumulator); the partials merge in partition order. The block arithmetic (attention_generic.h, attention_bf16.h)
 // depends only on the row, the block and the row's position, so a token's output has the same bits
 // whether it is decoded, inside a prompt chunk, or attends a prefix another request cached.
 // Work: a sequence with few query tokens gets one task per partition (a long context keeps both cores
@@ -60,6 +60,10 @@ using conveyor::Params;
 using conveyor::Span;
 
 constexpr int64_t kChunkTokens = 16;  // tokens per task of a prompt chunk; fewer: one task per partition
+// Positions per softmax unit (fewer where the partition or block size says so, unit_tokens): one online-
+// softmax update per row per unit instead of per block. The bf16 path rescales once per unit; the generic
+// paths still update per block within it.
+constexpr int64_t kUnitTokens = 64;
 
 bool cpu_has(const std::string& isa) {
   __builtin_cpu_init();
@@ -144,29 +148,45 @@ void part_range(const Call& c, int64_t first, int64_t last, int64_t* p0, int64_t
   *p1 = last / c.part_tokens + 1;
 }
 
+// The cell of the softmax grid: kUnitTokens positions (at least one block), nested in the partitions.
+int64_t unit_tokens(int64_t BS, int64_t part_tokens) {
+  int64_t blocks = std::max<int64_t>(1, kUnitTokens / BS);
+  while (part_tokens % (blocks * BS) != 0) --blocks;
+  return blocks * BS;
+}
+
 void attend(const Call& c, const Task& t, const Partials& out) {
   const Params& p = c.p;
   const int64_t ctx = c.lens[t.seq] - c.qlens[t.seq], first = ctx + t.t0, last = ctx + t.t1 - 1;
   const int64_t oldest = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
   const int64_t kv_row = p.Hkv * p.D * c.esize, q_tok = p.q_row * c.qsize, q_h = p.G * p.q_head * c.qsize;
+  const int64_t unit = unit_tokens(p.BS, c.part_tokens);
+  const void* kp[kUnitTokens];  // the unit's blocks, this KV head (unit / BS <= kUnitTokens)
+  const void* vp[kUnitTokens];
   for (int64_t part = t.p0; part < t.p1; ++part) {
     const int64_t b_end = std::min((part + 1) * c.part_tokens, last + 1);
-    for (int64_t b0 = std::max(part * c.part_tokens, oldest / p.BS * p.BS); b0 < b_end; b0 += p.BS) {
-      const int64_t block = c.tables[t.seq * c.max_blocks + b0 / p.BS];
-      if (b0 + p.BS < b_end) {  // the next block lies anywhere: fetch it while this one is worked on
-        const int64_t next = c.tables[t.seq * c.max_blocks + b0 / p.BS + 1] * p.BS * kv_row;
-        for (int64_t x = 0; x < p.BS * kv_row; x += 64) {
-          __builtin_prefetch(c.k + next + x);
-          __builtin_prefetch(c.v + next + x);
-        }
+    for (int64_t b0 = std::max(part * c.part_tokens, oldest / p.BS * p.BS); b0 < b_end;) {
+      const int64_t u_end = std::min((b0 / unit + 1) * unit, b_end), nb = (u_end - b0 + p.BS - 1) / p.BS;
+      const int32_t* blocks = c.tables + t.seq * c.max_blocks + b0 / p.BS;
+      if (b0 + nb * p.BS < b_end) {  // the next unit's blocks lie anywhere: fetch them while this one is worked on
+        const int64_t more = std::min<int64_t>(unit / p.BS, (b_end - b0 - nb * p.BS + p.BS - 1) / p.BS);
+        for (int64_t b = nb; b < nb + more; ++b)
+          for (int64_t x = 0; x < p.BS * kv_row; x += 64) {
+            __builtin_prefetch(c.k + blocks[b] * p.BS * kv_row + x);
+            __builtin_prefetch(c.v + blocks[b] * p.BS * kv_row + x);
+          }
       }
       for (int64_t h = 0; h < p.Hkv; ++h) {
         const int64_t r = out.at(h, part);
-        const int64_t kv = block * p.BS * kv_row + h * p.D * c.esize;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t kv = blocks[b] * p.BS * kv_row + h * p.D * c.esize;
+          kp[b] = c.k + kv, vp[b] = c.v + kv;
+        }
         const Span s{c.q + (c.starts[t.seq] + t.t0) * q_tok + h * q_h, t.t1 - t.t0, first,
-                     out.m + r, out.l + r, out.acc + r * p.D, c.k + kv, c.v + kv, b0};
+                     out.m + r, out.l + r, out.acc + r * p.D, kp, vp, nb, b0};
         c.fn(p, s);
       }
+      b0 += nb * p.BS;
     }
   }
 }

@@ -152,6 +152,36 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, wind
         assert torch.equal(mixed[sum(b - a for a, b in others):], ours)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("block_size,group,head_dim,window", [(8, 3, 64, 0), (32, 4, 128, 0), (16, 2, 96, 70)])
+def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, group, head_dim, window, runnable):
+    """A row's online softmax runs once per 64-position unit (fewer positions where a block is larger), and
+    on the avx512_bf16 path spans of 8..16 tokens score with tokens as lanes while shorter ones score with
+    keys as lanes: two layouts of one arithmetic. Per block size (smaller than 16, which pads the
+    kernel's 16-key groups, and larger), head dim and window: the whole prompt against attention in
+    float64, and pieces of 1..40 tokens cut across unit and partition edges, and decode rows, give the
+    whole prompt's bits."""
+    native(isa, runnable, torch.bfloat16)
+    gen = torch.Generator().manual_seed(block_size)
+    length, hkv = 300, 2
+    blocks = -(-length // block_size) + 3
+    table = torch.randperm(blocks, generator=gen)[: -(-length // block_size)].tolist()
+    kc, vc = (torch.randn(blocks, block_size, hkv, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(length, hkv * group, head_dim, generator=gen).to(torch.bfloat16)
+    whole = attend(isa, q, kc, vc, table, [(0, length)], window, 0.0)
+    keys, vals = (c[table].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1) for c in (kc, vc))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * head_dim ** -0.5
+    pos = torch.arange(length)
+    visible = (pos[None, :] <= pos[:, None]) & ((pos[None, :] > pos[:, None] - window) if window else True)
+    want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), vals)
+    torch.testing.assert_close(whole.double(), want, atol=1e-2, rtol=1e-2)
+    cuts = [0, 1, 9, 16, 63, 64, 65, 71, 120, 128, 129, 136, 150, 190, 230, 255, 256, 257, 270, 271, length]
+    pieces = list(zip(cuts, cuts[1:]))  # 1, 7, 8, 15, 16, 17, 40 tokens, ...
+    assert torch.equal(attend(isa, q, kc, vc, table, pieces, window, 0.0), whole)
+    decodes = attend(isa, q, kc, vc, table, [(p, p + 1) for p in range(0, length, 7)], window, 0.0)
+    assert torch.equal(decodes, whole[::7])
+
+
 def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, monkeypatch):
     """bench/cpu_attention.py --native: the avx512_bf16 path beats SDPA on prompts; the float32 paths do not.
     --deterministic puts prompts on the kernel wherever it runs; CONVEYOR_NATIVE_PROMPTS forces either way."""

@@ -31,7 +31,6 @@ FILES_OVER: dict[str, tuple[int, int]] = {
 FUNCTIONS_OVER: dict[tuple[str, str], int] = {
     ("engine/load/gguf.py", "_gguf_config"): 70,
     ("engine/models/config.py", "from_hf"): 73,
-    ("shared/engine_args.py", "add_engine_args"): 70,
 }
 
 

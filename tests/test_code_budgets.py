@@ -17,7 +17,6 @@ MAX_LINES, MAX_CHARS, MAX_FUNCTION_LINES, MAX_STEP_LINES = 400, 16_000, 60, 20
 # path -> (lines, characters) at most, for files over a budget today.
 FILES_OVER: dict[str, tuple[int, int]] = {
     "engine/block_manager.py": (400, 20894),
-    "engine/load/gguf.py": (382, 21306),
     "engine/load/weights.py": (294, 16707),
     "engine/loop.py": (359, 18483),
     "engine/scheduler.py": (399, 20706),
@@ -28,9 +27,7 @@ FILES_OVER: dict[str, tuple[int, int]] = {
     "shared/connection.py": (387, 20996),
 }
 # (path, function) -> lines at most, for functions over the budget today.
-FUNCTIONS_OVER: dict[tuple[str, str], int] = {
-    ("engine/load/gguf.py", "_gguf_config"): 70,
-}
+FUNCTIONS_OVER: dict[tuple[str, str], int] = {}
 
 
 def product_files() -> list[Path]:

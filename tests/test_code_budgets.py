@@ -17,7 +17,6 @@ MAX_LINES, MAX_CHARS, MAX_FUNCTION_LINES, MAX_STEP_LINES = 400, 16_000, 60, 20
 # path -> (lines, characters) at most, for files over a budget today.
 FILES_OVER: dict[str, tuple[int, int]] = {
     "engine/block_manager.py": (400, 20894),
-    "engine/load/weights.py": (294, 16707),
     "engine/loop.py": (359, 18483),
     "engine/scheduler.py": (399, 20706),
     "gateway/metrics.py": (329, 17519),

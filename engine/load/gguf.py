@@ -64,7 +64,7 @@ _GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")  # Phi-3 Long
 _EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")  # fused into _FUSED_EXPERTS on reading
 _FUSED_EXPERTS = "mlp.experts.gate_up_proj"
 GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # (HF name, fp32 tensor, its int4 groups)
-_GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
+GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -219,7 +219,7 @@ def write_gguf_cache(path: Path, folder: Path) -> bool:
         tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
         groups = _write_safetensors(tmp / "model.safetensors", shapes, tensors)
         if groups:
-            save_file(groups, str(tmp / _GROUPS_FILE), metadata={"format": "pt"})
+            save_file(groups, str(tmp / GROUPS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
         log.info("dequantized %s into %s", path.name, folder)

@@ -148,7 +148,7 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path, llama_se
         return [str(llama_server), "-m", str(default_gguf()), "-np", "1", "-t", "2", "-c", "2048",
                 "--host", "127.0.0.1", "--port", str(port)], env
     env["PYTHONPATH"] = str(ROOT)
-    # Default --engine-timeout: heartbeats go on during a long step (engine/loop.py Heartbeats); the run
+    # Default --engine-timeout: heartbeats go on during a long step (engine/listener.py Heartbeats); the run
     # still counts any 'engine lost' in the log, which would mean streams were resumed mid-run.
     # auto: the default configuration, flags left out (the default model's GGUF, dtype and quantization auto).
     model = ["--model", str(default_gguf())] if dtype == "auto" else ["--model", str(MODEL_DIR), "--dtype", dtype]

@@ -8,9 +8,9 @@ place: the writer gets a copy first (copy-on-write). Only the block a sequence w
 shared and partial, because full blocks are never written again.
 
 Prefix caching: a full, computed block is named by hash((parent block's hash, its token ids)), so a
-hash names the whole prefix up to that block. A freed block keeps its hash and stays reusable in
-the free list, which is in eviction order (least recently freed first). Evicting a hashed device
-block copies it to the CPU pool while that has room; a later hit there is swapped back in.
+hash names the whole prefix up to that block. A freed block keeps its hash and stays reusable
+(engine/block_pool.py: one pool's reference counts, free list in eviction order, and names). Evicting
+a hashed device block copies it to the CPU pool while that has room; a later hit there is swapped back in.
 
 Callers ask before they act: `can_allocate(n)` then `allocate(seq, num_tokens)`. The block manager
 writes a sequence's block table, `swapped` flag and block hashes, never its counters: what the
@@ -18,9 +18,10 @@ scheduler needs to know (how many tokens a prefix hit covers) comes back as a re
 copies the runner must make before the next forward (`take_moves()` -> `BlockMoves`: swaps and
 evictions device -> CPU, swaps CPU -> device, copy-on-write device -> device).
 
-Sliding windows (`window`, set only when EVERY layer of the model has one: the largest of them): a
-block whose every position is older than what the sequence's next computed token can see (positions
-< num_computed_tokens - window + 1) is never read again, so `release_out_of_window` gives it back (a
+Sliding windows (`window`, set only when EVERY layer of the model has one: the largest of them, as
+engine/build.py's release_window decides): a block whose every position is older than what the
+sequence's next computed token can see (positions < num_computed_tokens - window + 1) is never read
+again, so `release_out_of_window` gives it back (a
 reference, as for any shared block) and points its table entry at `placeholder`, a block kept out of
 the pool that nobody writes and so holds zeros: kernels may gather it, the window masks it, and 0 * 0
 leaks nothing. `seq.released_blocks` counts those leading entries; everything that walks a table
@@ -30,88 +31,13 @@ block: there `window` is None and nothing is released.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.block_pool import BlockPool
 from engine.prompt_logprobs import bypasses_cache
 from engine.sequence import Sequence
 from engine.step import BlockMoves
-
-
-def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool, draft_model: bool) -> int | None:
-    """The window past which a sequence's blocks may be released, or None to keep every block: when a
-    layer is global (Gemma's alternating layers) it reads the whole context; a backend without windows
-    caps the context at the smallest window, so nothing would ever fall out; a draft model reads the
-    target's block table on its own cache and catches up from any position (after a preemption, from 0)."""
-    if not layer_windows or any(w is None for w in layer_windows) or not backend_windows or draft_model:
-        return None
-    return max(w for w in layer_windows if w is not None)
-
-
-class BlockPool:
-    """Reference counts, a free list in eviction order, and the hash -> block map of cached blocks."""
-
-    def __init__(self, num_blocks: int, free_order: Iterable[int] | None = None) -> None:
-        self.num_blocks = num_blocks
-        # free_order lets tests hand out blocks in a scrambled order to prove paging is real.
-        order = list(range(num_blocks)) if free_order is None else list(free_order)
-        assert sorted(order) == list(range(num_blocks)), "free_order must be a permutation of the block ids"
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(order)  # head = evicted first
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # block hash -> block id
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_blocks)
-
-    def take(self) -> tuple[int, int | None]:
-        """-> (block id, the hash it held and lost, or None). The least recently freed block goes first."""
-        block_id, _ = self.free_blocks.popitem(last=False)
-        assert self.ref_counts[block_id] == 0
-        self.ref_counts[block_id] = 1
-        return block_id, self.drop_hash(block_id)
-
-    def touch(self, block_id: int) -> None:
-        """One more user of a block: a prefix hit on a free cached block takes it off the free list."""
-        if self.ref_counts[block_id] == 0:
-            del self.free_blocks[block_id]
-        self.ref_counts[block_id] += 1
-
-    def release(self, block_ids: list[int]) -> None:
-        # Reversed so a sequence's tail blocks are evicted first, keeping its head warm for sharing.
-        # A block without a hash holds nothing reusable: it goes to the head, to be taken before any
-        # cached block is evicted.
-        for block_id in reversed(block_ids):
-            self.ref_counts[block_id] -= 1
-            assert self.ref_counts[block_id] >= 0
-            if self.ref_counts[block_id] == 0:
-                self.free_blocks[block_id] = None
-                if self.block_hash[block_id] is None:
-                    self.free_blocks.move_to_end(block_id, last=False)
-
-    def set_hash(self, block_id: int, h: int) -> None:
-        """Name a full block. A second block with the same content stays unnamed (no de-duplication:
-        it may be in some sequence's table, and rewriting tables under a running step is not worth it)."""
-        if self.block_hash[block_id] is None and h not in self.cached:
-            self.block_hash[block_id] = h
-            self.cached[h] = block_id
-
-    def drop_hash(self, block_id: int) -> int | None:
-        h = self.block_hash[block_id]
-        if h is not None:
-            self.block_hash[block_id] = None
-            del self.cached[h]
-        return h
-
-    def reset(self) -> None:
-        for block_id in list(self.cached.values()):
-            self.drop_hash(block_id)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - len(self.free_blocks) / self.num_blocks if self.num_blocks else 0.0
 
 
 @dataclass

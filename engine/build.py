@@ -12,7 +12,7 @@ import torch
 
 from engine import pooling
 from engine.admission import Limits
-from engine.block_manager import BlockManager, release_window
+from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
 from engine.load.weights import load_model
 from engine.models import ModelConfig
@@ -37,6 +37,16 @@ class EngineParts:
     max_model_len: int
     limits: Limits
     pooling: PoolingInfo
+
+
+def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool, draft_model: bool) -> int | None:
+    """The window past which a sequence's blocks may be released, or None to keep every block: when a
+    layer is global (Gemma's alternating layers) it reads the whole context; a backend without windows
+    caps the context at the smallest window, so nothing would ever fall out; a draft model reads the
+    target's block table on its own cache and catches up from any position (after a preemption, from 0)."""
+    if not layer_windows or any(w is None for w in layer_windows) or not backend_windows or draft_model:
+        return None
+    return max(w for w in layer_windows if w is not None)
 
 
 def build(config: EngineConfig) -> EngineParts:

@@ -7,7 +7,8 @@ client's requests. A malformed message gets an ERROR back and is dropped; it nev
 The wire is bounded (shared/wire.py): a message over the size limit never reaches this loop (ZeroMQ
 drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
 output queue is full has its requests aborted and is told so once it reads again (never a silent drop).
-Between steps, at most once per HEARTBEAT_INTERVAL, each client with requests in flight gets a HEARTBEAT.
+Every HEARTBEAT_INTERVAL, from a thread of its own (engine/listener.py), each client with requests in
+flight gets a HEARTBEAT.
 Clients that OBSERVE get step rows and snapshots between steps (engine/observe/dashboard.py); TRACE turns a trace
 on and off (engine/observe/trace.py), and --trace-file records one from the start, written when the loop ends.
 """
@@ -21,9 +22,9 @@ import time
 from collections import defaultdict
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from engine.core import EngineCore
+from engine.listener import Heartbeats, listen
 from engine.observe.dashboard import Observer
 from engine.observe.trace import Tracer
 from engine.requests import RoutedOutputs
@@ -35,7 +36,6 @@ from shared.protocol import (
     Add,
     Error,
     GetStats,
-    Heartbeat,
     Hello,
     Message,
     Observe,
@@ -50,7 +50,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.wire import HEARTBEAT_INTERVAL, HWM, Keys, bound, max_message_size, serve_curve
+from shared.wire import HEARTBEAT_INTERVAL, HWM, Keys, max_message_size
 
 log = logging.getLogger("conveyor.loop")
 
@@ -75,24 +75,8 @@ class EngineLoop:
         self.address = address
         self.ctx = zmq.Context()
         self.ctx.linger = 0  # as close() does: term() never waits on unsent messages (a dead peer's)
-        self.auth: ThreadAuthenticator | None = None
-        self.sock = self.ctx.socket(zmq.ROUTER)
         self.max_message_size = max_message_size(core.max_model_len)
-        bound(self.sock, self.max_message_size)
-        # A full queue raises (EAGAIN, we send without blocking) and a client that is gone raises
-        # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: _send deals with both.
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if keys is not None:  # CURVE: only clients whose public key lies in the key folder get through
-            self.auth = ThreadAuthenticator(self.ctx)
-            self.auth.start()
-            self.auth.configure_curve(domain="*", location=str(keys.folder))
-            serve_curve(self.sock, keys)
-        elif address.startswith("tcp://"):
-            log.warning("!!! the engine listens on %s WITHOUT authentication or encryption: anyone who reaches "
-                        "this port can submit requests and read their outputs. Make keys with `conveyor keys "
-                        "DIR` and start the engine with --curve-keys DIR/engine (docs/deployment.md) !!!", address)
-        self.sock.bind(address)
+        self.sock, self.auth = listen(self.ctx, address, keys, self.max_message_size)
         # Clients whose output queue was full: the errors they are owed, delivered once they read again.
         self.behind: dict[bytes, dict[str, Error]] = {}
         self.next_beat = 0.0
@@ -327,33 +311,3 @@ class EngineLoop:
                 self._send(client, left.pop(0))  # full again: _fell_behind owes that one again
             if left:
                 self.behind[client].update((e.request_id, e) for e in left if e.request_id)
-
-
-class Heartbeats(threading.Thread):
-    """A HEARTBEAT to every client with requests in flight, every interval, from a thread of its own:
-    it goes on while a long step runs (the forward releases the GIL), so a client's silence timeout
-    tells whether the engine process is there at all, not how long a step takes (a float32 step of
-    2048 prompt tokens takes seconds on a CPU). A process that is frozen or gone falls silent whole."""
-
-    def __init__(self, sock: zmq.Socket[bytes], lock: threading.Lock, interval: float) -> None:
-        super().__init__(name="heartbeats", daemon=True)
-        self.sock, self.lock, self.interval = sock, lock, interval
-        self.targets: frozenset[bytes] = frozenset()  # set by the loop between steps, read here
-        self.sent = 0  # heartbeats sent (written here only)
-        self._halt = threading.Event()
-        self._frames = encode(Heartbeat())
-
-    def run(self) -> None:
-        while not self._halt.wait(self.interval):
-            for client in self.targets:
-                with self.lock:
-                    try:
-                        self.sock.send_multipart([client, *self._frames], zmq.NOBLOCK)
-                    except zmq.ZMQError:  # a full queue or a client gone: the loop's next send deals with it
-                        continue
-                self.sent += 1
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self.is_alive():
-            self.join()

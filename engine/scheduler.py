@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from engine import groups, policy, pooling, prompt_logprobs, structured, thinking
-from engine.block_manager import BlockManager, PrefixHit
+from engine.block_manager import BlockManager
 from engine.sequence import LogprobEntry, Sequence, SequenceStatus, stop_reason
 from engine.speculative import Proposer, SpecStats, computed_after, plan_drafts
 from engine.step import Delta, Drafts, StepOutput, StepPlan
@@ -187,64 +187,53 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> int:
-        cfg = self.config
-        long_prefills = sum(s.num_tokens - s.num_computed_tokens > cfg.long_prompt_tokens for s in self.running)
+        long_prefills = policy.num_long_prefills(self.config, self.running)
         i = 0
         while i < len(self.waiting) and self._room(budget):
             seq = self.waiting[i]
             unit = groups.unit_of(seq)
             if len(unit) > 1:  # a request's beams, back from a recompute: all of them or none
                 used = self._start_unit(unit, self.waiting, plan, budget)
-                if used is None:
-                    break
-                budget -= used
-                self.steps_since_admission = 0
-                continue
-            # An embedding pools every row, so it never starts on a cached prefix (engine/pooling.py).
-            hit = self.bm.lookup(seq) if seq.request.pooling is None else PrefixHit()
-            cached = hit.num_tokens(self.bm.block_size)
-            remaining = policy.remaining(seq, cached)
-            is_long = remaining > cfg.long_prompt_tokens
-            if is_long and long_prefills >= cfg.max_long_prefills:
-                i += 1  # let shorter prompts behind it get their first token
-                continue
-            if cfg.prefill_policy == "mixed" and remaining > budget and plan.seqs:
-                break  # a prompt joins only whole, unless it alone exceeds the budget
-            n = policy.chunk(cfg, remaining, budget, others_waiting=len(self.waiting) > 1)
-            if seq.block_table:  # holds shared blocks already (a forked sequence): no prefix lookup
-                if not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
-                    break
-                self.bm.allocate(seq, seq.num_computed_tokens + n)
             else:
-                if not self.bm.can_allocate_hit(hit, cached + n):
-                    break  # FCFS within what fits: a later request does not overtake for memory
-                seq.num_computed_tokens = self.bm.allocate_hit(seq, hit, cached + n)
-                if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # first admission
-                    seq.request.num_cached_tokens = seq.num_computed_tokens
-            self.waiting.pop(i)
-            long_prefills += is_long
-            self._start(seq, plan, n)
-            budget -= n
+                admission = policy.admit(self.config, self.bm, seq, budget, long_prefills, not plan.seqs,
+                                         others_waiting=len(self.waiting) > 1)
+                if admission.verdict == "pass":
+                    i += 1  # let shorter prompts behind it get their first token
+                    continue
+                used = self._admit(self.waiting.pop(i), admission, plan) if admission.verdict == "start" else None
+                long_prefills += admission.is_long
+            if used is None:
+                break
+            budget -= used
             self.steps_since_admission = 0
-            self._fork(groups.fork_if_ready(seq))  # when its prompt is cached but for the last token
         return budget
 
+    def _admit(self, seq: Sequence, admission: policy.Admission, plan: StepPlan) -> int:
+        """Apply policy.admit's start: blocks from its prefix hit, or past a fork's shared ones. -> tokens."""
+        n, hit = admission.num_tokens, admission.hit
+        if hit is None:
+            self.bm.allocate(seq, seq.num_computed_tokens + n)
+        else:
+            seq.num_computed_tokens = self.bm.allocate_hit(seq, hit, hit.num_tokens(self.bm.block_size) + n)
+            if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # first admission
+                seq.request.num_cached_tokens = seq.num_computed_tokens
+        self._start(seq, plan, n)
+        self._fork(groups.fork_if_ready(seq))  # when its prompt is cached but for the last token
+        return n
+
     def _start_unit(self, unit: list[Sequence], queue: list[Sequence], plan: StepPlan, budget: int) -> int | None:
-        """Start unit (one sequence, or a request's beams: all of them or none) from queue: swapped back
-        in, or (waiting) beams to recompute, without a prefix lookup: their own blocks were freed, and a
-        hit would only save time. -> tokens planned, or None when it does not fit now."""
+        """Apply policy.restart: unit starts from queue, swapped back in or (waiting) beams to recompute,
+        with no prefix lookup (their own blocks were freed; a hit would only save time). -> tokens, or None."""
         swap = queue is self.swapped
-        ns = policy.split(self.config, unit, budget, others_waiting=not swap)
-        wants = [s.num_computed_tokens + n for s, n in zip(unit, ns)]
-        fits = self.bm.can_swap_in(unit, wants) if swap else self.bm.can_allocate(sum(map(self.bm.blocks_for, ns)))
-        if not fits or len(self.running) + len(unit) > self.config.max_num_seqs:
+        ns = policy.restart(self.config, self.bm, unit, budget, swap, len(self.running))
+        if ns is None:
             return None
         if swap:
             self.bm.do_swap_in(unit)
-        for s, n, want in zip(unit, ns, wants):
+        for s, n in zip(unit, ns):
             queue.remove(s)
             if n:
-                self.bm.allocate(s, want)
+                self.bm.allocate(s, s.num_computed_tokens + n)
             self._start(s, plan, n)
         return sum(ns)
 
@@ -266,10 +255,10 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, output: StepOutput) -> list[Delta]:
-        """Apply what the step computed: advance every scheduled sequence, append the sampled tokens
-        (one per sequence the plan says samples, in plan order), stop and free
-        finished sequences. -> what each request's client gets. Anything that goes wrong for one
-        request (its sampling, its beam scoring) ends that request with an error, not the step."""
+        """Apply what the step computed: advance every scheduled sequence, append the sampled tokens (one
+        per sequence the plan says samples, in plan order), stop and free finished sequences. -> what each
+        request's client gets. Anything that goes wrong for one request (its sampling, its beam scoring)
+        ends that request with an error, not the step."""
         deltas: list[Delta] = []
         assert plan.num_sampled == len(output.tokens)
         prompt_logprobs.record(plan, output)
@@ -385,9 +374,8 @@ class Scheduler:
         new = seq.token_ids[seq.num_prompt_tokens + seq.num_sent_tokens:]
         lps = seq.logprobs[seq.num_sent_tokens:] if seq.logprobs is not None else None
         seq.num_sent_tokens += len(new)
-        status = seq.status
-        finished = status.finished if request_finished is None else request_finished
-        return Delta(seq.request, new, seq.index, status.finish_reason, finished, lps)
+        finished = seq.status.finished if request_finished is None else request_finished
+        return Delta(seq.request, new, seq.index, seq.status.finish_reason, finished, lps)
 
     def _group_deltas(self, seq: Sequence) -> list[Delta]:
         """After a sequence of a group appended a token (or was stopped): what the client gets now."""

@@ -17,7 +17,8 @@ from aiohttp import web
 from gateway import anthropic, dashboard, responses, responses_ws
 from gateway.admission import Admission
 from gateway.metrics import Metrics
-from gateway.openai_schema import Served, error_body
+from gateway.openai_output import error_body
+from gateway.openai_schema import Served
 from gateway.router import Router
 from gateway.routes import routes
 from gateway.state import (

@@ -20,13 +20,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.openai_output import response_object
 from gateway.openai_schema import (
     ParsedRequest,
     Served,
     _check_common,
     _finish,
     _show,
-    response_object,
     with_prompt_logprobs,
 )
 from gateway.state import SERVED

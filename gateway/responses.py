@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.openai_schema import error_body
+from gateway.openai_output import error_body
 from gateway.responses_schema import ResponsesRequest, parse_responses
 from gateway.responses_store import RESPONSES, ResponseStore, Stored
 from gateway.routes import json_response, read_json, tokenizing

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import WSMsgType, web
 
-from gateway.openai_schema import error_body
+from gateway.openai_output import error_body
 from gateway.responses import Render, parse
 from gateway.responses_store import ResponseStore
 from gateway.state import CONFIG, TENANT, PayloadTooLarge

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from gateway import embeddings as embeddings_api
 from gateway.completions import chunks_batch, complete_batch, parse_completions
-from gateway.metrics import CONTENT_TYPE, ReplicaRow
+from gateway.engine_metrics import ReplicaRow
+from gateway.metrics import CONTENT_TYPE
 from gateway.openai_schema import Served, parse_chat, parse_messages
 from gateway.request_fields import DETOKENIZE, TOKENIZE, Shape, check_keys
 from gateway.router import Router

@@ -22,8 +22,7 @@ import orjson
 from aiohttp import web
 
 from gateway.auth import cache_salt
-from gateway.openai_schema import (
-    ParsedRequest,
+from gateway.openai_output import (
     chat_choice,
     chat_logprobs,
     completion_choice,
@@ -33,6 +32,7 @@ from gateway.openai_schema import (
     response_object,
     usage,
 )
+from gateway.openai_schema import ParsedRequest
 from gateway.reasoning import ReasoningStream, split_reasoning
 from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
 from gateway.tools import ToolCall, ToolStream, stream_deltas

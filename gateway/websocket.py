@@ -24,7 +24,8 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from gateway.completions import parse_completion
-from gateway.openai_schema import error_body, parse_chat
+from gateway.openai_output import error_body
+from gateway.openai_schema import parse_chat
 from gateway.state import CONFIG, SERVED, TENANT, PayloadTooLarge
 from gateway.streaming import chunks
 from shared.errors import ConveyorError, InvalidRequest, Overloaded

@@ -24,10 +24,23 @@ from shared.config import (
 _NOT_CONFIG = {"address", "log_level", "model", "curve_keys", "heartbeat_interval", "trace_file"}
 
 
-def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_model: bool = True) -> None:
+Parser = argparse.ArgumentParser | argparse._ArgumentGroup
+
+
+def add_engine_args(p: Parser, with_model: bool = True) -> None:
     """Engine flags; `conveyor serve` offers the same ones and passes them through (engine_argv).
-    Defaults are None so only what the user gave reaches the config. Help says what each trades."""
-    s, c = SchedulerConfig(), CacheConfig()
+    Defaults are None so only what the user gave reaches the config. Help says what each trades.
+    One helper per concern, called in the order --help lists them."""
+    _model_args(p, with_model)
+    _scheduler_args(p)
+    _cache_args(p)
+    _speculative_args(p)
+    _parallel_args(p)
+    _feature_args(p)
+
+
+def _model_args(p: Parser, with_model: bool) -> None:
+    """The model, its number formats, and where and how it runs."""
     a = p.add_argument
     if with_model:
         a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
@@ -44,6 +57,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--deterministic", action="store_true", default=None,
       help="a request's output does not depend on the traffic: one GEMM kernel at every batch size "
            "(the quantized default loses its int kernels at small batches; docs/determinism.md)")
+
+
+def _scheduler_args(p: Parser) -> None:
+    """SchedulerConfig: the step's budget, the prefill policy, admission and preemption."""
+    a, s = p.add_argument, SchedulerConfig()
     a("--max-num-seqs", type=int, help=f"sequences per step (default {s.max_num_seqs}): more = throughput "
       "until the KV cache runs out")
     a("--max-num-batched-tokens", type=int, help=f"token budget per step (default {s.max_num_batched_tokens}): "
@@ -59,6 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
     a("--long-prefill-threshold", type=int, help="tokens that make a prompt long (default: half the budget, >= 256)")
     a("--preemption-mode", choices=PREEMPTION_MODES, help="(default auto) swap: copy blocks to the CPU pool; "
       "recompute: free them and prefill again; auto: swap while the CPU pool has room")
+
+
+def _cache_args(p: Parser) -> None:
+    """CacheConfig: the KV block pool on the device and the CPU swap pool."""
+    a, c = p.add_argument, CacheConfig()
     a("--block-size", type=int, help=f"tokens per KV block (default {c.block_size})")
     a("--kv-cache-memory",
       help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default "
@@ -69,11 +92,21 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
       help="exact KV block count (overrides --kv-cache-memory)")
     a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only; "
       "with --tensor-parallel-size, the total over the ranks")
+
+
+def _speculative_args(p: Parser) -> None:
+    """Speculative decoding: the proposer and how much it proposes."""
+    a = p.add_argument
     a("--speculative", help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller "
       "model, same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
     a("--num-speculative-tokens", type=int, help="tokens proposed per sequence and step (default 4)")
     a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 1)")
     a("--ngram-max", type=int, help="longest suffix prompt lookup matches (default 4)")
+
+
+def _parallel_args(p: Parser) -> None:
+    """Tensor parallelism: how many ranks, where they run, how long a collective waits."""
+    a = p.add_argument
     a("--tensor-parallel-size", "-tp", type=int, help="split the model over N ranks by attention heads and MLP "
       "units (N must divide the heads and K/V heads): 1/N of the weights and KV per rank, two all-reduces per "
       "layer per step (default 1; docs/scaling.md)")
@@ -83,6 +116,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, with_m
       "local one)")
     a("--collective-timeout", type=float, help="seconds a tensor-parallel collective waits for a rank before "
       "the engine fails (default 60)")
+
+
+def _feature_args(p: Parser) -> None:
+    """What the engine offers beside generation: prefix caching, embeddings, grammars, tracing."""
+    a = p.add_argument
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
       help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
       "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")

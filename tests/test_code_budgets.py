@@ -16,23 +16,13 @@ MAX_LINES, MAX_CHARS, MAX_FUNCTION_LINES, MAX_STEP_LINES = 400, 16_000, 60, 20
 
 # path -> (lines, characters) at most, for files over a budget today.
 FILES_OVER: dict[str, tuple[int, int]] = {
-    "engine/block_manager.py": (400, 20894),
-    "engine/load/gguf.py": (382, 21306),
-    "engine/load/weights.py": (294, 16707),
-    "engine/loop.py": (359, 18483),
-    "engine/scheduler.py": (411, 21665),
-    "gateway/__main__.py": (394, 21322),
-    "gateway/metrics.py": (329, 17519),
-    "gateway/openai_schema.py": (365, 20260),
+    "engine/block_manager.py": (326, 17197),
+    "engine/scheduler.py": (399, 20706),
     "kernels/torch_backend.py": (362, 21126),
     "shared/connection.py": (387, 20996),
 }
 # (path, function) -> lines at most, for functions over the budget today.
-FUNCTIONS_OVER: dict[tuple[str, str], int] = {
-    ("engine/load/gguf.py", "_gguf_config"): 70,
-    ("engine/models/config.py", "from_hf"): 73,
-    ("shared/engine_args.py", "add_engine_args"): 70,
-}
+FUNCTIONS_OVER: dict[tuple[str, str], int] = {}
 
 
 def product_files() -> list[Path]:

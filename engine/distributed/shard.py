@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 
 from engine.load.gguf import write_gguf_cache
-from engine.load.weights import _safetensors_files, dequantized_folder, load_order
+from engine.load.safetensors_files import load_order, safetensors_files
+from engine.load.weights import dequantized_folder
 from engine.models.config import ModelConfig
 from shared.model_source import ModelSource
 
@@ -105,7 +106,7 @@ def checkpoint_folder(source: ModelSource) -> Path:
 def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as it is read. A
     row-parallel bias is rank 0's alone: the others hold zeros, so the all-reduce adds it once."""
-    for path in _safetensors_files(folder):
+    for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as h:
             for name in sorted(h.keys(), key=load_order):
                 cut = shard.rows_and_cols(name)

@@ -1,5 +1,6 @@
-"""GGUF, llama.cpp's file format: read and dequantized into Hugging Face names, config.json and a cached
-safetensors folder, so engine/load/weights.py loads a GGUF model like any HF one. Separate from weights.py
+"""GGUF, llama.cpp's file format: read and dequantized into Hugging Face names, config.json (from its
+metadata: engine/load/gguf_config.py) and a cached safetensors folder, so engine/load/weights.py loads a
+GGUF model like any HF one. Separate from weights.py
 because it translates another project's format (its metadata keys, tensor names and what its converter
 did to each family's tensors), where weights.py builds models from HF-named tensors.
 
@@ -29,16 +30,11 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from engine.load.gguf_config import GEMMA_ARCHS, gguf_config, gguf_dtype
 from engine.load.quant import auto_mode, gguf_groups
 
 log = logging.getLogger("conveyor.weights")  # the cache's messages belong to the weight-loading log
 
-# GGUF architecture -> (HF architecture, HF model_type). llama.cpp files Mistral under "llama"; its
-# "mistral3" is Mistral 3 (YaRN, attention temperature), a family Conveyor does not serve.
-_GGUF_ARCHS = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-               "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-               "phi3": ("Phi3ForCausalLM", "phi3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-               "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
 _GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
@@ -67,9 +63,8 @@ _GGUF_LAYER_BY_ARCH = {
 _GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")  # Phi-3 LongRoPE: read into the config
 _EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")  # fused into _FUSED_EXPERTS on reading
 _FUSED_EXPERTS = "mlp.experts.gate_up_proj"
-_GEMMA_ARCHS = ("gemma2", "gemma3")
 GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # (HF name, fp32 tensor, its int4 groups)
-_GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
+GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -97,7 +92,7 @@ def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTe
     the fused tensor comes where the second of the two stands in the file."""
     t0 = time.perf_counter()
     reader = _checked_reader(path)
-    config = _gguf_config(reader)
+    config = gguf_config(reader)
     log.info("read GGUF metadata of %s in %.2f s", path.name, time.perf_counter() - t0)
     arch = reader.fields["general.architecture"].contents()
     shapes: dict[str, list[int]] = {}
@@ -117,7 +112,7 @@ def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTe
     if halves:
         raise ValueError(f"GGUF expert tensors without their gate/up counterpart: {sorted(halves)}")
     config["tie_word_embeddings"] = "lm_head.weight" not in shapes
-    config["torch_dtype"] = _gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
+    config["torch_dtype"] = gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
     config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
     return config, shapes, _dequantize_gguf(reader, config, arch)
 
@@ -167,7 +162,7 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
                              f"{w.numel()}: the file is corrupt; download it again")
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
-        if arch in _GEMMA_ARCHS and module.endswith(("norm", "layernorm")):
+        if arch in GEMMA_ARCHS and module.endswith(("norm", "layernorm")):
             w = w - 1
         if module in _EXPERT_HALVES:  # [E, I, hidden] each
             fused = name.replace(module, _FUSED_EXPERTS)
@@ -186,17 +181,6 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
             groups[name + suffix] = part
         yield name, w, groups
         del w
-
-
-def _gguf_dtype(matrix_types: set[Any]) -> str:
-    """The precision the file's matrices carry (norms are F32 in every file, so only matrices count):
-    float32 only when they are F32. Quantized codes (4 to 8 bits times fp16 scales) lose far less to
-    bfloat16 rounding than to their own quantization, so they read as bfloat16."""
-    from gguf import GGMLQuantizationType as Q
-
-    if matrix_types <= {Q.F32}:
-        return "float32"
-    return "float16" if matrix_types <= {Q.F32, Q.F16} else "bfloat16"
 
 
 def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -223,110 +207,6 @@ def _gguf_to_hf_name(name: str, arch: str) -> tuple[str, str]:
     raise ValueError(f"unexpected GGUF tensor {name!r} for architecture {arch!r}")
 
 
-def _gguf_config(reader: Any) -> dict[str, Any]:
-    """GGUF metadata -> an HF config.json dict ({arch}.* keys, tokenizer.ggml.* token ids), with what
-    llama.cpp assumes for a family where the file is silent (Gemma's window patterns and local RoPE
-    base, its attention scale, Qwen3-MoE's renormalised top-k)."""
-
-    def get(key: str, default: Any = None) -> Any:
-        field = reader.fields.get(key)
-        return default if field is None else field.contents()
-
-    arch = get("general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_GGUF_ARCHS)}")
-    hf_arch, model_type = _GGUF_ARCHS[arch]
-    hidden, heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
-    head_dim = get(f"{arch}.attention.key_length") or hidden // heads
-    rope_dims = get(f"{arch}.rope.dimension_count", head_dim)
-    if rope_dims != head_dim:
-        raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim}: partial RoPE is not supported")
-    by_name = {t.name: t for t in reader.tensors}
-    embd = by_name.get("token_embd.weight")
-    vocab = int(embd.shape[-1]) if embd is not None else (
-        get(f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data))
-    rope_type = get(f"{arch}.rope.scaling.type", "none")
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": get(f"{arch}.rope.freq_base", 10000.0)}
-    if rope_type == "linear":
-        rope.update(rope_type="linear", factor=get(f"{arch}.rope.scaling.factor"))
-    elif rope_type != "none":
-        raise ValueError(f"GGUF rope scaling {rope_type!r} is not supported")
-    if "rope_factors_long.weight" in by_name:  # Phi-3 LongRoPE: llama.cpp knows it by these tensors
-        if rope_type != "none":
-            raise ValueError(f"GGUF LongRoPE factors together with rope scaling {rope_type!r} are not supported")
-        from gguf.quants import dequantize
-
-        factors = {k: dequantize(by_name[f"rope_factors_{k}.weight"].data, by_name[f"rope_factors_{k}.weight"]
-                                 .tensor_type).astype(np.float64).tolist() for k in ("long", "short")}
-        rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"],
-                    original_max_position_embeddings=get(f"{arch}.rope.scaling.original_context_length"),
-                    attention_factor=get(f"{arch}.rope.scaling.attn_factor"))
-    # The ids that end generation: eos, plus end-of-turn / end-of-message where the file names them.
-    eos = [get(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
-    layers = get(f"{arch}.block_count")
-    config = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": get(f"{arch}.feed_forward_length") or get(f"{arch}.expert_feed_forward_length"),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": get(f"{arch}.attention.head_count_kv", heads),
-        "head_dim": head_dim,
-        "rms_norm_eps": get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_parameters": rope,
-        "max_position_embeddings": get(f"{arch}.context_length"),
-        "hidden_act": "silu",
-        "bos_token_id": get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": list(dict.fromkeys(e for e in eos if e is not None)),
-    }
-    if arch == "phi3":
-        window = get(f"{arch}.attention.sliding_window", 0)  # 0: none (how the converter writes Phi-4)
-        config["sliding_window"] = window or None
-    elif arch == "qwen3moe":
-        gated = {int(n.split(".")[1]) for n in by_name if n.endswith(".ffn_gate_inp.weight")}
-        config.update(num_experts=get(f"{arch}.expert_count"), num_experts_per_tok=get(f"{arch}.expert_used_count"),
-                      moe_intermediate_size=get(f"{arch}.expert_feed_forward_length"),
-                      norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises the top-k weights
-                      decoder_sparse_step=1, mlp_only_layers=[i for i in range(layers) if i not in gated])
-    elif arch in _GEMMA_ARCHS:
-        config.update(_gemma_config(arch, get, layers, hidden, heads, head_dim, rope))
-    return config
-
-
-def _gemma_config(arch: str, get: Any, layers: int, hidden: int, heads: int, head_dim: int,
-                  rope: dict[str, Any]) -> dict[str, Any]:
-    """What llama.cpp's Gemma 2 / 3 loaders read or assume: a window on all but every 2nd (Gemma 2) /
-    6th (Gemma 3) layer unless the file gives attention.sliding_window_pattern (a period, or a flag per
-    layer: true = sliding); Gemma 3's sliding layers rotate with base 10000 unless rope.freq_base_swa
-    says otherwise, and without the global layers' scaling; q is scaled by 1/sqrt(head_dim), except for
-    the 27B models (46 / 62 layers), which use 1/sqrt(hidden / heads); Gemma 2's soft-caps default to 50
-    (scores) and 30 (logits) when the file omits them."""
-    gemma2 = arch == "gemma2"
-    window = get(f"{arch}.attention.sliding_window", 4096 if gemma2 else None)
-    pattern = get(f"{arch}.attention.sliding_window_pattern", 2 if gemma2 else 6)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(f"GGUF sliding_window_pattern has {len(pattern)} entries for {layers} layers")
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [int(pattern) > 0 and i % int(pattern) < int(pattern) - 1 for i in range(layers)]
-    big = layers == (46 if gemma2 else 62)
-    out: dict[str, Any] = {
-        "hidden_act": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": hidden // heads if big else head_dim,
-        "sliding_window": window or None,
-        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
-        "attn_logit_softcapping": get(f"{arch}.attn_logit_softcapping", 50.0) if gemma2 else None,
-        "final_logit_softcapping": get(f"{arch}.final_logit_softcapping", 30.0 if gemma2 else None),
-    }
-    if not gemma2:
-        local = {"rope_type": "default", "rope_theta": get(f"{arch}.rope.freq_base_swa", 10000.0)}
-        out["rope_parameters"] = {"full_attention": rope, "sliding_attention": local}
-    return out
-
-
 def write_gguf_cache(path: Path, folder: Path) -> bool:
     """Dequantizes the GGUF file into the HF folder, one tensor at a time: each is written and dropped
     before the next is dequantized (the safetensors header, written first, needs only the shapes, which
@@ -339,7 +219,7 @@ def write_gguf_cache(path: Path, folder: Path) -> bool:
         tmp = Path(tempfile.mkdtemp(prefix=".weights-", dir=folder.parent))
         groups = _write_safetensors(tmp / "model.safetensors", shapes, tensors)
         if groups:
-            save_file(groups, str(tmp / _GROUPS_FILE), metadata={"format": "pt"})
+            save_file(groups, str(tmp / GROUPS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
         log.info("dequantized %s into %s", path.name, folder)

@@ -2,9 +2,9 @@
 
 The model is built on the meta device and takes the loaded tensors as its parameters
 (load_state_dict(assign=True)), so weights are allocated once. Tensors are read into memory of their
-own, one at a time (not memory-mapped: see _read_copies). A quantized model (engine/load/quant.py) quantizes
-every projection as soon as its matrix (a fused one once its last part arrives) is there, so it never
-holds more than one float32 matrix beside its codes.
+own, one at a time (not memory-mapped: engine/load/safetensors_files.py). A quantized model
+(engine/load/quant.py) quantizes every projection as soon as its matrix (a fused one once its last part
+arrives) is there, so it never holds more than one float32 matrix beside its codes.
 
 A GGUF file is read by engine/load/gguf.py, which dequantizes it once into a plain HF folder in
 dequantized_folder(source); every start then loads that folder like any HF model.
@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import struct
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -22,15 +21,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from engine.kernel_choice import attach_packed_copies
 from engine.load.dtype import resolve_dtype
-from engine.load.gguf import _GROUPS_FILE, read_gguf, write_gguf_cache
+from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.load.prepack import prepack_model, usable
 from engine.load.quant import LAYER_PROJECTIONS, Groups, quantize_matrix, quantized_targets, weight_bytes
+from engine.load.safetensors_files import load_order, read_copies, safetensors_files
 from engine.models import ModelConfig, get_model_class
-from engine.models.convert import HF_NAMES, convert_hf_weights, iter_converted
+from engine.models.convert import convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 from shared.model_source import ModelSource
@@ -40,9 +39,6 @@ log = logging.getLogger("conveyor.weights")
 Weights = Iterable[tuple[str, torch.Tensor]]
 AbsMax = Callable[[str, torch.Tensor], torch.Tensor | None]  # our name, matrix -> its int8 rows' absmax, or None
 _CACHE_FORMAT = 3  # bump when what the dequantized folder holds changes (3: int4 groups, quantization)
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.device | str,
@@ -69,8 +65,8 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
             _log_loaded(source, model, cfg, source.folder / source.gguf_file, t0)
             return model, cfg
     cfg = read_config(folder, dtype, device, quantization)
-    groups_file = folder / _GROUPS_FILE
-    model = build_model(cfg, _read_copies(_safetensors_files(folder)), device,
+    groups_file = folder / GROUPS_FILE
+    model = build_model(cfg, read_copies(safetensors_files(folder)), device,
                         groups_file if groups_file.is_file() else None, prepack, deterministic)
     _log_loaded(source, model, cfg, folder, t0)
     return model, cfg
@@ -121,7 +117,7 @@ def build_model(cfg: ModelConfig, weights: Weights, device: torch.device,
         model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     else:
         if isinstance(groups, Path):
-            groups = dict(_read_copies([groups])) if mode == "int4" else None
+            groups = dict(read_copies([groups])) if mode == "int4" else None
         _load_quantized(model, cfg, weights, mode, dtype, _our_groups(cfg, groups or {}) if mode == "int4" else {},
                         absmax)
         groups = None
@@ -222,65 +218,6 @@ def _our_groups(cfg: ModelConfig, groups: dict[str, torch.Tensor]) -> dict[str, 
     parts = [{n.removesuffix(s): t for n, t in groups.items() if n.endswith(s)} for s in (".scale", ".min")]
     scale, low = (convert_hf_weights(cfg, p.items(), partial=True) for p in parts)
     return {name: (scale[name], low[name]) for name in scale if name in low}
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    """The shards the index names, else every *.safetensors except Mistral's consolidated.safetensors
-    (the same weights under Mistral's own names, shipped beside the HF shards in some repos)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(f for f in folder.glob("*.safetensors")
-                   if not f.name.startswith("consolidated") and f.name != _GROUPS_FILE)
-    if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files (only safetensors checkpoints are supported)")
-    return files
-
-
-def _read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files, in
-    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file lives:
-    a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep the whole
-    file's pages beside its own copies. Read, each matrix's memory goes when the model drops it."""
-    entries = []
-    for f in files:
-        with open(f, "rb") as fh:
-            (size,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(size))
-        header.pop("__metadata__", None)
-        for name, info in header.items():
-            begin, end = info["data_offsets"]
-            entries.append((load_order(name), name, f, 8 + size + begin, end - begin, info))
-    entries.sort(key=lambda e: e[0])
-    handles: dict[Path, Any] = {}
-    try:
-        for _, name, f, offset, nbytes, info in tqdm(entries, desc="loading weights", unit="tensor", disable=None,
-                                                     leave=False):
-            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))  # noqa: SIM115 (closed below)
-            yield name, _read_tensor(fh, offset, nbytes, info)  # no local keeps it while the caller holds it
-    finally:
-        for fh in handles.values():
-            fh.close()
-
-
-def _read_tensor(fh: Any, offset: int, nbytes: int, info: dict[str, Any]) -> torch.Tensor:
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    fh.seek(offset)
-    if fh.readinto(buf.numpy().data) != nbytes:
-        raise ValueError(f"{fh.name} is truncated")
-    return buf.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
-
-
-def load_order(name: str) -> tuple[Any, ...]:
-    """Sort key of HF names: layer by layer, the parts of each fused group next to one another (q, k, v;
-    gate, up), so a streamed load never holds one group's parts while it reads another's."""
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
-        rest = ".".join(parts[3:])
-        module, _, kind = rest.rpartition(".")
-        ours, shard = HF_NAMES.get(module, (module, None))
-        return (1, int(parts[2]), ours, kind, shard or 0, rest)
-    return (0 if name.startswith("model.") else 2, name)
 
 
 def _drain(tensors: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -90,26 +90,11 @@ class ModelConfig:
         is_qwen2 = arch == "Qwen2ForCausalLM"
         gemma = arch in _GEMMA
         llama_bias = bool(d.get("attention_bias", False)) and not is_qwen2
-        rope = d.get("rope_parameters") or {}
-        local_theta = None
-        if "full_attention" in rope:  # Gemma 3: one RoPE per layer type
-            local = dict(rope.get("sliding_attention") or {})
-            local_theta = float(local.get("rope_theta", 10000.0))
-            if local.get("rope_type", "default") != "default":
-                raise ValueError("RoPE scaling on sliding layers is not supported")
-            d = {**d, "rope_parameters": rope["full_attention"]}
+        d, local_theta = _local_rope(d)
         theta, scaling = _rope(d)
         if d.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial rotary embeddings are not supported")
-        eos: list[int] = []
-        for src in (d, generation_config or {}):
-            for t in _ints(src.get("eos_token_id")):
-                if t not in eos:
-                    eos.append(t)
         num_layers = d["num_hidden_layers"]
-        moe = arch == "Qwen3MoeForCausalLM"
-        num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0) if moe else 0
-        step, dense_only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -127,7 +112,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma)) or _headless(d),
             attention_bias=is_qwen2 or llama_bias,
             o_proj_bias=llama_bias,
-            eos_token_ids=eos,
+            eos_token_ids=_eos_ids(d, generation_config),
             bos_token_id=d.get("bos_token_id"),
             hidden_act=_ACTS[act],
             qk_norm=arch in _QK_NORM,
@@ -138,12 +123,7 @@ class ModelConfig:
             final_softcap=_float_or_none(d.get("final_logit_softcapping")) if gemma else None,
             layer_windows=_windows(arch, d, num_layers),
             local_rope_theta=local_theta,
-            num_experts=num_experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if num_experts else 0,
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            sparse_layers=tuple(i for i in range(num_layers) if num_experts and (i + 1) % step == 0
-                                and i not in dense_only),
+            **_experts(arch, d, num_layers),
         )
 
 
@@ -190,6 +170,43 @@ def _windows(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None,
     else:
         return ()
     return wins if any(w is not None for w in wins) else ()
+
+
+def _local_rope(d: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """Gemma 3 has one RoPE per layer type: -> (d with the global one as its rope_parameters, for _rope;
+    the sliding layers' base, or None where every layer rotates alike). Scaled sliding layers are refused."""
+    rope = d.get("rope_parameters") or {}
+    if "full_attention" not in rope:
+        return d, None
+    local = dict(rope.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ValueError("RoPE scaling on sliding layers is not supported")
+    return {**d, "rope_parameters": rope["full_attention"]}, float(local.get("rope_theta", 10000.0))
+
+
+def _eos_ids(d: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
+    """The config's eos ids, then generation_config's not among them (chat models end turns with those)."""
+    eos: list[int] = []
+    for src in (d, generation_config or {}):
+        for t in _ints(src.get("eos_token_id")):
+            if t not in eos:
+                eos.append(t)
+    return eos
+
+
+def _experts(arch: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields (Qwen3-MoE): every decoder_sparse_step-th layer is sparse
+    unless mlp_only_layers keeps it dense. Zero experts (every other family): a dense model."""
+    num_experts = int(d.get("num_experts") or d.get("num_local_experts") or 0) if arch == "Qwen3MoeForCausalLM" else 0
+    step, dense_only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": int(d.get("num_experts_per_tok") or 0) if num_experts else 0,
+        "moe_intermediate_size": int(d.get("moe_intermediate_size") or 0) if num_experts else 0,
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "sparse_layers": tuple(i for i in range(num_layers) if num_experts and (i + 1) % step == 0
+                               and i not in dense_only),
+    }
 
 
 def _gemma_legacy(arch: str, d: dict[str, Any]) -> dict[str, Any]:

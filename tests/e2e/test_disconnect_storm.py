@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.metrics import num_preemptions
+from gateway.engine_metrics import num_preemptions
 from tests.e2e.conftest import stream_completion
 from tests.e2e.servers import Server, is_idle, wait_engine_idle
 

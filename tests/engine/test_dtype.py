@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.core import EngineCore
 from engine.load import dtype as engine_dtype
 from engine.load.dtype import resolve_dtype
-from engine.load.gguf import _gguf_dtype
+from engine.load.gguf_config import gguf_dtype
 from shared.config import build_config
 from shared.sampling import SamplingParams
 
@@ -47,10 +47,10 @@ def test_explicit_dtype_is_kept_and_warned_about_where_emulated(caplog) -> None:
 
 
 def test_gguf_precision_comes_from_its_matrices() -> None:
-    assert _gguf_dtype({Q.F32}) == "float32"
-    assert _gguf_dtype({Q.F32, Q.F16}) == "float16"
-    assert _gguf_dtype({Q.F32, Q.BF16}) == "bfloat16"
-    assert _gguf_dtype({Q.Q4_1, Q.Q8_0, Q.F32}) == "bfloat16"
+    assert gguf_dtype({Q.F32}) == "float32"
+    assert gguf_dtype({Q.F32, Q.F16}) == "float16"
+    assert gguf_dtype({Q.F32, Q.BF16}) == "bfloat16"
+    assert gguf_dtype({Q.Q4_1, Q.Q8_0, Q.F32}) == "bfloat16"
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -202,7 +202,7 @@ def test_gemma_window_pattern_from_the_file_replaces_llama_cpps_default(tmp_path
 
     import gguf
 
-    from engine.load.gguf import _gguf_config
+    from engine.load.gguf_config import gguf_config
 
     slide, full = "sliding_attention", "full_attention"
     for pattern, expected in ((2, [slide, full]), ([False, True], [full, slide])):
@@ -216,7 +216,7 @@ def test_gemma_window_pattern_from_the_file_replaces_llama_cpps_default(tmp_path
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.close()
-        assert _gguf_config(gguf.GGUFReader(p))["layer_types"] == expected
+        assert gguf_config(gguf.GGUFReader(p))["layer_types"] == expected
 
 
 def test_quantized_qwen3moe_gguf_loads_q4_0_attention_and_q8_0_experts(tmp_path):

@@ -136,7 +136,7 @@ def _alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
 def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_qwen2_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))  # the GGUF's first load: its cache is written here
     dequantized = _track(monkeypatch, engine.load.gguf, "_dequantize_gguf")  # looked up by engine.load.gguf._open_gguf
-    read = _track(monkeypatch, engine.load.weights, "_read_copies")  # looked up by engine.load.weights.load_model
+    read = _track(monkeypatch, engine.load.weights, "read_copies")  # looked up by engine.load.weights.load_model
     quantized: list[str] = []
     most_at_read = 0
 
@@ -149,14 +149,14 @@ def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_q
         quantized.append(name)
 
     monkeypatch.setattr(engine.load.weights, "_on_quantized", on_quantized)
-    reader = engine.load.weights._read_copies
+    reader = engine.load.weights.read_copies
 
     def count(item):  # while a fused group fills, its earlier parts wait: q and k while v is read
         nonlocal most_at_read
         most_at_read = max(most_at_read, len(_alive(read)))
         return item
 
-    monkeypatch.setattr(engine.load.weights, "_read_copies", lambda *args: map(count, reader(*args)))
+    monkeypatch.setattr(engine.load.weights, "read_copies", lambda *args: map(count, reader(*args)))
     for path in (tiny_gguf, tiny_qwen2_dir):
         quantized.clear()
         model, cfg = load_model(resolve_model(str(path)), torch.bfloat16, "cpu", mode)

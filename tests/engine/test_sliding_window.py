@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 import transformers as T
 
-from engine.block_manager import BlockManager, release_window
+from engine.block_manager import BlockManager
+from engine.build import release_window
 from engine.core import EngineCore
 from engine.observe.dashboard import Observer
 from engine.request import Request

@@ -90,7 +90,7 @@ def test_without_isolation_requests_keep_their_own_salt_only() -> None:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    from gateway.__main__ import build_parser
+    from gateway.cli import build_parser
 
     return build_parser().parse_args(["gateway", "--engine-address", "tcp://e:1", *argv])
 

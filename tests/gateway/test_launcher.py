@@ -148,7 +148,7 @@ def test_gateway_processes_move_off_the_cores_the_engine_is_bound_to() -> None:
 def test_gateway_workers_get_the_chat_flags() -> None:
     """--gateway-workers: every worker parses chat requests as `serve` was told (template,
     parsers)."""
-    from gateway.__main__ import build_parser, worker_argv
+    from gateway.cli import build_parser, worker_argv
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", "m", "--chat-template", "/t.jinja",

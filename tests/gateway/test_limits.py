@@ -136,7 +136,7 @@ def test_open_stream_ends_with_error_event_when_engine_dies() -> None:
 
 
 def test_flags_come_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gateway.__main__ import build_parser, gateway_config
+    from gateway.cli import build_parser, gateway_config
 
     monkeypatch.setenv("CONVEYOR_API_KEY", "from-env")
     monkeypatch.setenv("CONVEYOR_MAX_WAITING_REQUESTS", "7")

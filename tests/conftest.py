@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 # Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from shared.model_source import ModelSource, resolve_model  # noqa: E402
+from shared.protocol import Error, RequestOutput  # noqa: E402
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -43,6 +44,13 @@ def save_tiny(folder: Path, config_cls: type, model_cls: type, seed: int = 0, bi
                     proj.bias.normal_(0, bias_std)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def request_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
+    """An engine step's (or abort's) outputs, asserted to be RequestOutputs: an Error fails the test."""
+    rows = list(outs)
+    assert all(isinstance(o, RequestOutput) for o in rows), rows
+    return [o for o in rows if isinstance(o, RequestOutput)]
 
 
 @pytest.fixture(scope="session", autouse=True)

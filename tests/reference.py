@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import torch
+from transformers import GenerationMixin, PreTrainedModel
 
 
-def transformers_gguf_model(source) -> torch.nn.Module:
+def transformers_gguf_model(source) -> PreTrainedModel:
     """What from_pretrained(folder, gguf_file=...) builds (same config parsing, same GGUF tensor processor,
     including its q/k reverse permutation), with the tied LM head actually tied: from_pretrained leaves
     SmolLM2's lm_head randomly initialised from a GGUF file (and needs accelerate)."""
@@ -20,10 +21,11 @@ def transformers_gguf_model(source) -> torch.nn.Module:
     return hf
 
 
-def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(model: PreTrainedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers generate, one prompt at a time so that no padding can change its result. EOS is
     switched off, not suppressed, to match ignore_eos: the EOS token may be generated and decoding goes on
     (min_new_tokens would instead forbid EOS and change the tokens)."""
+    assert isinstance(model, GenerationMixin)  # a causal LM: transformers 5 mixes generate in per class
     model.generation_config.eos_token_id = None
     outs = []
     for ids in prompts:
@@ -35,7 +37,7 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: 
     return outs
 
 
-def hf_folder_model(folder) -> torch.nn.Module:
+def hf_folder_model(folder) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -88,7 +88,9 @@ def test_200_random_disconnects_leave_engine_clean(tiny_chat_model: Path, tmp_pa
         address = srv.engine_address
 
         async def main() -> tuple[Counter[str], dict[str, float], dict[str, float], str]:
-            rng, outcome, peak = random.Random(1234), Counter(), Counter()
+            rng = random.Random(1234)
+            outcome: Counter[str] = Counter()
+            peak: dict[str, float] = {}
             sem = asyncio.Semaphore(CONCURRENCY)
 
             async def limited(session: aiohttp.ClientSession) -> None:
@@ -103,7 +105,7 @@ def test_200_random_disconnects_leave_engine_clean(tiny_chat_model: Path, tmp_pa
                         stats = await client.get_stats()
                         stats["num_preemptions"] = num_preemptions(stats)
                         for key in ("num_running", "num_waiting", "num_swapped", "num_preemptions"):
-                            peak[key] = max(peak[key], stats.get(key, 0))
+                            peak[key] = max(peak.get(key, 0), stats.get(key, 0))
                         await asyncio.sleep(0.02)
 
             stop = asyncio.Event()

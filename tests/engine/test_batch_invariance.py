@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from engine.core import EngineCore
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -41,6 +42,7 @@ def run(folder: Path, jobs: list[Job], **options: object) -> dict[str, Output]:
             rid, prompt, params, _ = pending.pop(0)
             core.add(rid, prompt, params)
         for o in core.step():
+            assert isinstance(o, RequestOutput), o  # an Error here fails the test
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].extend(entry[0] for entry in o.logprobs or [])
         step += 1

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import GenerationMixin
 
 from engine.core import EngineCore
 from shared.config import build_config
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 from tests.reference import hf_folder_model, transformers_gguf_model
 
 PAD = 1  # transformers fills with `pad_token_id or eos`: 0 would read as "use eos"
@@ -28,7 +30,7 @@ def engine_beams(core: EngineCore, prompts: list[list[int]], params: SamplingPar
     for i, p in enumerate(prompts):
         core.add(f"r{i}", p, params)
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
             out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
     return [[out[(f"r{i}", k)] for k in range(params.n)] for i in range(len(prompts))]
 
@@ -48,6 +50,7 @@ PROMPTS = [[5, 17, 33, 90, 121], list(range(40, 75)), [300, 301, 7, 8, 9, 10, 11
 ])
 def test_beam_search_equals_transformers(tiny_llama_dir, width, n, length_penalty, early_stopping, stop):
     model = hf_folder_model(tiny_llama_dir)
+    assert isinstance(model, GenerationMixin)  # a causal LM: transformers 5 mixes generate in per class
     core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=128, block_size=8))
     stop_token = None
     if stop:  # a stop token that really comes up: the third greedy token of the first prompt
@@ -56,7 +59,7 @@ def test_beam_search_equals_transformers(tiny_llama_dir, width, n, length_penalt
         stop_token = int(g[0, -1])
     params = SamplingParams(max_tokens=12, use_beam_search=True, beam_width=width, n=n, ignore_eos=True,
                             length_penalty=length_penalty, early_stopping=early_stopping,
-                            stop_token_ids=(stop_token,) if stop else ())
+                            stop_token_ids=() if stop_token is None else (stop_token,))
     ours = engine_beams(core, PROMPTS, params)
     for prompt, got in zip(PROMPTS, ours):
         assert_same(got, hf_beams(model, prompt, params, stop_token))
@@ -111,7 +114,7 @@ def test_beam_search_under_kv_pressure_completes_and_equals_the_unpressured_outp
         for _ in range(3000):  # a stalled scheduler would loop for ever: bound it
             if not core.has_work():
                 break
-            for o in core.step():
+            for o in request_outputs(core.step()):
                 out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
         assert not core.has_work(), "the engine stopped making progress"
         return out

@@ -16,6 +16,7 @@ from engine.load.dtype import resolve_dtype
 from engine.load.gguf_config import gguf_dtype
 from shared.config import build_config
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -68,9 +69,9 @@ def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp
     assert {p.dtype for p in core.runner.model.parameters()} == {want}
     assert core.runner.kv_cache.device.dtype == core.runner.kv_cache.cpu.dtype == want
     core.add("r", [1, 5, 9, 13], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-    out = []
+    out: list[int] = []
     while core.has_work():
-        out += [t for o in core.step() for t in o.new_token_ids]
+        out += [t for o in request_outputs(core.step()) for t in o.new_token_ids]
     assert len(out) == 6 and all(0 <= t < 512 for t in out)
 
 
@@ -81,7 +82,8 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list
         core.add(f"r{i}", p, params)
     out: dict[str, list[tuple[int, list]]] = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
+            assert o.logprobs is not None  # asked for: one entry per token
             out[o.request_id] += list(zip(o.new_token_ids, o.logprobs))
     return [out[f"r{i}"] for i in range(len(prompts))]
 

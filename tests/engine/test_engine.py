@@ -10,6 +10,7 @@ from engine.observe.trace import Tracer
 from engine.offline import LLM
 from shared.config import build_config
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 from tests.reference import hf_folder_model, hf_greedy, transformers_gguf_model
 from tests.traced import step_sizes
 
@@ -70,9 +71,10 @@ def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
     for core in (plain, scrambled):
         for i, p in enumerate(prompts):
             core.add(f"r{i}", p, GREEDY)
-        tables, toks = {}, {f"r{i}": [] for i in range(len(prompts))}
+        tables: dict[str, list[int]] = {}
+        toks: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         while core.has_work():
-            for out in core.step():
+            for out in request_outputs(core.step()):
                 toks[out.request_id] += out.new_token_ids
             for rid, live in core.requests.items():
                 tables[rid] = list(live.root.block_table)
@@ -91,7 +93,7 @@ def test_request_joins_running_batch_next_step_and_blocks_return(tiny_llama_dir)
     for _ in range(3):
         core.step()
     core.add("late", [12, 13, 14, 15, 16], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    outs = core.step()
+    outs = request_outputs(core.step())
     last = core.last_step
     # joined at once, prefilled beside two decodes
     assert {o.request_id: len(o.new_token_ids) for o in outs} == {"a": 1, "b": 1, "late": 1}
@@ -108,7 +110,7 @@ def test_finished_request_frees_blocks_in_the_same_step(tiny_llama_dir):
     core.add("short", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     core.step()
     held = 64 - core.block_manager.num_free_blocks
-    outs = core.step()
+    outs = request_outputs(core.step())
     assert any(o.request_id == "short" and o.finished for o in outs)
     assert 64 - core.block_manager.num_free_blocks == held // 2  # short's 3 blocks are back
 
@@ -118,7 +120,7 @@ def test_abort_frees_blocks_and_is_idempotent(tiny_llama_dir):
     core.add("x", list(range(3, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     core.step()
     assert core.block_manager.num_free_blocks < 32
-    assert [o.finish_reason for o in core.abort(["x"])] == ["abort"]
+    assert [o.finish_reason for o in request_outputs(core.abort(["x"]))] == ["abort"]
     assert core.abort(["x", "never-seen"]) == []
     assert core.block_manager.num_free_blocks == 32 and not core.has_work()
 
@@ -130,9 +132,9 @@ def test_prompt_that_can_never_fit_is_rejected_and_others_continue(tiny_llama_di
     with pytest.raises(InvalidRequest, match="at most 64 tokens"):
         core.add("huge", list(range(3, 100)), GREEDY)
     core.add("ok", [3, 4, 5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    got = []
+    got: list[int] = []
     while core.has_work():
-        got += [t for o in core.step() for t in o.new_token_ids]
+        got += [t for o in request_outputs(core.step()) for t in o.new_token_ids]
     assert len(got) == 5
 
 

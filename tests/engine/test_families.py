@@ -14,6 +14,7 @@ import transformers as T
 from engine.core import EngineCore
 from engine.observe.trace import Tracer
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 from tests.conftest import save_tiny
 from tests.reference import hf_folder_model, hf_greedy
@@ -79,6 +80,7 @@ def test_greedy_equals_transformers_through_chunks_prefix_hits_preemption_and_n(
             core.add(f"{wave}{i}", p, params)
         while core.has_work():
             for o in core.step():
+                assert isinstance(o, RequestOutput), o  # an Error here fails the test
                 out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
     rids = [f"a{i}" for i in range(len(first))] + [f"b{i}" for i in range(len(second))]
     assert [out[(rid, 0)] for rid in rids] == ref

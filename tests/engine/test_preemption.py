@@ -8,6 +8,7 @@ import pytest
 
 from engine.core import EngineCore
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
 NUM_REQUESTS = 100
@@ -33,10 +34,11 @@ def run(folder, reqs, **options):
                                    **options))
     for i, (prompt, params) in enumerate(reqs):
         core.add(f"r{i}", prompt, params)
-    out = {f"r{i}": [] for i in range(len(reqs))}
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(reqs))}
     finished = set()
     while core.has_work():
         for o in core.step():
+            assert isinstance(o, RequestOutput), o  # an Error here fails the test
             out[o.request_id] += o.new_token_ids
             if o.finished:
                 finished.add(o.request_id)

@@ -7,6 +7,7 @@ import pytest
 
 from engine.core import EngineCore
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -28,6 +29,7 @@ def run(core: EngineCore, reqs: list[tuple[str, list[int], SamplingParams]]) -> 
         out[rid] = [[], 0]
     while core.has_work():
         for o in core.step():
+            assert isinstance(o, RequestOutput), o  # an Error here fails the test
             out[o.request_id][0] += o.new_token_ids
             out[o.request_id][1] = o.num_cached_tokens
     return out

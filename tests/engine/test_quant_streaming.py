@@ -20,6 +20,7 @@ import engine.load.weights
 from engine.load.gguf import read_gguf
 from engine.load.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
 from engine.load.weights import _our_groups, dequantized_folder, load_model
+from engine.models.llama import LlamaForCausalLM
 from shared.model_source import resolve_model
 from tests.conftest import save_tiny
 from tests.engine.test_families import FAMILIES
@@ -40,6 +41,7 @@ def small_chunks(monkeypatch):
 def _reference(source, mode: str, dtype: torch.dtype):
     """The float32 model quantized as a whole, after loading, as the loader did before it streamed."""
     plain, cfg = load_model(source, torch.float32, "cpu", "none", prepack=False)
+    assert isinstance(plain, LlamaForCausalLM)  # what load_model builds, as quantize_model expects
     folder = source.folder if source.gguf_file is None else dequantized_folder(source)
     groups_file = folder / "int4_groups.safetensors"
     groups = load_file(groups_file) if groups_file.is_file() else {}
@@ -107,6 +109,7 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
         bias = floats.get(f"{path}.bias")
         assert (module.bias is None) == (bias is None), path
         if bias is not None:
+            assert module.bias is not None
             assert torch.equal(module.bias, bias.to(dtype)), path
     if checkpoint == "gguf" and mode == "int4":  # the file's Q4_0 codes were carried over, not re-derived
         assert groups and all(isinstance(model.get_submodule(p.removesuffix(".weight")), Int4Linear) for p in groups)
@@ -149,7 +152,7 @@ def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_q
         quantized.append(name)
 
     monkeypatch.setattr(engine.load.weights, "_on_quantized", on_quantized)
-    reader = engine.load.weights.read_copies
+    reader = vars(engine.load.weights)["read_copies"]  # the loader's own name for it, as _track wrapped it
 
     def count(item):  # while a fused group fills, its earlier parts wait: q and k while v is read
         nonlocal most_at_read

@@ -2,6 +2,8 @@
 logprobs against the model's log_softmax; seeded sampling independent of the batch."""
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from transformers import (
@@ -17,6 +19,7 @@ from engine.sampler import Sampler, argmax, probs_of
 from engine.sequence import Sequence
 from shared.config import build_config
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 
 V = 64
 EOS = 2
@@ -58,8 +61,8 @@ def test_presence_and_frequency_penalties_follow_openai(logits):
 def test_logit_bias_equals_transformers_sequence_bias(logits):
     bias = {3: 5.0, 17: -100.0, 40: 0.5}
     req = make(PROMPT, OUTPUT, logit_bias={str(k): v for k, v in bias.items()})  # JSON keys are strings
-    ref = SequenceBiasLogitsProcessor({(k,): v for k, v in bias.items()})(torch.tensor([PROMPT + OUTPUT]),
-                                                                          logits.clone()[None])[0]
+    ref = SequenceBiasLogitsProcessor([[[k], v] for k, v in bias.items()])(torch.tensor([PROMPT + OUTPUT]),
+                                                                            logits.clone()[None])[0]
     torch.testing.assert_close(processed(req, logits), ref)
 
 
@@ -76,7 +79,9 @@ def test_min_tokens_equals_transformers(logits, produced):
 def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
     req = Sequence(Request("r", PROMPT + OUTPUT, SamplingParams(temperature=1.0, min_p=min_p)))
     probs = probs_of(logits.clone()[None], [req])[0]
-    ref = MinPLogitsWarper(min_p)(None, logits.clone()[None])[0]
+    # transformers annotates input_ids torch.LongTensor, a type no tensor has; min-p never reads them
+    ids = cast(torch.LongTensor, torch.tensor([PROMPT + OUTPUT]))
+    ref = MinPLogitsWarper(min_p)(ids, logits.clone()[None])[0]
     assert torch.equal(probs > 0, ref > float("-inf"))
     torch.testing.assert_close(probs / probs.sum(), ref.softmax(-1))  # the exponential race needs no renormalising
 
@@ -106,9 +111,11 @@ def test_logprobs_equal_log_softmax_of_the_model_logits(tiny_llama_dir):
     core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=8))
     core.add("lp", prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5,
                                           repetition_penalty=1.5))
-    tokens, entries = [], []
+    tokens: list[int] = []
+    entries: list[list] = []
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
+            assert o.logprobs is not None  # asked for: one entry per token
             tokens += o.new_token_ids
             entries += o.logprobs
     model = hf_folder_model(tiny_llama_dir)
@@ -134,6 +141,6 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(tiny_llama_dir):
         core.add("seeded", prompt, params)
         got: list[int] = []
         while core.has_work():
-            got += [t for o in core.step() if o.request_id == "seeded" for t in o.new_token_ids]
+            got += [t for o in request_outputs(core.step()) if o.request_id == "seeded" for t in o.new_token_ids]
         results.append(got)
     assert results[0] == results[1] and len(results[0]) == 16

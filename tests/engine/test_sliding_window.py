@@ -18,6 +18,7 @@ from engine.observe.dashboard import Observer
 from engine.request import Request
 from engine.sequence import Sequence
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 from tests.conftest import save_tiny
 from tests.reference import hf_folder_model, hf_greedy
@@ -103,6 +104,7 @@ def run(core: EngineCore, waves: list[list[list[int]]], n_first: int = 2,
             core.add(f"{w}-{i}", p, pair if i == 0 else greedy)
         while core.has_work():
             for o in core.step():
+                assert isinstance(o, RequestOutput), o  # an Error here fails the test
                 out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
             if each_step is not None:
                 each_step()

@@ -16,6 +16,7 @@ import engine.speculative.verify as verify_module
 from engine.core import EngineCore
 from engine.speculative.ngram import propose_ngram
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
 from tests.reference import hf_folder_model
 
@@ -28,9 +29,10 @@ def run(folder, requests, **options) -> tuple[EngineCore, dict[str, list[int]]]:
     core = EngineCore(build_config(str(folder), **options))
     for i, (prompt, params) in enumerate(requests):
         core.add(f"r{i}", prompt, params)
-    out = {f"r{i}": [] for i in range(len(requests))}
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(requests))}
     while core.has_work():
         for o in core.step():
+            assert isinstance(o, RequestOutput), o  # an Error here fails the test
             out[o.request_id] += o.new_token_ids
         for req in core.scheduler.running:  # rejected drafts never keep a block
             assert len(req.block_table) <= core.block_manager.blocks_for(req.num_tokens)

@@ -12,9 +12,9 @@ from tests.gateway.test_fields import CHAT, COMPLETIONS, post, refused
 from tests.gateway.test_routes import gateway, run
 
 HI = {"role": "user", "content": "hi"}
-TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+FORMAT: dict[str, Any] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 
 
 def _chat(**extra: Any) -> dict[str, Any]:
@@ -64,7 +64,7 @@ CHAT_CASES = [  # (body, the path the 400 must name)
         "tool_choice.foo",
     ),
 ]
-BOTH_CASES = [  # the same on both routes
+BOTH_CASES: list[tuple[dict[str, Any], str]] = [  # the same on both routes
     ({"response_format": {**FORMAT, "foo": 1}}, "response_format.foo"),
     (
         {"response_format": {**FORMAT, "json_schema": {**FORMAT["json_schema"], "foo": 1}}},
@@ -105,7 +105,7 @@ def test_tokenizer_routes_and_websocket_frames_name_unknown_keys() -> None:
     async def main() -> None:
         with FakeEngine(max_model_len=64) as eng:
             async with gateway(eng) as http:
-                for path, body, where in [
+                cases: list[tuple[str, dict[str, Any], str]] = [
                     ("/tokenize", {"prompt": "hi", "foo": 1}, "foo"),
                     ("/tokenize", {"messages": [{**HI, "foo": 1}]}, "messages[0].foo"),
                     (
@@ -121,7 +121,8 @@ def test_tokenizer_routes_and_websocket_frames_name_unknown_keys() -> None:
                         "messages[0].content[0].foo",
                     ),
                     ("/detokenize", {"tokens": [1], "foo": 1}, "foo"),
-                ]:
+                ]
+                for path, body, where in cases:
                     status, out = await post(http, path, body)
                     assert status == 400 and out["error"]["param"] == where, (path, out)
                     assert f"unknown field {where!r}" in out["error"]["message"]

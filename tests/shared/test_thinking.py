@@ -48,7 +48,7 @@ def test_forced_is_the_rest_of_the_end_ids_once_the_budget_is_spent() -> None:
 def test_choices_count_reasoning_tokens_whatever_the_delta_sizes(
     output: list[int], start: list[int], want: int, size: int,
 ) -> None:
-    params = SamplingParams(max_tokens=64, reasoning_start_ids=start, reasoning_end_ids=CLOSE, n=2)
+    params = SamplingParams(max_tokens=64, reasoning_start_ids=tuple(start), reasoning_end_ids=tuple(CLOSE), n=2)
     tok = smollm2_tokenizer()
     choices = Choices("r", 4, params, tok, TokenStrings(tok))
     last = None

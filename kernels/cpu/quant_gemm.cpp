@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -202,6 +203,14 @@ void multiply_panel(const bf* x, int64_t m, int64_t ldx, int64_t kt, const bf* p
   }
 }
 
+// The residual added to y (null where none), checked against y's [M, N]; -> its rows and their stride.
+std::pair<const bf*, int64_t> residual_rows(const c10::optional<at::Tensor>& residual, int64_t m, int64_t n) {
+  if (!residual.has_value()) return {nullptr, 0};
+  TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->size(0) == m && residual->size(1) == n &&
+              residual->stride(1) == 1, "residual: bfloat16 [M, N] rows");
+  return {residual->data_ptr<bf>(), residual->stride(0)};
+}
+
 template <typename Dequant>
 at::Tensor gemm(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& residual, Dequant dequant) {
   TORCH_CHECK(amx_usable(), "AMX tiles are not available on this CPU");
@@ -209,14 +218,9 @@ at::Tensor gemm(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>&
   const int64_t m = x.size(0), k = x.size(1), kt = k / kTileK, nt = n / kTileN;
   TORCH_CHECK(k % kTileK == 0 && n % kTileN == 0, "K must be a multiple of 32 and N of 16");
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const bf* res = nullptr;
-  int64_t ldr = 0;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->size(0) == m && residual->size(1) == n &&
-                residual->stride(1) == 1, "residual: bfloat16 [M, N] rows");
-    res = residual->data_ptr<bf>();
-    ldr = residual->stride(0);
-  }
+  const std::pair<const bf*, int64_t> residual_at = residual_rows(residual, m, n);
+  const bf* res = residual_at.first;  // plain names: a lambda cannot capture a structured binding in C++17
+  const int64_t ldr = residual_at.second;
   if (m == 0) return y;
   const bf* xp = x.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();
@@ -370,14 +374,9 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(x.size(1) == kt * kTileK && codes.size(2) == kTileRows * 16, "codes do not match x");
   TORCH_CHECK(m <= kMaxRows, "the rows path takes at most ", kMaxRows, " rows");
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const bf* res = nullptr;
-  int64_t ldr = 0;
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->scalar_type() == at::kBFloat16 && residual->size(0) == m && residual->size(1) == n &&
-                residual->stride(1) == 1, "residual: bfloat16 [M, N] rows");
-    res = residual->data_ptr<bf>();
-    ldr = residual->stride(0);
-  }
+  const std::pair<const bf*, int64_t> residual_at = residual_rows(residual, m, n);
+  const bf* res = residual_at.first;  // plain names: a lambda cannot capture a structured binding in C++17
+  const int64_t ldr = residual_at.second;
   if (m == 0) return y;
   // x's even k, then its odd k, as float32 with denormals read as (signed) zero, as DAZ reads them; and the
   // least exponent of its normal values. 32 elements (16 pairs) a step: K is a multiple of 32.

@@ -4,9 +4,10 @@
 // A row (one token, one query head) walks its context in a fixed order, whatever else is in the step:
 // the context is cut into partitions of part_tokens positions from position 0, and each partition into
 // softmax units of 64 positions (unit_tokens); each partition's units go through an online softmax from a
-// fresh state into an unnormalised partial (max, sum, accumulator); the partials merge in partition order. The block arithmetic (attention_generic.h, attention_bf16.h)
-// depends only on the row, the block and the row's position, so a token's output has the same bits
-// whether it is decoded, inside a prompt chunk, or attends a prefix another request cached.
+// fresh state into an unnormalised partial (max, sum, accumulator); the partials merge in partition
+// order. The unit arithmetic (attention_generic.h, attention_bf16.h) depends only on the row, the unit's
+// keys and the row's position, so a token's output has the same bits whether it is decoded, inside a
+// prompt chunk, or attends a prefix another request cached.
 // Work: a sequence with few query tokens gets one task per partition (a long context keeps both cores
 // busy; a second pass merges); a prompt chunk gets one task per 16 tokens covering all its partitions,
 // merged in the task. Blocks a task's tokens cannot see (causal, sliding window) are never read. Tasks

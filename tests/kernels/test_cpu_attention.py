@@ -183,7 +183,7 @@ def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, grou
 
 
 def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, monkeypatch):
-    """bench/cpu_attention.py --native: the avx512_bf16 path beats SDPA on prompts; the float32 paths do not.
+    """Prompts take the avx512_bf16 path, which served faster than SDPA (docs/kernels.md); the float32 paths do not.
     --deterministic puts prompts on the kernel wherever it runs; CONVEYOR_NATIVE_PROMPTS forces either way."""
     from kernels import get_backend
 

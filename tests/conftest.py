@@ -4,6 +4,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 # Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -21,6 +22,9 @@ import torch  # noqa: E402
 
 from shared.model_source import ModelSource, resolve_model  # noqa: E402
 from shared.protocol import Error, RequestOutput  # noqa: E402
+
+if TYPE_CHECKING:
+    from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -51,6 +55,16 @@ def request_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput
     rows = list(outs)
     assert all(isinstance(o, RequestOutput) for o in rows), rows
     return [o for o in rows if isinstance(o, RequestOutput)]
+
+
+def causal_lm(model: torch.nn.Module) -> LlamaForCausalLM:
+    """A runner's model as the one graph class every architecture loads into: nn.Module's attribute
+    access types each attribute as Tensor | Module, so tests that reach into layers go through here."""
+    return cast("LlamaForCausalLM", model)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[DecoderLayer]:
+    return [cast("DecoderLayer", layer) for layer in causal_lm(model).model.layers]
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 
 from tests.e2e.servers import Server, tiny_serve
 from tests.e2e.test_structured_api import ASK, MODEL, PERSON
@@ -46,7 +46,7 @@ def client(server: Server) -> openai.OpenAI:
 
 def test_json_object_with_a_schema_is_that_schema(client: openai.OpenAI) -> None:
     """{"type": "json_object", "schema": ...}: the schema is enforced, not just "some object"."""
-    kw = dict(
+    kw: dict[str, Any] = dict(
         model=MODEL,
         messages=ASK,
         max_tokens=80,
@@ -100,14 +100,16 @@ def test_pydantic_ai_agent_with_an_output_type(server: Server) -> None:
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_langchain_with_structured_output(server: Server, method: str) -> None:
+def test_langchain_with_structured_output(
+    server: Server, method: Literal["json_schema", "function_calling"]
+) -> None:
     from langchain_openai import ChatOpenAI
 
     llm = ChatOpenAI(
         model=MODEL,
         base_url=f"{server.url}/v1",
-        api_key="none",
-        max_tokens=80,
+        api_key=SecretStr("none"),
+        max_tokens=80,  # type: ignore[call-arg]  # a pydantic alias of max_completion_tokens
         temperature=0.7,
         seed=3,
         max_retries=0,
@@ -133,8 +135,8 @@ def test_langchain_tool_loop_streamed(server: Server) -> None:
     llm = ChatOpenAI(
         model=MODEL,
         base_url=f"{server.url}/v1",
-        api_key="none",
-        max_tokens=120,
+        api_key=SecretStr("none"),
+        max_tokens=120,  # type: ignore[call-arg]  # a pydantic alias of max_completion_tokens
         temperature=0,
         max_retries=0,
     )

@@ -147,8 +147,8 @@ def test_compose_commands_as_processes_two_gateways_one_engine(
             g.start()  # both load at once; `with` below waits for each to be ready
         with gateways[0] as g0, gateways[1] as g1:
             for g in (g0, g1):  # the gateway's health check, as compose runs it
-                check = localize(services["gateway"]["healthcheck"]["test"][1:], g.port)
-                assert subprocess.run(check, timeout=30).returncode == 0
+                health = localize(services["gateway"]["healthcheck"]["test"][1:], g.port)
+                assert subprocess.run(health, timeout=30).returncode == 0
 
             async def main() -> tuple[list[str], dict[str, float]]:
                 async with aiohttp.ClientSession() as session:

@@ -6,25 +6,30 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from pydantic import BaseModel, Field
 
 from tests.e2e.servers import Server
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-chat"
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"]}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the weather in Paris?"}]
+WEATHER: dict[str, object] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+TIME: dict[str, object] = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}},
+                           "required": ["zone"]}
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function",
+     "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER}},
+    {"type": "function",
+     "function": {"name": "get_time", "description": "Time in a zone", "parameters": TIME}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -53,7 +58,7 @@ def client(server: Server) -> openai.OpenAI:
 
 def test_json_schema_response_format_validates_and_streams_the_same_text(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-    kw = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, response_format=fmt)
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0, response_format=fmt)
     whole = client.chat.completions.create(**kw)
     text = whole.choices[0].message.content
     assert whole.choices[0].finish_reason == "stop", text
@@ -113,7 +118,8 @@ def _check_calls(calls: list, names: set[str]) -> None:
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_tool_choice_required_and_named_give_valid_calls(client: openai.OpenAI, choice) -> None:  # noqa: ANN001
     names = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80, temperature=0)
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80,
+                              temperature=0)
     whole = client.chat.completions.create(**kw, parallel_tool_calls=False)
     msg = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls", msg

@@ -8,6 +8,7 @@ from engine.load.weights import load_model
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import resolve_model
+from tests.conftest import decoder_layers
 
 BLOCK_SIZE, NUM_BLOCKS = 16, 64
 
@@ -39,7 +40,10 @@ class Runner:
     def step(self, chunks: list[tuple[list[int], int, int]], tables: list[list[int]], last_only: bool = False):
         """chunks: (sequence token ids, start, end): compute tokens start..end-1 with start cached.
         -> [rows, V] logits: every new token's, or only each sequence's last."""
-        ids, pos, slots, rows = [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
         for (seq, start, end), table in zip(chunks, tables):
             ids += seq[start:end]
             pos += range(start, end)
@@ -111,7 +115,7 @@ def test_bfloat16_close_to_float32(tiny_llama_dir):
     ref = Runner(tiny_llama_dir).step([(seqs[0], 0, 30)], scrambled_tables([30]))
     run = Runner(tiny_llama_dir, torch.bfloat16)
     ours = run.step([(seqs[0], 0, 30)], scrambled_tables([30]))
-    qkv = run.model.model.layers[0].qkv_proj  # packed (a buffer) where oneDNN packs bfloat16, else nn.Linear
+    qkv = decoder_layers(run.model)[0].qkv_proj  # packed (a buffer) where oneDNN packs bfloat16, else nn.Linear
     assert {t.dtype for t in (*qkv.buffers(), *qkv.parameters())} == {torch.bfloat16}
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.05 * ref.abs().max()

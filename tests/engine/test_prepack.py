@@ -3,6 +3,8 @@ matrix from plain_from rows on. Both sides of the threshold must give F.linear's
 a bias, alone and with the residual added inside the GEMM."""
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,22 +38,30 @@ class _Model(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleList([_Layer(), _Layer()])
-        self.model.embed_tokens = nn.Embedding(64, 32)
+        self.model = _Inner()
         self.lm_head = None
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(), _Layer()])
+        self.embed_tokens = nn.Embedding(64, 32)
+
+    def projections(self) -> list[nn.Module]:
+        return [cast(_Layer, layer).qkv_proj for layer in self.layers]
 
 
 def test_plain_copies_are_kept_only_while_the_projections_are_small(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepack, "PLAIN_FROM_ROWS", {torch.backends.cpu.get_cpu_capability(): 16})
     model = _Model()
     prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
-    layer = model.model.layers[0].qkv_proj
+    layer = model.model.projections()[0]
     assert isinstance(layer, PackedLinear) and layer.plain is not None and layer.plain_from == 16
     monkeypatch.setattr(prepack, "PLAIN_MAX_BYTES", 2 * 48 * 32 * 4 - 1)  # one byte short of both matrices
     model = _Model()
     prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
-    assert all(layer.qkv_proj.plain is None for layer in model.model.layers)
+    assert all(cast(PackedLinear, proj).plain is None for proj in model.model.projections())
     assert model.lm_head.plain is None  # type: ignore[attr-defined]
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -14,6 +16,7 @@ import pytest
 from engine.offline import LLM
 from shared.constraints import Constraint, choice, json_schema
 from shared.errors import InvalidRequest
+from shared.protocol import Error
 from shared.sampling import SamplingParams
 from tests.fakes import smollm2_tokenizer
 
@@ -130,24 +133,30 @@ def chat(tok, text: str) -> list[int]:  # noqa: ANN001
                                    return_dict=False)
 
 
+def validates(schema: dict[str, Any]) -> Callable[[str], bool]:
+    return lambda text: jsonschema.validate(json.loads(text), schema) is None
+
+
 def texts(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[str, str | None]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert all(o.error is None for o in outs), [o.error for o in outs if o.error]
     tok = llm.tokenizer
-    return [(tok.decode(s.token_ids, skip_special_tokens=True), s.finish_reason) for o in outs for s in o.outputs]
+    return [(str(tok.decode(s.token_ids, skip_special_tokens=True)), s.finish_reason) for o in outs for s in o.outputs]
 
 
 def test_smollm2_outputs_match_schemas_regex_choice_and_grammar(smollm2: LLM) -> None:
     """One batch: every schema greedy and sampled, plus a regex, a choice and an EBNF grammar each way."""
     tok = smollm2.tokenizer
-    prompts, params, checks = [], [], []
+    prompts: list[list[int]] = []
+    params: list[SamplingParams] = []
+    checks: list[Callable[[str], bool]] = []
     for i, schema in enumerate(SCHEMAS):
         prompt = chat(tok, f"Fill in: {' '.join(schema.get('properties', {})) or schema['type']}")
         for p in (SamplingParams(temperature=0, max_tokens=48, constraint=json_schema(schema)),
                   SamplingParams(temperature=1.0, seed=i, max_tokens=48, constraint=json_schema(schema))):
             prompts.append(prompt)
             params.append(p)
-            checks.append(lambda t, s=schema: jsonschema.validate(json.loads(t), s) is None)
+            checks.append(validates(schema))
     others = [("Make up a product code.", Constraint("regex", REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
               ("Is 'I love it' positive?", choice(CHOICES), lambda t: t in CHOICES),
               ("Write an arithmetic expression.", Constraint("grammar", ARITH), parses_as_arithmetic)]
@@ -222,10 +231,11 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_engine_goes_on(
     core.add("bad", [1, 5, 7], SamplingParams(max_tokens=4, constraint=constraint))
     core.add("good", [1, 5, 7], SamplingParams(max_tokens=4, temperature=0))
     assert not core.scheduler.waiting or core.scheduler.waiting[0].request.request_id == "good"  # bad waits apart
-    errors, finished = [], set()
+    errors: list[Error] = []
+    finished = set()
     while core.has_work():
         for out in core.step():
-            if hasattr(out, "status"):
+            if isinstance(out, Error):
                 errors.append(out)
             elif out.finished:
                 finished.add(out.request_id)
@@ -235,7 +245,8 @@ def test_a_constraint_that_does_not_compile_is_a_400_and_the_engine_goes_on(
 
 def test_sampling_params_refuse_what_a_constraint_cannot_honour() -> None:
     c = Constraint("regex", "a+")
-    for bad in ({"use_beam_search": True, "beam_width": 2, "temperature": 0}, {"min_tokens": 2}):
+    bads: list[dict[str, Any]] = [{"use_beam_search": True, "beam_width": 2, "temperature": 0}, {"min_tokens": 2}]
+    for bad in bads:
         with pytest.raises(InvalidRequest):
             SamplingParams(constraint=c, **bad)
     with pytest.raises(InvalidRequest):
@@ -259,6 +270,7 @@ def test_apply_masks_sets_exactly_the_disallowed_tokens_to_minus_inf() -> None:
             self.bits = bits
 
         def fill_next_token_bitmask(self, bitmask: torch.Tensor, j: int) -> None:
+            assert self.bits is not None
             bitmask[j] = self.bits
 
     vocab, words = 100, 4  # 100 tokens in 4 int32 words, the last one partly padding

@@ -11,10 +11,10 @@ import itertools
 
 import pytest
 import torch
-from paged_batch import PagedBatch, random_batch, rel_err
-from triton_worker import run_isolated
 
 from kernels.torch_backend import TorchBackend
+from tests.kernels.paged_batch import PagedBatch, random_batch, rel_err
+from tests.kernels.triton_worker import run_isolated
 
 SHAPES = list(itertools.product([64, 128], [1, 4, 8], [16, 32]))  # head_dim, GQA ratio, block_size
 SHAPE_IDS = [f"d{d}-g{g}-bs{bs}" for d, g, bs in SHAPES]
@@ -95,9 +95,9 @@ def _case_prefill_kernel(head_dim: int, group: int, block_size: int) -> None:
     tiles = prefill_tiles([q_lens[i] for i in pre], block_q)
     tile_seq, tile_start = (torch.tensor(x, dtype=torch.int32) for x in tiles)
     out = torch.full_like(batch.q, float("nan"))
-    i32 = dict(dtype=torch.int32)
-    prefill_attention(out, batch.q, kc, vc, tile_seq, tile_start, starts[pre].to(torch.int32),
-                      torch.tensor([q_lens[i] for i in pre], **i32), torch.tensor([ctx[i] for i in pre], **i32),
+    i32 = torch.int32
+    prefill_attention(out, batch.q, kc, vc, tile_seq, tile_start, starts[pre].to(i32),
+                      torch.tensor([q_lens[i] for i in pre], dtype=i32), torch.tensor([ctx[i] for i in pre], dtype=i32),
                       tables, batch.scale)
     decode_row = int(starts[2])
     mine = torch.ones(out.shape[0], dtype=torch.bool)

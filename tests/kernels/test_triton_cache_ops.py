@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_worker import run_isolated
 
 from kernels.torch_backend import TorchBackend
+from tests.kernels.triton_worker import run_isolated
 
 DTYPES = ["float32", "bfloat16"]
 
@@ -101,11 +101,11 @@ def _case_swap(dtype: str) -> None:
     host = host_pool.clone()
     swap_out(device_pool, host, src, dst)
     back_dst = torch.randperm(10, generator=gen)[:5]
-    for fn in (TritonBackend("cpu").swap_blocks, swap_in):
+    for swap_back in (TritonBackend("cpu").swap_blocks, swap_in):
         got = device_pool.clone()
         got[:, :, back_dst] = float("nan")
         want = got.clone()
-        fn(host, got, dst, back_dst)
+        swap_back(host, got, dst, back_dst)
         TorchBackend("cpu").swap_blocks(host, want, dst, back_dst)
         _exact(got, want)
         _exact(got[:, :, back_dst], device_pool[:, :, src])

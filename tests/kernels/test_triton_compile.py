@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
+from collections.abc import Mapping
 
 import pytest
 import torch
-from triton_worker import run_isolated
+
+from tests.kernels.triton_worker import run_isolated
 
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _compile(fn, config: dict, pointer_types: dict[str, str], cc: int = 90):
+def _compile(fn, config: Mapping[str, object], pointer_types: dict[str, str], cc: int = 90):
     """Compile fn for cc with config's constexprs, num_warps and num_stages; integers are i32, qk_scale fp32."""
     import triton
     from triton.backends.compiler import GPUTarget

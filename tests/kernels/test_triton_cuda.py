@@ -11,10 +11,10 @@ import os
 
 import pytest
 import torch
-from paged_batch import PagedBatch, random_batch, rel_err
 
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
+from tests.kernels.paged_batch import PagedBatch, random_batch, rel_err
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -128,7 +128,7 @@ def test_torch_backend_on_cuda(dtype: str) -> None:
                             seed=7 + i)
         ref = _oracle(host)
         batch = _to(host, "cuda")
-        out = backend.forward(batch.q, batch.k, batch.v, *(torch.nan_to_num(c, nan=0.0)
-                              for c in (batch.k_cache, batch.v_cache)), backend.plan(batch.layout), batch.scale)
+        k_cache, v_cache = (torch.nan_to_num(c, nan=0.0) for c in (batch.k_cache, batch.v_cache))
+        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
         err = rel_err(out.cpu().float(), ref)
         assert err < (1e-3 if dt == torch.float32 else 2e-2), f"step {i}: relative error {err}"

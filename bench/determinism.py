@@ -1,12 +1,14 @@
 """What invariance costs, and whether one request's text depends on the traffic (docs/determinism.md).
 
-    python bench/determinism.py [--num-requests 64] [--repeats 20]
+    python bench/determinism.py [--num-requests 64] [--repeats 20] [--modes default,deterministic]
 
 Serves the default model (the default configuration) twice in turn, without and with --deterministic,
 and measures on each, side by side in one run: output tok/s at 32 concurrent streams, single-stream
 inter-token latency, and the number of distinct texts of one greedy request sent --repeats times, each
 time beside a random background load of 0..31 other streams (one text = independent of the traffic).
-Prints the CPU's flags and what each side ran. Progress to stderr, figures to stdout.
+Prints the CPU's flags and what each side ran. Progress to stderr, figures to stdout. --modes runs one
+side only, so that a quiet run (every other process stopped) can be cut into pieces of a few minutes; the
+cost ratio is printed only when both sides ran in the same run.
 """
 from __future__ import annotations
 
@@ -71,7 +73,11 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--port", type=int, default=8766)
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES),
+                    help="which sides, in this order: default, deterministic")
     args = ap.parse_args()
+    if not args.modes or set(args.modes) - set(MODES):
+        ap.error(f"--modes: a comma-separated subset of {', '.join(MODES)}")
     from bench.common import cpu_features, machine
     from shared.config import DEFAULT_MODEL
     from shared.model_source import resolve_model
@@ -83,7 +89,7 @@ def main() -> None:
     background = bodies(chat_prompts(tok, 64, (32, 512), (16, 128), 4))
     target = chat_prompts(tok, 1, (200, 200), (64, 64), 6)[0][0]
     rows = {}
-    for mode in MODES:
+    for mode in args.modes:
         say(f"{mode}: served, single stream, {args.repeats} repeats under load")
         rows[mode] = bench_mode(mode, args.port, served, single, target, background, args.repeats)
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
@@ -93,8 +99,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|")
     for mode, r in rows.items():
         print(f"| {mode} | {r['ran']} | {r['tok_s']:.1f} | {r['itl50'] * 1e3:.1f} | {r['distinct']} / {args.repeats} |")
-    base = rows["default"]
-    det = rows["deterministic"]
+    if set(rows) != set(MODES):
+        return
+    base, det = rows["default"], rows["deterministic"]
     print(f"\n--deterministic / default: throughput {det['tok_s'] / base['tok_s']:.2f}x, "
           f"single-stream ITL {det['itl50'] / base['itl50']:.2f}x")
 

@@ -1,7 +1,7 @@
 """The AMX int4 GEMM (kernels/cpu/quant_gemm.cpp) against a dequantize-then-matmul reference, each row's
-bits independent of the rows beside it, and its rows path (a few rows on AVX-512) bitwise equal to its
-tiles. Skipped where the CPU has no AMX tiles (the engine makes the codes only there); every machine runs
-the packing checks, which need no kernel."""
+bits independent of the rows beside it, its rows path (a few rows on AVX-512) bitwise equal to its tiles,
+and where oneDNN's packed bfloat16 copies give the tiles' bits. Skipped where the CPU has no AMX tiles (the
+engine makes the codes only there); every machine runs the packing checks, which need no kernel."""
 from __future__ import annotations
 
 import pytest
@@ -170,3 +170,30 @@ def test_the_rows_path_refuses_what_it_does_not_take() -> None:
         amx.int4_mm_rows(torch.zeros(1, 48, dtype=torch.bfloat16), m.tile_codes, m.tile_scale_zero,
                          m.tile_min_exponent)
     assert not amx.fits(48, 48) and not amx.fits(40, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
+def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k: int) -> None:
+    """Issue #30 asks whether the default's handover from the tiles to oneDNN's packed bfloat16 copies (from
+    96 rows) keeps a row's bits: both multiply the same bfloat16 weights on TDPBF16PS, so it depends on how
+    oneDNN blocks the call. Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and 2 threads): up to 32 rows
+    every row has the tiles' bits; in calls of 33 to 512 rows a few rows differ, from the tiles and from the
+    same row in a small call. So a row-count invariant quantized default needs the tiles at prompt chunks
+    too, and the unquantized bfloat16 default is not row-count invariant on AMX either (docs/determinism.md).
+    If this fails after a torch or oneDNN upgrade, the answer changed: measure again."""
+    m = module(n, k, seed=2)
+    packed = PackedLinear(m.dequantized(), None)
+    x = torch.randn(512, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    want = m.tile_mm(x)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (2, 3, 8, 17, 32):
+                assert torch.equal(packed.forward(x[:rows]), want[:rows]), (t, rows)
+            differing = sum(int((packed.forward(x[:rows]) != want[:rows]).any(dim=1).sum())
+                            for rows in (33, 64, 96, 128, 256, 512))
+            assert differing > 0, t
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,145 @@
+"""Issue #27's budget "ruff at 100 columns" as a check that only lets the debt shrink.
+
+`ruff format` would wrap the product code for us but grows it by a fifth and breaks the 400-line
+budget, so the code is rewrapped by hand, file by file, and ruff's own line-length stays at 120
+until no product file is listed below. Every physical line counts, comments, docstrings and strings
+included (ruff's E501 forgives a line that is one long word or ends in a URL; this does not).
+"""
+from __future__ import annotations
+
+from tests.test_code_budgets import ROOT, product_files
+
+MAX_COLUMNS = 100
+
+# path -> lines over MAX_COLUMNS at most, for product files not yet rewrapped.
+LONG_LINES: dict[str, int] = {
+    "engine/__main__.py": 8,
+    "engine/admission.py": 11,
+    "engine/batch.py": 3,
+    "engine/block_manager.py": 26,
+    "engine/block_pool.py": 8,
+    "engine/build.py": 21,
+    "engine/core.py": 29,
+    "engine/distributed/__init__.py": 4,
+    "engine/distributed/comm.py": 12,
+    "engine/distributed/executor.py": 9,
+    "engine/distributed/launch.py": 5,
+    "engine/distributed/layers.py": 10,
+    "engine/distributed/message.py": 6,
+    "engine/distributed/rank.py": 12,
+    "engine/distributed/shard.py": 18,
+    "engine/distributed/worker.py": 2,
+    "engine/grammar_worker.py": 19,
+    "engine/groups.py": 12,
+    "engine/kernel_choice.py": 11,
+    "engine/kv_cache.py": 7,
+    "engine/listener.py": 9,
+    "engine/load/amx.py": 13,
+    "engine/load/dtype.py": 8,
+    "engine/load/gguf.py": 45,
+    "engine/load/gguf_config.py": 25,
+    "engine/load/prepack.py": 43,
+    "engine/load/quant.py": 38,
+    "engine/load/safetensors_files.py": 10,
+    "engine/load/weights.py": 39,
+    "engine/loop.py": 37,
+    "engine/models/__init__.py": 5,
+    "engine/models/config.py": 26,
+    "engine/models/convert.py": 10,
+    "engine/models/llama.py": 28,
+    "engine/models/moe.py": 3,
+    "engine/models/rope.py": 10,
+    "engine/observe/dashboard.py": 23,
+    "engine/observe/trace.py": 28,
+    "engine/offline.py": 3,
+    "engine/policy.py": 11,
+    "engine/prompt_logprobs.py": 1,
+    "engine/request.py": 7,
+    "engine/requests.py": 2,
+    "engine/runner.py": 13,
+    "engine/sampler.py": 14,
+    "engine/scheduler.py": 29,
+    "engine/sequence.py": 16,
+    "engine/speculative/__init__.py": 18,
+    "engine/speculative/draft.py": 8,
+    "engine/speculative/ngram.py": 1,
+    "engine/speculative/verify.py": 6,
+    "engine/step.py": 2,
+    "engine/structured.py": 34,
+    "engine/thinking.py": 3,
+    "shared/__init__.py": 1,
+    "shared/choices.py": 28,
+    "shared/client.py": 40,
+    "shared/config.py": 31,
+    "shared/connection.py": 55,
+    "shared/constraints.py": 14,
+    "shared/detokenizer.py": 17,
+    "shared/engine_args.py": 30,
+    "shared/model_source.py": 2,
+    "shared/preflight.py": 4,
+    "shared/protocol.py": 27,
+    "shared/resume.py": 21,
+    "shared/sampling.py": 41,
+    "shared/stream.py": 6,
+    "shared/sync_client.py": 6,
+    "shared/thinking.py": 6,
+    "shared/tokenizer.py": 9,
+    "shared/wire.py": 22,
+    "gateway/__init__.py": 1,
+    "gateway/__main__.py": 20,
+    "gateway/admission.py": 10,
+    "gateway/anthropic.py": 1,
+    "gateway/anthropic_schema.py": 1,
+    "gateway/app.py": 7,
+    "gateway/auth.py": 10,
+    "gateway/cli.py": 39,
+    "gateway/connections.py": 6,
+    "gateway/dashboard.py": 11,
+    "gateway/engine_metrics.py": 17,
+    "gateway/launcher.py": 25,
+    "gateway/metrics.py": 38,
+    "gateway/openai_output.py": 13,
+    "gateway/openai_schema.py": 42,
+    "gateway/reasoning.py": 2,
+    "gateway/request_fields.py": 9,
+    "gateway/responses.py": 3,
+    "gateway/responses_ws.py": 1,
+    "gateway/router.py": 17,
+    "gateway/routes.py": 13,
+    "gateway/state.py": 8,
+    "gateway/streaming.py": 24,
+    "gateway/structured.py": 15,
+    "gateway/supervisor.py": 21,
+    "gateway/templates.py": 8,
+    "gateway/tools.py": 21,
+    "gateway/topology.py": 19,
+    "gateway/translate.py": 1,
+    "gateway/websocket.py": 14,
+    "kernels/__init__.py": 8,
+    "kernels/backend.py": 9,
+    "kernels/cpu/__init__.py": 8,
+    "kernels/torch_backend.py": 60,
+    "kernels/triton/__init__.py": 2,
+    "kernels/triton/cache_ops.py": 8,
+    "kernels/triton/decode.py": 13,
+    "kernels/triton/prefill.py": 24,
+    "kernels/triton_backend.py": 17,
+}
+
+
+def long_lines() -> dict[str, int]:
+    """-> path: count of lines over MAX_COLUMNS, for each product file that has any."""
+    counts: dict[str, int] = {}
+    for path in product_files():
+        n = sum(len(line) > MAX_COLUMNS for line in path.read_text().splitlines())
+        if n:
+            counts[path.relative_to(ROOT).as_posix()] = n
+    return counts
+
+
+def test_long_lines_only_shrink() -> None:
+    counts = long_lines()
+    grown = {p: n for p, n in counts.items() if n > LONG_LINES.get(p, 0)}
+    assert not grown, f"lines over {MAX_COLUMNS} columns, more than recorded in LONG_LINES: {grown}"
+    fixed = sorted(set(LONG_LINES) - set(counts))
+    assert not fixed, f"no line over {MAX_COLUMNS} columns now: drop them from LONG_LINES: {fixed}"

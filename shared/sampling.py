@@ -129,8 +129,7 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     def validate(self) -> None:
-        """Types and ranges of every field, then the combinations: InvalidRequest naming the
-        field."""
+        """Every field's type and range, then the combinations: InvalidRequest naming the field."""
         _int(self.max_tokens, "max_tokens", 1, MAX_TOKENS)
         _num(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
@@ -178,17 +177,15 @@ class SamplingParams:
             # which can be the only tokens the grammar allows once the output is complete.
             _check(not self.use_beam_search, "use_beam_search",
                    "cannot be used with structured output")
-            _check(self.min_tokens == 0, "min_tokens",
-                   "cannot be used with structured output: the grammar decides when the output may "
-                   "end")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: "
+                   "the grammar decides when the output may end")
         thinking.validate(self.reasoning_start_ids, self.reasoning_end_ids,
                           self.thinking_token_budget, self.use_beam_search,
                           self.constraint is not None)
         if self.use_beam_search:
             self._validate_beam_search()
         else:
-            for name, neutral in (("beam_width", 1), ("length_penalty", 1.0),
-                                  ("early_stopping", False)):
+            for name, neutral in _BEAM_ONLY:
                 _check(getattr(self, name) == neutral, name,
                        "applies to beam search only: set use_beam_search=true")
 
@@ -242,6 +239,10 @@ def check_priority(priority: object) -> int:
     _int(priority, "priority", *PRIORITY_RANGE, " (lower is served first)")
     assert isinstance(priority, int)
     return priority
+
+
+# The beam-search fields and their neutral values, which a request without beam search must keep.
+_BEAM_ONLY = (("beam_width", 1), ("length_penalty", 1.0), ("early_stopping", False))
 
 
 def _check(ok: bool, param: str, why: str) -> None:

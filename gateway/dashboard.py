@@ -4,11 +4,10 @@
 The data path: while at least one viewer is connected, this gateway keeps an OBSERVE subscription
 with the engine alive (renewed every RENEW_EVERY seconds for SUBSCRIPTION seconds, so a gateway that
 dies stops the engine's work soon after); the engine sends OBSERVED messages (step rows, snapshots,
-latency
-samples: engine/observe/dashboard.py) and each is encoded once and fanned out to every viewer. A
-viewer that reads slowly loses its oldest messages (a bounded queue each), never the others' or the
-gateway's memory. With no viewer, nothing is asked of the engine and it computes nothing for the
-dashboard.
+latency samples: engine/observe/dashboard.py) and each is encoded once and fanned out to every
+viewer. A viewer that reads slowly loses its oldest messages (a bounded queue each), never the
+others' or the gateway's memory. With no viewer, nothing is asked of the engine and it computes
+nothing for the dashboard.
 
 The page is gateway/static/dashboard.{html,css,js}, served as one document (CSS and script inlined):
 no build step, nothing fetched from elsewhere. It is behind the API key like the rest; a browser

@@ -114,8 +114,7 @@ async def health(request: web.Request) -> web.Response:
 
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: the engine handshake is done and the engine answers GET_STATS in time; else
-    503."""
+    """Readiness: the engine handshake is done and it answers GET_STATS in time; else 503."""
     client = request.app[CLIENT]
     if not client.connected:
         raise EngineDead(f"the engine at {client.address} is not connected")

@@ -32,7 +32,6 @@ LONG_LINES: dict[str, int] = {
     "engine/models/llama.py": 28,
     "engine/models/moe.py": 3,
     "engine/models/rope.py": 10,
-    "engine/prompt_logprobs.py": 1,
     "engine/runner.py": 13,
     "engine/sampler.py": 14,
     "engine/scheduler.py": 29,

@@ -1,7 +1,7 @@
 """`python -m engine --address ipc:///tmp/x.sock --model M ...`: the engine process.
 
---curve-keys (or CONVEYOR_CURVE_KEYS) turns on CURVE for an engine on TCP: the folder `conveyor keys DIR`
-wrote as DIR/engine (shared/wire.py)."""
+--curve-keys (or CONVEYOR_CURVE_KEYS) turns on CURVE for an engine on TCP: the folder `conveyor keys
+DIR` wrote as DIR/engine (shared/wire.py)."""
 from __future__ import annotations
 
 import argparse
@@ -17,14 +17,19 @@ from shared.wire import HEARTBEAT_INTERVAL, load_keys
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m engine", description="Conveyor engine process")
-    p.add_argument("--address", required=True, help="ZeroMQ address to bind: ipc:///path or tcp://host:port")
+    p.add_argument("--address", required=True,
+                   help="ZeroMQ address to bind: ipc:///path or tcp://host:port")
     p.add_argument("--log-level", default="info")
-    p.add_argument("--curve-keys", default=os.environ.get("CONVEYOR_CURVE_KEYS") or None, metavar="DIR",
-                   help="CURVE: encrypt the wire and admit only clients whose public key is in DIR (the "
-                        "DIR/engine folder of `conveyor keys DIR`; default: $CONVEYOR_CURVE_KEYS)")
-    p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL, metavar="SECONDS",
-                   help=f"a HEARTBEAT to each client with requests in flight at most this often (default "
-                        f"{HEARTBEAT_INTERVAL:g}); keep it well below the clients' --engine-timeout")
+    p.add_argument("--curve-keys", default=os.environ.get("CONVEYOR_CURVE_KEYS") or None,
+                   metavar="DIR",
+                   help="CURVE: encrypt the wire and admit only clients whose public key is in DIR "
+                        "(the DIR/engine folder of `conveyor keys DIR`; default: "
+                        "$CONVEYOR_CURVE_KEYS)")
+    p.add_argument("--heartbeat-interval", type=float, default=HEARTBEAT_INTERVAL,
+                   metavar="SECONDS",
+                   help="a HEARTBEAT to each client with requests in flight at most this often "
+                        f"(default {HEARTBEAT_INTERVAL:g}); keep it well below the clients' "
+                        "--engine-timeout")
     add_engine_args(p)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         from engine.loop import EngineLoop
 
         core = EngineCore(config)
-    except ValueError as e:  # a setting this model cannot run with (a TP size that does not divide its heads, ...)
+    # a setting this model cannot run with (a TP size that does not divide its heads, ...)
+    except ValueError as e:
         sys.exit(f"python -m engine: {e}")
     except KeyboardInterrupt:  # SIGTERM while loading
         return

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
 
-# (token, logprob) pairs of one request's prompt logprobs: about 30 bytes each on the wire, so one row
-# stays well under a client's message limit (shared/wire.py CLIENT_MAX_MESSAGE_SIZE).
+# (token, logprob) pairs of one request's prompt logprobs: about 30 bytes each on the wire, so one
+# row stays well under a client's message limit (shared/wire.py CLIENT_MAX_MESSAGE_SIZE).
 MAX_PROMPT_LOGPROB_PAIRS = 1 << 20
 
 
@@ -23,7 +23,8 @@ class Limits:
     max_num_seqs: int
     num_blocks: int
     block_size: int
-    max_seq_blocks: int | None = None  # the most blocks a sequence holds (BlockManager.max_live_blocks)
+    # the most blocks a sequence holds (BlockManager.max_live_blocks)
+    max_seq_blocks: int | None = None
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequest naming the field when the request can never run as asked."""
@@ -38,30 +39,38 @@ class Limits:
             if any(not 0 <= t < vocab for t in getattr(params, name)):
                 raise InvalidRequest(f"{name} must be in [0, {vocab})", param=name)
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})", param="logit_bias")
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})",
+                                 param="logit_bias")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequest(
                 f"the prompt has {len(prompt_token_ids)} tokens; this model serves at most "
-                f"{self.max_model_len} tokens including at least one generated token", param="prompt",
+                f"{self.max_model_len} tokens including at least one generated token",
+                param="prompt",
                 code="context_length_exceeded")
         k = params.prompt_logprobs
         if k is not None and len(prompt_token_ids) * (k + 1) > MAX_PROMPT_LOGPROB_PAIRS:
-            raise InvalidRequest(f"prompt logprobs with {k} alternatives for {len(prompt_token_ids)} prompt tokens "
-                                 f"exceed {MAX_PROMPT_LOGPROB_PAIRS} entries: ask for fewer alternatives",
+            raise InvalidRequest(f"prompt logprobs with {k} alternatives for "
+                                 f"{len(prompt_token_ids)} prompt tokens exceed "
+                                 f"{MAX_PROMPT_LOGPROB_PAIRS} entries: ask for fewer alternatives",
                                  param="prompt_logprobs")
         if params.num_seqs > self.max_num_seqs:
-            what = "beam_width" if params.use_beam_search else ("best_of" if params.best_of else "n")
-            raise InvalidRequest(f"{what} asks for {params.num_seqs} sequences; this engine runs at most "
-                                 f"{self.max_num_seqs} at once (--max-num-seqs)", param=what)
+            what = ("beam_width" if params.use_beam_search
+                    else "best_of" if params.best_of else "n")
+            raise InvalidRequest(f"{what} asks for {params.num_seqs} sequences; this engine runs "
+                                 f"at most {self.max_num_seqs} at once (--max-num-seqs)",
+                                 param=what)
         if params.use_beam_search:
             # Beams step together, so all of them must fit the pool at once, even unshared (after a
             # preemption by recompute each beam holds its own copy of the prompt).
             length = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
             blocks = -(-length // self.block_size)
-            if self.max_seq_blocks is not None:  # sliding windows: a beam holds its window's blocks at most
+            # sliding windows: a beam holds its window's blocks at most
+            if self.max_seq_blocks is not None:
                 blocks = min(blocks, self.max_seq_blocks)
             need = params.beam_width * blocks
             if need > self.num_blocks:
                 raise InvalidRequest(
-                    f"beam search of width {params.beam_width} over up to {length} tokens needs {need} KV blocks; "
-                    f"this engine has {self.num_blocks} (lower beam_width or max_tokens)", param="beam_width")
+                    f"beam search of width {params.beam_width} over up to {length} tokens needs "
+                    f"{need} KV blocks; "
+                    f"this engine has {self.num_blocks} (lower beam_width or max_tokens)",
+                    param="beam_width")

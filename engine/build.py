@@ -1,7 +1,8 @@
 """An engine's parts, built once from its config: the model (in this process or over tensor-parallel
-ranks), its KV cache, the attention backend, the proposer, the block manager, and the limits a request
-is checked against. Every part that caps the context is asked here, in `max_model_len`, so that the
-longest sequence the engine runs is decided in one place. EngineCore (engine/core.py) only runs steps.
+ranks), its KV cache, the attention backend, the proposer, the block manager, and the limits a
+request is checked against. Every part that caps the context is asked here, in `max_model_len`, so
+that the longest sequence the engine runs is decided in one place. EngineCore (engine/core.py) only
+runs steps.
 """
 from __future__ import annotations
 
@@ -39,12 +40,15 @@ class EngineParts:
     pooling: PoolingInfo
 
 
-def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool, draft_model: bool) -> int | None:
-    """The window past which a sequence's blocks may be released, or None to keep every block: when a
-    layer is global (Gemma's alternating layers) it reads the whole context; a backend without windows
-    caps the context at the smallest window, so nothing would ever fall out; a draft model reads the
-    target's block table on its own cache and catches up from any position (after a preemption, from 0)."""
-    if not layer_windows or any(w is None for w in layer_windows) or not backend_windows or draft_model:
+def release_window(layer_windows: tuple[int | None, ...], backend_windows: bool,
+                   draft_model: bool) -> int | None:
+    """The window past which a sequence's blocks may be released, or None to keep every block: when
+    a layer is global (Gemma's alternating layers) it reads the whole context; a backend without
+    windows caps the context at the smallest window, so nothing would ever fall out; a draft model
+    reads the target's block table on its own cache and catches up from any position (after a
+    preemption, from 0)."""
+    if (not layer_windows or any(w is None for w in layer_windows) or not backend_windows
+            or draft_model):
         return None
     return max(w for w in layer_windows if w is not None)
 
@@ -60,24 +64,28 @@ def build(config: EngineConfig) -> EngineParts:
     tp_runner, model, kv, mc = _load(config, source, device)
     dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
     backend = _backend(config, kv, dtype, device)
-    proposer = make_proposer(config.speculative, mc, kv.num_blocks, config.cache, dtype, device, backend)
+    proposer = make_proposer(config.speculative, mc, kv.num_blocks, config.cache, dtype, device,
+                             backend)
     draft_len = proposer.max_model_len if proposer is not None else None
     window = release_window(mc.layer_windows, backend.supports_window, draft_model=bool(draft_len))
     bm = BlockManager(kv.num_blocks, kv.block_size, None, kv.num_cpu_blocks,
                       config.cache.enable_prefix_caching, window)
     live = bm.max_live_blocks(config.scheduler.max_num_batched_tokens)
     max_len = max_model_len(config, mc, backend, draft_len, bm, live)
-    if tp_runner is not None:  # drafts are proposed on rank 0 alone; verification is in the sharded forward
+    # drafts are proposed on rank 0 alone; verification is in the sharded forward
+    if tp_runner is not None:
         tp_runner.proposer = proposer
     runner = tp_runner or ModelRunner(model, kv, backend, device, proposer)
-    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling, tensor_parallel=tp_runner is not None)
+    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling,
+                           tensor_parallel=tp_runner is not None)
     runner.pool_mode = pool.mode
-    limits = Limits(mc.vocab_size, max_len, config.scheduler.max_num_seqs, bm.num_blocks, bm.block_size, live)
+    limits = Limits(mc.vocab_size, max_len, config.scheduler.max_num_seqs, bm.num_blocks,
+                    bm.block_size, live)
     return EngineParts(source, mc, runner, proposer, bm, max_len, limits, pool)
 
 
-def max_model_len(config: EngineConfig, mc: ModelConfig, backend: AttentionBackend, draft_len: int | None,
-                  bm: BlockManager, live_blocks: int | None) -> int:
+def max_model_len(config: EngineConfig, mc: ModelConfig, backend: AttentionBackend,
+                  draft_len: int | None, bm: BlockManager, live_blocks: int | None) -> int:
     """The longest sequence (prompt and output) the engine runs: the least that each part allows.
     live_blocks: the most blocks one sequence holds (None: its whole context)."""
     limits = [
@@ -87,8 +95,8 @@ def max_model_len(config: EngineConfig, mc: ModelConfig, backend: AttentionBacke
     ]
     if draft_len:  # a draft model reads the whole sequence too: its context caps it
         limits.append(draft_len)
-    # A request must always fit the pool alone, or preemption could never make room for it: its whole
-    # context, or with released windows its window and one step's tokens.
+    # A request must always fit the pool alone, or preemption could never make room for it: its
+    # whole context, or with released windows its window and one step's tokens.
     if live_blocks is None or live_blocks > bm.num_blocks:
         limits.append(bm.num_blocks * bm.block_size)
     return min(limits)
@@ -99,23 +107,29 @@ def _load(config: EngineConfig, source: ModelSource,
     """-> (a tensor-parallel runner or None, the model, its KV cache, its config). Under tensor
     parallelism the runner holds rank 0's shard and cache; the workers hold the rest."""
     if config.tensor_parallel_size > 1:
-        from engine.distributed.executor import start_tensor_parallel  # workers only under --tensor-parallel-size
+        # workers only under --tensor-parallel-size
+        from engine.distributed.executor import start_tensor_parallel
 
         tp_runner, mc = start_tensor_parallel(config, source, device)
         return tp_runner, tp_runner.model, tp_runner.kv_cache, mc
-    model, mc = load_model(source, config.dtype, device, config.quantization, deterministic=config.deterministic)
-    kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim, getattr(torch, mc.dtype), device)
+    model, mc = load_model(source, config.dtype, device, config.quantization,
+                           deterministic=config.deterministic)
+    kv = KVCache(config.cache, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                 getattr(torch, mc.dtype), device)
     return None, model, kv, mc
 
 
-def _backend(config: EngineConfig, kv: KVCache, dtype: torch.dtype, device: torch.device) -> AttentionBackend:
+def _backend(config: EngineConfig, kv: KVCache, dtype: torch.dtype,
+             device: torch.device) -> AttentionBackend:
     """The attention backend, refused where it cannot serve what the flags ask of it."""
     backend = get_backend(config.attention_backend, device, dtype, config.deterministic)
     if config.deterministic and not one_attention_kernel(backend):
-        raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: the native "
-                         "CPU kernel (--attention-backend cpu, and a C++ compiler at the first start)")
+        raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: "
+                         "the native CPU kernel (--attention-backend cpu, and a C++ compiler at "
+                         "the first start)")
     if kv.device.dtype != dtype and not backend.casts_kv:
         model_dtype = str(dtype).removeprefix("torch.")
-        raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's {model_dtype}: only "
-                         "the cpu and torch attention backends cast between them (--attention-backend cpu)")
+        raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype} differs from the model's "
+                         f"{model_dtype}: only the cpu and torch attention backends cast between "
+                         "them (--attention-backend cpu)")
     return backend

@@ -1,19 +1,22 @@
-"""Grammar compiles in processes of their own, so that one can be stopped: xgrammar's compile is one C++
-call that no thread can interrupt, and a 900-deep JSON schema runs for minutes and grows the memory of
-whoever runs it.
+"""Grammar compiles in processes of their own, so that one can be stopped: xgrammar's compile is one
+C++ call that no thread can interrupt, and a 900-deep JSON schema runs for minutes and grows the
+memory of whoever runs it.
 
-One compile server process (started on the first constrained request: importing xgrammar takes seconds)
-holds xgrammar and the tokenizer's compiler, and forks a child per compile, at most `workers` at once:
-a fork starts in milliseconds, and killing it loses nothing. A child over its time budget is killed and
-its request gets a 400; so is one over its memory budget (RLIMIT_AS, set in the child to what it has
-plus the budget), and one whose requests all went away (CANCEL) is killed without an answer.
+One compile server process (started on the first constrained request: importing xgrammar takes
+seconds) holds xgrammar and the tokenizer's compiler, and forks a child per compile, at most
+`workers` at once: a fork starts in milliseconds, and killing it loses nothing. A child over its
+time budget is killed and its request gets a 400; so is one over its memory budget (RLIMIT_AS, set
+in the child to what it has plus the budget), and one whose requests all went away (CANCEL) is
+killed without an answer.
 
 The pipes carry frames (4-byte big-endian length + bytes), never pickles:
   engine -> server: the TokenizerInfo as xgrammar's JSON once, then JSON {"id", "kind", "value"} (a
                     compile, shared/constraints.py kinds) or {"id", "cancel": true};
-  server -> engine: per compile, JSON {"id", "error": str | null}, then (no error) the grammar's JSON.
+  server -> engine: per compile, JSON {"id", "error": str | null}, then (no error) the grammar's
+                    JSON.
 
-Run as `python -m engine.grammar_worker WORKERS TIMEOUT MAX_BYTES`; nothing here imports torch itself.
+Run as `python -m engine.grammar_worker WORKERS TIMEOUT MAX_BYTES`; nothing here imports torch
+itself.
 """
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[17:18:13] /project/cpp/x.cc:83: " before a message
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice list",
-         "grammar": "grammar", "structural_tag": "structural tag"}
+# "[17:18:13] /project/cpp/x.cc:83: " before a message
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
+         "choice": "choice list", "grammar": "grammar", "structural_tag": "structural tag"}
 
 
 def what(kind: str) -> str:
@@ -62,15 +66,17 @@ def read_frame(f: IO[bytes]) -> bytes:
 
 def _compile(compiler: Any, kind: str, value: str) -> Any:
     if kind == "json":
-        # any_whitespace=False: compact JSON. With free whitespace a small model under greedy decoding can
-        # emit newlines forever, never closing the object (vLLM offers the same switch).
+        # any_whitespace=False: compact JSON. With free whitespace a small model under greedy
+        # decoding can emit newlines forever, never closing the object (vLLM offers the same
+        # switch).
         return compiler.compile_json_schema(value, any_whitespace=False, strict_mode=True)
     if kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
     if kind == "regex":
         return compiler.compile_regex(value)
     if kind == "choice":  # a grammar of string literals; json.dumps escapes as EBNF reads them
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in json.loads(value)))
+        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(s)
+                                                                 for s in json.loads(value)))
     if kind == "grammar":
         return compiler.compile_grammar(value)
     return compiler.compile_structural_tag(value)
@@ -85,10 +91,13 @@ def _child(compiler: Any, job: dict[str, Any], out: IO[bytes], max_bytes: int) -
     try:
         text = _compile(compiler, job["kind"], job["value"]).serialize_json()
     except MemoryError:
-        write_frame(out, json.dumps({"error": f"compiling it needs more than {max_bytes >> 20} MiB"}).encode())
+        error = {"error": f"compiling it needs more than {max_bytes >> 20} MiB"}
+        write_frame(out, json.dumps(error).encode())
         return
-    except Exception as e:  # noqa: BLE001 - the compiler's own exception types vary; the message is the point
-        message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+    # BLE001: the compiler's own exception types vary; the message is the point
+    except Exception as e:  # noqa: BLE001
+        message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip()
+                                  else type(e).__name__)
         write_frame(out, json.dumps({"error": f"invalid {what(job['kind'])}: {message}"}).encode())
         return
     write_frame(out, b'{"error": null}')
@@ -105,11 +114,12 @@ class _Running:
 
 
 class _Server:
-    """The compile server's loop: jobs from stdin, one forked child each (at most `workers` at once),
-    answers relayed to stdout when a child's pipe closes."""
+    """The compile server's loop: jobs from stdin, one forked child each (at most `workers` at
+    once), answers relayed to stdout when a child's pipe closes."""
 
     def __init__(self, compiler: Any, workers: int, timeout: float, max_bytes: int) -> None:
-        self.compiler, self.workers, self.timeout, self.max_bytes = compiler, workers, timeout, max_bytes
+        self.compiler, self.workers = compiler, workers
+        self.timeout, self.max_bytes = timeout, max_bytes
         self.queue: deque[dict[str, Any]] = deque()
         self.running: dict[int, _Running] = {}  # by read fd
         self.out = sys.stdout.buffer
@@ -149,8 +159,9 @@ class _Server:
             (n,) = struct.unpack(">I", data[:4])
             head = json.loads(data[4:4 + n])
         except (struct.error, ValueError):
-            self.answer(run.job["id"], f"compiling this {what(run.job['kind'])} exceeded the compiler's "
-                                       f"memory budget ({self.max_bytes >> 20} MiB): simplify it")
+            self.answer(run.job["id"],
+                        f"compiling this {what(run.job['kind'])} exceeded the compiler's memory "
+                        f"budget ({self.max_bytes >> 20} MiB): simplify it")
             return
         if head["error"] is not None:
             self.answer(run.job["id"], head["error"])
@@ -172,8 +183,9 @@ class _Server:
             now = time.monotonic()
             for run in [r for r in self.running.values() if r.deadline <= now]:
                 self.end(run, kill=True)
-                self.answer(run.job["id"], f"compiling this {what(run.job['kind'])} took longer than its "
-                                           f"{self.timeout:g}s budget (--grammar-compile-timeout): simplify it")
+                self.answer(run.job["id"],
+                            f"compiling this {what(run.job['kind'])} took longer than its "
+                            f"{self.timeout:g}s budget (--grammar-compile-timeout): simplify it")
             wait = min((r.deadline for r in self.running.values()), default=now + 3600) - now
             ready, _, _ = select.select([stdin.fileno(), *self.running], [], [], max(wait, 0.0))
             for fd in ready:

@@ -1,7 +1,7 @@
-"""Decoding algorithms as fork / append / free over shared blocks: parallel sampling (n, best_of) and
-beam search. The scheduler calls in here only for requests that run several sequences, and applies
-what comes back: these functions decide, they never touch a queue, a block or a sequence's tokens.
-They keep the group's own record (which sequences are live, finished, the beam state).
+"""Decoding algorithms as fork / append / free over shared blocks: parallel sampling (n, best_of)
+and beam search. The scheduler calls in here only for requests that run several sequences, and
+applies what comes back: these functions decide, they never touch a queue, a block or a sequence's
+tokens. They keep the group's own record (which sequences are live, finished, the beam state).
 
 Parallel sampling: the root sequence computes the prompt but for its last token, then forks into
 best_of sequences that share every block (ref counts); each computes the last prompt token itself,
@@ -42,14 +42,15 @@ def unit_of(seq: Sequence) -> list[Sequence]:
 
 
 def holds_last_prompt_token(seq: Sequence) -> bool:
-    """A request about to fork stops one short of its prompt: each of its sequences computes the last
-    prompt token itself (and so has its own logits to sample from)."""
+    """A request about to fork stops one short of its prompt: each of its sequences computes the
+    last prompt token itself (and so has its own logits to sample from)."""
     g = seq.group
     return g is not None and not g.forked
 
 
 def end(seq: Sequence) -> list[Sequence]:
-    """seq's request ends: -> every sequence of it still live (seq alone without a group), none live after."""
+    """seq's request ends: -> every sequence of it still live (seq alone without a group), none live
+    after."""
     g = seq.group
     if g is None:
         return [seq]
@@ -87,8 +88,8 @@ def _best_of(seq: Sequence) -> list[Delta]:
     """seq's group (not streaming) is done: its n best sequences by cumulative logprob, whole."""
     g, request = group_of(seq), seq.request
     best = sorted(g.finished, key=lambda s: -s.cumulative_logprob)[:request.params.n]
-    return [Delta(request, s.output_token_ids, i, s.status.finish_reason, i == len(best) - 1, s.logprobs)
-            for i, s in enumerate(best)]
+    return [Delta(request, s.output_token_ids, i, s.status.finish_reason, i == len(best) - 1,
+                  s.logprobs) for i, s in enumerate(best)]
 
 
 @dataclass
@@ -96,10 +97,13 @@ class BeamStep:
     """What one beam search step decided, for the scheduler to apply in this order."""
 
     request: Request
-    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (parent, new beam sharing its blocks)
-    appends: list[tuple[Sequence, int, float]] = field(default_factory=list)  # (beam, token, its new score)
+    # (parent, new beam sharing its blocks)
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    # (beam, token, its new score)
+    appends: list[tuple[Sequence, int, float]] = field(default_factory=list)
     ended: list[Sequence] = field(default_factory=list)  # beams that stop here
-    deltas: list[Delta] = field(default_factory=list)  # the request's outputs, when the search is over
+    # the request's outputs, when the search is over
+    deltas: list[Delta] = field(default_factory=list)
 
 
 def beam_step(cands: list[tuple[Sequence, LogprobEntry]], max_model_len: int) -> BeamStep | None:
@@ -113,7 +117,8 @@ def beam_step(cands: list[tuple[Sequence, LogprobEntry]], max_model_len: int) ->
     if any(id(s) not in st.pending for s in g.seqs):
         return None  # a preempted beam has not computed this step yet
     B = p.beam_width
-    scored = [(seq.cumulative_logprob + lp, seq, tok) for seq, top in st.pending.values() for tok, lp in top]
+    scored = [(seq.cumulative_logprob + lp, seq, tok) for seq, top in st.pending.values()
+              for tok, lp in top]
     scored.sort(key=lambda c: -c[0])
     top = scored[:2 * B]
     st.pending = {}
@@ -122,7 +127,8 @@ def beam_step(cands: list[tuple[Sequence, LogprobEntry]], max_model_len: int) ->
     if st.improvable and not (len(st.finished) == B and p.early_stopping is True):
         for rank, ((score, seq, tok), why) in enumerate(zip(top, reasons)):
             if rank < B and why:
-                st.finished.append((score / gen_len ** p.length_penalty, seq.output_token_ids + [tok], why))
+                st.finished.append((score / gen_len ** p.length_penalty,
+                                    seq.output_token_ids + [tok], why))
         st.finished.sort(key=lambda f: -f[0])
         del st.finished[B:]
     running = [c for c, why in zip(top, reasons) if why is None][:B]
@@ -132,13 +138,16 @@ def beam_step(cands: list[tuple[Sequence, LogprobEntry]], max_model_len: int) ->
     if not running or not st.improvable or (len(st.finished) == B and p.early_stopping is True):
         ended, g.seqs = g.seqs, []
         best = st.finished[:p.n]
-        deltas = [Delta(request, ids, i, why, i == len(best) - 1) for i, (_, ids, why) in enumerate(best)]
+        deltas = [Delta(request, ids, i, why, i == len(best) - 1)
+                  for i, (_, ids, why) in enumerate(best)]
         return BeamStep(request, ended=ended, deltas=deltas)
     return _advance(request, g, running)
 
 
-def _advance(request: Request, g: SequenceGroup, running: list[tuple[float, Sequence, int]]) -> BeamStep:
-    """The chosen continuations become the live beams: parents chosen more than once fork, the rest end."""
+def _advance(request: Request, g: SequenceGroup,
+             running: list[tuple[float, Sequence, int]]) -> BeamStep:
+    """The chosen continuations become the live beams: parents chosen more than once fork, the rest
+    end."""
     assert g.beam is not None
     chosen: dict[int, list[tuple[float, int]]] = {}
     for score, seq, tok in running:

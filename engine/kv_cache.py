@@ -35,23 +35,28 @@ class KVCache:
         if config.kv_cache_dtype != "auto":
             dtype = getattr(torch, config.kv_cache_dtype)
         shape = (num_layers, 2, config.block_size, num_kv_heads, head_dim)
-        per_block = num_layers * 2 * config.block_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        per_block = (num_layers * 2 * config.block_size * num_kv_heads * head_dim
+                     * torch.finfo(dtype).bits // 8)
         num_blocks = config.num_blocks
         if num_blocks is None:
-            num_blocks = parse_memory(config.kv_cache_memory, total=available_memory(device)) // per_block
+            num_blocks = parse_memory(config.kv_cache_memory,
+                                      total=available_memory(device)) // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of {per_block} bytes")
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory!r} holds no block of "
+                             f"{per_block} bytes")
         num_cpu = config.num_cpu_blocks
         if num_cpu is None:
-            num_cpu = parse_memory(config.swap_space, total=available_memory(torch.device("cpu"))) // per_block
+            num_cpu = parse_memory(config.swap_space,
+                                   total=available_memory(torch.device("cpu"))) // per_block
         self.block_size = config.block_size
         self.device = torch.zeros(*shape[:2], num_blocks, *shape[2:], dtype=dtype, device=device)
         # Pinned on CUDA so swaps are DMA copies; plain memory on a CPU-only machine.
         pin = device.type == "cuda"
         self.cpu = torch.zeros(*shape[:2], num_cpu, *shape[2:], dtype=dtype, pin_memory=pin)
-        log.info("kv cache (%s): %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = %d tokens "
-                 "(%.0f MiB)", str(dtype).removeprefix("torch."), num_blocks, num_blocks * self.block_size,
-                 num_blocks * per_block / 2**20, num_cpu, num_cpu * self.block_size, num_cpu * per_block / 2**20)
+        log.info("kv cache (%s): %d device blocks = %d tokens (%.0f MiB); swap pool: %d blocks = "
+                 "%d tokens (%.0f MiB)", str(dtype).removeprefix("torch."), num_blocks,
+                 num_blocks * self.block_size, num_blocks * per_block / 2**20, num_cpu,
+                 num_cpu * self.block_size, num_cpu * per_block / 2**20)
 
     @property
     def num_blocks(self) -> int:

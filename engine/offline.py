@@ -35,7 +35,8 @@ class CompletionOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[SequenceOutput] = field(default_factory=list)  # in index order
-    error: str | None = None  # the engine failed this request (finish_reason "error"); the others went on
+    # the engine failed this request (finish_reason "error"); the others went on
+    error: str | None = None
 
     # The first sequence's fields: the whole answer of an n = 1 request.
     @property
@@ -77,7 +78,8 @@ class LLM:
         outputs: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(prompts, params_list):
-            ids: list[int] = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids: list[int] = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                              else list(prompt))
             rid = f"offline-{self._counter}"
             self._counter += 1
             self.core.add(rid, ids, p)
@@ -90,7 +92,8 @@ class LLM:
                     if isinstance(out, Error):
                         assert out.request_id is not None
                         outputs[out.request_id].error = out.message
-                        seqs[out.request_id].setdefault(0, SequenceOutput(0)).finish_reason = "error"
+                        failed = seqs[out.request_id].setdefault(0, SequenceOutput(0))
+                        failed.finish_reason = "error"
                         bar.update(1)
                         continue
                     seq = seqs[out.request_id].setdefault(out.index, SequenceOutput(out.index))

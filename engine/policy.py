@@ -27,12 +27,13 @@ from engine.block_manager import BlockManager, PrefixHit
 from engine.sequence import Sequence
 from shared.config import SchedulerConfig
 
-# waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many steps.
+# waiting_served_ratio's escape hatch (TGI's max_waiting_tokens): admit anyway after this many
+# steps.
 MAX_WAITING_STEPS = 20
 
 
-def admission_open(cfg: SchedulerConfig, step: int, steps_waited: int, num_waiting: int, num_running: int,
-                   num_swapped: int) -> bool:
+def admission_open(cfg: SchedulerConfig, step: int, steps_waited: int, num_waiting: int,
+                   num_running: int, num_swapped: int) -> bool:
     """schedule_interval and waiting_served_ratio hold new requests back to keep decode batches
     steady; with nothing running, the door is always open. step: this step's number, from 1;
     steps_waited: steps since a request was last admitted, this one included."""
@@ -47,9 +48,10 @@ def admission_open(cfg: SchedulerConfig, step: int, steps_waited: int, num_waiti
 
 @dataclass(frozen=True)
 class Admission:
-    """What admission decided for one waiting sequence. verdict: `start` it now with num_tokens tokens;
-    `pass` over it (it is long and enough long prefills run: shorter prompts behind it go first); or
-    `stop` admitting this step (it does not fit, and a later request does not overtake it)."""
+    """What admission decided for one waiting sequence. verdict: `start` it now with num_tokens
+    tokens; `pass` over it (it is long and enough long prefills run: shorter prompts behind it go
+    first); or `stop` admitting this step (it does not fit, and a later request does not overtake
+    it)."""
 
     verdict: Literal["start", "pass", "stop"]
     num_tokens: int = 0
@@ -64,8 +66,9 @@ def num_long_prefills(cfg: SchedulerConfig, running: list[Sequence]) -> int:
 
 def admit(cfg: SchedulerConfig, bm: BlockManager, seq: Sequence, budget: int, long_prefills: int,
           batch_empty: bool, others_waiting: bool) -> Admission:
-    """Whether waiting seq starts now, and with how many tokens, from the longest cached prefix of its
-    tokens. An embedding pools every row, so it never starts on a cached prefix (engine/pooling.py)."""
+    """Whether waiting seq starts now, and with how many tokens, from the longest cached prefix of
+    its tokens. An embedding pools every row, so it never starts on a cached prefix
+    (engine/pooling.py)."""
     hit = bm.lookup(seq) if seq.request.pooling is None else PrefixHit()
     cached = hit.num_tokens(bm.block_size)
     left = remaining(seq, cached)
@@ -83,18 +86,19 @@ def admit(cfg: SchedulerConfig, bm: BlockManager, seq: Sequence, budget: int, lo
     return Admission("start", n, hit, is_long)
 
 
-def restart(cfg: SchedulerConfig, bm: BlockManager, unit: list[Sequence], budget: int, swapped: bool,
-            num_running: int) -> list[int] | None:
+def restart(cfg: SchedulerConfig, bm: BlockManager, unit: list[Sequence], budget: int,
+            swapped: bool, num_running: int) -> list[int] | None:
     """The tokens each sequence of unit (one sequence, or a request's beams: all of them or none)
-    computes as it starts again, swapped back in or (waiting) recomputed. -> None when it does not fit
-    now: in the CPU-to-device swap, the free blocks, or max_num_seqs."""
+    computes as it starts again, swapped back in or (waiting) recomputed. -> None when it does not
+    fit now: in the CPU-to-device swap, the free blocks, or max_num_seqs."""
     ns = split(cfg, unit, budget, others_waiting=not swapped)
     wants = [s.num_computed_tokens + n for s, n in zip(unit, ns)]
     fits = bm.can_swap_in(unit, wants) if swapped else bm.can_allocate(sum(map(bm.blocks_for, ns)))
     return ns if fits and num_running + len(unit) <= cfg.max_num_seqs else None
 
 
-def split(cfg: SchedulerConfig, unit: list[Sequence], budget: int, others_waiting: bool) -> list[int]:
+def split(cfg: SchedulerConfig, unit: list[Sequence], budget: int,
+          others_waiting: bool) -> list[int]:
     """The tokens each sequence of unit (one sequence, or a request's beams) computes now, in turn
     from one budget."""
     ns = []
@@ -116,17 +120,20 @@ def chunk(cfg: SchedulerConfig, remaining: int, budget: int, others_waiting: boo
 
 def remaining(seq: Sequence, cached: int = 0) -> int:
     """Tokens seq may compute now (one short of its prompt while its request has not forked)."""
-    return seq.num_tokens - max(cached, seq.num_computed_tokens) - groups.holds_last_prompt_token(seq)
+    computed = max(cached, seq.num_computed_tokens)
+    return seq.num_tokens - computed - groups.holds_last_prompt_token(seq)
 
 
 def victim(candidates: list[Sequence]) -> Sequence:
     """The sequence to preempt among candidates (running, not yet served this step)."""
     settled = [s for s in candidates if not s.just_resumed] or candidates
-    return max(settled, key=lambda s: (s.request.priority, -s.num_computed_tokens, s.request.arrival_time))
+    return max(settled, key=lambda s: (s.request.priority, -s.num_computed_tokens,
+                                       s.request.arrival_time))
 
 
 def place(queue: list[Sequence], seq: Sequence) -> int:
-    """Where seq goes in a waiting or swapped queue, kept in (priority, arrival) order; FCFS among equals."""
+    """Where seq goes in a waiting or swapped queue, kept in (priority, arrival) order; FCFS among
+    equals."""
     return bisect.bisect_right([_order(s) for s in queue], _order(seq))
 
 

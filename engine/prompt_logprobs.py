@@ -124,11 +124,15 @@ def attach(deltas: list[Delta]) -> None:
             s.sent.add(d.index)
 
 
-def to_wire(entries: list[PromptEntry] | None) -> list[list[float | list[list[float]]] | None] | None:
+# One prompt token on the wire: [logprob, rank, [[id, logprob], ...]].
+WireRow = list[float | list[list[float]]]
+
+
+def to_wire(entries: list[PromptEntry] | None) -> list[WireRow | None] | None:
     """-> JSON-ready [None, [logprob, rank, [[id, logprob], ...]], ...]: one per prompt token, the
     first None (nothing precedes it), as vLLM's prompt_logprobs."""
     if entries is None:
         return None
-    wire: list[list[float | list[list[float]]] | None] = [None]
+    wire: list[WireRow | None] = [None]
     wire.extend([lp, rank, [[t, v] for t, v in top]] for lp, rank, top in entries)
     return wire

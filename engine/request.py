@@ -2,7 +2,8 @@
 reports about it (event times, cached prompt tokens). It knows nothing of how it is computed: the
 sequences that compute it are engine/sequence.py.
 
-Only the scheduler writes `events`, `num_cached_tokens` and `prompt_scores` after the request is made.
+Only the scheduler writes `events`, `num_cached_tokens` and `prompt_scores` after the request is
+made.
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ class PromptScores:
 
 
 class Request:
-    __slots__ = ("request_id", "params", "priority", "arrival_time", "prompt_token_ids", "stop_ids", "plain",
-                 "speculate", "events", "num_cached_tokens", "prompt_scores", "pooling")
+    __slots__ = ("request_id", "params", "priority", "arrival_time", "prompt_token_ids", "stop_ids",
+                 "plain", "speculate", "events", "num_cached_tokens", "prompt_scores", "pooling")
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                 arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (), speculate: bool = False,
-                 pooling: PoolingParams | None = None) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0, arrival_time: float = 0.0, eos_token_ids: tuple[int, ...] = (),
+                 speculate: bool = False, pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.params = params
         self.priority = priority
@@ -43,7 +44,8 @@ class Request:
         if not params.ignore_eos:
             ids.update(eos_token_ids)
         self.stop_ids = frozenset(ids)
-        # True when the sampler needs nothing but argmax: the per-step fast path checks one attribute.
+        # True when the sampler needs nothing but argmax: the per-step fast path checks one
+        # attribute.
         self.plain = params.greedy and not params.has_penalties and params.logprobs is None \
             and params.min_tokens == 0 and params.one_sequence and params.constraint is None \
             and params.thinking_token_budget is None
@@ -52,8 +54,10 @@ class Request:
         # plus preempted (a count); sent with the final output so clients compute latencies.
         self.events: dict[str, float] = {}
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
-        # Prompt logprobs asked for (engine/prompt_logprobs.py): the scheduler appends them as chunks compute.
-        self.prompt_scores = None if params.prompt_logprobs is None else PromptScores(params.prompt_logprobs)
+        # Prompt logprobs asked for (engine/prompt_logprobs.py): the scheduler appends them as
+        # chunks compute.
+        self.prompt_scores = (None if params.prompt_logprobs is None
+                              else PromptScores(params.prompt_logprobs))
         self.pooling = pooling  # an embedding: prefilled, pooled, never sampled (engine/pooling.py)
 
     @property

@@ -1,6 +1,6 @@
 """The engine's one table of live requests: for each request id, its root sequence, the client that
-sent it and the grammar compile it waits for. Every way a request ends (it finishes, it is aborted, its
-client goes, its step fails, its grammar does not compile, the engine ends every request) goes
+sent it and the grammar compile it waits for. Every way a request ends (it finishes, it is aborted,
+its client goes, its step fails, its grammar does not compile, the engine ends every request) goes
 through `RequestTable.end`, so nothing the engine keeps per request can outlive it. The scheduler's
 queues and the block manager hold sequences, not requests: EngineCore ends those in the same call.
 
@@ -30,7 +30,8 @@ class RequestTable(Mapping[str, LiveRequest]):
 
     def __init__(self) -> None:
         self._live: dict[str, LiveRequest] = {}
-        self._compiling: dict[str, LiveRequest] = {}  # the records whose grammar is not compiled yet
+        # the records whose grammar is not compiled yet
+        self._compiling: dict[str, LiveRequest] = {}
 
     def __getitem__(self, request_id: str) -> LiveRequest:
         return self._live[request_id]

@@ -19,7 +19,8 @@ from engine.request import Request
 from shared import thinking
 from shared.sampling import SamplingParams
 
-# One logprob entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...] top k).
+# One logprob entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...] top
+# k).
 LogprobEntry = tuple[float, list[tuple[int, float]]]
 
 
@@ -50,10 +51,10 @@ _REASONS = {
 
 
 class Sequence:
-    __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_sent_tokens",
-                 "status", "just_resumed", "cumulative_logprob", "logprobs", "draft_computed",
-                 "group", "block_table", "released_blocks", "swapped", "block_hashes", "matcher", "pooled",
-                 "thinking")
+    __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "num_sent_tokens", "status", "just_resumed", "cumulative_logprob", "logprobs",
+                 "draft_computed", "group", "block_table", "released_blocks", "swapped",
+                 "block_hashes", "matcher", "pooled", "thinking")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -63,24 +64,28 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_sent_tokens = 0  # output tokens already reported to the client
         self.status = SequenceStatus.WAITING
-        self.just_resumed = False  # resumed after preemption and not yet advanced: not a victim again
+        # resumed after preemption and not yet advanced: not a victim again
+        self.just_resumed = False
         self.cumulative_logprob = 0.0
-        self.logprobs: list[LogprobEntry] | None = [] if request.params.logprobs is not None else None
+        wants_logprobs = request.params.logprobs is not None
+        self.logprobs: list[LogprobEntry] | None = [] if wants_logprobs else None
         self.draft_computed = 0  # positions whose draft-model K/V this sequence has written
-        self.group = None if request.params.one_sequence else SequenceGroup(request.params)  # forks share it
+        # forks share it
+        self.group = None if request.params.one_sequence else SequenceGroup(request.params)
         self.block_table: list[int] = []
-        # Leading entries of block_table released because every layer's sliding window has passed them:
-        # they name the block manager's placeholder, not a block this sequence holds.
+        # Leading entries of block_table released because every layer's sliding window has passed
+        # them: they name the block manager's placeholder, not a block this sequence holds.
         self.released_blocks = 0
         self.swapped = False  # block_table holds CPU swap-pool blocks
-        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, in order
+        # chained hashes of the full blocks of token_ids, in order
+        self.block_hashes: list[int] = []
         # Structured output: an xgrammar GrammarMatcher that has consumed exactly the output tokens
         # (engine/structured.py), set when the grammar is compiled; advanced by the scheduler alone.
         self.matcher: Any = None
         # An embedding's pooled rows so far (engine/pooling.py accumulate); the scheduler writes it.
         self.pooled: Any = None
-        # A thinking budget's state (engine/thinking.py): where the reasoning began, None once it ended
-        # or without a budget; advanced by the scheduler with each token it appends.
+        # A thinking budget's state (engine/thinking.py): where the reasoning began, None once it
+        # ended or without a budget; advanced by the scheduler with each token it appends.
         p = request.params
         self.thinking = None if p.thinking_token_budget is None else thinking.initial(
             p.reasoning_start_ids, p.reasoning_end_ids, self.num_prompt_tokens)
@@ -96,7 +101,8 @@ class Sequence:
         child.logprobs = None if self.logprobs is None else list(self.logprobs)
         child.block_table = list(self.block_table)
         child.block_hashes = list(self.block_hashes)
-        child.matcher = None if self.matcher is None else self.matcher.fork()  # its own grammar state
+        # its own grammar state
+        child.matcher = None if self.matcher is None else self.matcher.fork()
         return child
 
     # What the sequence's request says, read on the per-step path.
@@ -121,13 +127,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request.request_id!r}#{self.index}, {self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (f"Sequence({self.request.request_id!r}#{self.index}, {self.status.name}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={self.block_table})")
 
 
 def stop_reason(seq: Sequence, token: int, max_model_len: int) -> str | None:
-    """Why seq ends once it appends token: "stop" (a stop token past min_tokens), "length" (max_tokens
-    or max_model_len reached), or None. Stop strings are the gateway's; a grammar's end, structured's."""
+    """Why seq ends once it appends token: "stop" (a stop token past min_tokens), "length"
+    (max_tokens or max_model_len reached), or None. Stop strings are the gateway's; a grammar's end,
+    structured's."""
     p, num_tokens = seq.params, seq.num_tokens + 1
     num_output = num_tokens - seq.num_prompt_tokens
     if token in seq.stop_ids and num_output > p.min_tokens:
@@ -138,10 +146,10 @@ def stop_reason(seq: Sequence, token: int, max_model_len: int) -> str | None:
 class SequenceGroup:
     """The sequences of one request that asked for several (n / best_of, beam search).
 
-    The root sequence prefills the prompt up to its last token, then forks (`forked`); every sequence
-    computes the last prompt token itself, copying the shared partial block on write. `streams`:
-    each sequence's tokens go out as they come (n == best_of); otherwise outputs wait for the end.
-    `seqs` and `finished` are written by engine/groups.py alone, on the scheduler's behalf.
+    The root sequence prefills the prompt up to its last token, then forks (`forked`); every
+    sequence computes the last prompt token itself, copying the shared partial block on write.
+    `streams`: each sequence's tokens go out as they come (n == best_of); otherwise outputs wait for
+    the end. `seqs` and `finished` are written by engine/groups.py alone, on the scheduler's behalf.
     """
 
     __slots__ = ("seqs", "finished", "forked", "streams", "beam")
@@ -149,7 +157,8 @@ class SequenceGroup:
     def __init__(self, params: SamplingParams) -> None:
         self.seqs: list[Sequence] = []  # live sequences, the root first
         self.finished: list[Sequence] = []
-        self.forked = params.use_beam_search  # beams fork after every step instead, see engine/groups.py
+        # beams fork after every step instead, see engine/groups.py
+        self.forked = params.use_beam_search
         self.streams = not params.use_beam_search and params.num_seqs == params.n
         self.beam = BeamState() if params.use_beam_search else None
 
@@ -166,6 +175,7 @@ class BeamState:
     def __init__(self) -> None:
         # This step's candidates per live beam (keyed by id()); the group steps when all are in.
         self.pending: dict[int, tuple[Sequence, list[tuple[int, float]]]] = {}
-        self.finished: list[tuple[float, list[int], str]] = []  # (score, output ids, finish reason), best first
+        # (score, output ids, finish reason), best first
+        self.finished: list[tuple[float, list[int], str]] = []
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
         self.next_index = 1

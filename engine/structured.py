@@ -1,6 +1,8 @@
-"""Structured output in the engine: grammars compiled off the step, a matcher per sequence, masks on the logits.
+"""Structured output in the engine: grammars compiled off the step, a matcher per sequence, masks on
+the logits.
 
-Library: xgrammar (docs/structured_output.md says why, with the figures that chose it over llguidance).
+Library: xgrammar (docs/structured_output.md says why, with the figures that chose it over
+llguidance).
 
 Life of a constrained request:
 1. `EngineCore.add` asks `Grammars.compile` for its grammar, compiled in a worker process
@@ -9,19 +11,19 @@ Life of a constrained request:
    (engine/requests.py) with that future, in no scheduler queue, holding no blocks: the step never
    waits for a compile. A compile has a time and a memory budget (over either, the request gets a
    400), and it is killed (`Grammars.release`) when every request waiting for it is aborted.
-2. Each step, `Grammars.ready` takes the finished compiles: an invalid schema, regex or grammar is an
-   ERROR with status 400 and the compiler's message (nothing was queued); a valid one gives its matcher
-   to the root sequence, which goes to the scheduler.
-3. The sampler calls `apply_masks` on its logits: one bitmask row per constrained sequence, filled by
-   its matcher and applied in place (a masked token's logit becomes -inf). Stop tokens are in the mask
-   exactly when the grammar can end.
+2. Each step, `Grammars.ready` takes the finished compiles: an invalid schema, regex or grammar is
+   an ERROR with status 400 and the compiler's message (nothing was queued); a valid one gives its
+   matcher to the root sequence, which goes to the scheduler.
+3. The sampler calls `apply_masks` on its logits: one bitmask row per constrained sequence, filled
+   by its matcher and applied in place (a masked token's logit becomes -inf). Stop tokens are in the
+   mask exactly when the grammar can end.
 4. The scheduler, the one writer of tokens, advances the matcher with each token it appends
    (`advance`); a sequence whose grammar has ended is finished ("stop").
 
 Invariant: a sequence's matcher has consumed exactly its output tokens. Forks (n, best_of) copy the
 state (`Sequence.fork`); preemption keeps every token (swap and recompute alike recompute K/V only),
-so the state is kept too; constrained requests never speculate (engine/speculative `can_speculate`), so no
-token is ever taken back, and beam search with a constraint is refused (shared/sampling.py).
+so the state is kept too; constrained requests never speculate (engine/speculative `can_speculate`),
+so no token is ever taken back, and beam search with a constraint is refused (shared/sampling.py).
 """
 from __future__ import annotations
 
@@ -59,17 +61,20 @@ COMPILE_WORKERS = 2  # compiles at once: a slow one holds one, the others go on
 
 
 class GrammarError(Exception):
-    """The client's schema, regex or grammar does not compile, or not within the budget: for a 400."""
+    """The client's schema, regex or grammar does not compile, or not within the budget: for a
+    400."""
 
 
 class _CompileServer:
-    """The engine's end of engine/grammar_worker.py: jobs out on its stdin, answers read by a thread of
-    their own, each resolving its job's future. Started on first use."""
+    """The engine's end of engine/grammar_worker.py: jobs out on its stdin, answers read by a thread
+    of their own, each resolving its job's future. Started on first use."""
 
-    def __init__(self, info: xgr.TokenizerInfo, workers: int, timeout: float, max_bytes: int) -> None:
+    def __init__(self, info: xgr.TokenizerInfo, workers: int, timeout: float,
+                 max_bytes: int) -> None:
         self.info = info
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.grammar_worker", str(workers), str(timeout),
-                                      str(max_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        argv = [sys.executable, "-m", "engine.grammar_worker", str(workers), str(timeout),
+                str(max_bytes)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.jobs: dict[int, Future[xgr.CompiledGrammar]] = {}
         self._ids = itertools.count()
@@ -110,12 +115,14 @@ class _CompileServer:
                 if head["error"] is not None:
                     future.set_exception(GrammarError(head["error"]))
                 else:
-                    future.set_result(xgr.CompiledGrammar.deserialize_json(payload.decode(), self.info))
+                    grammar = xgr.CompiledGrammar.deserialize_json(payload.decode(), self.info)
+                    future.set_result(grammar)
         except (EOFError, OSError, ValueError) as e:
             with self._lock:
                 jobs, self.jobs = self.jobs, {}
             for future in jobs.values():
-                future.set_exception(RuntimeError(f"the grammar compile server exited ({e or 'EOF'})"))
+                future.set_exception(RuntimeError("the grammar compile server exited "
+                                                  f"({e or 'EOF'})"))
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -128,28 +135,32 @@ class _CompileServer:
 
 
 class Grammars:
-    """Compiles constraints in a compile server process (engine/grammar_worker.py: a forked child per
-    compile, killable, with a time and a memory budget) and caches the results by text. The requests
-    that wait for a compile wait in EngineCore's RequestTable; a compile whose requests all went away
-    is killed. `load_tokenizer` runs once, on the first constrained request."""
+    """Compiles constraints in a compile server process (engine/grammar_worker.py: a forked child
+    per compile, killable, with a time and a memory budget) and caches the results by text. The
+    requests that wait for a compile wait in EngineCore's RequestTable; a compile whose requests all
+    went away is killed. `load_tokenizer` runs once, on the first constrained request."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: tuple[int, ...],
-                 max_workers: int = COMPILE_WORKERS, timeout: float = COMPILE_TIMEOUT,
-                 max_bytes: int = COMPILE_MEMORY) -> None:
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int,
+                 stop_token_ids: tuple[int, ...], max_workers: int = COMPILE_WORKERS,
+                 timeout: float = COMPILE_TIMEOUT, max_bytes: int = COMPILE_MEMORY) -> None:
         self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.max_workers, self.timeout, self.max_bytes = max_workers, timeout, max_bytes
         self._server: _CompileServer | None = None
         self._starting: Future[_CompileServer] | None = None  # the first use starts it, in a thread
-        self._cache: OrderedDict[Constraint, tuple[int, Future[xgr.CompiledGrammar]]] = OrderedDict()
-        self._pending: list[tuple[Constraint, Future[xgr.CompiledGrammar]]] = []  # before the server is up
-        self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0, "grammar_compiles_cancelled": 0}
+        self._cache: OrderedDict[Constraint, tuple[int, Future[xgr.CompiledGrammar]]]
+        self._cache = OrderedDict()
+        # before the server is up
+        self._pending: list[tuple[Constraint, Future[xgr.CompiledGrammar]]] = []
+        self.stats = {"grammar_compiles": 0, "grammar_cache_hits": 0,
+                      "grammar_compiles_cancelled": 0}
 
     # ---------------------------------------------------------------- requests
     def release(self, future: Future[xgr.CompiledGrammar]) -> None:
-        """No request waits for future any more (the last one was aborted): a compile still running is
-        killed, its process with it. The caller (EngineCore, from its RequestTable) knows who waits."""
+        """No request waits for future any more (the last one was aborted): a compile still running
+        is killed, its process with it. The caller (EngineCore, from its RequestTable) knows who
+        waits."""
         if future.done():
             return
         key = next((c for c, (_, f) in self._cache.items() if f is future), None)
@@ -170,9 +181,9 @@ class Grammars:
     def ready(self, waiting: dict[str, Future[xgr.CompiledGrammar]]
               ) -> tuple[list[tuple[str, xgr.GrammarMatcher]], list[tuple[str, str, int]]]:
         """Of waiting (request id -> its compile), those whose compile finished: (request id, its
-        matcher) for those ready to schedule, (request id, why, HTTP status) for the others: 400 when
-        the constraint does not compile (or not within the budget), 500 when the engine could not
-        compile anything. Never blocks."""
+        matcher) for those ready to schedule, (request id, why, HTTP status) for the others: 400
+        when the constraint does not compile (or not within the budget), 500 when the engine could
+        not compile anything. Never blocks."""
         self._flush_pending()
         ok: list[tuple[str, xgr.GrammarMatcher]] = []
         failed: list[tuple[str, str, int]] = []
@@ -183,7 +194,8 @@ class Grammars:
                 ok.append((rid, self.matcher(future.result())))
             except GrammarError as e:
                 failed.append((rid, str(e), 400))
-            except Exception as e:  # noqa: BLE001 - answered to the request, never raised into the step
+            # BLE001: answered to the request, never raised into the step
+            except Exception as e:  # noqa: BLE001
                 log.exception("request %s: its grammar could not be compiled", rid)
                 failed.append((rid, f"the engine could not compile this request's constraint: "
                                     f"{type(e).__name__}: {e}", 500))
@@ -191,7 +203,8 @@ class Grammars:
 
     # ---------------------------------------------------------------- compiling
     def compile(self, constraint: Constraint) -> Future[xgr.CompiledGrammar]:
-        """The compiled grammar of constraint, from the cache or a new compile in the compile server."""
+        """The compiled grammar of constraint, from the cache or a new compile in the compile
+        server."""
         hit = self._cache.get(constraint)
         if hit is not None and not (hit[1].done() and hit[1].exception() is not None):
             self._cache.move_to_end(constraint)
@@ -211,14 +224,16 @@ class Grammars:
         return self._cache[constraint][1]
 
     def _start_server(self) -> None:
-        """The tokenizer's info for xgrammar and the compile server, built in a thread on first use."""
+        """The tokenizer's info for xgrammar and the compile server, built in a thread on first
+        use."""
         if self._starting is not None:
             return
 
         def start() -> _CompileServer:
             import xgrammar as xgr
 
-            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+            info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(),
+                                                      vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             return _CompileServer(info, self.max_workers, self.timeout, self.max_bytes)
 
@@ -235,7 +250,8 @@ class Grammars:
         threading.Thread(target=run, name="grammar-start", daemon=True).start()
 
     def _flush_pending(self) -> None:
-        """Once the server is up, the compiles asked for meanwhile go to it (called from the loop)."""
+        """Once the server is up, the compiles asked for meanwhile go to it (called from the
+        loop)."""
         if self._server is not None or self._starting is None or not self._starting.done():
             return
         error = self._starting.exception()
@@ -273,14 +289,17 @@ def _copy(src: Future[Any], dst: Future[Any]) -> None:
 
 # -------------------------------------------------------------------- the step's side
 
-# byte -> the penalties of its 8 tokens, least significant bit first (xgrammar's bit order): [256, 8]
-_PENALTY = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
-                    np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+# byte -> the penalties of its 8 tokens, least significant bit first (xgrammar's bit order):
+# [256, 8]
+_PENALTY = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1,
+                                  bitorder="little") == 1, np.float32(0.0),
+                    np.float32(-np.inf)).astype(np.float32)
 
 
 def advance(seq: Sequence, token: int) -> bool:
-    """seq's matcher takes the token it just appended. -> True when the grammar has ended (the sequence
-    stops). Raises when the token breaks the grammar: a bug, which fails this request only."""
+    """seq's matcher takes the token it just appended. -> True when the grammar has ended (the
+    sequence stops). Raises when the token breaks the grammar: a bug, which fails this request
+    only."""
     m = seq.matcher
     assert m is not None
     if not m.accept_token(token):
@@ -289,9 +308,9 @@ def advance(seq: Sequence, token: int) -> bool:
 
 
 def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """In place: logits[i, t] = -inf for every token t the grammar of seqs[i] does not allow next. Rows
-    without a matcher are untouched. Idempotent, so sampling the same rows again (the runner's one-by-one
-    retry) gives the same result. logits: [B, V] float32 on the CPU or a device."""
+    """In place: logits[i, t] = -inf for every token t the grammar of seqs[i] does not allow next.
+    Rows without a matcher are untouched. Idempotent, so sampling the same rows again (the runner's
+    one-by-one retry) gives the same result. logits: [B, V] float32 on the CPU or a device."""
     rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
     if not rows:
         return
@@ -307,7 +326,8 @@ def apply_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     # branches, several times faster on the CPU than masked_fill on a mask with many transitions
     # (docs/structured_output.md).
     rows_bytes = bitmask.numpy().view(np.uint8)  # [R, ceil(V / 32) * 4]
-    penalty = torch.from_numpy(_PENALTY[rows_bytes].reshape(len(rows), -1)[:, :vocab])  # [R, V] float32
+    # [R, V] float32
+    penalty = torch.from_numpy(_PENALTY[rows_bytes].reshape(len(rows), -1)[:, :vocab])
     penalty = penalty.to(logits.device, logits.dtype)
     if len(rows) == logits.shape[0]:
         logits.add_(penalty)

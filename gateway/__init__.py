@@ -1,1 +1,2 @@
-"""The HTTP gateway: OpenAI-compatible routes over shared/client.py. Never imports torch or engine/."""
+"""The HTTP gateway: OpenAI-compatible routes over shared/client.py. Never imports torch or
+engine/."""

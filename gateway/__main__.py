@@ -1,9 +1,9 @@
 """`conveyor serve` (engine child process + gateway workers), `conveyor gateway` (gateway only),
-`conveyor ping` (is an engine up? for health checks) and `conveyor keys DIR` (CURVE keys for an engine
-on TCP and its clients, shared/wire.py). This module runs the command: the gateway process, its
-workers, the HTTP server, start-up and shutdown in order. The flags (and their CONVEYOR_* environment
-defaults) are gateway/cli.py's; the engines behind a gateway (one child, data-parallel replicas, or
-engines elsewhere) are gateway/topology.py's.
+`conveyor ping` (is an engine up? for health checks) and `conveyor keys DIR` (CURVE keys for an
+engine on TCP and its clients, shared/wire.py). This module runs the command: the gateway process,
+its workers, the HTTP server, start-up and shutdown in order. The flags (and their CONVEYOR_*
+environment defaults) are gateway/cli.py's; the engines behind a gateway (one child, data-parallel
+replicas, or engines elsewhere) are gateway/topology.py's.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # at run time gateway modules are imported inside main(): see
 
 log = logging.getLogger("gateway")
 
-LISTEN_BACKLOG = 2048  # connections accepted by the kernel but not yet by this process (capped by somaxconn)
+# connections accepted by the kernel but not yet by this process (capped by somaxconn)
+LISTEN_BACKLOG = 2048
 
 
 def preflight(args: argparse.Namespace) -> str | None:
@@ -41,17 +42,21 @@ def preflight(args: argparse.Namespace) -> str | None:
 
     trace_file = getattr(args, "trace_file", None)
     reuse = getattr(args, "reuse_port", False) or getattr(args, "gateway_workers", 1) > 1
-    return (check_writable(trace_file) if trace_file else None) or check_port(args.host, args.port, reuse)
+    return (check_writable(trace_file) if trace_file
+            else None) or check_port(args.host, args.port, reuse)
 
 
-def worker_processes(args: argparse.Namespace, config: GatewayConfig, address: str) -> WorkerProcesses | None:
-    """`serve --gateway-workers N`: the N - 1 gateway processes beside this one (not started yet)."""
+def worker_processes(args: argparse.Namespace, config: GatewayConfig,
+                     address: str) -> WorkerProcesses | None:
+    """`serve --gateway-workers N`: the N - 1 gateway processes beside this one (not started
+    yet)."""
     from gateway.launcher import WorkerProcesses
 
     if args.command != "serve" or args.gateway_workers <= 1:
         return None
     env = {**os.environ, **worker_env(config.auth)}  # the keys not in argv: ps shows it
-    return WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)], env)
+    return WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)],
+                           env)
 
 
 async def http_runner(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.AppRunner:
@@ -61,14 +66,15 @@ async def http_runner(config: GatewayConfig, client: AsyncEngineClient | Router)
     from gateway.connections import ConnectionGuard, guard
 
     access_log = log if log.isEnabledFor(logging.INFO) else None
-    runner = web.AppRunner(build_app(config, client), handler_cancellation=True, access_log=access_log)
+    runner = web.AppRunner(build_app(config, client), handler_cancellation=True,
+                           access_log=access_log)
     await runner.setup()
     guard(runner, ConnectionGuard(config.header_timeout, config.max_connections))
     return runner
 
 
-async def serve_http(args: argparse.Namespace, runner: web.AppRunner, workers: WorkerProcesses | None,
-                     topology: Topology) -> None:
+async def serve_http(args: argparse.Namespace, runner: web.AppRunner,
+                     workers: WorkerProcesses | None, topology: Topology) -> None:
     """Binds last, so that once this process answers /ready every worker serves too."""
     from aiohttp import web
 
@@ -77,23 +83,28 @@ async def serve_http(args: argparse.Namespace, runner: web.AppRunner, workers: W
     if workers is not None:
         await asyncio.to_thread(workers.wait_ready, args.ready_timeout)
     topology.keep_off_engine([os.getpid(), *(p.pid for p in (workers.procs if workers else []))])
-    # What start-up loaded (transformers and what it imports, the tokenizer) lives until exit: frozen,
-    # a full garbage collection no longer rescans it (about 0.2 s per collection, stalling every stream).
+    # What start-up loaded (transformers and what it imports, the tokenizer) lives until exit:
+    # frozen, a full garbage collection no longer rescans it (about 0.2 s per collection, stalling
+    # every stream).
     gc.freeze()
     reuse = getattr(args, "reuse_port", False) or workers is not None
-    # aiohttp's default accept backlog of 128 overflows when hundreds of clients connect at once: the
-    # ones over it waited about a second for a TCP retransmit before their request was even read.
-    await web.TCPSite(runner, args.host, args.port, reuse_port=reuse or None, backlog=LISTEN_BACKLOG).start()
+    # aiohttp's default accept backlog of 128 overflows when hundreds of clients connect at once:
+    # the ones over it waited about a second for a TCP retransmit before their request was even
+    # read.
+    await web.TCPSite(runner, args.host, args.port, reuse_port=reuse or None,
+                      backlog=LISTEN_BACKLOG).start()
     if getattr(args, "ready_fd", None) is not None:
         os.write(args.ready_fd, b"ready\n")
         os.close(args.ready_fd)
     name = runner.app[SERVED].name
-    print(f"conveyor: serving {name} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"conveyor: serving {name} on http://{args.host}:{args.port}", file=sys.stderr,
+          flush=True)
 
 
 async def run(args: argparse.Namespace) -> int:
-    """The engines start first and load while the rest starts; the HTTP server binds once they are ready.
-    A signal, or every engine child giving up, stops it all in reverse order: the engines last."""
+    """The engines start first and load while the rest starts; the HTTP server binds once they are
+    ready. A signal, or every engine child giving up, stops it all in reverse order: the engines
+    last."""
     from gateway.topology import Topology
     from shared.errors import EngineDead
 
@@ -164,8 +175,8 @@ async def ping(args: argparse.Namespace) -> int:
     try:
         ready = await client.start()
         stats = await client.get_stats(timeout=args.timeout)
-        print(f"engine at {args.engine_address}: {ready.model_name}, running {stats.get('num_running', 0):g}, "
-              f"waiting {stats.get('num_waiting', 0):g}")
+        print(f"engine at {args.engine_address}: {ready.model_name}, running "
+              f"{stats.get('num_running', 0):g}, waiting {stats.get('num_waiting', 0):g}")
         return 0
     except ConveyorError as e:
         print(f"conveyor ping: {e}", file=sys.stderr)
@@ -182,8 +193,9 @@ def make_keys(folder: str) -> int:
     except (ValueError, OSError) as e:
         print(f"conveyor keys: {e}", file=sys.stderr)
         return 1
-    print(f"engine:  python -m engine --curve-keys {engine_dir} ...   (its secret key; the clients it admits)\n"
-          f"clients: conveyor gateway --curve-keys {client_dir} ...  (a client's secret key; the engine's public key)")
+    print(f"engine:  python -m engine --curve-keys {engine_dir} ...   (its secret key; the clients "
+          f"it admits)\nclients: conveyor gateway --curve-keys {client_dir} ...  (a client's "
+          "secret key; the engine's public key)")
     return 0
 
 
@@ -191,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", "warning")
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="time=%(asctime)s level=%(levelname)s logger=%(name)s pid=%(process)d msg=%(message)s")
+                        format="time=%(asctime)s level=%(levelname)s logger=%(name)s "
+                               "pid=%(process)d msg=%(message)s")
     import uvloop
 
     if args.command == "ping":
@@ -205,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         sys.exit(f"conveyor: {e}")
     metrics_dir = None
-    if args.command == "serve" and args.gateway_workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+    multiproc_set = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+    if args.command == "serve" and args.gateway_workers > 1 and not multiproc_set:
         # Before prometheus_client is imported anywhere: it picks its value store at import time.
         metrics_dir = tempfile.mkdtemp(prefix="conveyor-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir

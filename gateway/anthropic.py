@@ -69,7 +69,8 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    req = await tokenizing(parse_messages_body, await read_json(request), request.app[SERVED], count=True)
+    req = await tokenizing(parse_messages_body, await read_json(request), request.app[SERVED],
+                           count=True)
     return json_response({"input_tokens": len(req.parsed.prompt_token_ids)})
 
 

@@ -17,8 +17,9 @@ grammar, SamplingParams), as the Responses door does:
     max_tokens, stop_sequences, temperature, top_p, top_k
                                         -> max_tokens, stop, temperature, top_p, top_k
     thinking (--reasoning-parser)       -> disabled: chat_template_kwargs enable_thinking false;
-                                           enabled / adaptive: the template's default; budget_tokens
-                                           below max_tokens: thinking_token_budget (anthropic_thinking)
+                                           enabled / adaptive: the template's default;
+                                           budget_tokens below max_tokens: thinking_token_budget
+                                           (anthropic_thinking)
 `cache_control` is accepted wherever Anthropic allows it: the prefix cache serves repeated prefixes
 without being asked. Every key at every depth is known or a 400 naming its path.
 """

@@ -1,8 +1,8 @@
 """build_app(): the aiohttp application, callable from tests with any AsyncEngineClient.
 
 State lives under the typed AppKeys of gateway/state.py. The engine connection is a cleanup_ctx: the
-handshake and the tokenizer load happen before the first request is served, and the client is closed on
-shutdown.
+handshake and the tokenizer load happen before the first request is served, and the client is closed
+on shutdown.
 """
 from __future__ import annotations
 
@@ -73,15 +73,17 @@ async def _engine(app: web.Application) -> AsyncIterator[None]:
     served.tokenizer = await client.get_tokenizer()
     longest = max((len(t) for t in served.tokenizer.get_vocab()), default=1)
     served.max_prompt_chars = app[CONFIG].max_prompt_chars or ready.max_model_len * max(longest, 1)
-    served.chat_template, served.tool_call_parser = app[CONFIG].chat_template, app[CONFIG].tool_call_parser
+    served.chat_template = app[CONFIG].chat_template
+    served.tool_call_parser = app[CONFIG].tool_call_parser
     served.reasoning_parser = app[CONFIG].reasoning_parser
     yield
     await client.close()
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    """While this gateway has requests in flight, keep the engine's queue length fresh for admission,
-    and move locally counted metrics into prometheus (another worker may answer the next scrape)."""
+    """While this gateway has requests in flight, keep the engine's queue length fresh for
+    admission, and move locally counted metrics into prometheus (another worker may answer the next
+    scrape)."""
     async def poll() -> None:
         admission, client = app[ADMISSION], app[CLIENT]
         while True:
@@ -89,7 +91,8 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
             app[METRICS].flush()
             if admission.in_flight and client.connected:
                 with contextlib.suppress(ConveyorError):
-                    admission.update_engine(await client.get_stats(timeout=app[CONFIG].health_timeout))
+                    stats = await client.get_stats(timeout=app[CONFIG].health_timeout)
+                    admission.update_engine(stats)
 
     task = asyncio.create_task(poll())
     yield
@@ -107,7 +110,10 @@ def error_response(err: ConveyorError, path: str = "") -> web.Response:
         headers["Retry-After"] = "1"  # the gateway reconnects by itself once the engine is back
     if isinstance(err, Unauthorized):
         headers["WWW-Authenticate"] = "Bearer"
-    body = anthropic.anthropic_error_body(err) if path.startswith(anthropic.PREFIX) else error_body(err)
+    if path.startswith(anthropic.PREFIX):
+        body = anthropic.anthropic_error_body(err)
+    else:
+        body = error_body(err)
     return web.Response(body=orjson.dumps(body), status=err.status, content_type="application/json",
                         headers=headers)
 
@@ -129,7 +135,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return error_response(err, request.path)
     except asyncio.CancelledError:
         raise
-    except ConnectionResetError:  # the client left mid-request (its body cut short): nobody to answer
+    # the client left mid-request (its body cut short): nobody to answer
+    except ConnectionResetError:
         log.info("%s %s: the client went away", request.method, request.path)
         return web.Response(status=499)  # nginx's "client closed request", for the access log
     except Exception:
@@ -143,7 +150,8 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if auth.keys and request.path not in PUBLIC_PATHS:
         key = auth.match(_given_key(request))
         if key is None:
-            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>' (or x-api-key)")
+            raise Unauthorized("missing or wrong API key: send 'Authorization: Bearer <key>' (or "
+                               "x-api-key)")
         if auth.per_key:
             request[TENANT] = key.tenant
     return await handler(request)

@@ -28,7 +28,8 @@ _SALT_CONTEXT = b"conveyor cache isolation"  # an HMAC of the key for this purpo
 @dataclass(frozen=True, slots=True)
 class Key:
     digest: bytes  # SHA-256 of the key: what a given key is compared with
-    tenant: str  # HMAC-SHA256(key, _SALT_CONTEXT), hex: the key's cache salt under per-key isolation
+    # HMAC-SHA256(key, _SALT_CONTEXT), hex: the key's cache salt under per-key isolation
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,14 @@ class Auth:
 
     def __post_init__(self) -> None:
         if self.cache_isolation not in ISOLATION:
-            raise ValueError(f"cache_isolation must be one of {ISOLATION}, got {self.cache_isolation!r}")
+            raise ValueError(f"cache_isolation must be one of {ISOLATION}, got "
+                             f"{self.cache_isolation!r}")
         if self.cache_isolation == "per-key" and not self.keys:
-            raise ValueError("--cache-isolation per-key needs API keys (--api-key or --api-key-file): "
-                             "without them every client is one tenant")
+            raise ValueError("--cache-isolation per-key needs API keys (--api-key or "
+                             "--api-key-file): without them every client is one tenant")
         if any(not k or k != k.strip() or not k.isprintable() for k in self.keys):
-            raise ValueError("an API key is empty, or has surrounding whitespace or a control character "
-                             "(no HTTP header can carry it)")
+            raise ValueError("an API key is empty, or has surrounding whitespace or a control "
+                             "character (no HTTP header can carry it)")
         table = tuple(Key(_digest(k), hmac.new(k.encode(), _SALT_CONTEXT, "sha256").hexdigest())
                       for k in self.keys)
         object.__setattr__(self, "_table", table)
@@ -73,7 +75,8 @@ def cache_salt(tenant: str, own: str | None) -> str:
     """The salt the engine hashes a request's prefix with: the key's tenant salt alone, or with the
     request's own cache_salt mixed in (an HMAC again, so the result stays 64 characters and the
     request's salt is not sent as given)."""
-    return tenant if own is None else hmac.new(bytes.fromhex(tenant), own.encode(), "sha256").hexdigest()
+    return tenant if own is None else hmac.new(bytes.fromhex(tenant), own.encode(),
+                                               "sha256").hexdigest()
 
 
 class _Keys(argparse.Action):
@@ -101,14 +104,17 @@ def read_key_file(path: str) -> tuple[str, ...]:
 
 def add_auth_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument("--api-key", action=_Keys, nargs="+", default=None, metavar="KEY",
-                        help="require one of these keys as 'Authorization: Bearer KEY' (or x-api-key); "
-                             "several after one flag or the flag repeated. CONVEYOR_API_KEY: one key a line")
+                        help="require one of these keys as 'Authorization: Bearer KEY' (or "
+                             "x-api-key); several after one flag or the flag repeated. "
+                             "CONVEYOR_API_KEY: one key a line")
     parser.add_argument("--api-key-file", type=read_key_file, default=None, metavar="FILE",
-                        help="more keys, one a line (# comments): keys kept out of the process list")
+                        help="more keys, one a line (# comments): keys kept out of the process "
+                             "list")
     parser.add_argument("--cache-isolation", choices=ISOLATION, default="none",
-                        help="per-key: requests share cached prompt prefixes only with requests sent with "
-                             "the same API key, so cached_tokens tells no client about another's prompts "
-                             "(docs/prefix_caching.md); none (default): one cache for all")
+                        help="per-key: requests share cached prompt prefixes only with requests "
+                             "sent with the same API key, so cached_tokens tells no client about "
+                             "another's prompts (docs/prefix_caching.md); none (default): one "
+                             "cache for all")
 
 
 def auth_of(args: argparse.Namespace) -> Auth:

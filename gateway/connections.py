@@ -1,12 +1,13 @@
-"""Connections that hold the gateway without ever making a request: a header timeout and a connection
-cap, each logging what it does.
+"""Connections that hold the gateway without ever making a request: a header timeout and a
+connection cap, each logging what it does.
 
 aiohttp closes an idle keep-alive connection, but not one that never finished its first request's
 headers: 600-3,000 clients sending half a header stayed open indefinitely, and 21,000 exhausted the
 file descriptors (`/health` stopped answering, with nothing logged). The API key cannot help: it is
 checked after the headers. So each connection must finish its first request's headers within
-`header_timeout` seconds of connecting, and past `max_connections` open ones a new connection is closed
-at once. The body of a request has its own timeout, where it is read (gateway/routes.py read_json).
+`header_timeout` seconds of connecting, and past `max_connections` open ones a new connection is
+closed at once. The body of a request has its own timeout, where it is read (gateway/routes.py
+read_json).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ LOG_EVERY = 5.0  # seconds between two log lines of one kind: a flood is summari
 class ConnectionGuard:
     header_timeout: float = 15.0
     max_connections: int = 10_000
-    counts: dict[str, int] = field(default_factory=dict)  # what was closed since the last log line, by why
+    # what was closed since the last log line, by why
+    counts: dict[str, int] = field(default_factory=dict)
     logged_at: dict[str, float] = field(default_factory=dict)
 
     def closed(self, why: str) -> None:
@@ -52,14 +54,17 @@ class GuardedHandler(RequestHandler):
         g = self.guard
         assert self._manager is not None
         if len(self._manager.connections) > g.max_connections:
-            g.closed(f"came past the cap of {g.max_connections} open connections (--max-connections)")
+            g.closed(f"came past the cap of {g.max_connections} open connections "
+                     "(--max-connections)")
             self.force_close()
             return
-        self.header_timer = asyncio.get_running_loop().call_later(g.header_timeout, self._no_headers)
+        loop = asyncio.get_running_loop()
+        self.header_timer = loop.call_later(g.header_timeout, self._no_headers)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.header_timer is not None and self._request_count:  # a whole request head has arrived
+        # a whole request head has arrived
+        if self.header_timer is not None and self._request_count:
             self.header_timer.cancel()
             self.header_timer = None
 

@@ -1,17 +1,18 @@
-"""GET /dashboard: a live page of the engine's queues, KV blocks, steps and latencies; GET /dashboard/ws:
-the WebSocket that feeds it.
+"""GET /dashboard: a live page of the engine's queues, KV blocks, steps and latencies; GET
+/dashboard/ws: the WebSocket that feeds it.
 
-The data path: while at least one viewer is connected, this gateway keeps an OBSERVE subscription with
-the engine alive (renewed every RENEW_EVERY seconds for SUBSCRIPTION seconds, so a gateway that dies
-stops the engine's work soon after); the engine sends OBSERVED messages (step rows, snapshots, latency
-samples: engine/observe/dashboard.py) and each is encoded once and fanned out to every viewer. A viewer that reads
-slowly loses its oldest messages (a bounded queue each), never the others' or the gateway's memory.
-With no viewer, nothing is asked of the engine and it computes nothing for the dashboard.
+The data path: while at least one viewer is connected, this gateway keeps an OBSERVE subscription
+with the engine alive (renewed every RENEW_EVERY seconds for SUBSCRIPTION seconds, so a gateway that
+dies stops the engine's work soon after); the engine sends OBSERVED messages (step rows, snapshots,
+latency samples: engine/observe/dashboard.py) and each is encoded once and fanned out to every
+viewer. A viewer that reads slowly loses its oldest messages (a bounded queue each), never the
+others' or the gateway's memory. With no viewer, nothing is asked of the engine and it computes
+nothing for the dashboard.
 
-The page is gateway/static/dashboard.{html,css,js}, served as one document (CSS and script inlined): no
-build step, nothing fetched from elsewhere. It is behind the API key like the rest; a browser cannot set
-the Authorization header, so the page and its socket also take the key as ?api_key= (the page passes
-on the one it was opened with).
+The page is gateway/static/dashboard.{html,css,js}, served as one document (CSS and script inlined):
+no build step, nothing fetched from elsewhere. It is behind the API key like the rest; a browser
+cannot set the Authorization header, so the page and its socket also take the key as ?api_key= (the
+page passes on the one it was opened with).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 SUBSCRIPTION = 3.0  # seconds each OBSERVE asks for
 RENEW_EVERY = 1.0
 VIEWER_QUEUE = 64  # messages a viewer may be behind before its oldest are dropped
-PATHS = ("/dashboard", "/dashboard/ws")  # may carry the API key as ?api_key= (a browser sets no headers)
+# may carry the API key as ?api_key= (a browser sets no headers)
+PATHS = ("/dashboard", "/dashboard/ws")
 
 
 class Hub:
@@ -43,7 +45,8 @@ class Hub:
     def __init__(self, client: AsyncEngineClient) -> None:
         self.client = client
         self.viewers: set[asyncio.Queue[bytes]] = set()
-        self.sockets: set[web.WebSocketResponse] = set()  # closed on shutdown: an open one would hold it up
+        # closed on shutdown: an open one would hold it up
+        self.sockets: set[web.WebSocketResponse] = set()
         self._renewer: asyncio.Task[None] | None = None
         self.sent = 0  # messages fanned out (each counted once, whatever the number of viewers)
 
@@ -60,7 +63,8 @@ class Hub:
     def on_observed(self, msg: Observed) -> None:
         if not self.viewers:
             return
-        data = orjson.dumps({"steps": msg.steps, "snapshot": msg.snapshot, "ttft": msg.ttft, "itl": msg.itl})
+        data = orjson.dumps({"steps": msg.steps, "snapshot": msg.snapshot, "ttft": msg.ttft,
+                             "itl": msg.itl})
         self.sent += 1
         for queue in self.viewers:
             if queue.full():
@@ -68,7 +72,8 @@ class Hub:
             queue.put_nowait(data)
 
     async def _renew(self) -> None:
-        """Keep the engine's OBSERVE alive while anyone views; end it when the last viewer leaves."""
+        """Keep the engine's OBSERVE alive while anyone views; end it when the last viewer
+        leaves."""
         try:
             while self.viewers:
                 if self.client.connected:
@@ -134,9 +139,11 @@ async def page(request: web.Request) -> web.Response:
     if _PAGE is None:
         _PAGE = _page_bytes()
     return web.Response(body=_PAGE, content_type="text/html", charset="utf-8",
-                        headers={"Cache-Control": "no-store", "Content-Security-Policy":
-                                 "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
-                                 "connect-src 'self'; img-src 'self' data:"})
+                        headers={"Cache-Control": "no-store",
+                                 "Content-Security-Policy": "default-src 'none'; style-src "
+                                                            "'unsafe-inline'; script-src "
+                                                            "'unsafe-inline'; connect-src 'self'; "
+                                                            "img-src 'self' data:"})
 
 
 def _replica(request: web.Request) -> int:

@@ -23,14 +23,18 @@ ENGINE_GAUGES = {
 # Speculative decoding, exported only when the engine runs it (STATS key -> (metric, help)).
 SPEC_GAUGES = {
     "spec_acceptance_rate": ("conveyor_spec_decode_acceptance_rate",
-                             "Speculative decoding: share of proposed tokens the model accepted (0..1)"),
+                             "Speculative decoding: share of proposed tokens the model accepted "
+                             "(0..1)"),
     "spec_mean_accepted_length": ("conveyor_spec_decode_mean_accepted_length",
-                                  "Speculative decoding: tokens per verification step (accepted drafts + 1)"),
+                                  "Speculative decoding: tokens per verification step (accepted "
+                                  "drafts + 1)"),
 }
 SPEC_COUNTERS = {
     "total_spec_verifications": ("conveyor_spec_decode_num_drafts",
-                                 "Speculative decoding: verification steps (a sequence with proposals)"),
-    "total_spec_draft_tokens": ("conveyor_spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens"),
+                                 "Speculative decoding: verification steps (a sequence with "
+                                 "proposals)"),
+    "total_spec_draft_tokens": ("conveyor_spec_decode_num_draft_tokens",
+                                "Speculative decoding: proposed tokens"),
     "total_spec_accepted_tokens": ("conveyor_spec_decode_num_accepted_tokens",
                                    "Speculative decoding: proposed tokens the model accepted"),
 }
@@ -42,15 +46,16 @@ def num_preemptions(stats: dict[str, float]) -> float:
 
 
 def prefix_hit_rate(stats: dict[str, float], fallback: float | None) -> float:
-    """Prompt tokens served from the engine's prefix cache over those looked up, since it started; the
-    gateway's own rate (fallback) until the engine has looked any up."""
+    """Prompt tokens served from the engine's prefix cache over those looked up, since it started;
+    the gateway's own rate (fallback) until the engine has looked any up."""
     queries = stats.get("total_prefix_queries_tokens", 0)
     if queries:
         return stats.get("total_prefix_hits_tokens", 0) / queries
     return fallback or 0.0
 
 
-# Per-replica gauges under data parallelism (gateway/router.py): STATS key -> help; labelled replica="<address>".
+# Per-replica gauges under data parallelism (gateway/router.py): STATS key -> help; labelled
+# replica="<address>".
 REPLICA_GAUGES = {
     "num_running": "Requests in the replica's running batch",
     "num_waiting": "Requests waiting in the replica's queue",
@@ -62,7 +67,8 @@ REPLICA_GAUGES = {
 
 @dataclass
 class ReplicaRow:
-    """One replica at scrape time: its address, fresh STATS (None: it did not answer), requests routed to it."""
+    """One replica at scrape time: its address, fresh STATS (None: it did not answer), requests
+    routed to it."""
 
     address: str
     stats: dict[str, float] | None
@@ -70,7 +76,8 @@ class ReplicaRow:
 
 
 class EngineCollector(Collector):
-    """Exports the engine's latest STATS; refreshed by the /metrics handler just before each scrape."""
+    """Exports the engine's latest STATS; refreshed by the /metrics handler just before each
+    scrape."""
 
     def __init__(self) -> None:
         self.stats: dict[str, float] = {}
@@ -79,40 +86,47 @@ class EngineCollector(Collector):
         self.hit_rate_fallback: float | None = None
 
     def collect(self) -> Iterable[Metric]:
-        yield GaugeMetricFamily("conveyor_engine_up", "1 when the engine answered the last STATS request",
+        yield GaugeMetricFamily("conveyor_engine_up",
+                                "1 when the engine answered the last STATS request",
                                 value=float(self.up))
         stats = self.stats
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(name, doc, value=float(stats.get(key, 0.0)))
-        yield CounterMetricFamily("conveyor_num_preemptions", "Requests preempted by the engine (swap or recompute)",
+        yield CounterMetricFamily("conveyor_num_preemptions",
+                                  "Requests preempted by the engine (swap or recompute)",
                                   value=float(num_preemptions(stats)))
         # A watchdog: steps with work queued and nothing schedulable. Nonzero means a scheduler bug.
-        yield CounterMetricFamily("conveyor_engine_stalled_steps", "Engine steps with work waiting and nothing "
-                                  "scheduled", value=float(stats.get("total_stalled_steps", 0.0)))
+        yield CounterMetricFamily("conveyor_engine_stalled_steps",
+                                  "Engine steps with work waiting and nothing scheduled",
+                                  value=float(stats.get("total_stalled_steps", 0.0)))
         yield GaugeMetricFamily("conveyor_prefix_cache_hit_rate",
-                                "Fraction of prompt tokens served from the prefix cache (engine's, else the "
-                                "gateway's)",
+                                "Fraction of prompt tokens served from the prefix cache (engine's, "
+                                "else the gateway's)",
                                 value=float(prefix_hit_rate(stats, self.hit_rate_fallback)))
-        for family, table in ((GaugeMetricFamily, SPEC_GAUGES), (CounterMetricFamily, SPEC_COUNTERS)):
+        for family, table in ((GaugeMetricFamily, SPEC_GAUGES),
+                              (CounterMetricFamily, SPEC_COUNTERS)):
             for key, (name, doc) in table.items():
                 if key in stats:
                     yield family(name, doc, value=float(stats[key]))
         known = set(ENGINE_GAUGES) | set(SPEC_GAUGES) | set(SPEC_COUNTERS) | {"total_stalled_steps"}
         for key in sorted(set(stats) - known):
             value = stats[key]
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and math.isfinite(value):
                 name = "conveyor_engine_" + "".join(c if c.isalnum() else "_" for c in key)
                 yield GaugeMetricFamily(name, f"engine STATS gauge {key!r}", value=float(value))
         if self.replicas:
             yield from self._replicas()
 
     def _replicas(self) -> Iterable[Metric]:
-        up = GaugeMetricFamily("conveyor_replica_up", "1 when the replica answered the last STATS request",
+        up = GaugeMetricFamily("conveyor_replica_up",
+                               "1 when the replica answered the last STATS request",
                                labels=["replica"])
-        routed = CounterMetricFamily("conveyor_replica_requests_routed", "Requests this gateway routed to the "
-                                     "replica", labels=["replica"])
-        gauges = {k: GaugeMetricFamily(f"conveyor_replica_{k.removeprefix('total_')}", doc, labels=["replica"])
-                  for k, doc in REPLICA_GAUGES.items()}
+        routed = CounterMetricFamily("conveyor_replica_requests_routed",
+                                     "Requests this gateway routed to the replica",
+                                     labels=["replica"])
+        gauges = {k: GaugeMetricFamily(f"conveyor_replica_{k.removeprefix('total_')}", doc,
+                                       labels=["replica"]) for k, doc in REPLICA_GAUGES.items()}
         for row in self.replicas:
             up.add_metric([row.address], float(row.stats is not None))
             routed.add_metric([row.address], float(row.num_routed))

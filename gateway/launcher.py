@@ -1,14 +1,14 @@
 """Start the engine as a child process on an ipc:// address, and make sure it never outlives us.
 
-Three ways a child could be orphaned, three guards: a normal exit stops it (SIGTERM, then SIGKILL after
-a grace period); a gateway killed outright takes it along through PR_SET_PDEATHSIG (Linux); a signal to
-the whole process group reaches both, as they share it (start_new_session=False).
+Three ways a child could be orphaned, three guards: a normal exit stops it (SIGTERM, then SIGKILL
+after a grace period); a gateway killed outright takes it along through PR_SET_PDEATHSIG (Linux); a
+signal to the whole process group reaches both, as they share it (start_new_session=False).
 
-Except Ctrl-C: the terminal sends SIGINT to the whole group, and the engine ignores it (set between fork
-and exec; exec keeps an ignored signal, and Python then installs no KeyboardInterrupt handler). The
-gateway alone handles it and stops the engine with one SIGTERM, waiting for it to exit: an engine that
-got both signals was interrupted a second time inside its own shutdown (a traceback from torch, a
---trace-file never written).
+Except Ctrl-C: the terminal sends SIGINT to the whole group, and the engine ignores it (set between
+fork and exec; exec keeps an ignored signal, and Python then installs no KeyboardInterrupt handler).
+The gateway alone handles it and stops the engine with one SIGTERM, waiting for it to exit: an
+engine that got both signals was interrupted a second time inside its own shutdown (a traceback from
+torch, a --trace-file never written).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def default_address() -> str:
 
 
 def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies (and bind
-    the child to `cpus`, inherited by every thread it starts)."""
+    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies (and
+    bind the child to `cpus`, inherited by every thread it starts)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     try:
@@ -49,7 +49,8 @@ def _die_with_parent(parent_pid: int, cpus: set[int] | None = None) -> None:
 
 
 def _engine_child(parent_pid: int, cpus: set[int] | None) -> None:
-    """Runs in the engine child between fork and exec: the terminal's SIGINT is the gateway's to handle."""
+    """Runs in the engine child between fork and exec: the terminal's SIGINT is the gateway's to
+    handle."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid, cpus)
 
@@ -67,24 +68,28 @@ class EngineProcess:
         """The child inherits stderr, so model loading shows its own progress in the terminal."""
         self._remove_ipc_file()
         parent = os.getpid()
-        preexec = (lambda: _engine_child(parent, self.cpus)) if sys.platform.startswith("linux") else None
+        linux = sys.platform.startswith("linux")
+        preexec = (lambda: _engine_child(parent, self.cpus)) if linux else None
         log.info("starting engine: %s", " ".join(self.argv))
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, start_new_session=False, preexec_fn=preexec)
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, start_new_session=False,
+                                     preexec_fn=preexec)
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
     async def wait_ready(self, client: AsyncEngineClient, timeout: float) -> None:
-        """HELLO/READY with the child's death as a second way out: a child that crashes while loading
-        the model fails start-up at once instead of after the whole timeout."""
+        """HELLO/READY with the child's death as a second way out: a child that crashes while
+        loading the model fails start-up at once instead of after the whole timeout."""
         start = asyncio.ensure_future(client.start(timeout=timeout))
         try:
             while not start.done():
                 await asyncio.wait({start}, timeout=0.2)
                 code = self.exit_code()
                 if code is not None and not start.done():
-                    raise EngineDead(f"the engine exited with code {code} before it was ready (its error is above)")
-        finally:  # also when this wait is cancelled (Ctrl-C while loading): the handshake's outcome is moot
+                    raise EngineDead(f"the engine exited with code {code} before it was ready (its "
+                                     "error is above)")
+        # also when this wait is cancelled (Ctrl-C while loading): the handshake's outcome is moot
+        finally:
             if not start.done():
                 start.cancel()
             start.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -101,12 +106,13 @@ class EngineProcess:
 
 
 def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
-    """Bind every thread of `pids` to the CPUs no thread of the engine is bound to, when there are such CPUs:
-    an engine with fewer compute threads than cores (--num-threads) has its OpenMP threads bound one per
-    core, and HTTP work on those cores would slow its steps. -> the CPUs used, None when nothing changed
-    (the engine uses every core, or this is not Linux)."""
+    """Bind every thread of `pids` to the CPUs no thread of the engine is bound to, when there are
+    such CPUs: an engine with fewer compute threads than cores (--num-threads) has its OpenMP
+    threads bound one per core, and HTTP work on those cores would slow its steps. -> the CPUs used,
+    None when nothing changed (the engine uses every core, or this is not Linux)."""
     try:
-        engine = set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{engine_pid}/task")))
+        engine = set().union(*(os.sched_getaffinity(int(t))
+                               for t in os.listdir(f"/proc/{engine_pid}/task")))
         rest = os.sched_getaffinity(0) - engine
     except (AttributeError, OSError):
         return None
@@ -119,17 +125,20 @@ def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
             continue
         for tid in tids:
             try:
-                os.sched_setaffinity(int(tid), rest)  # later threads inherit it from the one that starts them
+                # later threads inherit it from the one that starts them
+                os.sched_setaffinity(int(tid), rest)
             except ProcessLookupError:  # the thread ended meanwhile
                 pass
     return rest
 
 
 class WorkerProcesses:
-    """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own DEALER to
-    the engine and binds the same port with SO_REUSEPORT, so the kernel spreads connections over them."""
+    """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own DEALER
+    to the engine and binds the same port with SO_REUSEPORT, so the kernel spreads connections over
+    them."""
 
-    def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None, stop_timeout: float = 10.0) -> None:
+    def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None,
+                 stop_timeout: float = 10.0) -> None:
         self.argvs = argvs
         self.env = env
         self.stop_timeout = stop_timeout
@@ -138,19 +147,22 @@ class WorkerProcesses:
         self._ready_fds: list[int] = []
 
     def start(self) -> None:
-        """Each worker gets the write end of a pipe (--ready-fd) and writes one line to it once it serves."""
+        """Each worker gets the write end of a pipe (--ready-fd) and writes one line to it once it
+        serves."""
         parent = os.getpid()
         preexec = (lambda: _die_with_parent(parent)) if sys.platform.startswith("linux") else None
         for argv in self.argvs:
             r, w = os.pipe()
             log.info("starting gateway worker: %s", " ".join(argv))
-            self.procs.append(subprocess.Popen([*argv, "--ready-fd", str(w)], stdin=subprocess.DEVNULL, env=self.env,
+            self.procs.append(subprocess.Popen([*argv, "--ready-fd", str(w)],
+                                               stdin=subprocess.DEVNULL, env=self.env,
                                                preexec_fn=preexec, pass_fds=(w,)))
             os.close(w)
             self._ready_fds.append(r)
 
     def wait_ready(self, timeout: float) -> None:
-        """Blocks until every worker serves; EngineDead when one exits first or the timeout passes."""
+        """Blocks until every worker serves; EngineDead when one exits first or the timeout
+        passes."""
         deadline = time.monotonic() + timeout
         pending = list(self._ready_fds)
         while pending:
@@ -160,14 +172,15 @@ class WorkerProcesses:
             readable, _, _ = select.select(pending, [], [], min(left, 0.5))
             for fd in readable:
                 if not os.read(fd, 64):
-                    raise EngineDead("a gateway worker exited before it served (its error is above)")
+                    raise EngineDead("a gateway worker exited before it served (its error is "
+                                     "above)")
                 pending.remove(fd)
                 os.close(fd)
         self._ready_fds = []
 
     async def watch(self, on_exit: asyncio.Event) -> None:
-        """A worker that dies takes the whole server down (its share of the port would be lost otherwise);
-        the supervisor above (systemd, compose, k8s) restarts it whole."""
+        """A worker that dies takes the whole server down (its share of the port would be lost
+        otherwise); the supervisor above (systemd, compose, k8s) restarts it whole."""
         while all(p.poll() is None for p in self.procs):
             await asyncio.sleep(0.5)
         dead = [(p.pid, p.returncode) for p in self.procs if p.poll() is not None]
@@ -180,7 +193,8 @@ class WorkerProcesses:
 
 
 def terminate(procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
-    """SIGTERM all (so they shut down in parallel), then wait; kill whoever ignores it past timeout."""
+    """SIGTERM all (so they shut down in parallel), then wait; kill whoever ignores it past
+    timeout."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)

@@ -2,11 +2,12 @@
 
 Four kinds of field, and nothing else:
 - honoured: parsed by openai_schema.py into the prompt, SamplingParams or the request's priority;
-- informational: OpenAI defines them as labels for its own bookkeeping (abuse monitoring, dashboards,
-  its cache routing) that change no output; they are type-checked and otherwise unused;
+- informational: OpenAI defines them as labels for its own bookkeeping (abuse monitoring,
+  dashboards, its cache routing) that change no output; they are type-checked and otherwise unused;
 - unsupported: OpenAI features this server does not implement (audio, predicted outputs, ...):
   a 400 that names the field and says so, unless the value is null (OpenAI's "not given");
-- anything else: a 400 naming the unknown field (a typo such as `max_token` must not pass unnoticed).
+- anything else: a 400 naming the unknown field (a typo such as `max_token` must not pass
+  unnoticed).
 """
 from __future__ import annotations
 
@@ -18,17 +19,22 @@ from shared.errors import InvalidRequest
 _COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs", "logit_bias",
     "presence_penalty", "frequency_penalty", "stream", "stream_options",
-    "top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty", "use_beam_search",
+    "top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
+    "use_beam_search",
     "beam_width", "length_penalty", "early_stopping", "speculative", "priority", "prompt_logprobs",
     "cache_salt",
     # structured output (gateway/structured.py): OpenAI's, then vLLM's current and older spellings
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar",
 })
 # Honoured by one endpoint only; the other endpoint's parser answers these with a message that says
-# which endpoint takes them (best_of on chat, top_logprobs on completions), so they are known to both.
+# which endpoint takes them (best_of on chat, top_logprobs on completions), so they are known to
+# both.
 HONOURED = {
-    False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},  # suffix: neutral values only
-    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools", "tool_choice",
+    # suffix: neutral values only
+    False: _COMMON | {"prompt", "best_of", "echo", "suffix", "top_logprobs"},
+    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "best_of", "tools",
+                     "tool_choice",
                      "parallel_tool_calls", "chat_template_kwargs", "include_reasoning",
                      "thinking_token_budget"},
 }
@@ -136,14 +142,16 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
         if key in INFORMATIONAL:
             want = INFORMATIONAL[key]
             if value is not None and not isinstance(value, want):
-                raise InvalidRequest(f"{key} must be {'a string' if want is str else 'an object'}", param=key)
+                raise InvalidRequest(f"{key} must be {'a string' if want is str else 'an object'}",
+                                     param=key)
         elif key in UNSUPPORTED:
             if value is not None and not any(value is v or (type(value) is type(v) and value == v)
                                              for v in _NEUTRAL.get(key, ())):
                 raise InvalidRequest(f"{key} is not supported: {UNSUPPORTED[key]}", param=key)
         else:
             endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-            raise InvalidRequest(f"unknown field {str(key)[:100]!r}: {endpoint} does not take it", param=str(key)[:100])
+            raise InvalidRequest(f"unknown field {str(key)[:100]!r}: {endpoint} does not take it",
+                                 param=str(key)[:100])
     endpoint = "/v1/chat/completions" if chat else "/v1/completions"
     for key, shape in NESTED[endpoint].items():
         if body.get(key) is not None:

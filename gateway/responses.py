@@ -61,7 +61,8 @@ def history_of(app: web.Application, body: Any, local: ResponseStore | None = No
 async def create(request: web.Request) -> web.StreamResponse:
     app = request.app
     body = await read_json(request)  # tokenized off the event loop, as on the chat route
-    req = await tokenizing(parse_responses, body, app[SERVED], history_of(app, body, None, request.get(TENANT)))
+    req = await tokenizing(parse_responses, body, app[SERVED],
+                           history_of(app, body, None, request.get(TENANT)))
     req.parsed.tenant = request.get(TENANT)
     render = Render(app, req, f"resp_{uuid.uuid4().hex}")
     if req.stream:
@@ -71,14 +72,16 @@ async def create(request: web.Request) -> web.StreamResponse:
 
 
 async def retrieve(request: web.Request) -> web.Response:
-    stored = request.app[RESPONSES].get(request.match_info["response_id"], owner=request.get(TENANT))
+    stored = request.app[RESPONSES].get(request.match_info["response_id"],
+                                        owner=request.get(TENANT))
     return json_response(stored.response)
 
 
 async def input_items(request: web.Request) -> web.Response:
     """One page of a stored response's input items: `limit` (1-100, default 20), `order` (asc or
     desc, the default), `after` (an item id: the page starts after it)."""
-    stored = request.app[RESPONSES].get(request.match_info["response_id"], owner=request.get(TENANT))
+    stored = request.app[RESPONSES].get(request.match_info["response_id"],
+                                        owner=request.get(TENANT))
     query = request.query
     for key in query:
         if key not in ("limit", "order", "after"):

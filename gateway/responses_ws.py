@@ -60,7 +60,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
 class _Session:
     def __init__(self, app: web.Application, ws: web.WebSocketResponse, tenant: str | None) -> None:
         self.app, self.ws = app, ws
-        self.tenant = tenant  # the socket's API key's (gateway/state.py TENANT), for each request on it
+        # the socket's API key's (gateway/state.py TENANT), for each request on it
+        self.tenant = tenant
         self.kept = ResponseStore(KEPT)
         self.last: dict[str | None, asyncio.Task[None]] = {}  # each lane's latest response
         self.tasks: set[asyncio.Task[None]] = set()

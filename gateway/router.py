@@ -2,12 +2,13 @@
 
 Routing, per request:
 1. Prefix affinity: the prompt's first `affinity_tokens` tokens are hashed, and rendezvous hashing
-   (highest hash of (prefix, replica address)) picks a live replica. Requests that share a system prompt
-   or a document land where its KV blocks are cached; a replica leaving or joining moves only its own
-   share of prefixes, and every gateway (several processes, several hosts) picks the same replica
-   without talking to the others, because the score depends only on the prefix and the addresses.
-2. Unless that replica is overloaded: its queued tokens (waiting prompts' tokens from its last STATS,
-   plus the prompt tokens routed to it since) exceed the least loaded replica's by more than
+   (highest hash of (prefix, replica address)) picks a live replica. Requests that share a system
+   prompt or a document land where its KV blocks are cached; a replica leaving or joining moves only
+   its own share of prefixes, and every gateway (several processes, several hosts) picks the same
+   replica without talking to the others, because the score depends only on the prefix and the
+   addresses.
+2. Unless that replica is overloaded: its queued tokens (waiting prompts' tokens from its last
+   STATS, plus the prompt tokens routed to it since) exceed the least loaded replica's by more than
    `imbalance_tokens`; then the least loaded one takes it (a cache miss costs less than the queue).
 A request stays on its replica: its stream, its aborts, its n > 1 choices and stop strings all go
 through that replica's client (AsyncEngineClient.stream_text). A replica whose engine is gone is not
@@ -15,8 +16,8 @@ connected, so it is out of the ring; its resumable requests move at once to a li
 resume there (prompt + delivered tokens, shared/resume.py), the others end with an error, as with
 one engine.
 
-Router offers what the gateway uses of AsyncEngineClient, so routes, streaming and WebSockets are the
-same for one engine and for N.
+Router offers what the gateway uses of AsyncEngineClient, so routes, streaming and WebSockets are
+the same for one engine and for N.
 """
 from __future__ import annotations
 
@@ -45,15 +46,17 @@ JOIN_RETRY_S = 30.0  # a replica not up yet is waited for in rounds of this long
 @dataclass(frozen=True)
 class RouterConfig:
     affinity_tokens: int = 32  # the prefix that decides a request's replica (two blocks of 16)
-    imbalance_tokens: int = 2048  # queued tokens above the least loaded replica's that count as overloaded
+    # queued tokens above the least loaded replica's that count as overloaded
+    imbalance_tokens: int = 2048
     stats_interval: float = 0.5  # how often each replica's STATS are polled for its queue
-    # prefix: affinity as above; round_robin: each live replica in turn (the baseline bench/scale_out.py
-    # measures affinity against: fewer prefix-cache hits, the same balance).
+    # prefix: affinity as above; round_robin: each live replica in turn (the baseline
+    # bench/scale_out.py measures affinity against: fewer prefix-cache hits, the same balance).
     policy: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.affinity_tokens < 1 or self.imbalance_tokens < 0 or self.stats_interval <= 0:
-            raise ValueError("affinity_tokens must be >= 1, imbalance_tokens >= 0, stats_interval > 0")
+            raise ValueError("affinity_tokens must be >= 1, imbalance_tokens >= 0, stats_interval "
+                             "> 0")
         if self.policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {ROUTING_POLICIES}")
 
@@ -94,7 +97,8 @@ class Replica:
 
 
 class Router:
-    def __init__(self, clients: list[AsyncEngineClient], config: RouterConfig | None = None) -> None:
+    def __init__(self, clients: list[AsyncEngineClient],
+                 config: RouterConfig | None = None) -> None:
         if not clients:
             raise ValueError("a router needs at least one engine")
         self.replicas = [Replica(c) for c in clients]
@@ -107,7 +111,7 @@ class Router:
         self._tokenizer: Any = None
         self._poller: asyncio.Task[None] | None = None
 
-    # -- what the gateway uses of AsyncEngineClient ------------------------------------------------------
+    # -- what the gateway uses of AsyncEngineClient ------------------------------------------------
     @property
     def connected(self) -> bool:
         return any(r.live for r in self.replicas)
@@ -182,7 +186,8 @@ class Router:
         return tok
 
     async def get_stats(self, timeout: float = 5.0) -> dict[str, float]:
-        """The live replicas' STATS summed (usage fractions averaged): the gateway's one-engine view."""
+        """The live replicas' STATS summed (usage fractions averaged): the gateway's one-engine
+        view."""
         stats = [s for s in await self.replica_stats(timeout) if s is not None]
         if not stats:
             raise EngineDead(f"no engine replica answered GET_STATS within {timeout:g}s")
@@ -206,7 +211,8 @@ class Router:
     async def reset_prefix_cache(self) -> None:
         await asyncio.gather(*(r.client.reset_prefix_cache() for r in self.replicas if r.live))
 
-    async def stream_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+    async def stream_text(self, prompt: Prompt, params: SamplingParams,
+                          request_id: str | None = None,
                           priority: int = 0) -> AsyncGenerator[TextOutput, None]:
         """AsyncEngineClient.stream_text on the replica route() picks; everything about the request
         (aborts, stop strings of its choices) goes to that replica."""
@@ -229,9 +235,10 @@ class Router:
         client = self.route(ids).client
         return await client.embed(ids, dimensions, truncate_prompt_tokens, request_id, priority)
 
-    # -- routing -------------------------------------------------------------------------------------------
+    # -- routing -----------------------------------------------------------------------------------
     def route(self, token_ids: list[int]) -> Replica:
-        """The prefix's replica unless it is overloaded, then the least loaded. Counts the request there."""
+        """The prefix's replica unless it is overloaded, then the least loaded. Counts the request
+        there."""
         live = [r for r in self.replicas if r.live]
         if not live:
             raise EngineDead(f"no engine replica is connected ({self.address})")
@@ -242,11 +249,12 @@ class Router:
             chosen.num_routed += 1
             return chosen
         by_address = {r.address: r for r in live}
-        chosen = by_address[rendezvous(prefix_key(token_ids, self.config.affinity_tokens), list(by_address))]
+        chosen = by_address[rendezvous(prefix_key(token_ids, self.config.affinity_tokens),
+                                       list(by_address))]
         least = min(live, key=lambda r: (r.load, r.num_routed))
         if chosen.load > least.load + self.config.imbalance_tokens:
-            log.debug("replica %s overloaded (%.0f queued tokens vs %.0f): request to %s", chosen.address,
-                      chosen.load, least.load, least.address)
+            log.debug("replica %s overloaded (%.0f queued tokens vs %.0f): request to %s",
+                      chosen.address, chosen.load, least.load, least.address)
             chosen = least
         chosen.routed_tokens += len(token_ids)
         chosen.num_routed += 1
@@ -271,14 +279,15 @@ class Router:
                         len(moved))
 
     async def _poll_stats(self) -> None:
-        """Each replica's queue, fresh every stats_interval; the tokens routed since then are counted
-        on top until the next answer includes them. Requests held for a lost replica move to a live
-        one."""
+        """Each replica's queue, fresh every stats_interval; the tokens routed since then are
+        counted on top until the next answer includes them. Requests held for a lost replica move to
+        a live one."""
         while True:
             await asyncio.sleep(self.config.stats_interval)
             for r in self.replicas:
                 if not r.client.connected and r.client.has_held:
                     self._move_held(r.client)
-            for r, stats in zip(self.replicas, await self.replica_stats(timeout=self.config.stats_interval * 4)):
+            for r, stats in zip(self.replicas,
+                                await self.replica_stats(timeout=self.config.stats_interval * 4)):
                 if stats is not None:
                     r.queued_tokens, r.routed_tokens = float(stats.get("num_queued_tokens", 0.0)), 0

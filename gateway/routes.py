@@ -1,5 +1,6 @@
-"""HTTP handlers. They only translate HTTP to shared/client.py calls and back; all checking of bodies
-is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the client."""
+"""HTTP handlers. They only translate HTTP to shared/client.py calls and back; all checking of
+bodies is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the
+client."""
 from __future__ import annotations
 
 import asyncio
@@ -30,13 +31,15 @@ log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
 T = TypeVar("T")
 # Tokenizing (and rendering chat templates) happens here, off the event loop: a prompt of megabytes
-# takes seconds, and every stream of this gateway would stall meanwhile. One thread: a fast tokenizer
-# must not be entered from several threads at once; --max-prompt-chars bounds what waits behind it.
+# takes seconds, and every stream of this gateway would stall meanwhile. One thread: a fast
+# tokenizer must not be entered from several threads at once; --max-prompt-chars bounds what waits
+# behind it.
 _TOKENIZER = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
 
 async def tokenizing(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER, functools.partial(fn, *args, **kwargs))
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER,
+                                                            functools.partial(fn, *args, **kwargs))
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -48,8 +51,8 @@ async def read_json(request: web.Request) -> Any:
     try:
         raw = await asyncio.wait_for(request.read(), timeout)
     except TimeoutError:
-        log.warning("%s %s: the body did not arrive within %gs (--body-timeout); closing", request.method,
-                    request.path, timeout)
+        log.warning("%s %s: the body did not arrive within %gs (--body-timeout); closing",
+                    request.method, request.path, timeout)
         raise RequestTimeout(f"the request body did not arrive within {timeout:g}s") from None
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"the request body is larger than this server's limit of "
@@ -96,26 +99,29 @@ async def embeddings(request: web.Request) -> web.Response:
 @routes.get("/v1/models")
 async def models(request: web.Request) -> web.Response:
     served = request.app[SERVED]
-    return json_response({"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
-                                                      "owned_by": "conveyor", "max_model_len": served.max_model_len}]})
+    return json_response({"object": "list",
+                          "data": [{"id": served.name, "object": "model", "created": 0,
+                                    "owned_by": "conveyor",
+                                    "max_model_len": served.max_model_len}]})
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    """Liveness: this process serves HTTP. It does not ask the engine (see /ready): a gateway waiting for
-    its engine to come back is alive and must not be restarted for it."""
+    """Liveness: this process serves HTTP. It does not ask the engine (see /ready): a gateway
+    waiting for its engine to come back is alive and must not be restarted for it."""
     return json_response({"status": "ok", "engine_connected": request.app[CLIENT].connected})
 
 
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: the engine handshake is done and the engine answers GET_STATS in time; else 503."""
+    """Readiness: the engine handshake is done and it answers GET_STATS in time; else 503."""
     client = request.app[CLIENT]
     if not client.connected:
         raise EngineDead(f"the engine at {client.address} is not connected")
     stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
     return json_response({"status": "ready", "model": request.app[SERVED].name,
-                          "num_running": stats.get("num_running"), "num_waiting": stats.get("num_waiting")})
+                          "num_running": stats.get("num_running"),
+                          "num_waiting": stats.get("num_waiting")})
 
 
 @routes.get("/metrics")
@@ -125,9 +131,11 @@ async def metrics(request: web.Request) -> web.Response:
         try:
             stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
         except ConveyorError:
-            pass  # exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
+            # exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
+            pass
     replicas = None
-    if isinstance(client, Router):  # data parallelism: each replica's gauges too, labelled by address
+    # data parallelism: each replica's gauges too, labelled by address
+    if isinstance(client, Router):
         rows = await client.replica_stats(timeout=request.app[CONFIG].health_timeout)
         replicas = [ReplicaRow(r.address, st, r.num_routed) for r, st in zip(client.replicas, rows)]
     body = request.app[METRICS].render(stats, replicas)
@@ -144,7 +152,8 @@ async def tokenize(request: web.Request) -> web.Response:
         template = template_for(served.tokenizer, served.chat_template,
                                 any(m["role"] == "tool" or m.get("tool_calls") for m in messages))
         kwargs = template_kwargs(body.get("chat_template_kwargs"), served.tokenizer, template)
-        ids = await tokenizing(apply_chat_template, served.tokenizer, messages, template=template, kwargs=kwargs,
+        ids = await tokenizing(apply_chat_template, served.tokenizer, messages, template=template,
+                               kwargs=kwargs,
                                add_generation_prompt=bool(body.get("add_generation_prompt", True)))
     elif isinstance(body.get("prompt"), str):
         served.check_chars(len(body["prompt"]), "prompt")
@@ -161,8 +170,8 @@ async def detokenize(request: web.Request) -> web.Response:
     _check_body(body, DETOKENIZE, "/detokenize", served)
     ids = body.get("tokens")
     vocab = len(served.tokenizer)
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                            for t in ids):
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                            and 0 <= t < vocab for t in ids):
         raise InvalidRequest(f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
     return json_response({"prompt": decode(served.tokenizer, ids)})
 

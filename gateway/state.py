@@ -1,9 +1,10 @@
-"""What every gateway module shares: the config, the typed AppKeys of the application's state, and the
-gateway's own errors.
+"""What every gateway module shares: the config, the typed AppKeys of the application's state, and
+the gateway's own errors.
 
-It lives apart from app.py so that the handlers (routes, streaming, websocket) and build_app() can all
-import it at module top: app.py imports the handlers, the handlers import this, nothing imports app.py
-back. Each AppKey's value has one writer, build_app() (SERVED: the engine cleanup_ctx at start-up).
+It lives apart from app.py so that the handlers (routes, streaming, websocket) and build_app() can
+all import it at module top: app.py imports the handlers, the handlers import this, nothing imports
+app.py back. Each AppKey's value has one writer, build_app() (SERVED: the engine cleanup_ctx at
+start-up).
 """
 from __future__ import annotations
 
@@ -29,22 +30,25 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None = the name the engine reports in READY
-    auth: Auth = field(default_factory=Auth)  # with keys, everything but PUBLIC_PATHS needs one of them
+    # with keys, everything but PUBLIC_PATHS needs one of them
+    auth: Auth = field(default_factory=Auth)
     limits: Limits = field(default_factory=Limits)
     max_body_size: int = 16 * 2**20  # bytes of a request body before 413
     # Stream the first token at once, then every N tokens: fewer, larger events under load.
     stream_interval: int = 1
     health_timeout: float = 2.0  # /ready answers 503 when the engine is slower than this
-    stats_interval: float = 0.5  # how often the engine's queue is polled for admission while requests run
-    chat_template: str | None = None  # --chat-template FILE's text: every chat request is rendered with it
+    # how often the engine's queue is polled for admission while requests run
+    stats_interval: float = 0.5
+    # --chat-template FILE's text: every chat request is rendered with it
+    chat_template: str | None = None
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
     reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
     responses_store_size: int = 1024  # stored /v1/responses kept for previous_response_id (LRU)
     # Characters of prompt text before 400, checked before tokenizing; None: max_model_len times the
     # longest token's characters (more text than that cannot fit the context, whatever it says).
     max_prompt_chars: int | None = None
-    # Stalled connections (gateway/connections.py): seconds to send a request's headers, and its body;
-    # open connections past max_connections are closed at once.
+    # Stalled connections (gateway/connections.py): seconds to send a request's headers, and its
+    # body; open connections past max_connections are closed at once.
     header_timeout: float = 15.0
     body_timeout: float = 60.0
     max_connections: int = 10_000
@@ -88,7 +92,8 @@ class PayloadTooLarge(ConveyorError):
 
 
 class RequestTimeout(ConveyorError):
-    """A body that did not arrive within --body-timeout: a client that stalls holds nothing for long."""
+    """A body that did not arrive within --body-timeout: a client that stalls holds nothing for
+    long."""
 
     status = 408
     type = "invalid_request_error"

@@ -1,14 +1,18 @@
-"""One request's way through the gateway, shared by every door (SSE, JSON, WebSocket), and SSE itself.
+"""One request's way through the gateway, shared by every door (SSE, JSON, WebSocket), and SSE
+itself.
 
-run_request: engine connected? -> admission (429 before anything is queued) -> the engine -> metrics.
-chunks: the OpenAI stream chunks of one request (one choice per chunk), with --stream-interval applied.
+run_request: engine connected? -> admission (429 before anything is queued) -> the engine ->
+metrics.
+chunks: the OpenAI stream chunks of one request (one choice per chunk), with --stream-interval
+applied.
 complete: the whole response, every choice (n) in index order.
 sse_response: `data: {json}\\n\\n` per chunk, then `data: [DONE]`, over a plain web.StreamResponse.
 
-A client that goes away must not keep the engine busy: a failed write, or the handler being cancelled
-(handler_cancellation=True), closes the generators, whose `finally` aborts the request in the engine.
-A client that reads slowly gets merged deltas: the SDK's stream keeps one pending output per request
-and joins what arrives meanwhile (shared/client.py), so nothing queues up behind a slow socket.
+A client that goes away must not keep the engine busy: a failed write, or the handler being
+cancelled (handler_cancellation=True), closes the generators, whose `finally` aborts the request in
+the engine. A client that reads slowly gets merged deltas: the SDK's stream keeps one pending output
+per request and joins what arrives meanwhile (shared/client.py), so nothing queues up behind a slow
+socket.
 """
 from __future__ import annotations
 
@@ -44,13 +48,15 @@ log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 
 
-async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[TextOutput, None]:
-    """TextOutputs of one request. Raises Overloaded (429) or EngineDead (503) before anything is queued."""
+async def run_request(app: web.Application, req: ParsedRequest,
+                      rid: str) -> AsyncGenerator[TextOutput, None]:
+    """TextOutputs of one request. Raises Overloaded (429) or EngineDead (503) before anything is
+    queued."""
     client, admission, metrics = app[CLIENT], app[ADMISSION], app[METRICS]
     params = _isolated(app, req)
     if not client.connected:
-        raise EngineDead(f"the engine at {client.address} is not connected; the gateway reconnects when it is "
-                         "back, retry later")
+        raise EngineDead(f"the engine at {client.address} is not connected; the gateway reconnects "
+                         "when it is back, retry later")
     try:
         admission.admit(rid, len(req.prompt_token_ids))
     except Overloaded as e:
@@ -58,7 +64,8 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
         raise
     metrics.begin(rid)
     reason, last = "abort", None  # stays "abort" when the client goes away before the end
-    outputs = client.stream_text(req.prompt_token_ids, params, request_id=rid, priority=req.priority)
+    outputs = client.stream_text(req.prompt_token_ids, params, request_id=rid,
+                                 priority=req.priority)
     try:
         async for out in outputs:
             last = out
@@ -78,17 +85,20 @@ async def run_request(app: web.Application, req: ParsedRequest, rid: str) -> Asy
 
 
 def _isolated(app: web.Application, req: ParsedRequest) -> SamplingParams:
-    """req's params, salted with its API key's tenant under --cache-isolation per-key. Every door reaches
-    the engine through here, so a door that forgot the tenant fails loudly instead of sharing a cache."""
+    """req's params, salted with its API key's tenant under --cache-isolation per-key. Every door
+    reaches the engine through here, so a door that forgot the tenant fails loudly instead of
+    sharing a cache."""
     if not app[CONFIG].auth.per_key:
         return req.params
     if req.tenant is None:
-        raise ConveyorError("internal error: a request reached the engine without its API key's tenant")
+        raise ConveyorError("internal error: a request reached the engine without its API key's "
+                            "tenant")
     return dataclasses.replace(req.params, cache_salt=cache_salt(req.tenant, req.params.cache_salt))
 
 
 class _Choice:
-    """What one choice has received and not sent yet (--stream-interval), and what a response needs."""
+    """What one choice has received and not sent yet (--stream-interval), and what a response
+    needs."""
 
     __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset",
                  "finish_reason", "prompt", "echoed")
@@ -101,7 +111,8 @@ class _Choice:
         self.first, self.ended = True, False
         self.text_offset = 0  # completions' text_offset of the next token
         self.finish_reason: str | None = None
-        self.prompt: list[TokenLogprob] | None = None  # prompt logprobs, from the choice's first output
+        # prompt logprobs, from the choice's first output
+        self.prompt: list[TokenLogprob] | None = None
         self.echoed = False
 
     def add(self, out: TextOutput, reasoning: str = "", score_only: bool = False) -> None:
@@ -172,10 +183,11 @@ class ChoiceSplit:
 
 async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
-    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is yielded before
-    the engine's first output, so an engine ERROR is raised before any byte is sent; the role travels in
-    each choice's first chunk. With stream_interval N a choice's first token goes out at once, then an
-    event every N of its tokens (and its last). Logprobs travel with the text they belong to."""
+    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is yielded
+    before the engine's first output, so an engine ERROR is raised before any byte is sent; the role
+    travels in each choice's first chunk. With stream_interval N a choice's first token goes out at
+    once, then an event every N of its tokens (and its last). Logprobs travel with the text they
+    belong to."""
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
@@ -209,7 +221,8 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                         continue
                     if c.first:
                         delta = {"role": "assistant", **delta}
-                    choice = {"index": out.index, "delta": delta, "logprobs": lps, "finish_reason": None}
+                    choice = {"index": out.index, "delta": delta, "logprobs": lps,
+                              "finish_reason": None}
                     c.first, lps = False, None
                     yield response_object(rid, created, model, chat, True, [choice])
                 text, thought, reason = "", "", "tool_calls"
@@ -223,7 +236,8 @@ async def chunks(app: web.Application, req: ParsedRequest, rid: str,
         await outputs.aclose()
 
 
-async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: bool) -> dict[str, Any]:
+async def complete(app: web.Application, req: ParsedRequest, rid: str,
+                   chat: bool) -> dict[str, Any]:
     """The whole (non-streaming) response object, its choices in index order."""
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
@@ -262,26 +276,29 @@ async def complete(app: web.Application, req: ParsedRequest, rid: str, chat: boo
 
 
 def text_usage(out: TextOutput, req: ParsedRequest) -> dict[str, Any]:
-    """Over all choices: the last output's counts are the request's (none generated with max_tokens 0);
-    reasoning_tokens where a reasoning parser splits the output."""
-    return usage(out.num_prompt_tokens, 0 if req.score_only else out.num_output_tokens, out.num_cached_tokens,
-                 out.num_reasoning_tokens if req.reasoning is not None else None)
+    """Over all choices: the last output's counts are the request's (none generated with max_tokens
+    0); reasoning_tokens where a reasoning parser splits the output."""
+    return usage(out.num_prompt_tokens, 0 if req.score_only else out.num_output_tokens,
+                 out.num_cached_tokens, out.num_reasoning_tokens if req.reasoning is not None
+                 else None)
 
 
 def sse_event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def sse_response(request: web.Request, events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
+async def sse_response(request: web.Request,
+                       events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
     """Stream `events` as SSE. The first event is awaited before the headers go out, so an error the
-    engine answers at once (an ERROR for the ADD, a 429) is still a proper status with an OpenAI body."""
+    engine answers at once (an ERROR for the ADD, a 429) is still a proper status with an OpenAI
+    body."""
     try:
         first = await anext(events, None)
     except BaseException:
         await events.aclose()
         raise
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         await resp.prepare(request)
         if first is not None:

@@ -1,17 +1,19 @@
-"""Keep the engine child of `conveyor serve` running: restart it when it dies, give up on a crash loop.
+"""Keep the engine child of `conveyor serve` running: restart it when it dies, give up on a crash
+loop.
 
-Any exit of the engine while the gateway serves (SIGKILL, the OOM killer, a segfault, an exception that
-left its loop) is a crash. The supervisor tells the client at once (`engine_lost`, so /ready answers 503
-and requests in flight wait to be resumed rather than fail), waits a backoff, and starts a new engine on
-the same address; the client's DEALER reconnects by itself and re-handshakes, which resumes the streams
-(shared/resume.py). Only the process that owns the engine child supervises it: the other gateway workers
-see their connection drop and come back, and resume their own streams the same way.
+Any exit of the engine while the gateway serves (SIGKILL, the OOM killer, a segfault, an exception
+that left its loop) is a crash. The supervisor tells the client at once (`engine_lost`, so /ready
+answers 503 and requests in flight wait to be resumed rather than fail), waits a backoff, and starts
+a new engine on the same address; the client's DEALER reconnects by itself and re-handshakes, which
+resumes the streams (shared/resume.py). Only the process that owns the engine child supervises it:
+the other gateway workers see their connection drop and come back, and resume their own streams the
+same way.
 
-Crash loop: a crash counts toward the limit unless the engine before it had served for `window` seconds;
-more than `max_restarts` such crashes in a row and the gateway exits non-zero, for the supervisor above
-it (systemd, compose, Kubernetes) to act on. A fixed sliding window would miss a slow loop (an engine
-that takes 20 s to load and then dies would crash three times a minute forever); a streak reset only by
-healthy uptime catches both.
+Crash loop: a crash counts toward the limit unless the engine before it had served for `window`
+seconds; more than `max_restarts` such crashes in a row and the gateway exits non-zero, for the
+supervisor above it (systemd, compose, Kubernetes) to act on. A fixed sliding window would miss a
+slow loop (an engine that takes 20 s to load and then dies would crash three times a minute
+forever); a streak reset only by healthy uptime catches both.
 """
 from __future__ import annotations
 
@@ -30,15 +32,19 @@ POLL_S = 0.1  # how often the child is checked: its exit reaches /ready and the 
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    max_restarts: int = 5  # crashes in a row the gateway restarts the engine after; 0: never restart
+    # crashes in a row the gateway restarts the engine after; 0: never restart
+    max_restarts: int = 5
     window: float = 60.0  # seconds an engine must serve for its crash to start a new streak
     backoff: float = 0.5  # before the first restart; doubles per crash in the streak ...
     max_backoff: float = 8.0  # ... up to this
-    ready_timeout: float = 600.0  # a restarted engine that neither answers HELLO nor exits by then is killed
+    # a restarted engine that neither answers HELLO nor exits by then is killed
+    ready_timeout: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.max_restarts < 0 or self.window < 0 or self.backoff < 0 or self.max_backoff < self.backoff:
-            raise ValueError("restart policy: counts and times must be >= 0, max_backoff >= backoff")
+        negative = any(v < 0 for v in (self.max_restarts, self.window, self.backoff))
+        if negative or self.max_backoff < self.backoff:
+            raise ValueError("restart policy: counts and times must be >= 0, "
+                             "max_backoff >= backoff")
 
     def delay(self, streak: int) -> float:
         """Seconds to wait before restart number `streak` (1-based) of a streak."""
@@ -56,9 +62,11 @@ def describe_exit(code: int) -> str:
 
 
 class EngineSupervisor:
-    """Runs beside the HTTP server: `await supervise(stop)` returns when it gave up (after setting stop)."""
+    """Runs beside the HTTP server: `await supervise(stop)` returns when it gave up (after setting
+    stop)."""
 
-    def __init__(self, engine: EngineProcess, client: AsyncEngineClient, policy: RestartPolicy) -> None:
+    def __init__(self, engine: EngineProcess, client: AsyncEngineClient,
+                 policy: RestartPolicy) -> None:
         self.engine, self.client, self.policy = engine, client, policy
         self.restarts = 0  # over the gateway's life
         self.gave_up = False
@@ -73,14 +81,16 @@ class EngineSupervisor:
                 self._streak = 0
             self._streak += 1
             if self._streak > self.policy.max_restarts:
-                log.error("engine_crash_loop exit=%s crashes_in_a_row=%d max_restarts=%d window_s=%g action=give_up",
-                          describe_exit(code), self._streak, self.policy.max_restarts, self.policy.window)
+                log.error("engine_crash_loop exit=%s crashes_in_a_row=%d max_restarts=%d "
+                          "window_s=%g action=give_up", describe_exit(code), self._streak,
+                          self.policy.max_restarts, self.policy.window)
                 self.gave_up = True
                 stop.set()
                 return
             delay = self.policy.delay(self._streak)
-            log.warning("engine_restart exit=%s crashes_in_a_row=%d max_restarts=%d backoff_s=%g restarts_total=%d",
-                        describe_exit(code), self._streak, self.policy.max_restarts, delay, self.restarts + 1)
+            log.warning("engine_restart exit=%s crashes_in_a_row=%d max_restarts=%d backoff_s=%g "
+                        "restarts_total=%d", describe_exit(code), self._streak,
+                        self.policy.max_restarts, delay, self.restarts + 1)
             await asyncio.sleep(delay)
             self.engine.start()
             self.restarts += 1
@@ -92,8 +102,9 @@ class EngineSupervisor:
         return code
 
     async def _wait_ready(self) -> None:
-        """Until the new engine answers the handshake (the client greets it by itself on reconnect) or
-        exits; one that does neither within ready_timeout is killed, which counts as its crash."""
+        """Until the new engine answers the handshake (the client greets it by itself on reconnect)
+        or exits; one that does neither within ready_timeout is killed, which counts as its
+        crash."""
         deadline = time.monotonic() + self.policy.ready_timeout
         while self.engine.exit_code() is None and not self.client.connected:
             if time.monotonic() > deadline:

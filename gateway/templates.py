@@ -1,11 +1,12 @@
 """Chat templates the gateway ships: a Hermes-style ChatML template that knows tools.
 
 SmolLM2's own template (and many ChatML models') renders no tools, no assistant `tool_calls` and no
-`role: "tool"` messages. For such a ChatML model a request that uses tools is rendered with HERMES_CHATML
+`role: "tool"` messages. For such a ChatML model a request that uses tools is rendered with
+HERMES_CHATML
 instead: the tools as JSON inside <tools></tools> in the system turn, each assistant call as a
-`<tool_call>{"name": ..., "arguments": ...}</tool_call>` block (the format gateway/tools.py parses and
-constrains), and tool results as <tool_response> blocks in a user turn, as Hermes 2 Pro and Qwen 2.5 do.
-`--chat-template FILE` replaces the template of every request instead.
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` block (the format gateway/tools.py parses
+and constrains), and tool results as <tool_response> blocks in a user turn, as Hermes 2 Pro and Qwen
+2.5 do. `--chat-template FILE` replaces the template of every request instead.
 """
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ HERMES_CHATML = """\
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 
-{% endif %}You are a function calling AI model. You are provided with function signatures within <tools></tools> \
-XML tags. You may call one or more functions to assist with the user query. Don't make assumptions about what \
-values to plug into functions. Here are the available tools:
+{% endif %}You are a function calling AI model. You are provided with function signatures \
+within <tools></tools> XML tags. You may call one or more functions to assist with the user query. \
+Don't make assumptions about what values to plug into functions. Here are the available tools:
 <tools>
 {% for tool in tools %}{{ tool | tojson }}
 {% endfor %}</tools>
-For each function call return a JSON object with the function name and arguments within <tool_call></tool_call> \
-XML tags as follows:
+For each function call return a JSON object with the function name and arguments within \
+<tool_call></tool_call> XML tags as follows:
 <tool_call>
 {"name": <function-name>, "arguments": <args-json-object>}
 </tool_call><|im_end|>
@@ -63,9 +64,9 @@ You are a helpful AI assistant.<|im_end|>
 
 
 def template_for(tokenizer: Any, override: str | None, uses_tools: bool) -> str | None:
-    """The template a request is rendered with: the --chat-template override; else, for a request with
-    tools (or tool messages) on a ChatML model whose template knows no tools, HERMES_CHATML; else None
-    (the model's own)."""
+    """The template a request is rendered with: the --chat-template override; else, for a request
+    with tools (or tool messages) on a ChatML model whose template knows no tools, HERMES_CHATML;
+    else None (the model's own)."""
     if override is not None:
         return override
     own = getattr(tokenizer, "chat_template", None) or ""

@@ -1,17 +1,18 @@
 """Tool calling: `tools`, `tool_choice` and `parallel_tool_calls` in; `tool_calls` out.
 
-In: the tools reach the prompt through the chat template (`tools=` of apply_chat_template). A template
-that does not know tools (SmolLM2's) is replaced, for ChatML models, by the Hermes-style template in
-gateway/templates.py; `--chat-template FILE` overrides every request's template, as in vLLM.
-`tool_choice`: "none" leaves the tools out of the prompt; "auto" lets the model choose and parses what it
-wrote; "required" and a named function constrain the output with the grammar engine to one (or, with
-parallel_tool_calls, several) calls in the parser's format, whose arguments match the function's JSON
-schema, so even a small model returns a valid call.
+In: the tools reach the prompt through the chat template (`tools=` of apply_chat_template). A
+template that does not know tools (SmolLM2's) is replaced, for ChatML models, by the Hermes-style
+template in gateway/templates.py; `--chat-template FILE` overrides every request's template, as in
+vLLM.
+`tool_choice`: "none" leaves the tools out of the prompt; "auto" lets the model choose and parses
+what it wrote; "required" and a named function constrain the output with the grammar engine to one
+(or, with parallel_tool_calls, several) calls in the parser's format, whose arguments match the
+function's JSON schema, so even a small model returns a valid call.
 
-Out: a parser reads the calls from the text. `hermes` (Hermes / Qwen): `<tool_call>{"name": ..., "arguments":
-{...}}</tool_call>` blocks, the text outside them is content. `llama3_json`: the whole output is
-`{"name": ..., "parameters": {...}}`, several joined by `;`. `auto`: hermes blocks if there are any, else
-llama3 JSON if the whole text is such; text that is not a call stays content.
+Out: a parser reads the calls from the text. `hermes` (Hermes / Qwen): `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks, the text outside them is content. `llama3_json`: the whole
+output is `{"name": ..., "parameters": {...}}`, several joined by `;`. `auto`: hermes blocks if
+there are any, else llama3 JSON if the whole text is such; text that is not a call stays content.
 """
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ class ToolCall:
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
     def to_openai(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass(frozen=True, slots=True)
 class Tools:
-    """A chat request's tools, as the gateway uses them: for the template, the constraint, the parser."""
+    """A chat request's tools, as the gateway uses them: for the template, the constraint, the
+    parser."""
 
     tools: list[dict[str, Any]]  # OpenAI's tool objects, validated
     choice: str  # "auto" | "required" | "named" ("none" never builds a Tools)
@@ -51,10 +54,12 @@ class Tools:
     parser: str
 
     def constraint(self) -> Constraint | None:
-        """required / named: the calls the output must be (an xgrammar structural tag); auto: none."""
+        """required / named: the calls the output must be (an xgrammar structural tag); auto:
+        none."""
         if self.choice == "auto":
             return None
-        fns = [t["function"] for t in self.tools if self.named is None or t["function"]["name"] == self.named]
+        fns = [t["function"] for t in self.tools if self.named is None
+               or t["function"]["name"] == self.named]
         tags = [_tag(fn, self.parser) for fn in fns]
         sep = "; " if self.parser == "llama3_json" else "\n"
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True,
@@ -71,10 +76,13 @@ class Tools:
 
 
 def parse_tools(body: dict[str, Any], parser: str) -> Tools | None:
-    """The request's tools (None: no tools, or tool_choice "none"); InvalidRequest naming the field."""
-    tools, choice, parallel = body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+    """The request's tools (None: no tools, or tool_choice "none"); InvalidRequest naming the
+    field."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+        raise InvalidRequest("parallel_tool_calls must be true or false",
+                             param="parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
@@ -89,12 +97,13 @@ def parse_tools(body: dict[str, Any], parser: str) -> Tools | None:
         choice = "auto"
     elif isinstance(choice, dict):
         fn = choice.get("function")
-        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": "function", '
-                                 '"function": {"name": ...}}', param="tool_choice")
+        if (choice.get("type") != "function" or not isinstance(fn, dict)
+                or not isinstance(fn.get("name"), str)):
+            raise InvalidRequest('tool_choice must be "none", "auto", "required" or {"type": '
+                                 '"function", "function": {"name": ...}}', param="tool_choice")
         if fn["name"] not in names:
-            raise InvalidRequest(f"tool_choice names {fn['name']!r}, which is not among the tools"[:300],
-                                 param="tool_choice")
+            raise InvalidRequest(f"tool_choice names {fn['name']!r}, which is not among the "
+                                 "tools"[:300], param="tool_choice")
         choice, named = "named", fn["name"]
     elif choice not in ("none", "auto", "required"):
         raise InvalidRequest('tool_choice must be "none", "auto", "required" or a named function',
@@ -107,12 +116,15 @@ def parse_tools(body: dict[str, Any], parser: str) -> Tools | None:
 def _check_tool(tool: Any, i: int) -> str:
     fn = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-        raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', param="tools")
+        raise InvalidRequest(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}',
+                             param="tools")
     name = fn.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
-        raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ . or -", param="tools")
+        raise InvalidRequest(f"tools[{i}].function.name must be 1 to 64 letters, digits, _ . or -",
+                             param="tools")
     if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-        raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        raise InvalidRequest(f"tools[{i}].function.parameters must be a JSON schema object",
+                             param="tools")
     if fn.get("description") is not None and not isinstance(fn["description"], str):
         raise InvalidRequest(f"tools[{i}].function.description must be a string", param="tools")
     return name
@@ -126,7 +138,8 @@ def _tag(fn: dict[str, Any], parser: str) -> dict[str, Any]:
         begin, end = f'{{"name": {name}, "parameters": ', "}"
     else:
         begin, end = f'<tool_call>\n{{"name": {name}, "arguments": ', "}\n</tool_call>"
-    # max_whitespace_cnt: no runs of whitespace, which a small model under greedy decoding can emit forever
+    # max_whitespace_cnt: no runs of whitespace, which a small model under greedy decoding can emit
+    # forever
     content = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
@@ -209,7 +222,8 @@ class ToolStream:
 
 
 def _partial_tag(text: str) -> int:
-    """How many trailing characters of text are a proper prefix of the open tag (or a leading '{')."""
+    """How many trailing characters of text are a proper prefix of the open tag (or a leading
+    '{')."""
     for n in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
         if OPEN_TAG.startswith(text[-n:]):
             return n
@@ -217,7 +231,8 @@ def _partial_tag(text: str) -> int:
 
 
 def stream_deltas(calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """The `tool_calls` deltas of a stream: per call, one with its id and name, one with its arguments."""
+    """The `tool_calls` deltas of a stream: per call, one with its id and name, one with its
+    arguments."""
     out: list[dict[str, Any]] = []
     for i, c in enumerate(calls):
         out.append({"tool_calls": [{"index": i, "id": c.id, "type": "function",

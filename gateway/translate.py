@@ -92,7 +92,8 @@ async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGen
             pending.append(text)
             count += len(out.token_ids)
             ended = out.finish_reason is not None or out.finished
-            if (ended or count >= interval or not sent) and any(thoughts + pending):  # first at once
+            # first at once
+            if (ended or count >= interval or not sent) and any(thoughts + pending):
                 if any(thoughts):  # a delta's reasoning precedes its content
                     yield Thought("".join(thoughts))
                 if any(pending):

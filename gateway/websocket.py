@@ -1,16 +1,20 @@
-"""GET /v1/ws: several requests streamed over one WebSocket at once, each keyed by the client's own id.
+"""GET /v1/ws: several requests streamed over one WebSocket at once, each keyed by the client's own
+id.
 
 Client -> server (JSON text frames):
-    {"op": "chat.completions" | "completions", "id": "<client id>", "body": {...OpenAI request body...}}
+    {"op": "chat.completions" | "completions", "id": "<client id>",
+     "body": {...OpenAI request body...}}
     {"op": "cancel", "id": "<client id>"}
 Server -> client:
     {"id": ..., "event": "chunk", "data": {...}}   the very object an SSE `data:` line carries
     {"id": ..., "event": "done"}                   the SSE `data: [DONE]`
-    {"id": ..., "event": "cancelled"}              after a cancel: the request is gone from the engine
-    {"id": ..., "event": "error", "status": 400, "error": {...}}   OpenAI's error object; id null when the
+    {"id": ..., "event": "cancelled"}              after a cancel: the request is gone from the
+                                                   engine
+    {"id": ..., "event": "error", "status": 400, "error": {...}}
+                                                   OpenAI's error object; id null when the
                                                    message itself could not be read
-A malformed message is answered with an error frame and dropped; the socket and the other requests on
-it go on. Closing the socket cancels every request still running on it.
+A malformed message is answered with an error frame and dropped; the socket and the other requests
+on it go on. Closing the socket cancels every request still running on it.
 """
 from __future__ import annotations
 
@@ -37,19 +41,23 @@ MAX_ID_LEN = 256
 
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
     limit = request.app[CONFIG].max_body_size
-    # aiohttp closes the socket on a frame over max_msg_size; up to twice the limit we answer instead.
+    # aiohttp closes the socket on a frame over max_msg_size; up to twice the limit we answer
+    # instead.
     ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * limit + 65536)
     await ws.prepare(request)
     session = _Session(request.app, ws, request.get(TENANT))
     try:
         async for msg in ws:
             if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
-                await session.error(None, PayloadTooLarge(f"the message is larger than this server's limit of "
-                                                          f"{limit} bytes"))
+                await session.error(None,
+                                    PayloadTooLarge("the message is larger than this server's "
+                                                    f"limit of {limit} bytes"))
             elif msg.type == WSMsgType.TEXT:
                 await session.handle(msg.data)
             elif msg.type == WSMsgType.BINARY:
-                await session.error(None, InvalidRequest("binary frames are not accepted: send JSON text frames"))
+                await session.error(None,
+                                    InvalidRequest("binary frames are not accepted: send JSON text "
+                                                   "frames"))
     finally:
         await session.close()
     return ws
@@ -58,7 +66,8 @@ async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
 class _Session:
     def __init__(self, app: web.Application, ws: web.WebSocketResponse, tenant: str | None) -> None:
         self.app, self.ws = app, ws
-        self.tenant = tenant  # the socket's API key's (gateway/state.py TENANT), for each request on it
+        # the socket's API key's (gateway/state.py TENANT), for each request on it
+        self.tenant = tenant
         self.live: dict[str, asyncio.Task[None]] = {}  # client id -> the task streaming it
         self.cancelled: set[str] = set()
         self._send_lock = asyncio.Lock()
@@ -73,17 +82,19 @@ class _Session:
             unknown = sorted(str(k)[:100] for k in msg if k not in ("op", "id", "body"))
             if not isinstance(cid, str) or not cid or len(cid) > MAX_ID_LEN:
                 cid = None
-                raise InvalidRequest(f"'id' must be a non-empty string of at most {MAX_ID_LEN} characters", param="id")
+                raise InvalidRequest(f"'id' must be a non-empty string of at most {MAX_ID_LEN} "
+                                     "characters", param="id")
             if unknown:  # every field is honoured or refused, here as in the body
-                raise InvalidRequest(f"unknown field {unknown[0]!r} in the message: it takes op, id and body",
-                                     param=unknown[0])
+                raise InvalidRequest(f"unknown field {unknown[0]!r} in the message: it takes op, "
+                                     "id and body", param=unknown[0])
             op = msg.get("op")
             if op == "cancel":
                 self.cancel(cid)
             elif op in OPS:
                 self.start(cid, OPS[op], msg.get("body"))
             else:
-                raise InvalidRequest(f"'op' must be one of {[*OPS, 'cancel']}, got {op!r}", param="op")
+                raise InvalidRequest(f"'op' must be one of {[*OPS, 'cancel']}, got {op!r}",
+                                     param="op")
         except orjson.JSONDecodeError as e:
             await self.error(None, InvalidRequest(f"the message is not valid JSON: {e}"))
         except ConveyorError as e:
@@ -133,7 +144,8 @@ class _Session:
 
     @staticmethod
     def _error_frame(cid: str | None, err: ConveyorError) -> dict[str, Any]:
-        frame: dict[str, Any] = {"id": cid, "event": "error", "status": err.status, "error": error_body(err)["error"]}
+        frame: dict[str, Any] = {"id": cid, "event": "error", "status": err.status,
+                                 "error": error_body(err)["error"]}
         if isinstance(err, Overloaded):
             frame["retry_after"] = err.retry_after
         return frame
@@ -144,7 +156,8 @@ class _Session:
     async def send(self, frame: dict[str, Any]) -> None:
         if self.ws.closed:
             raise ConnectionResetError("websocket closed")
-        async with self._send_lock:  # one frame at a time; send_str waits while the client reads slowly
+        # one frame at a time; send_str waits while the client reads slowly
+        async with self._send_lock:
             await self.ws.send_str(orjson.dumps(frame).decode())
 
     async def close(self) -> None:

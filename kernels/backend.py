@@ -23,7 +23,8 @@ class BatchLayout:
     context_lens: list[int]
     block_tables: list[list[int]]
     block_size: int
-    slot_mapping: torch.Tensor  # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    # [T] int64: cache slot (block_id * block_size + offset) of each new token
+    slot_mapping: torch.Tensor
 
     @property
     def seq_lens(self) -> list[int]:
@@ -31,11 +32,12 @@ class BatchLayout:
 
 
 class AttentionBackend(Protocol):
-    # Whether the cache may hold K/V in another dtype than q (--kv-cache-dtype): the torch backend casts;
-    # the Triton kernels take one dtype.
+    # Whether the cache may hold K/V in another dtype than q (--kv-cache-dtype): the torch backend
+    # casts; the Triton kernels take one dtype.
     casts_kv: bool
-    # Whether forward honours `window` (sliding-window layers) and `softcap` (soft-capped scores). An engine
-    # whose model needs one the backend lacks refuses to start (softcap) or caps its context at the window.
+    # Whether forward honours `window` (sliding-window layers) and `softcap` (soft-capped scores).
+    # An engine whose model needs one the backend lacks refuses to start (softcap) or caps its
+    # context at the window.
     supports_window: bool
     supports_softcap: bool
 
@@ -48,16 +50,18 @@ class AttentionBackend(Protocol):
                 softcap: float | None = None) -> torch.Tensor:
         """q [T, H, D], k and v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, H, D].
         Write k/v into their cache slots, then attend each new token to its sequence's cached
-        context (fully) and to the new tokens (causally). window: a token at position p sees only keys
-        at p - window + 1 .. p. softcap: scores s become softcap * tanh(s / softcap) before the mask."""
+        context (fully) and to the new tokens (causally). window: a token at position p sees only
+        keys at p - window + 1 .. p. softcap: scores s become softcap * tanh(s / softcap) before the
+        mask."""
         ...
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """kv: [layers, 2, num_blocks, block_size, Hkv, D]; copy block src[i] onto dst[i] in every layer
-        (copy-on-write)."""
+        """kv: [layers, 2, num_blocks, block_size, Hkv, D]; copy block src[i] onto dst[i] in every
+        layer (copy-on-write)."""
         ...
 
-    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
         """Copy blocks between pools (device <-> CPU swap pool); same layout as copy_blocks."""
         ...
 
@@ -67,8 +71,8 @@ def backend_limit(cfg: Any, backend: AttentionBackend) -> int:
     sliding windows is exact up to the smallest window (where windowed and full attention agree);
     soft-capped scores it cannot compute at all, so that is refused rather than served wrong."""
     if cfg.attn_softcap is not None and not backend.supports_softcap:
-        raise ValueError(f"{cfg.architecture} soft-caps attention scores, which the {type(backend).__name__} "
-                         "does not: use --attention-backend torch")
+        raise ValueError(f"{cfg.architecture} soft-caps attention scores, which the "
+                         f"{type(backend).__name__} does not: use --attention-backend torch")
     windows = [w for w in cfg.layer_windows if w is not None]
     if windows and not backend.supports_window:
         return int(min(windows))

@@ -40,7 +40,8 @@ from kernels.triton import (
 class TritonMeta:
     slot_mapping: torch.Tensor  # [T] int64
     # The whole batch, in the order of the flattened tokens.
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (never read: loads are masked)
+    # [B, max_blocks] int32, padded with block 0 (never read: loads are masked)
+    block_tables: torch.Tensor
     seq_lens: torch.Tensor  # [B] int32 = context_lens + query_lens
     context_lens: torch.Tensor  # [B] int32
     query_start_loc: torch.Tensor  # [B + 1] int32
@@ -56,7 +57,8 @@ class TritonMeta:
     prefill_block_tables: torch.Tensor  # [Bp, max_blocks] int32
     prefill_q_lens_list: list[int]
     # Built on the first layer's forward, shared by the step's layers: the split-K decode workspaces
-    # (partial outputs, partial log-sum-exps) by (heads, head_dim, splits), the prefill tiles by block_q.
+    # (partial outputs, partial log-sum-exps) by (heads, head_dim, splits), the prefill tiles by
+    # block_q.
     decode_workspaces: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(
         default_factory=dict, init=False)
     tiles: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
@@ -77,17 +79,19 @@ class TritonBackend:
     """
 
     casts_kv = False
-    supports_window = False  # a windowed model serves contexts up to its smallest window (engine/core.py)
+    # a windowed model serves contexts up to its smallest window (engine/core.py)
+    supports_window = False
     supports_softcap = False
 
     def __init__(
-        self, device: torch.device | str, min_partition: int = 256, target_programs: int | None = None
+        self, device: torch.device | str, min_partition: int = 256,
+        target_programs: int | None = None
     ) -> None:
         self.device = torch.device(device)
         if self.device.type != "cuda" and not triton.knobs.runtime.interpret:
-            raise ValueError(f"the Triton attention backend needs a CUDA device, not {self.device}: use "
-                             "--attention-backend torch (or auto) there; on CPU Triton runs only under "
-                             "TRITON_INTERPRET=1, which the tests use")
+            raise ValueError("the Triton attention backend needs a CUDA device, not "
+                             f"{self.device}: use --attention-backend torch (or auto) there; on "
+                             "CPU Triton runs only under TRITON_INTERPRET=1, which the tests use")
         if target_programs is None:
             cuda = self.device.type == "cuda"
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 4
@@ -103,7 +107,8 @@ class TritonBackend:
         tables = torch.zeros(b, max(max_blocks, 1), dtype=torch.int32)  # [B, max_blocks]
         for i, (table, n) in enumerate(zip(layout.block_tables, seq_lens)):
             used = table[: triton.cdiv(n, bs)]
-            assert len(used) * bs >= n, f"sequence {i}: block table covers {len(used) * bs} < {n} tokens"
+            covered = len(used) * bs
+            assert covered >= n, f"sequence {i}: block table covers {covered} < {n} tokens"
             tables[i, : len(used)] = torch.tensor(used, dtype=torch.int32)
         q_start = [0]
         for n in q_lens:
@@ -111,7 +116,8 @@ class TritonBackend:
         dec = [i for i, n in enumerate(q_lens) if n == 1]
         pre = [i for i, n in enumerate(q_lens) if n != 1]
         dec_t, pre_t = torch.tensor(dec, dtype=torch.int64), torch.tensor(pre, dtype=torch.int64)
-        seq_t, ctx_t, start_t = (torch.tensor(x, dtype=torch.int32) for x in (seq_lens, ctx_lens, q_start))
+        seq_t, ctx_t, start_t = (torch.tensor(x, dtype=torch.int32)
+                                 for x in (seq_lens, ctx_lens, q_start))
         host = {
             "block_tables": tables,
             "seq_lens": seq_t,
@@ -155,17 +161,21 @@ class TritonBackend:
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
-        out: torch.Tensor | None = None,  # [T, H, D]; a caller-owned buffer (CUDA graphs, tests that poison it)
+        # [T, H, D]; a caller-owned buffer (CUDA graphs, tests that poison it)
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if window is not None or softcap is not None:  # the engine checks supports_* before it starts
-            raise NotImplementedError("the Triton kernels attend without sliding windows or soft-capping")
+        # the engine checks supports_* before it starts
+        if window is not None or softcap is not None:
+            raise NotImplementedError("the Triton kernels attend without sliding windows or "
+                                      "soft-capping")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q) if out is None else out
         _, h, d = q.shape
         hkv = k_cache.shape[2]
         if meta.num_decodes:
-            partition = self._decode_partition(meta.num_decodes, hkv, meta.decode_max_len, decode_block_n(d))
+            partition = self._decode_partition(meta.num_decodes, hkv, meta.decode_max_len,
+                                               decode_block_n(d))
             workspace = None
             if partition is not None:
                 splits: int = triton.cdiv(meta.decode_max_len, partition)
@@ -176,7 +186,8 @@ class TritonBackend:
                         torch.empty(bd, h, splits, d, dtype=torch.float32, device=q.device),
                         torch.empty(bd, h, splits, dtype=torch.float32, device=q.device))
             decode_attention(out, q, k_cache, v_cache, meta.decode_rows, meta.decode_seq_lens,
-                             meta.decode_block_tables, scale, meta.decode_max_len, partition, workspace)
+                             meta.decode_block_tables, scale, meta.decode_max_len, partition,
+                             workspace)
         if meta.num_prefills:
             # The tiles must match the launch's BLOCK_Q.
             knobs = prefill_knobs(device_arch(q.device), d, q.dtype, h // hkv)
@@ -192,23 +203,27 @@ class TritonBackend:
                               scale, knobs)
         return out
 
-    def _decode_partition(self, batch: int, num_kv_heads: int, max_len: int, block_n: int) -> int | None:
+    def _decode_partition(self, batch: int, num_kv_heads: int, max_len: int,
+                          block_n: int) -> int | None:
         """Keys per split, or None for no split: split only while (sequences x KV heads) programs
         leave the GPU under-occupied, so large batches pay no reduce step."""
         programs = batch * num_kv_heads
         if programs >= self.target_programs or max_len <= self.min_partition:
             return None
-        splits: int = min(triton.cdiv(self.target_programs, programs), triton.cdiv(max_len, self.min_partition))
+        splits: int = min(triton.cdiv(self.target_programs, programs),
+                          triton.cdiv(max_len, self.min_partition))
         if splits <= 1:
             return None
         tiles_per_split: int = triton.cdiv(triton.cdiv(max_len, splits), block_n)
         return tiles_per_split * block_n
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """kv: [layers, 2, num_blocks, block_size, Hkv, D]; block src[i] -> dst[i] (copy-on-write)."""
+        """kv: [layers, 2, num_blocks, block_size, Hkv, D]; block src[i] -> dst[i]
+        (copy-on-write)."""
         copy_blocks(kv, src, dst)
 
-    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def swap_blocks(self, src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor,
+                    dst: torch.Tensor) -> None:
         """Between pools: same device -> one copy kernel; device -> CPU -> gather kernel, one bulk
         copy, CPU scatter (swap_out); CPU -> device -> the mirror image (swap_in)."""
         if src_kv.device == dst_kv.device:

@@ -28,7 +28,8 @@ EXECUTOR_BACKENDS = ("mp", "ray")
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Each knob says what it trades: throughput, inter-token latency (ITL), time to first token (TTFT)."""
+    """Each knob says what it trades: throughput, inter-token latency (ITL), time to first token
+    (TTFT)."""
 
     # Tokens computed in one step, prefill and decode together. Larger = better throughput (bigger
     # GEMMs), worse ITL for running requests while prompts prefill.
@@ -44,10 +45,11 @@ class SchedulerConfig:
     # TGI's knob: while requests run, admit new ones only when waiting >= ratio * running (0 = off).
     # Larger = bigger admission batches (throughput), worse TTFT.
     waiting_served_ratio: float = 0.0
-    # At most this many prompts with more than long_prefill_threshold tokens left prefill at once, so
-    # one huge prompt cannot starve the first token of the short ones queued behind it. None: half the
-    # step's budget, at least 256 (a prompt that fits half a step is not long: with a 2,048-token budget,
-    # 1,024 gave a burst of 512-token prompts 0.65x the TTFT of 256, at the same throughput).
+    # At most this many prompts with more than long_prefill_threshold tokens left prefill at once,
+    # so one huge prompt cannot starve the first token of the short ones queued behind it. None:
+    # half the step's budget, at least 256 (a prompt that fits half a step is not long: with a
+    # 2,048-token budget, 1,024 gave a burst of 512-token prompts 0.65x the TTFT of 256, at the same
+    # throughput).
     max_long_prefills: int = 1
     long_prefill_threshold: int | None = None
     # auto: swap to the CPU pool while it has room, else recompute; swap: CPU pool only (recompute
@@ -57,13 +59,15 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1")
         _require(self.max_num_seqs >= 1, "max_num_seqs must be >= 1")
-        _require(self.prefill_policy in PREFILL_POLICIES, f"prefill_policy must be one of {PREFILL_POLICIES}")
+        _require(self.prefill_policy in PREFILL_POLICIES,
+                 f"prefill_policy must be one of {PREFILL_POLICIES}")
         _require(self.schedule_interval >= 1, "schedule_interval must be >= 1")
         _require(self.waiting_served_ratio >= 0, "waiting_served_ratio must be >= 0")
         _require(self.max_long_prefills >= 1, "max_long_prefills must be >= 1")
         _require(self.long_prefill_threshold is None or self.long_prefill_threshold >= 1,
                  "long_prefill_threshold must be >= 1")
-        _require(self.preemption_mode in PREEMPTION_MODES, f"preemption_mode must be one of {PREEMPTION_MODES}")
+        _require(self.preemption_mode in PREEMPTION_MODES,
+                 f"preemption_mode must be one of {PREEMPTION_MODES}")
 
     @cached_property  # read for every running sequence every step
     def long_prompt_tokens(self) -> int:
@@ -83,17 +87,19 @@ class CacheConfig:
     # CPU pool that preempted requests swap to (bytes, as kv_cache_memory). 0 = recompute only.
     swap_space: str = "1GiB"
     num_cpu_blocks: int | None = None
-    # Reuse the KV blocks of prompt prefixes computed before (and keep freed ones until evicted, least
-    # recently used first, then in the CPU pool): much lower time to first token for shared prefixes,
-    # under 1% throughput cost without hits.
+    # Reuse the KV blocks of prompt prefixes computed before (and keep freed ones until evicted,
+    # least recently used first, then in the CPU pool): much lower time to first token for shared
+    # prefixes, under 1% throughput cost without hits.
     enable_prefix_caching: bool = True
-    # What K/V are stored in: auto = the model's dtype. bfloat16 under a float32 model halves the pool's
-    # bytes per token (twice the blocks) and the bytes decode attention reads, at bfloat16's precision
-    # for attention (docs/performance.md); only the torch attention backend casts between the two.
+    # What K/V are stored in: auto = the model's dtype. bfloat16 under a float32 model halves the
+    # pool's bytes per token (twice the blocks) and the bytes decode attention reads, at bfloat16's
+    # precision for attention (docs/performance.md); only the torch attention backend casts between
+    # the two.
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
                  "block_size must be a power of two")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks must be >= 1")
@@ -103,16 +109,17 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding: a proposer guesses the next tokens, the model verifies them in one step.
+    """Speculative decoding: a proposer guesses the next tokens, the model verifies them in one
+    step.
 
     Output is unchanged (greedy: identical; sampled: the same distribution, by rejection sampling);
     what it trades is extra tokens per step (budget, FLOPs) for fewer steps per output token, which
     pays when steps are bound by reading the weights (small batches) and the guesses are good.
     """
 
-    # None: off; "ngram": prompt lookup (match the context's last n tokens earlier in it, propose what
-    # followed; free, good for edits, summaries and code); "draft:<model>": a smaller model with the
-    # same vocabulary (HF folder or .gguf) runs on its own paged cache.
+    # None: off; "ngram": prompt lookup (match the context's last n tokens earlier in it, propose
+    # what followed; free, good for edits, summaries and code); "draft:<model>": a smaller model
+    # with the same vocabulary (HF folder or .gguf) runs on its own paged cache.
     speculative: str | None = None
     # Tokens proposed per sequence and step: more = longer accepted runs on easy text, more wasted
     # compute on rejections.
@@ -125,7 +132,8 @@ class SpeculativeConfig:
         s = self.speculative
         _require(s is None or s == "ngram" or (s.startswith("draft:") and len(s) > 6),
                  "speculative must be 'ngram' or 'draft:<model>'")
-        _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens must be in [1, 16]")
+        _require(1 <= self.num_speculative_tokens <= 16,
+                 "num_speculative_tokens must be in [1, 16]")
         _require(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
 
     @property
@@ -141,9 +149,10 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # engine/load/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
-    # Weight-only quantized GEMMs (engine/load/quant.py): auto = what a GGUF file's matrices carry (int4 for
-    # 4-bit codes, int8 for Q8_0), none for float checkpoints.
+    # engine/load/dtype.py: bfloat16 where the CPU runs it natively and the checkpoint is 16-bit
+    dtype: str = "auto"
+    # Weight-only quantized GEMMs (engine/load/quant.py): auto = what a GGUF file's matrices carry
+    # (int4 for 4-bit codes, int8 for Q8_0), none for float checkpoints.
     quantization: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -151,23 +160,26 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None  # None = the model's own context length
     seed: int = 0
-    # One GEMM kernel at every row count and one-row GEMMs padded, so a request's output does not depend
-    # on the traffic where the default's kernel choice would make it (docs/determinism.md); costs the
-    # quantized default its int kernels at small batches.
+    # One GEMM kernel at every row count and one-row GEMMs padded, so a request's output does not
+    # depend on the traffic where the default's kernel choice would make it (docs/determinism.md);
+    # costs the quantized default its int kernels at small batches.
     deterministic: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    # Tensor parallelism (docs/scaling.md): the model split over this many ranks (heads and MLP units);
-    # each holds 1/N of the weights and of every K/V block, and pays two all-reduces per layer per step.
+    # Tensor parallelism (docs/scaling.md): the model split over this many ranks (heads and MLP
+    # units); each holds 1/N of the weights and of every K/V block, and pays two all-reduces per
+    # layer per step.
     tensor_parallel_size: int = 1
     # mp: workers are local processes; ray: Ray actors in a placement group (other nodes too).
     distributed_executor_backend: str = "mp"
-    ray_address: str | None = None  # None: join the Ray cluster this process is in, or start a local one
+    # None: join the Ray cluster this process is in, or start a local one
+    ray_address: str | None = None
     # Seconds a collective may wait for a rank before the engine gives up on it (and exits).
     collective_timeout: float = 60.0
-    # How embedding requests pool the last hidden states (engine/pooling.py): auto = the checkpoint's
-    # sentence-transformers Pooling module, else the last token; none = refuse embeddings.
+    # How embedding requests pool the last hidden states (engine/pooling.py): auto = the
+    # checkpoint's sentence-transformers Pooling module, else the last token; none = refuse
+    # embeddings.
     pooling: str = "auto"
     # Seconds a grammar compile may take before its request gets a 400 (engine/structured.py).
     grammar_compile_timeout: float = 20.0
@@ -180,17 +192,21 @@ class EngineConfig:
         _require(self.grammar_compile_timeout > 0, "grammar_compile_timeout must be > 0")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}")
         _require(self.quantization in QUANTIZATIONS, f"quantization must be one of {QUANTIZATIONS}")
-        _require(self.attention_backend in ATTENTION_BACKENDS, f"attention_backend must be one of {ATTENTION_BACKENDS}")
+        _require(self.attention_backend in ATTENTION_BACKENDS,
+                 f"attention_backend must be one of {ATTENTION_BACKENDS}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads must be >= 1")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2")
+        _require(self.max_model_len is None or self.max_model_len >= 2,
+                 "max_model_len must be >= 2")
         _require(self.pooling in POOLING_MODES, f"pooling must be one of {POOLING_MODES}")
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30}
 
 
 def parse_memory(text: str, total: int) -> int:
-    """'2GiB' -> bytes; '0.3' -> 30% of total; '0' -> 0. Raises ValueError with the accepted forms."""
+    """'2GiB' -> bytes; '0.3' -> 30% of total; '0' -> 0. Raises ValueError with the accepted
+    forms."""
     s = str(text).strip().lower().replace(" ", "")
     if s == "0":
         return 0
@@ -199,9 +215,11 @@ def parse_memory(text: str, total: int) -> int:
     try:
         value = float(num)
     except ValueError:
-        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like '0.3'") from None
+        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like "
+                         "'0.3'") from None
     if unit not in _UNITS or value <= 0:
-        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like '0.3'")
+        raise ValueError(f"memory size {text!r}: expected bytes like '2GiB' or a fraction like "
+                         "'0.3'")
     if unit == "" and value < 1:
         return int(value * total)
     return int(value * _UNITS[unit])
@@ -210,7 +228,8 @@ def parse_memory(text: str, total: int) -> int:
 def build_config(model: str, **options: Any) -> EngineConfig:
     """Flat options (as on the command line: max_num_seqs=..., block_size=...) -> the nested,
     validated EngineConfig. Unknown names are a TypeError, bad values a ValueError."""
-    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {}, SpeculativeConfig: {}, EngineConfig: {}}
+    parts: dict[type, dict[str, Any]] = {SchedulerConfig: {}, CacheConfig: {},
+                                         SpeculativeConfig: {}, EngineConfig: {}}
     for key, value in options.items():
         owners = [cls for cls in parts if key in _option_names(cls)]
         if not owners:
@@ -218,7 +237,8 @@ def build_config(model: str, **options: Any) -> EngineConfig:
         parts[owners[0]][key] = value
     return EngineConfig(model=model, scheduler=SchedulerConfig(**parts[SchedulerConfig]),
                         cache=CacheConfig(**parts[CacheConfig]),
-                        speculative=SpeculativeConfig(**parts[SpeculativeConfig]), **parts[EngineConfig])
+                        speculative=SpeculativeConfig(**parts[SpeculativeConfig]),
+                        **parts[EngineConfig])
 
 
 def _option_names(cls: type) -> set[str]:
@@ -236,7 +256,8 @@ def check_one_owner() -> None:
     for cls in classes:
         for name in _option_names(cls):
             if name in seen:
-                raise TypeError(f"engine option {name!r} is owned by both {seen[name]} and {cls.__name__}")
+                raise TypeError(f"engine option {name!r} is owned by both {seen[name]} and "
+                                f"{cls.__name__}")
             seen[name] = cls.__name__
 
 

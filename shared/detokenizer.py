@@ -7,16 +7,18 @@ see their context) plus the new ones. The text that the prefix alone decodes to 
 front; the rest is the delta. This is the prefix/read offset scheme of vLLM and mini-sglang.
 
 Two hold-backs:
-- A delta that ends in U+FFFD is usually a multi-byte character split across tokens. It is held until
-  a later token completes it (or the request ends), so no client ever sees a broken character.
+- A delta that ends in U+FFFD is usually a multi-byte character split across tokens. It is held
+  until a later token completes it (or the request ends), so no client ever sees a broken character.
 - Text that could still grow into a stop string is held, so a stop string is never emitted, even
-  when it is split across tokens. A hit ends the request: text up to, not including, the stop string.
+  when it is split across tokens. A hit ends the request: text up to, not including, the stop
+  string.
 
 Invariant: when no stop string hits, the concatenation of every delta (with `final=True` on the last
 step) equals `tokenizer.decode(all_ids, skip_special_tokens=True)`. One exception, by choice: with a
-byte-fallback tokenizer (Llama 2 style `<0xE4>` tokens) the full decode turns a whole run of byte tokens
-into U+FFFD when the run turns out invalid later, retroactively; matching that would mean holding every
-byte run (all CJK text in such vocabularies) until it ends. The stream keeps the valid characters.
+byte-fallback tokenizer (Llama 2 style `<0xE4>` tokens) the full decode turns a whole run of byte
+tokens into U+FFFD when the run turns out invalid later, retroactively; matching that would mean
+holding every byte run (all CJK text in such vocabularies) until it ends. The stream keeps the valid
+characters.
 """
 from __future__ import annotations
 
@@ -30,22 +32,28 @@ _REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """What detokenizing needs of a tokenizer: a transformers tokenizer, or the FastDecoder around one."""
+    """What detokenizing needs of a tokenizer: a transformers tokenizer, or the FastDecoder around
+    one."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...,
+               clean_up_tokenization_spaces: bool = ...) -> str:
         ...
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
         self.token_ids: list[int] = []
-        # ids[prefix_offset:read_offset] is the last emitted chunk; ids[read_offset:] not emitted yet.
+        # ids[prefix_offset:read_offset] is the last emitted chunk; ids[read_offset:] not emitted
+        # yet.
         self._prefix_offset = 0
         self._read_offset = 0
-        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset]), kept to avoid decoding it twice
-        self.num_decoded_chars = 0  # text decoded so far (emitted or held back); ids[:read_offset] made it
+        # decode(ids[prefix_offset:read_offset]), kept to avoid decoding it twice
+        self._prefix_text = ""
+        # text decoded so far (emitted or held back); ids[:read_offset] made it
+        self.num_decoded_chars = 0
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text held back because it may be the start of a stop string
         self.stopped = False  # a stop string was hit; later tokens are ignored
@@ -62,7 +70,8 @@ class IncrementalDetokenizer:
 
     @property
     def num_decoded_tokens(self) -> int:
-        """Tokens whose text is decoded (into num_decoded_chars); later ones end in an unfinished character."""
+        """Tokens whose text is decoded (into num_decoded_chars); later ones end in an unfinished
+        character."""
         return self._read_offset
 
     def _decode_new(self, final: bool) -> str:
@@ -80,7 +89,8 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=self._skip_special, clean_up_tokenization_spaces=False)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special,
+                                clean_up_tokenization_spaces=False)
 
     def _apply_stop(self, text: str, final: bool) -> str:
         if not self._stop:
@@ -108,8 +118,9 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class FastDecoder:
-    """The tokenizer's `decode` without transformers' per-call wrapping (about 4x less time per call; the
-    gateway decodes once or twice per request per step). Used only where it gives the very same text."""
+    """The tokenizer's `decode` without transformers' per-call wrapping (about 4x less time per
+    call; the gateway decodes once or twice per request per step). Used only where it gives the very
+    same text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._backend: Tokenizer = tokenizer._tokenizer
@@ -121,16 +132,19 @@ class FastDecoder:
 
     @staticmethod
     def wrap(tokenizer: Decoder) -> Decoder:
-        """FastDecoder(tokenizer) when it decodes a probe of ids exactly as tokenizer.decode does."""
+        """FastDecoder(tokenizer) when it decodes a probe of ids exactly as tokenizer.decode
+        does."""
         backend = getattr(tokenizer, "_tokenizer", None)
-        if backend is None or not hasattr(backend, "decode") or not getattr(tokenizer, "is_fast", False):
+        fast_backend = hasattr(backend, "decode") and getattr(tokenizer, "is_fast", False)
+        if backend is None or not fast_backend:
             return tokenizer
         fast = FastDecoder(tokenizer)
         specials = list(getattr(tokenizer, "all_special_ids", []))[:8]
         probe = [list(range(0, 300, 7)) + specials, specials + list(range(1000, 1300, 11)), [0], []]
         for ids in probe:
             for skip in (True, False):
-                want = tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+                want = tokenizer.decode(ids, skip_special_tokens=skip,
+                                        clean_up_tokenization_spaces=False)
                 if fast.decode(ids, skip_special_tokens=skip) != want:
                     return tokenizer
         return fast

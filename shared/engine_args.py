@@ -44,13 +44,17 @@ def _model_args(p: Parser, with_model: bool) -> None:
     a = p.add_argument
     if with_model:
         a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
-    a("--dtype", choices=DTYPES, help="auto (default): bfloat16 for 16-bit and quantized checkpoints on CPUs with "
-      "AMX or AVX512-BF16 (1.8x faster there), else float32 (bfloat16 is ~100x slower on CPUs without them)")
-    a("--quantization", choices=QUANTIZATIONS, help="auto (default): a GGUF's 4-bit matrices run as int4 and Q8_0 "
-      "as int8 weight-only GEMMs (weights stay 4-8x smaller than float32); none: dequantize to --dtype")
+    a("--dtype", choices=DTYPES,
+      help="auto (default): bfloat16 for 16-bit and quantized checkpoints on CPUs with AMX or "
+           "AVX512-BF16 (1.8x faster there), else float32 (bfloat16 is ~100x slower on CPUs "
+           "without them)")
+    a("--quantization", choices=QUANTIZATIONS,
+      help="auto (default): a GGUF's 4-bit matrices run as int4 and Q8_0 as int8 weight-only GEMMs "
+           "(weights stay 4-8x smaller than float32); none: dequantize to --dtype")
     a("--device", help="cpu (default) or cuda")
-    a("--attention-backend", choices=ATTENTION_BACKENDS, help="auto: Triton on CUDA, cpu elsewhere (a native "
-      "kernel for decodes and short queries, PyTorch for prompts); torch: PyTorch ops only")
+    a("--attention-backend", choices=ATTENTION_BACKENDS,
+      help="auto: Triton on CUDA, cpu elsewhere (a native kernel for decodes and short queries, "
+           "PyTorch for prompts); torch: PyTorch ops only")
     a("--num-threads", type=int, help="compute threads; default: one per core")
     a("--max-model-len", type=int, help="default: the model's context length")
     a("--seed", type=int, help="seed of unseeded sampling")
@@ -62,21 +66,29 @@ def _model_args(p: Parser, with_model: bool) -> None:
 def _scheduler_args(p: Parser) -> None:
     """SchedulerConfig: the step's budget, the prefill policy, admission and preemption."""
     a, s = p.add_argument, SchedulerConfig()
-    a("--max-num-seqs", type=int, help=f"sequences per step (default {s.max_num_seqs}): more = throughput "
-      "until the KV cache runs out")
-    a("--max-num-batched-tokens", type=int, help=f"token budget per step (default {s.max_num_batched_tokens}): "
-      "more = throughput, but longer steps (inter-token latency)")
-    a("--prefill-policy", choices=PREFILL_POLICIES, help=f"(default {s.prefill_policy}) chunked: steady "
-      "inter-token latency; prefill_first: lowest time to first token; mixed: whole prompts join decodes")
-    a("--schedule-interval", type=int, help="admit new requests every N steps (default 1): larger = steadier "
-      "decode batches, later first tokens")
-    a("--waiting-served-ratio", type=float, help="while requests run, admit new ones only when waiting >= "
-      "ratio * running (default 0 = off): bigger admission batches, later first tokens")
-    a("--max-long-prefills", type=int, help=f"long prompts prefilling at once (default {s.max_long_prefills}): "
-      "fewer = short prompts behind a long one get their first token sooner")
-    a("--long-prefill-threshold", type=int, help="tokens that make a prompt long (default: half the budget, >= 256)")
-    a("--preemption-mode", choices=PREEMPTION_MODES, help="(default auto) swap: copy blocks to the CPU pool; "
-      "recompute: free them and prefill again; auto: swap while the CPU pool has room")
+    a("--max-num-seqs", type=int,
+      help=f"sequences per step (default {s.max_num_seqs}): more = throughput until the KV cache "
+           "runs out")
+    a("--max-num-batched-tokens", type=int,
+      help=f"token budget per step (default {s.max_num_batched_tokens}): more = throughput, but "
+           "longer steps (inter-token latency)")
+    a("--prefill-policy", choices=PREFILL_POLICIES,
+      help=f"(default {s.prefill_policy}) chunked: steady inter-token latency; prefill_first: "
+           "lowest time to first token; mixed: whole prompts join decodes")
+    a("--schedule-interval", type=int,
+      help="admit new requests every N steps (default 1): larger = steadier decode batches, later "
+           "first tokens")
+    a("--waiting-served-ratio", type=float,
+      help="while requests run, admit new ones only when waiting >= ratio * running (default 0 = "
+           "off): bigger admission batches, later first tokens")
+    a("--max-long-prefills", type=int,
+      help=f"long prompts prefilling at once (default {s.max_long_prefills}): fewer = short "
+           "prompts behind a long one get their first token sooner")
+    a("--long-prefill-threshold", type=int,
+      help="tokens that make a prompt long (default: half the budget, >= 256)")
+    a("--preemption-mode", choices=PREEMPTION_MODES,
+      help="(default auto) swap: copy blocks to the CPU pool; recompute: free them and prefill "
+           "again; auto: swap while the CPU pool has room")
 
 
 def _cache_args(p: Parser) -> None:
@@ -86,8 +98,9 @@ def _cache_args(p: Parser) -> None:
     a("--kv-cache-memory",
       help=f"KV pool: bytes ('2GiB') or a fraction of free memory ('0.3') (default "
       f"{c.kv_cache_memory}); with --tensor-parallel-size, the total over the ranks")
-    a("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="auto (default): the model's dtype; bfloat16 under a "
-      "float32 model: twice the KV blocks and faster decode attention on CPU, at bfloat16's precision")
+    a("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
+      help="auto (default): the model's dtype; bfloat16 under a float32 model: twice the KV blocks "
+           "and faster decode attention on CPU, at bfloat16's precision")
     a("--num-blocks", "--num-kv-blocks", dest="num_blocks", type=int,
       help="exact KV block count (overrides --kv-cache-memory)")
     a("--swap-space", help=f"CPU swap pool in bytes (default {c.swap_space}); 0 = recompute only; "
@@ -97,9 +110,11 @@ def _cache_args(p: Parser) -> None:
 def _speculative_args(p: Parser) -> None:
     """Speculative decoding: the proposer and how much it proposes."""
     a = p.add_argument
-    a("--speculative", help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller "
-      "model, same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
-    a("--num-speculative-tokens", type=int, help="tokens proposed per sequence and step (default 4)")
+    a("--speculative",
+      help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller model, "
+           "same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
+    a("--num-speculative-tokens", type=int,
+      help="tokens proposed per sequence and step (default 4)")
     a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 1)")
     a("--ngram-max", type=int, help="longest suffix prompt lookup matches (default 4)")
 
@@ -107,31 +122,39 @@ def _speculative_args(p: Parser) -> None:
 def _parallel_args(p: Parser) -> None:
     """Tensor parallelism: how many ranks, where they run, how long a collective waits."""
     a = p.add_argument
-    a("--tensor-parallel-size", "-tp", type=int, help="split the model over N ranks by attention heads and MLP "
-      "units (N must divide the heads and K/V heads): 1/N of the weights and KV per rank, two all-reduces per "
-      "layer per step (default 1; docs/scaling.md)")
-    a("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, help="where tensor-parallel workers run: mp "
-      "(default) local processes; ray: Ray actors in a placement group, on other nodes too")
-    a("--ray-address", help="Ray cluster to place workers on (default: the one this process is in, else a "
-      "local one)")
-    a("--collective-timeout", type=float, help="seconds a tensor-parallel collective waits for a rank before "
-      "the engine fails (default 60)")
+    a("--tensor-parallel-size", "-tp", type=int,
+      help="split the model over N ranks by attention heads and MLP units (N must divide the heads "
+           "and K/V heads): 1/N of the weights and KV per rank, two all-reduces per layer per step "
+           "(default 1; docs/scaling.md)")
+    a("--distributed-executor-backend", choices=EXECUTOR_BACKENDS,
+      help="where tensor-parallel workers run: mp (default) local processes; ray: Ray actors in a "
+           "placement group, on other nodes too")
+    a("--ray-address",
+      help="Ray cluster to place workers on (default: the one this process is in, else a local "
+           "one)")
+    a("--collective-timeout", type=float,
+      help="seconds a tensor-parallel collective waits for a rank before the engine fails (default "
+           "60)")
 
 
 def _feature_args(p: Parser) -> None:
     """What the engine offers beside generation: prefix caching, embeddings, grammars, tracing."""
     a = p.add_argument
     a("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
-      help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, which "
-      "cuts time to first token for shared prefixes and costs <1%% throughput without hits)")
-    a("--pooling", choices=POOLING_MODES, help="how /v1/embeddings pools the last hidden states: auto "
-      "(default) the checkpoint's sentence-transformers Pooling module, else the last token (as vLLM does "
-      "for decoders); last, mean or cls force one; none refuses embeddings (docs/api.md)")
-    a("--grammar-compile-timeout", type=float, metavar="SECONDS", help="a structured-output grammar that takes "
-      "longer to compile is refused (400) and its compile killed (default 20; real schemas take under 1 s)")
-    a("--trace-file", metavar="PATH", help="record every step's phases and every request's lifecycle, in Chrome "
-      "trace-event JSON (open it in Perfetto), and write the latest 200k events there when the engine stops "
-      "(docs/dashboard.md)")
+      help="do not reuse the KV blocks of prompt prefixes computed before (default: reuse them, "
+           "which cuts time to first token for shared prefixes and costs <1%% throughput without "
+           "hits)")
+    a("--pooling", choices=POOLING_MODES,
+      help="how /v1/embeddings pools the last hidden states: auto (default) the checkpoint's "
+           "sentence-transformers Pooling module, else the last token (as vLLM does for decoders); "
+           "last, mean or cls force one; none refuses embeddings (docs/api.md)")
+    a("--grammar-compile-timeout", type=float, metavar="SECONDS",
+      help="a structured-output grammar that takes longer to compile is refused (400) and its "
+           "compile killed (default 20; real schemas take under 1 s)")
+    a("--trace-file", metavar="PATH",
+      help="record every step's phases and every request's lifecycle, in Chrome trace-event JSON "
+           "(open it in Perfetto), and write the latest 200k events there when the engine stops "
+           "(docs/dashboard.md)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -1,6 +1,7 @@
 """Where a model's files are: a Hugging Face folder, a GGUF file, or the embedded default.
 
-Nothing here downloads anything: a name that is not a local path or the embedded default is an error.
+Nothing here downloads anything: a name that is not a local path or the embedded default is an
+error.
 """
 from __future__ import annotations
 
@@ -43,5 +44,5 @@ def resolve_model(model: str) -> ModelSource:
         return ModelSource(path.stem, path.parent.resolve(), path.name)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, path.resolve())
-    raise FileNotFoundError(f"model {model!r} is neither a local HF folder with config.json, a .gguf file, "
-                            f"nor {DEFAULT_MODEL!r}")
+    raise FileNotFoundError(f"model {model!r} is neither a local HF folder with config.json, a "
+                            f".gguf file, nor {DEFAULT_MODEL!r}")

@@ -1,5 +1,6 @@
-"""Checks that run before a model loads: a mistake a user can fix in a second must not cost them a model
-load first and a traceback after it. Each returns one line saying what is wrong, or None. No torch here."""
+"""Checks that run before a model loads: a mistake a user can fix in a second must not cost them a
+model load first and a traceback after it. Each returns one line saying what is wrong, or None. No
+torch here."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,8 @@ import socket
 
 
 def check_writable(path: str, flag: str = "--trace-file") -> str | None:
-    """Whether path can be written (it is created, left empty, if it does not exist; never truncated)."""
+    """Whether path can be written (it is created, left empty, if it does not exist; never
+    truncated)."""
     existed = os.path.exists(path)
     try:
         with open(path, "ab"):
@@ -34,5 +36,6 @@ def check_port(host: str, port: int, reuse_port: bool = False) -> str | None:
             try:
                 s.bind(addr)
             except OSError as e:
-                return f"cannot listen on {host}:{port}: {e.strerror or e} (another server there? pick --port)"
+                return (f"cannot listen on {host}:{port}: {e.strerror or e} (another server "
+                        "there? pick --port)")
     return None

@@ -19,13 +19,15 @@ from shared.sampling import SamplingParams, check_priority
 
 # 2: ABORT may name one choice (index). 3: ending one choice is its own message, STOP_CHOICE; ABORT
 # ends whole requests only, so one message no longer has two meanings; ADD no longer carries the
-# client's arrival_time (the engine orders by its own clock at receipt). 4: HEARTBEAT (engine -> client
-# while it has requests in flight), and READY announces the engine's message size limit and heartbeat.
-# OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a version change: they
-# are optional, and an engine that predates them answers an ERROR, which costs a client nothing else.
-# 5: SamplingParams.prompt_logprobs (every ADD carries it, so an older engine would refuse every request),
-# and OUTPUTS rows end with prompt_logprobs; embeddings: ADD may carry `pooling`, READY announces the
-# engine's pooler, an output row its `embedding` (an engine of 4 would have generated text for one).
+# client's arrival_time (the engine orders by its own clock at receipt). 4: HEARTBEAT (engine ->
+# client while it has requests in flight), and READY announces the engine's message size limit and
+# heartbeat. OBSERVE/OBSERVED and TRACE/TRACE_DATA (the dashboard, traces) were added without a
+# version change: they are optional, and an engine that predates them answers an ERROR, which costs
+# a client nothing else.
+# 5: SamplingParams.prompt_logprobs (every ADD carries it, so an older engine would refuse every
+# request), and OUTPUTS rows end with prompt_logprobs; embeddings: ADD may carry `pooling`, READY
+# announces the engine's pooler, an output row its `embedding` (an engine of 4 would have generated
+# text for one).
 # 6: HELLO no longer names the client and READY no longer lists the eos ids (nobody read either).
 # 7: SamplingParams.reasoning_start_ids, reasoning_end_ids and thinking_token_budget (an engine of 6
 # refuses every request of a reasoning server, which carries them).
@@ -52,7 +54,8 @@ class MsgType(bytes, enum.Enum):
 
 @dataclass(slots=True)
 class Hello:
-    """Client -> engine: first message; the engine answers READY (or ERROR: another protocol version)."""
+    """Client -> engine: first message; the engine answers READY (or ERROR: another protocol
+    version)."""
 
     protocol_version: int = PROTOCOL_VERSION
 
@@ -92,9 +95,9 @@ class Abort:
 
 @dataclass(slots=True)
 class StopChoice:
-    """Client -> engine: end one choice (sequence) of an n > 1 request, because a stop string ended it in
-    the client while the other choices go on. The engine answers with that choice's "stop" row, which
-    finishes the request when it was the last choice running."""
+    """Client -> engine: end one choice (sequence) of an n > 1 request, because a stop string ended
+    it in the client while the other choices go on. The engine answers with that choice's "stop"
+    row, which finishes the request when it was the last choice running."""
 
     request_id: str
     index: int
@@ -113,14 +116,15 @@ class RequestOutput:
     # On the final output only: engine-stamped wall-clock times (queued, scheduled, first_token,
     # finished) and the preemption count, so clients compute latencies from the engine's clock.
     events: dict[str, float] | None = None
-    # Per new token, when the request asked for logprobs: [logprob, [[token id, logprob], ...top k]],
-    # the raw model's log_softmax (before penalties and temperature).
+    # Per new token, when the request asked for logprobs: [logprob, [[token id, logprob], ...top
+    # k]], the raw model's log_softmax (before penalties and temperature).
     logprobs: list[list[Any]] | None = None
     # Which of the request's sequences these tokens extend (n / best_of / beam search; 0 otherwise).
     # finish_reason ends that sequence; finished ends the request (its last sequence).
     index: int = 0
-    # On the request's first row, when it asked for prompt_logprobs: one entry per prompt token, the first
-    # None, then [logprob, rank (1 = most likely), [[token id, logprob], ...top k]] (engine/prompt_logprobs.py).
+    # On the request's first row, when it asked for prompt_logprobs: one entry per prompt token, the
+    # first None, then [logprob, rank (1 = most likely), [[token id, logprob], ...top k]]
+    # (engine/prompt_logprobs.py).
     prompt_logprobs: list[Any] | None = None
     # An embedding request's vector (shared/embedding.py), on its one (final) output.
     embedding: list[float] | None = None
@@ -152,33 +156,35 @@ class ResetPrefixCache:
 
 @dataclass(slots=True)
 class Stats:
-    """Scheduler and cache gauges; a flat name -> number map so new gauges need no protocol change."""
+    """Scheduler and cache gauges; a flat name -> number map so new gauges need no protocol
+    change."""
 
     gauges: dict[str, float]
 
 
 @dataclass(slots=True)
 class Heartbeat:
-    """Engine -> client, at most every Ready.heartbeat_interval while the client has requests in flight:
-    the engine is alive and stepping. A client that hears nothing at all for longer than its timeout
-    treats the engine as lost (frozen, or its host gone without closing the connection)."""
+    """Engine -> client, at most every Ready.heartbeat_interval while the client has requests in
+    flight: the engine is alive and stepping. A client that hears nothing at all for longer than its
+    timeout treats the engine as lost (frozen, or its host gone without closing the connection)."""
 
 
 @dataclass(slots=True)
 class Observe:
-    """Client -> engine: send me OBSERVED messages for the next `seconds` (at most 10; 0 stops). A watcher
-    renews it while it wants more, so a client that vanished stops costing the engine anything soon."""
+    """Client -> engine: send me OBSERVED messages for the next `seconds` (at most 10; 0 stops). A
+    watcher renews it while it wants more, so a client that vanished stops costing the engine
+    anything soon."""
 
     seconds: float
 
 
 @dataclass(slots=True)
 class Observed:
-    """Engine -> a client that OBSERVEs, at most every 0.1 s: the steps since the last one, one row each
-    [step, wall time, prefill tokens, decode tokens, sequences, seconds, preempted, blocks swapped out,
-    blocks swapped in, tokens sampled]; a snapshot of the queues and KV blocks (at most every 0.2 s, else
-    None; its layout: engine/observe/dashboard.py); and latency samples in seconds (TTFT of requests that finished,
-    inter-token gaps)."""
+    """Engine -> a client that OBSERVEs, at most every 0.1 s: the steps since the last one, one row
+    each [step, wall time, prefill tokens, decode tokens, sequences, seconds, preempted, blocks
+    swapped out, blocks swapped in, tokens sampled]; a snapshot of the queues and KV blocks (at most
+    every 0.2 s, else None; its layout: engine/observe/dashboard.py); and latency samples in seconds
+    (TTFT of requests that finished, inter-token gaps)."""
 
     steps: list[list[float]]
     snapshot: dict[str, Any] | None
@@ -188,8 +194,8 @@ class Observed:
 
 @dataclass(slots=True)
 class Trace:
-    """Client -> engine: on, start recording a trace of steps and request lifecycles (engine/observe/trace.py);
-    off, stop and answer TRACE_DATA with it."""
+    """Client -> engine: on, start recording a trace of steps and request lifecycles
+    (engine/observe/trace.py); off, stop and answer TRACE_DATA with it."""
 
     on: bool
 
@@ -201,8 +207,8 @@ class TraceData:
     trace: dict[str, Any]
 
 
-Message = (Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats | ResetPrefixCache
-           | Heartbeat | Observe | Observed | Trace | TraceData)
+Message = (Hello | Ready | Add | Abort | StopChoice | Outputs | Error | GetStats | Stats
+           | ResetPrefixCache | Heartbeat | Observe | Observed | Trace | TraceData)
 
 _TYPES: dict[type, MsgType] = {
     Hello: MsgType.HELLO,
@@ -236,8 +242,8 @@ def encode(msg: Message) -> list[bytes]:
     elif isinstance(msg, Outputs):
         # Positional rows: one OUTPUTS message per client per step carries many deltas.
         payload = [
-            [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens, o.num_cached_tokens,
-             o.events, o.logprobs, o.index, o.prompt_logprobs, o.embedding]
+            [o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.num_prompt_tokens,
+             o.num_cached_tokens, o.events, o.logprobs, o.index, o.prompt_logprobs, o.embedding]
             for o in msg.outputs
         ]
     elif isinstance(msg, Observed):  # asdict would deep-copy the block map first
@@ -260,7 +266,8 @@ def decode(frames: list[bytes]) -> Message:
         return _DECODERS[kind](data)
     except Exception as e:  # noqa: BLE001 - every decoding failure becomes one typed error
         rid = data.get("request_id") if isinstance(data, dict) else None
-        why = str(e) if isinstance(e, ConveyorError) else f"malformed message: {type(e).__name__}: {e}"
+        malformed = f"malformed message: {type(e).__name__}: {e}"
+        why = str(e) if isinstance(e, ConveyorError) else malformed
         raise ProtocolError(why, request_id=rid if isinstance(rid, str) else None) from None
 
 
@@ -283,13 +290,16 @@ _NUM_OUTPUT_FIELDS = len(RequestOutput.__dataclass_fields__)
 
 
 def _output_row(row: list[Any]) -> RequestOutput:
-    """Rows may carry fields this reader does not know yet (appended at the end): ignore them. Slicing
-    only then saves a third of the time per row (a few hundred rows per engine step)."""
-    return RequestOutput(*row) if len(row) == _NUM_OUTPUT_FIELDS else RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
+    """Rows may carry fields this reader does not know yet (appended at the end): ignore them.
+    Slicing only then saves a third of the time per row (a few hundred rows per engine step)."""
+    if len(row) == _NUM_OUTPUT_FIELDS:
+        return RequestOutput(*row)
+    return RequestOutput(*row[:_NUM_OUTPUT_FIELDS])
 
 
 def _decode_hello(d: dict[str, Any]) -> Hello:
-    """Another version's HELLO is read for its version only, so the engine can answer that they differ."""
+    """Another version's HELLO is read for its version only, so the engine can answer that they
+    differ."""
     version = d.get("protocol_version", PROTOCOL_VERSION)
     if version == PROTOCOL_VERSION and d.keys() - {"protocol_version"}:
         raise ProtocolError("HELLO takes only protocol_version")

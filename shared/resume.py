@@ -1,16 +1,17 @@
-"""Resuming a request on a restarted engine: what the client keeps per request, and which requests can
-be resumed exactly.
+"""Resuming a request on a restarted engine: what the client keeps per request, and which requests
+can be resumed exactly.
 
-A request the engine lost is sent again as prompt + the tokens already delivered, with max_tokens and
-min_tokens reduced by what was delivered, under the same request id (and without prompt_logprobs
+A request the engine lost is sent again as prompt + the tokens already delivered, with max_tokens
+and min_tokens reduced by what was delivered, under the same request id (and without prompt_logprobs
 once they were delivered: they ride on a request's first row). The engine then computes the very
 next token the lost engine would have: greedy takes the argmax of the same context, and seeded
 sampling draws from a generator seeded by (seed, choice index, absolute position) (engine/sampler.py
-`generator_of`), which the resubmission leaves unchanged. The caller's stream, its detokenizer and its
-stop-string state never notice; only `usage` needs the original prompt length, which the client
+`generator_of`), which the resubmission leaves unchanged. The caller's stream, its detokenizer and
+its stop-string state never notice; only `usage` needs the original prompt length, which the client
 restores on every row of the resumed run.
 
-What would change the output is refused (resume_refusal), and such a request ends with an error instead.
+What would change the output is refused (resume_refusal), and such a request ends with an error
+instead.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ from shared.sampling import SamplingParams
 def resume_refusal(params: SamplingParams) -> str | None:
     """Why a request with these params cannot be resumed exactly on a new engine; None when it can.
 
-    - n > 1 or best_of > 1: several sequences forked from one prefill, ranked at the end by cumulative
-      logprobs the client never sees;
-    - beam search: the beams' scores and the candidates they were pruned from live in the engine only;
-    - presence / frequency penalties: they count output tokens only, and resubmitted tokens would count
-      as prompt (repetition_penalty counts prompt and output alike, so it resumes exactly);
+    - n > 1 or best_of > 1: several sequences forked from one prefill, ranked at the end by
+      cumulative logprobs the client never sees;
+    - beam search: the beams' scores and the candidates they were pruned from live in the engine
+      only;
+    - presence / frequency penalties: they count output tokens only, and resubmitted tokens would
+      count as prompt (repetition_penalty counts prompt and output alike, so it resumes exactly);
     - structured output: the matcher's state lives in the engine."""
     if params.use_beam_search:
         return "beam search"
@@ -37,26 +39,28 @@ def resume_refusal(params: SamplingParams) -> str | None:
         return f"n={params.n}, best_of={params.best_of}"
     if params.presence_penalty or params.frequency_penalty:
         return "presence/frequency penalties count the output tokens only"
-    if params.constraint is not None:  # resubmitted tokens would be prompt, and the grammar start afresh
+    # resubmitted tokens would be prompt, and the grammar start afresh
+    if params.constraint is not None:
         return "structured output: the grammar's state lives in the engine"
     return None
 
 
 @dataclass(slots=True)
 class InFlight:
-    """What resubmitting one request takes: its original ADD and every token delivered for it so far.
-    Written only by the client's reader (note) and its resume (resubmit)."""
+    """What resubmitting one request takes: its original ADD and every token delivered for it so
+    far. Written only by the client's reader (note) and its resume (resubmit)."""
 
     add: P.Add
     refusal: str | None  # resume_refusal(add.params), computed once at add time
     delivered: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # the first engine's prefix-cache hit, reported again in resumed rows
+    # the first engine's prefix-cache hit, reported again in resumed rows
+    num_cached_tokens: int = 0
     resumed: int = 0  # how many times it was resubmitted
     scored: bool = False  # its prompt logprobs were delivered (they ride on the first row)
 
     def note(self, out: P.RequestOutput) -> None:
-        """A row about to reach the caller: remember its tokens; on a resumed run, report the counts of
-        the original request (the new engine sees the delivered tokens as prompt)."""
+        """A row about to reach the caller: remember its tokens; on a resumed run, report the counts
+        of the original request (the new engine sees the delivered tokens as prompt)."""
         if self.refusal is not None:
             return
         self.delivered += out.new_token_ids
@@ -70,26 +74,28 @@ class InFlight:
             self.num_cached_tokens = out.num_cached_tokens
 
     def resubmit(self) -> P.Add | P.RequestOutput:
-        """The ADD that continues this request on a new engine, or (nothing left to generate) the final
-        row that ends it."""
+        """The ADD that continues this request on a new engine, or (nothing left to generate) the
+        final row that ends it."""
         d = len(self.delivered)
         p = self.add.params
         if d >= p.max_tokens:
-            return P.RequestOutput(self.add.request_id, [], True, "length", len(self.add.prompt_token_ids),
-                                   self.num_cached_tokens)
+            return P.RequestOutput(self.add.request_id, [], True, "length",
+                                   len(self.add.prompt_token_ids), self.num_cached_tokens)
         self.resumed += 1
-        # Prompt logprobs delivered are not asked for again (nor sent twice); undelivered ones come with the
-        # new engine's first row: then nothing was delivered and the prompt is the original one.
-        params = dataclasses.replace(p, max_tokens=p.max_tokens - d, min_tokens=max(0, p.min_tokens - d),
+        # Prompt logprobs delivered are not asked for again (nor sent twice); undelivered ones come
+        # with the new engine's first row: then nothing was delivered and the prompt is the original
+        # one.
+        params = dataclasses.replace(p, max_tokens=p.max_tokens - d,
+                                     min_tokens=max(0, p.min_tokens - d),
                                      prompt_logprobs=None if self.scored else p.prompt_logprobs)
         ids = [*self.add.prompt_token_ids, *self.delivered]
         return dataclasses.replace(self.add, prompt_token_ids=ids, params=params)  # pooling kept
 
 
 class Resumer:
-    """The client's record of its requests in flight, and which of them wait for an engine to come back.
-    The client calls track/forget as requests start and end, deliver for every row, hold when the engine
-    is lost and resume when one answers the handshake again."""
+    """The client's record of its requests in flight, and which of them wait for an engine to come
+    back. The client calls track/forget as requests start and end, deliver for every row, hold when
+    the engine is lost and resume when one answers the handshake again."""
 
     def __init__(self) -> None:
         self.inflight: dict[str, InFlight] = {}
@@ -99,7 +105,8 @@ class Resumer:
     def track(self, add: P.Add) -> None:
         try:
             refusal = resume_refusal(add.params)
-        except TypeError:  # a record sent without validation (for the engine to refuse): nothing to resume
+        # a record sent without validation (for the engine to refuse): nothing to resume
+        except TypeError:
             refusal = "its sampling parameters are not valid"
         self.inflight[add.request_id] = InFlight(add, refusal)
 
@@ -118,8 +125,8 @@ class Resumer:
         return True
 
     def hold(self, resumable: bool = True) -> dict[str, str]:
-        """The engine is lost: hold every request that can be resumed. -> the others, request id -> why
-        not (forgotten here; the caller fails them)."""
+        """The engine is lost: hold every request that can be resumed. -> the others, request id ->
+        why not (forgotten here; the caller fails them)."""
         refused = {}
         for rid, rec in list(self.inflight.items()):
             refusal = rec.refusal if resumable else "resuming is off"
@@ -131,8 +138,8 @@ class Resumer:
         return refused
 
     def resume(self, live: Container[str]) -> tuple[list[P.Add], list[P.RequestOutput]]:
-        """An engine answered the handshake: the ADDs that continue the held requests still `live`, and the
-        final rows of those that had nothing left to generate."""
+        """An engine answered the handshake: the ADDs that continue the held requests still `live`,
+        and the final rows of those that had nothing left to generate."""
         adds, ends = [], []
         for rid in sorted(self.held):
             if rid not in live:
@@ -147,7 +154,8 @@ class Resumer:
         return adds, ends
 
     def expire(self) -> list[str]:
-        """The engine did not come back in time: -> the held requests, forgotten (the caller fails them)."""
+        """The engine did not come back in time: -> the held requests, forgotten (the caller fails
+        them)."""
         held, self.held = sorted(self.held), set()
         for rid in held:
             del self.inflight[rid]

@@ -1,12 +1,12 @@
 """SamplingParams: what a client may ask of the sampler, validated once at the edge.
 
-Validation is strict and runs wherever a SamplingParams is built: in the gateway, in the SDK, and again in
-the engine when it decodes an ADD (a client that skips the SDK is still checked). Every field has a type
-(a JSON boolean is a boolean: "false" and 1 are not; an integer is an int: not a bool, not 2.0) and a
-range (finite numbers only), chosen so that no accepted value can break the engine's arithmetic: no
-overflow in beam scoring, no division by zero, no integer too large for the wire. Token ids are checked
-against the model's vocabulary by the engine, which alone knows it. The limits are the constants below,
-and docs/reliability.md lists them in a table.
+Validation is strict and runs wherever a SamplingParams is built: in the gateway, in the SDK, and
+again in the engine when it decodes an ADD (a client that skips the SDK is still checked). Every
+field has a type (a JSON boolean is a boolean: "false" and 1 are not; an integer is an int: not a
+bool, not 2.0) and a range (finite numbers only), chosen so that no accepted value can break the
+engine's arithmetic: no overflow in beam scoring, no division by zero, no integer too large for the
+wire. Token ids are checked against the model's vocabulary by the engine, which alone knows it. The
+limits are the constants below, and docs/reliability.md lists them in a table.
 """
 from __future__ import annotations
 
@@ -58,17 +58,18 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # (token id, bias) pairs added to the logits; a JSON object {"id": bias} is accepted too.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely tokens' (raw model
-    # log_softmax, before any penalty or temperature), per generated token.
+    # None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely tokens' (raw
+    # model log_softmax, before any penalty or temperature), per generated token.
     logprobs: int | None = None
-    # n sequences are returned; best_of >= n are generated (prompt prefilled once, blocks shared) and the
-    # n with the highest cumulative logprob are kept. best_of > n streams nothing until the end.
+    # n sequences are returned; best_of >= n are generated (prompt prefilled once, blocks shared)
+    # and the n with the highest cumulative logprob are kept. best_of > n streams nothing until the
+    # end.
     n: int = 1
     best_of: int | None = None
-    # Beam search (deterministic, as transformers' generate(num_beams=..., do_sample=False)): beam_width
-    # beams, the n best returned; score = sum logprob / generated_len ** length_penalty. Every field that
-    # would change a sampled distribution (temperature other than 0 or 1, top-k/p, min-p, penalties,
-    # logit_bias) is refused with it rather than ignored.
+    # Beam search (deterministic, as transformers' generate(num_beams=..., do_sample=False)):
+    # beam_width beams, the n best returned; score = sum logprob / generated_len ** length_penalty.
+    # Every field that would change a sampled distribution (temperature other than 0 or 1, top-k/p,
+    # min-p, penalties, logit_bias) is refused with it rather than ignored.
     use_beam_search: bool = False
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -76,19 +77,20 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (when the engine runs it); the output distribution
     # is the same either way, so this only trades the proposer's work against fewer steps.
     speculative: bool = True
-    # Structured output (shared/constraints.py): the output must match it; the engine masks the sampler
-    # with an xgrammar matcher. None: free text.
+    # Structured output (shared/constraints.py): the output must match it; the engine masks the
+    # sampler with an xgrammar matcher. None: free text.
     constraint: Constraint | None = None
-    # None: no prompt logprobs; k >= 0: each prompt token's logprob and rank plus the k most likely tokens at
-    # its position (vLLM's prompt_logprobs; the raw model's log_softmax). The engine then skips the prefix
-    # cache for this request (a cached prefix has no logits).
+    # None: no prompt logprobs; k >= 0: each prompt token's logprob and rank plus the k most likely
+    # tokens at its position (vLLM's prompt_logprobs; the raw model's log_softmax). The engine then
+    # skips the prefix cache for this request (a cached prefix has no logits).
     prompt_logprobs: int | None = None
-    # Prefix-cache isolation (vLLM's spelling): mixed into the hash of the prompt's first KV block, so
-    # requests with different salts never share cached blocks, nor learn of each other's prompts through
-    # cached_tokens (docs/prefix_caching.md). None: the shared cache.
+    # Prefix-cache isolation (vLLM's spelling): mixed into the hash of the prompt's first KV block,
+    # so requests with different salts never share cached blocks, nor learn of each other's prompts
+    # through cached_tokens (docs/prefix_caching.md). None: the shared cache.
     cache_salt: str | None = None
-    # Reasoning models: the reasoning parser's tags' ids (no start ids: the prompt opened the block), and
-    # vLLM's thinking_token_budget, after which the engine forces the end ids (shared/thinking.py).
+    # Reasoning models: the reasoning parser's tags' ids (no start ids: the prompt opened the
+    # block), and vLLM's thinking_token_budget, after which the engine forces the end ids
+    # (shared/thinking.py).
     reasoning_start_ids: tuple[int, ...] = ()
     reasoning_end_ids: tuple[int, ...] = ()
     thinking_token_budget: int | None = None
@@ -123,15 +125,16 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias))
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or bool(self.logit_bias))
 
     def validate(self) -> None:
-        """Types and ranges of every field, then the combinations: InvalidRequest naming the field."""
+        """Every field's type and range, then the combinations: InvalidRequest naming the field."""
         _int(self.max_tokens, "max_tokens", 1, MAX_TOKENS)
         _num(self.temperature, "temperature", 0.0, MAX_TEMPERATURE)
         _check(self.temperature == 0 or self.temperature >= MIN_TEMPERATURE, "temperature",
-               f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+               f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], got "
+               f"{self.temperature!r}")
         _num(self.top_p, "top_p", 0.0, 1.0)
         _check(self.top_p > 0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
         _int(self.top_k, "top_k", 0, MAX_TOP_K, " (0 = off)")
@@ -144,7 +147,8 @@ class SamplingParams:
                f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             _int(t, "stop_token_ids", 0, MAX_TOKEN_ID, "", what="must hold integer token ids")
-        _check(len(self.stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings, got {len(self.stop)}")
+        _check(len(self.stop) <= MAX_STOP, "stop",
+               f"may hold at most {MAX_STOP} strings, got {len(self.stop)}")
         _check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LEN for s in self.stop), "stop",
                f"must be non-empty strings of at most {MAX_STOP_LEN} characters")
         _num(self.presence_penalty, "presence_penalty", -MAX_PENALTY, MAX_PENALTY)
@@ -165,35 +169,43 @@ class SamplingParams:
         _bool(self.use_beam_search, "use_beam_search")
         _int(self.beam_width, "beam_width", 1, MAX_N)
         _num(self.length_penalty, "length_penalty", *LENGTH_PENALTY_RANGE)
-        _check(type(self.early_stopping) is bool or self.early_stopping == "never", "early_stopping",
-               f'must be true, false or "never", got {self.early_stopping!r}')
+        _check(type(self.early_stopping) is bool or self.early_stopping == "never",
+               "early_stopping", f'must be true, false or "never", got {self.early_stopping!r}')
         _bool(self.speculative, "speculative")
         if self.constraint is not None:
-            # Beam search would need a matcher per beam candidate; min_tokens masks the stop ids, which can
-            # be the only tokens the grammar allows once the output is complete.
-            _check(not self.use_beam_search, "use_beam_search", "cannot be used with structured output")
-            _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: the grammar "
-                   "decides when the output may end")
-        thinking.validate(self.reasoning_start_ids, self.reasoning_end_ids, self.thinking_token_budget,
-                          self.use_beam_search, self.constraint is not None)
+            # Beam search would need a matcher per beam candidate; min_tokens masks the stop ids,
+            # which can be the only tokens the grammar allows once the output is complete.
+            _check(not self.use_beam_search, "use_beam_search",
+                   "cannot be used with structured output")
+            _check(self.min_tokens == 0, "min_tokens", "cannot be used with structured output: "
+                   "the grammar decides when the output may end")
+        thinking.validate(self.reasoning_start_ids, self.reasoning_end_ids,
+                          self.thinking_token_budget, self.use_beam_search,
+                          self.constraint is not None)
         if self.use_beam_search:
             self._validate_beam_search()
         else:
-            for name, neutral in (("beam_width", 1), ("length_penalty", 1.0), ("early_stopping", False)):
-                _check(getattr(self, name) == neutral, name, "applies to beam search only: set use_beam_search=true")
+            for name, neutral in _BEAM_ONLY:
+                _check(getattr(self, name) == neutral, name,
+                       "applies to beam search only: set use_beam_search=true")
 
     def _validate_beam_search(self) -> None:
-        """Beam search here is deterministic and scores raw log-softmax, as transformers' generate with
-        do_sample=False: anything that would reshape the distribution is refused, never ignored."""
-        _check(self.n <= self.beam_width, "n", f"must be <= beam_width with beam search, got {self.n} > "
-               f"{self.beam_width}")
-        _check(self.best_of is None, "best_of", "cannot be used with beam search (beam_width sets the beams)")
+        """Beam search here is deterministic and scores raw log-softmax, as transformers' generate
+        with do_sample=False: anything that would reshape the distribution is refused, never
+        ignored."""
+        _check(self.n <= self.beam_width, "n",
+               f"must be <= beam_width with beam search, got {self.n} > {self.beam_width}")
+        _check(self.best_of is None, "best_of",
+               "cannot be used with beam search (beam_width sets the beams)")
         _check(self.logprobs is None, "logprobs", "are not returned for beam search outputs")
-        # temperature 1 (the default) leaves the log-softmax unchanged, 0 means "deterministic": both honoured
+        # temperature 1 (the default) leaves the log-softmax unchanged, 0 means "deterministic":
+        # both honoured
         _check(self.temperature in (0.0, 1.0), "temperature",
-               f"must be 0 or 1 (the default) with beam search, which does not sample; got {self.temperature!r}")
-        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0), ("presence_penalty", 0.0),
-                              ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+               "must be 0 or 1 (the default) with beam search, which does not sample; got "
+               f"{self.temperature!r}")
+        for name, neutral in (("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                              ("repetition_penalty", 1.0)):
             value = getattr(self, name)
             _check(value == neutral, name, f"cannot be used with beam search (it does not sample); "
                    f"leave it at {neutral!r}, got {value!r}")
@@ -201,8 +213,9 @@ class SamplingParams:
 
     def _check_salt(self) -> None:
         salt = self.cache_salt
-        _check(salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS), "cache_salt",
-               f"must be a non-empty string of at most {MAX_SALT_CHARS} characters, got {salt!r}"[:200])
+        ok = salt is None or (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS)
+        _check(ok, "cache_salt", f"must be a non-empty string of at most {MAX_SALT_CHARS} "
+               f"characters, got {salt!r}"[:200])
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,7 +223,8 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         if not isinstance(data, dict):
-            raise InvalidRequest(f"sampling parameters must be an object, got {type(data).__name__}",
+            raise InvalidRequest("sampling parameters must be an object, got "
+                                 f"{type(data).__name__}",
                                  param="params")
         known = {f.name for f in fields(cls)}
         unknown = sorted(k for k in data if k not in known)
@@ -220,10 +234,15 @@ class SamplingParams:
 
 
 def check_priority(priority: object) -> int:
-    """A request's priority (lower is served first), as the gateway, the SDK and the engine accept it."""
+    """A request's priority (lower is served first), as the gateway, the SDK and the engine accept
+    it."""
     _int(priority, "priority", *PRIORITY_RANGE, " (lower is served first)")
     assert isinstance(priority, int)
     return priority
+
+
+# The beam-search fields and their neutral values, which a request without beam search must keep.
+_BEAM_ONLY = (("beam_width", 1), ("length_penalty", 1.0), ("early_stopping", False))
 
 
 def _check(ok: bool, param: str, why: str) -> None:
@@ -236,12 +255,15 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _int(x: object, param: str, lo: int, hi: int, note: str = "", what: str = "must be an integer") -> None:
-    _check(_is_int(x) and lo <= x <= hi, param, f"{what} in [{lo}, {hi}]{note}, got {x!r}")  # type: ignore[operator]
+def _int(x: object, param: str, lo: int, hi: int, note: str = "",
+         what: str = "must be an integer") -> None:
+    ok = _is_int(x) and lo <= x <= hi  # type: ignore[operator]
+    _check(ok, param, f"{what} in [{lo}, {hi}]{note}, got {x!r}")
 
 
 def _num(x: object, param: str, lo: float, hi: float, what: str = "must be a number") -> None:
-    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
+    ok = (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+          and lo <= x <= hi)
     _check(ok, param, f"{what} in [{lo:g}, {hi:g}], got {x!r}")
 
 
@@ -256,14 +278,15 @@ def _as_tuple(value: object, param: str) -> tuple[Any, ...]:
 
 
 def _logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
-    """{"id": bias} (JSON objects have string keys) or [[id, bias], ...] (the wire) -> ((id, bias), ...);
-    only decimal-integer keys are converted, every type is checked again by validate()."""
+    """{"id": bias} (JSON objects have string keys) or [[id, bias], ...] (the wire) -> ((id, bias),
+    ...); only decimal-integer keys are converted, every type is checked again by validate()."""
     if isinstance(value, dict):
         items: list[Any] = list(value.items())
     elif isinstance(value, (list, tuple)):
         items = list(value)
     else:
-        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {value!r}"[:200], param="logit_bias")
+        raise InvalidRequest(f"logit_bias must map token ids to numbers, got {value!r}"[:200],
+                             param="logit_bias")
     pairs = []
     for item in items:
         if not isinstance(item, (list, tuple)) or len(item) != 2:

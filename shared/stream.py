@@ -11,9 +11,10 @@ from shared.errors import ConveyorError
 class RequestStream:
     """Async iterator over one request's RequestOutput deltas; ends after the finished one.
 
-    Holds at most one pending output per sequence: deltas that arrive while the consumer is busy (a client
-    that reads slowly) are merged into it, so a slow reader gets fewer, larger deltas instead of an
-    ever-growing queue. A merged delta moves behind the others, so the request's finished one stays last.
+    Holds at most one pending output per sequence: deltas that arrive while the consumer is busy (a
+    client that reads slowly) are merged into it, so a slow reader gets fewer, larger deltas instead
+    of an ever-growing queue. A merged delta moves behind the others, so the request's finished one
+    stays last.
     """
 
     __slots__ = ("request_id", "done", "owner", "_pending", "_error", "_waiter")
@@ -27,8 +28,8 @@ class RequestStream:
         self.owner: object | None = None
         self._pending: list[P.RequestOutput] = []
         self._error: ConveyorError | None = None
-        # The consumer's wake-up, while it waits: a bare future costs less than an asyncio.Event, and this
-        # runs once per request per engine step.
+        # The consumer's wake-up, while it waits: a bare future costs less than an asyncio.Event,
+        # and this runs once per request per engine step.
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: P.RequestOutput | ConveyorError) -> None:
@@ -63,10 +64,12 @@ class RequestStream:
 
 
 def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput:
-    """Two consecutive deltas of one sequence as one, in place in `old` (a stream's own pending copy):
-    tokens (and logprobs) joined, the fields that change from delta to delta taken from the newer one."""
+    """Two consecutive deltas of one sequence as one, in place in `old` (a stream's own pending
+    copy): tokens (and logprobs) joined, the fields that change from delta to delta taken from the
+    newer one."""
     old.new_token_ids += new.new_token_ids
-    old.finished, old.finish_reason, old.num_cached_tokens = new.finished, new.finish_reason, new.num_cached_tokens
+    old.finished, old.finish_reason = new.finished, new.finish_reason
+    old.num_cached_tokens = new.num_cached_tokens
     if new.events is not None:
         old.events = new.events
     if new.embedding is not None:

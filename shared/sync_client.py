@@ -1,8 +1,8 @@
 """EngineClient: the async client (shared/client.py) made blocking, for scripts and notebooks.
 
-The async client runs on an event loop of its own in a daemon thread; every call is sent to that loop
-and waited for. This module imports client.py and never the other way round: import EngineClient
-from here.
+The async client runs on an event loop of its own in a daemon thread; every call is sent to that
+loop and waited for. This module imports client.py and never the other way round: import
+EngineClient from here.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ T = TypeVar("T")
 
 
 async def _anext(it: AsyncIterator[T]) -> T:
-    """The next item as a coroutine, which run_coroutine_threadsafe needs (__anext__ may return another
-    awaitable, as an async generator's does)."""
+    """The next item as a coroutine, which run_coroutine_threadsafe needs (__anext__ may return
+    another awaitable, as an async generator's does)."""
     return await anext(it)
 
 
@@ -31,7 +31,8 @@ class EngineClient:
 
     def __init__(self, address: str, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="conveyor-client", daemon=True)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="conveyor-client",
+                                        daemon=True)
         self._thread.start()
         self._client = AsyncEngineClient(address, **kwargs)
         self.ready = self._call(self._client.start())
@@ -50,9 +51,10 @@ class EngineClient:
             if hasattr(it, "aclose"):
                 self._call(it.aclose())
 
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-            priority: int = 0) -> Iterator[P.RequestOutput]:
-        return self._iterate(self._call(self._client.add(prompt_token_ids, params, request_id, priority)))
+    def add(self, prompt_token_ids: list[int], params: SamplingParams,
+            request_id: str | None = None, priority: int = 0) -> Iterator[P.RequestOutput]:
+        return self._iterate(self._call(self._client.add(prompt_token_ids, params, request_id,
+                                                         priority)))
 
     def abort(self, request_id: str) -> None:
         self._call(self._client.abort(request_id))
@@ -70,7 +72,8 @@ class EngineClient:
                     request_id: str | None = None) -> Iterator[TextOutput]:
         return self._iterate(self._client.stream_text(prompt, params, request_id))
 
-    def generate_text(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> TextOutput:
+    def generate_text(self, prompt: Prompt, params: SamplingParams,
+                      request_id: str | None = None) -> TextOutput:
         return self._call(self._client.generate_text(prompt, params, request_id))
 
     def generate_choices(self, prompt: Prompt, params: SamplingParams,

@@ -26,7 +26,8 @@ Prompt = str | Messages | list[int]  # text, chat messages, or token ids
 
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
     """HF folder: load it directly. GGUF: parse the GGUF metadata once (slow: seconds), then keep a
-    saved copy under `cache_dir / "tokenizer"` (default `source.cache_dir`) and load that next time."""
+    saved copy under `cache_dir / "tokenizer"` (default `source.cache_dir`) and load that next
+    time."""
     from transformers import AutoTokenizer  # lazy: token-level SDK users never pay for transformers
 
     tok: PreTrainedTokenizerBase | None
@@ -36,10 +37,11 @@ def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTra
         saved = (cache_dir or source.cache_dir) / "tokenizer"
         tok = _load_saved(saved)
         if tok is None:
-            tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file, local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(source.folder, gguf_file=source.gguf_file,
+                                                local_files_only=True)
             _save_atomically(tok, saved)
-    # The clean-up pass (" ." -> ".") looks across token boundaries, so no incremental detokenizer can
-    # reproduce it, and it alters what the model wrote. Turn it off so stream == full decode.
+    # The clean-up pass (" ." -> ".") looks across token boundaries, so no incremental detokenizer
+    # can reproduce it, and it alters what the model wrote. Turn it off so stream == full decode.
     tok.clean_up_tokenization_spaces = False
     return tok
 
@@ -74,7 +76,8 @@ def has_chat_template(tok: PreTrainedTokenizerBase) -> bool:
     return bool(getattr(tok, "chat_template", None))
 
 
-def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = True,
+def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
+                        add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, template: str | None = None,
                         kwargs: dict[str, Any] | None = None) -> list[int]:
     """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue.
@@ -82,20 +85,22 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages, add_ge
     kwargs: more variables for the template (a request's chat_template_kwargs, checked by the
     gateway)."""
     if template is None and not has_chat_template(tok):
-        raise InvalidRequest("this model has no chat template; use /v1/completions with a plain prompt",
-                             param="messages")
+        raise InvalidRequest("this model has no chat template; use /v1/completions with a plain "
+                             "prompt", param="messages")
     try:
-        # Any: the return type differs across transformers versions (ids, or a BatchEncoding of them).
+        # Any: the return type differs across transformers versions (ids, or a BatchEncoding of
+        # them).
         extra: dict[str, Any] = dict(kwargs or {})
         if template is not None:
             extra["chat_template"] = template
         if tools:
             extra["tools"] = tools
-        ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                           return_dict=False, **extra)
+        ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=True, return_dict=False, **extra)
     except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad roles/content
         raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some transformers versions ignore return_dict
+    # some transformers versions ignore return_dict
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
 
@@ -117,7 +122,8 @@ def encode_prompt(tok: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
         return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
         return apply_chat_template(tok, cast("Messages", prompt))
-    raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids", param="prompt")
+    raise InvalidRequest("prompt must be a string, a list of chat messages or a list of token ids",
+                         param="prompt")
 
 
 def decode(tok: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -53,8 +53,8 @@ class TPRunner(ModelRunner):
         try:
             return self.rank0.run(inputs)
         except CollectiveError as e:
-            # A killed worker's sockets reset before its exit can be seen: give the exit a moment to show,
-            # so the error names the lost rank rather than only the failed collective.
+            # A killed worker's sockets reset before its exit can be seen: give the exit a moment to
+            # show, so the error names the lost rank rather than only the failed collective.
             raise EngineFault(f"{e}{self._dead(wait_s=DEATH_GRACE_S)}") from e
 
     def _broadcast(self, message: object) -> None:
@@ -91,8 +91,9 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     folder = checkpoint_folder(source)
     cfg = read_config(folder, config.dtype, device, config.quantization)
     check_divisible(cfg, n)
-    if cfg.quantization == "int4":  # a rank's int4 groups would match one engine's only where K/N % 32 == 0,
-        # and a GGUF's exact Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights
+    # A rank's int4 groups would match one engine's only where K/N % 32 == 0, and a GGUF's exact
+    # Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights.
+    if cfg.quantization == "int4":
         raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
                          "--tensor-parallel-size 1")
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
@@ -110,13 +111,15 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     port = sock.bind_to_random_port(f"tcp://{host if ray is None else '*'}")
 
     def spec(rank: int) -> RankSpec:
-        return RankSpec(str(folder), config.dtype, config.quantization, _device(device, rank, ray is not None),
-                        config.attention_backend, kv.block_size, kv.num_blocks, kv.num_cpu_blocks,
+        return RankSpec(str(folder), config.dtype, config.quantization,
+                        _device(device, rank, ray is not None), config.attention_backend,
+                        kv.block_size, kv.num_blocks, kv.num_cpu_blocks,
                         config.cache.kv_cache_dtype, threads, config.seed, rank, n, host, comm.port,
                         f"tcp://{host}:{port}", config.collective_timeout)
 
     specs = [spec(r) for r in range(1, n)]
-    workers: list[WorkerHandle] = [ProcessWorker(s) if ray is None else RayWorker(ray, placement, i, s, resources)
+    workers: list[WorkerHandle] = [ProcessWorker(s) if ray is None
+                                   else RayWorker(ray, placement, i, s, resources)
                                    for i, s in enumerate(specs)]
     try:
         comm.join()  # before loading: an int8 shard's scales take an all-reduce (rank.load_shard)
@@ -136,23 +139,25 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
 
 
 def _device(device: torch.device, rank: int, on_ray: bool) -> str:
-    """Rank r's device: GPU r of this node for local workers; a Ray actor sees only the GPU Ray gave it."""
+    """Rank r's device: GPU r of this node for local workers; a Ray actor sees only the GPU Ray gave
+    it."""
     if device.type != "cuda" or on_ray:
         return str(device)
     return f"cuda:{rank}"
 
 
-def _wait_ready(sock: zmq.Socket[bytes], workers: list[WorkerHandle], timeout_s: float) -> list[bytes]:
-    """-> the workers' identities in rank order, once each has loaded its shard. Raises EngineFault when
-    one exits first, or when they are not all ready within timeout_s."""
+def _wait_ready(sock: zmq.Socket[bytes], workers: list[WorkerHandle],
+                timeout_s: float) -> list[bytes]:
+    """-> the workers' identities in rank order, once each has loaded its shard. Raises EngineFault
+    when one exits first, or when they are not all ready within timeout_s."""
     ready: dict[bytes, None] = {}
     deadline = time.monotonic() + timeout_s
     while len(ready) < len(workers):
         if any(w.exited() for w in workers):
             raise EngineFault("a tensor-parallel worker exited while starting (see its log above)")
         if time.monotonic() > deadline:
-            raise EngineFault(f"only {len(ready)} of {len(workers)} tensor-parallel workers were ready "
-                              f"within {timeout_s:g} s")
+            raise EngineFault(f"only {len(ready)} of {len(workers)} tensor-parallel workers were "
+                              f"ready within {timeout_s:g} s")
         if sock.poll(200):
             ident, body = sock.recv_multipart()
             if body == READY:

@@ -28,9 +28,9 @@ class WorkerHandle(Protocol):
 
 
 def worker_env(spec: RankSpec) -> dict[str, str]:
-    """A worker's environment: its thread count, and the engine's own code first on the path, so a worker
-    runs exactly the code of the engine that started it (on another node, the same path must hold the
-    same version: docs/scaling.md)."""
+    """A worker's environment: its thread count, and the engine's own code first on the path, so a
+    worker runs exactly the code of the engine that started it (on another node, the same path must
+    hold the same version: docs/scaling.md)."""
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {"OMP_NUM_THREADS": str(spec.num_threads), "PYTHONPATH": path}
@@ -42,8 +42,8 @@ class ProcessWorker:
     def __init__(self, spec: RankSpec) -> None:
         env = {**os.environ, **worker_env(spec)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.distributed.worker", "--spec", spec.to_json(), "--parent-pid",
-             str(os.getpid())], env=env)
+            [sys.executable, "-m", "engine.distributed.worker", "--spec", spec.to_json(),
+             "--parent-pid", str(os.getpid())], env=env)
         self.pid = self.proc.pid
 
     def exited(self) -> bool:
@@ -68,7 +68,8 @@ class RayWorker:
                                                     placement_group_bundle_index=bundle)
         actor_cls = ray.remote(_RayWorkerActor)
         self.ray = ray
-        self.actor = actor_cls.options(scheduling_strategy=strategy, num_cpus=resources.get("CPU", 0),
+        self.actor = actor_cls.options(scheduling_strategy=strategy,
+                                       num_cpus=resources.get("CPU", 0),
                                        num_gpus=resources.get("GPU", 0),
                                        runtime_env={"env_vars": worker_env(spec)}).remote()
         self.done = self.actor.serve.remote(spec.to_json())
@@ -110,8 +111,8 @@ def ray_placement(address: str | None, world_size: int, resources: dict[str, flo
     pg = placement_group([dict(resources) for _ in range(world_size - 1)], strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
-        raise ValueError(f"the Ray cluster at {address or 'local'} has no room for {world_size - 1} workers "
-                         f"of {resources} within {timeout_s:g} s")
+        raise ValueError(f"the Ray cluster at {address or 'local'} has no room for "
+                         f"{world_size - 1} workers of {resources} within {timeout_s:g} s")
     return ray, pg
 
 

@@ -14,8 +14,8 @@ import numpy as np
 from engine.batch import Batch
 
 STEP, STOP = 1, 2
-_SECTIONS = ("input_ids", "positions", "slots", "query_lens", "context_lens", "table_lens", "tables",
-             "logits_rows", "swap_out", "swap_in", "copies")
+_SECTIONS = ("input_ids", "positions", "slots", "query_lens", "context_lens", "table_lens",
+             "tables", "logits_rows", "swap_out", "swap_in", "copies")
 HEADER = 1 + len(_SECTIONS)
 
 
@@ -37,15 +37,16 @@ class StepInputs:
     @classmethod
     def of(cls, batch: Batch, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
            copies: list[tuple[int, int]]) -> StepInputs:
-        return cls(batch.input_ids, batch.positions, batch.slots, batch.query_lens, batch.context_lens,
-                   batch.tables, batch.logits_rows, swap_out, swap_in, copies)
+        return cls(batch.input_ids, batch.positions, batch.slots, batch.query_lens,
+                   batch.context_lens, batch.tables, batch.logits_rows, swap_out, swap_in, copies)
 
 
 def pack(s: StepInputs) -> np.ndarray:
     """-> [HEADER + payload] int64."""
     flat_tables = [b for t in s.tables for b in t]
-    sections = (s.input_ids, s.positions, s.slots, s.query_lens, s.context_lens, [len(t) for t in s.tables],
-                flat_tables, s.logits_rows, [x for p in s.swap_out for x in p], [x for p in s.swap_in for x in p],
+    sections = (s.input_ids, s.positions, s.slots, s.query_lens, s.context_lens,
+                [len(t) for t in s.tables], flat_tables, s.logits_rows,
+                [x for p in s.swap_out for x in p], [x for p in s.swap_in for x in p],
                 [x for p in s.copies for x in p])
     header = [STEP, *map(len, sections)]
     return np.fromiter((x for part in (header, *sections) for x in part), dtype=np.int64)
@@ -56,9 +57,11 @@ def stop_message() -> np.ndarray:
 
 
 def unpack(a: np.ndarray) -> StepInputs | None:
-    """[HEADER + payload] int64 -> the step's inputs; None for STOP. Raises ValueError when malformed."""
+    """[HEADER + payload] int64 -> the step's inputs; None for STOP. Raises ValueError when
+    malformed."""
     if a.ndim != 1 or a.shape[0] < HEADER or a[0] not in (STEP, STOP):
-        raise ValueError(f"not a step message: {a.shape[0]} ints, command {a[0] if a.size else None}")
+        raise ValueError(f"not a step message: {a.shape[0]} ints, command "
+                         f"{a[0] if a.size else None}")
     if a[0] == STOP:
         return None
     lens = a[1:HEADER].tolist()

@@ -1,6 +1,6 @@
 """What every tensor-parallel rank holds and does: its shard of the model, the K/V blocks of its
-heads, and one step run from a StepInputs. The engine (rank 0) and each worker run this same code, so
-the ranks cannot drift apart in what they compute."""
+heads, and one step run from a StepInputs. The engine (rank 0) and each worker run this same code,
+so the ranks cannot drift apart in what they compute."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +29,9 @@ log = logging.getLogger("conveyor.tp")
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything a rank needs to start, as plain JSON (a worker's command line or a Ray actor's call).
-    num_blocks and num_cpu_blocks are rank 0's, so every rank's pools hold the same block ids."""
+    """Everything a rank needs to start, as plain JSON (a worker's command line or a Ray actor's
+    call). num_blocks and num_cpu_blocks are rank 0's, so every rank's pools hold the same block
+    ids."""
 
     folder: str
     dtype: str
@@ -68,7 +69,8 @@ class RankRunner:
 
     @torch.inference_mode()
     def run(self, s: StepInputs) -> torch.Tensor:
-        """Block moves, then the forward. -> logits [B, V] on rank 0, this rank's vocabulary columns elsewhere."""
+        """Block moves, then the forward. -> logits [B, V] on rank 0, this rank's vocabulary columns
+        elsewhere."""
         move_blocks(self.backend, self.kv, s.swap_out, s.swap_in, s.copies)
         dev = self.device
         layout = BatchLayout(s.query_lens, s.context_lens, s.tables, self.kv.block_size,
@@ -76,14 +78,15 @@ class RankRunner:
         logits: torch.Tensor = self.model(torch.tensor(s.input_ids, dtype=torch.int64, device=dev),
                                           torch.tensor(s.positions, dtype=torch.int64, device=dev),
                                           self.kv.device, self.backend.plan(layout), self.backend,
-                                          torch.tensor(s.logits_rows, dtype=torch.int64, device=dev))
+                                          torch.tensor(s.logits_rows, dtype=torch.int64,
+                                                       device=dev))
         return logits
 
 
 def load_shard(spec: RankSpec, comm: Comm) -> tuple[ShardedLlama, Shard]:
-    """This rank's slice of the checkpoint, read sliced from the files and built as one engine builds its
-    model (engine/load/weights.py), then its row-parallel projections wrapped. comm must be joined: an
-    int8 row-parallel matrix takes its rows' absmax over every rank's columns."""
+    """This rank's slice of the checkpoint, read sliced from the files and built as one engine
+    builds its model (engine/load/weights.py), then its row-parallel projections wrapped. comm must
+    be joined: an int8 row-parallel matrix takes its rows' absmax over every rank's columns."""
     t0 = time.perf_counter()
     device = torch.device(spec.device)
     cfg = read_config(Path(spec.folder), spec.dtype, device, spec.quantization)
@@ -95,13 +98,15 @@ def load_shard(spec: RankSpec, comm: Comm) -> tuple[ShardedLlama, Shard]:
             return None
         return comm.all_reduce_max(t.abs().amax(dim=1))
 
-    make = functools.partial(ShardedLlama, comm=comm, vocab_start=shard.vocab_start, vocab_size=cfg.vocab_size)
-    model = build_model(local, read_shard(Path(spec.folder), shard), device, make=make, absmax=absmax)
+    make = functools.partial(ShardedLlama, comm=comm, vocab_start=shard.vocab_start,
+                             vocab_size=cfg.vocab_size)
+    model = build_model(local, read_shard(Path(spec.folder), shard), device, make=make,
+                        absmax=absmax)
     assert isinstance(model, ShardedLlama)
     model.split_projections()
-    log.info("rank %d/%d: %d heads, %d K/V heads, %d MLP units, vocabulary rows %d.. loaded in %.2f s",
-             spec.rank, spec.world_size, local.num_heads, local.num_kv_heads, local.intermediate_size,
-             shard.vocab_start, time.perf_counter() - t0)
+    log.info("rank %d/%d: %d heads, %d K/V heads, %d MLP units, vocabulary rows %d.. loaded in "
+             "%.2f s", spec.rank, spec.world_size, local.num_heads, local.num_kv_heads,
+             local.intermediate_size, shard.vocab_start, time.perf_counter() - t0)
     return model, shard
 
 
@@ -124,10 +129,11 @@ def per_rank_cache(cache: CacheConfig, world_size: int, device: torch.device) ->
 def make_kv(shard: Shard, cache: CacheConfig, device: torch.device) -> KVCache:
     """The K/V pools of this rank's K/V heads: 1/N of a TP=1 engine's bytes per block."""
     local = shard.local_config()
-    return KVCache(cache, local.num_layers, local.num_kv_heads, local.head_dim, getattr(torch, local.dtype), device)
+    return KVCache(cache, local.num_layers, local.num_kv_heads, local.head_dim,
+                   getattr(torch, local.dtype), device)
 
 
 def worker_cache(spec: RankSpec) -> CacheConfig:
     """A worker's pools: exactly rank 0's block counts."""
-    return CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks, num_cpu_blocks=spec.num_cpu_blocks,
-                       kv_cache_dtype=spec.kv_cache_dtype)
+    return CacheConfig(block_size=spec.block_size, num_blocks=spec.num_blocks,
+                       num_cpu_blocks=spec.num_cpu_blocks, kv_cache_dtype=spec.kv_cache_dtype)

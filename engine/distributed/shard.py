@@ -3,12 +3,12 @@
 Megatron's split of a Llama layer: q/k/v and gate/up are column-parallel (rank r holds output rows
 of heads r*H/N.. and of intermediate units r*I/N..), o_proj and down_proj row-parallel (the matching
 input columns), so attention and the MLP need no communication until o_proj / down_proj, each
-followed by one all-reduce (layers.py). The embedding and the LM head are split by vocabulary (rank r
-holds rows r*Vs.. of ceil(V/N) = Vs, the last shard zero-padded). Norms are replicated.
+followed by one all-reduce (layers.py). The embedding and the LM head are split by vocabulary (rank
+r holds rows r*Vs.. of ceil(V/N) = Vs, the last shard zero-padded). Norms are replicated.
 
 Slices are read with safetensors' get_slice, so a rank reads its rows and columns from the file and
-never holds another rank's weights, nor the whole model. The rank's model is then built, quantized and
-prepacked by engine/load/weights.py's build_model, as one engine's is.
+never holds another rank's weights, nor the whole model. The rank's model is then built, quantized
+and prepacked by engine/load/weights.py's build_model, as one engine's is.
 """
 from __future__ import annotations
 
@@ -44,24 +44,30 @@ class Shard:
         return self.rank * self.vocab_per_rank
 
     def local_config(self) -> ModelConfig:
-        """The config of this rank's part: 1/N of the heads, K/V heads, MLP units and vocabulary rows."""
+        """The config of this rank's part: 1/N of the heads, K/V heads, MLP units and vocabulary
+        rows."""
         n, c = self.world_size, self.cfg
         return dataclasses.replace(c, num_heads=c.num_heads // n, num_kv_heads=c.num_kv_heads // n,
-                                   intermediate_size=c.intermediate_size // n, vocab_size=self.vocab_per_rank)
+                                   intermediate_size=c.intermediate_size // n,
+                                   vocab_size=self.vocab_per_rank)
 
     def rows_and_cols(self, name: str) -> tuple[list[slice], slice | None] | None:
-        """HF tensor name -> (the row ranges this rank reads, concatenated; its columns, or None for all);
-        None: the whole tensor (replicated)."""
+        """HF tensor name -> (the row ranges this rank reads, concatenated; its columns, or None for
+        all); None: the whole tensor (replicated)."""
         c, r, n = self.cfg, self.rank, self.world_size
         q, kv, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
         module = ".".join(name.rsplit(".", 1)[0].rsplit(".", 2)[-2:])
-        # column-parallel: (offset, rows) of each part of the tensor's output rows, of which the rank takes 1/N
-        parts = {"self_attn.q_proj": [(0, q)], "self_attn.k_proj": [(0, kv)], "self_attn.v_proj": [(0, kv)],
-                 "self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)],  # Phi-3: fused in the checkpoint
+        # column-parallel: (offset, rows) of each part of the tensor's output rows, of which the
+        # rank takes 1/N
+        parts = {"self_attn.q_proj": [(0, q)], "self_attn.k_proj": [(0, kv)],
+                 "self_attn.v_proj": [(0, kv)],
+                 # Phi-3: fused in the checkpoint
+                 "self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)],
                  "mlp.gate_proj": [(0, inter)], "mlp.up_proj": [(0, inter)],
                  "mlp.gate_up_proj": [(0, inter), (inter, inter)]}  # Phi-3
         if module in parts:  # weight and bias alike
-            return [slice(o + r * size // n, o + (r + 1) * size // n) for o, size in parts[module]], None
+            return [slice(o + r * size // n, o + (r + 1) * size // n)
+                    for o, size in parts[module]], None
         if module in ("self_attn.o_proj", "mlp.down_proj"):
             if name.endswith(".bias"):  # whole; added once: read_shard zeroes it on ranks 1..N-1
                 return None
@@ -73,39 +79,42 @@ class Shard:
 
 
 def check_divisible(cfg: ModelConfig, n: int) -> None:
-    """Raises ValueError unless the model splits evenly over n ranks, and its weights are ones shard.py
-    can split: not mixtures of experts, whose experts are not split."""
+    """Raises ValueError unless the model splits evenly over n ranks, and its weights are ones
+    shard.py can split: not mixtures of experts, whose experts are not split."""
     if n < 1:
         raise ValueError("tensor_parallel_size must be >= 1")
     if n > 1 and cfg.num_experts:
-        raise ValueError(f"{cfg.architecture} needs experts, which tensor parallelism does not split: "
-                         "use --tensor-parallel-size 1")
+        raise ValueError(f"{cfg.architecture} needs experts, which tensor parallelism does not "
+                         "split: use --tensor-parallel-size 1")
     bad = [f"{what} ({count})" for what, count in (("attention heads", cfg.num_heads),
                                                   ("key/value heads", cfg.num_kv_heads),
                                                   ("MLP intermediate size", cfg.intermediate_size))
            if count % n]
     if bad:
-        splits = [d for d in range(1, cfg.num_kv_heads + 1)
-                  if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
+        splits = [d for d in range(1, cfg.num_kv_heads + 1) if cfg.num_kv_heads % d == 0
+                  and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
                          f"sizes that do: {', '.join(map(str, splits))}")
 
 
 def checkpoint_folder(source: ModelSource) -> Path:
-    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing that
-    cache streams one tensor at a time (engine/load/gguf.py), so no process holds the whole model."""
+    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing
+    that cache streams one tensor at a time (engine/load/gguf.py), so no process holds the whole
+    model."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)
-    if not (folder / "config.json").is_file() and not write_gguf_cache(source.folder / source.gguf_file, folder):
-        raise ValueError(f"tensor parallelism reads safetensors, and the dequantized cache {folder} of "
-                         f"{source.gguf_file} could not be written")
+    cached = (folder / "config.json").is_file()
+    if not cached and not write_gguf_cache(source.folder / source.gguf_file, folder):
+        raise ValueError("tensor parallelism reads safetensors, and the dequantized cache "
+                         f"{folder} of {source.gguf_file} could not be written")
     return folder
 
 
 def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as it is read. A
-    row-parallel bias is rank 0's alone: the others hold zeros, so the all-reduce adds it once."""
+    """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as it is
+    read. A row-parallel bias is rank 0's alone: the others hold zeros, so the all-reduce adds it
+    once."""
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as h:
             for name in sorted(h.keys(), key=load_order):
@@ -119,7 +128,8 @@ def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]
                 parts = [stored[rows] if cols is None else stored[rows, cols] for rows in ranges]
                 t = parts[0] if len(parts) == 1 else torch.cat(parts)
                 if name in ("model.embed_tokens.weight", "lm_head.weight"):
-                    pad = shard.vocab_per_rank - t.shape[0]  # the last rank's rows past the vocabulary
+                    # the last rank's rows past the vocabulary
+                    pad = shard.vocab_per_rank - t.shape[0]
                     t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
                 yield name, t
 

@@ -1,7 +1,7 @@
-"""A tensor-parallel worker (ranks 1..N-1): `python -m engine.distributed.worker --spec JSON`, or the body
-of a Ray actor. It loads its shard, then runs each step the engine sends it, until STOP or until the
-engine is gone (its parent process exits, or a collective fails), and then exits: a worker never
-outlives its engine, and never waits forever on one that died."""
+"""A tensor-parallel worker (ranks 1..N-1): `python -m engine.distributed.worker --spec JSON`, or
+the body of a Ray actor. It loads its shard, then runs each step the engine sends it, until STOP or
+until the engine is gone (its parent process exits, or a collective fails), and then exits: a worker
+never outlives its engine, and never waits forever on one that died."""
 from __future__ import annotations
 
 import argparse
@@ -34,7 +34,8 @@ def serve(spec: RankSpec, parent_pid: int | None = None) -> int:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(spec.step_address)
     try:
-        comm = Comm(spec.store_host, spec.store_port, spec.rank, spec.world_size, spec.timeout_s, device)
+        comm = Comm(spec.store_host, spec.store_port, spec.rank, spec.world_size, spec.timeout_s,
+                    device)
         comm.join()
         model, shard = load_shard(spec, comm)
         kv = make_kv(shard, worker_cache(spec), device)

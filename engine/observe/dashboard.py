@@ -1,18 +1,20 @@
-"""What the dashboard sees of the engine: a compact row per step, and snapshots of the queues and the
-KV block map, sent to the clients that asked (OBSERVE) until their subscription expires.
+"""What the dashboard sees of the engine: a compact row per step, and snapshots of the queues and
+the KV block map, sent to the clients that asked (OBSERVE) until their subscription expires.
 
-Nothing is computed while nobody watches: the loop calls on_step only while `watchers` is non-empty, and
-a subscription lapses unless renewed (the gateway renews it while a dashboard viewer is connected), so a
-gateway that vanished costs nothing after at most MAX_SUBSCRIPTION seconds. While watched, a step costs
-one short tuple and a few dictionary updates (per output row, for the latency samples); a snapshot (a
-walk over the queues and the block pool) is built at most SNAPSHOT_INTERVAL apart, and everything goes
-out batched, at most one message per FLUSH_INTERVAL per watcher, each bounded (MAX_* below).
+Nothing is computed while nobody watches: the loop calls on_step only while `watchers` is non-empty,
+and a subscription lapses unless renewed (the gateway renews it while a dashboard viewer is
+connected), so a gateway that vanished costs nothing after at most MAX_SUBSCRIPTION seconds. While
+watched, a step costs one short tuple and a few dictionary updates (per output row, for the latency
+samples); a snapshot (a walk over the queues and the block pool) is built at most SNAPSHOT_INTERVAL
+apart, and everything goes out batched, at most one message per FLUSH_INTERVAL per watcher, each
+bounded (MAX_* below).
 
-Snapshot layout (a JSON object; the gateway forwards it as is, gateway/static/dashboard.js reads it):
+Snapshot layout (a JSON object; the gateway forwards it as is, gateway/static/dashboard.js reads
+it):
   step, t (wall clock), num_blocks, num_cpu_blocks, block_size, stats (EngineCore.stats())
   seqs: one row per sequence, [label, queue, prompt computed, prompt length, generated, max tokens,
-        priority, preemptions, cached prompt tokens, holder]; queue is "running" | "swapped" | "waiting"
-        (at most MAX_ROWS rows per queue; counts has the full lengths)
+        priority, preemptions, cached prompt tokens, holder]; queue is "running" | "swapped" |
+        "waiting" (at most MAX_ROWS rows per queue; counts has the full lengths)
   counts: {"running", "swapped", "waiting"}: queue lengths, as /metrics counts them (sequences)
   blocks: per device block, its holder: -2 free and empty, -1 free and holding a cached prefix,
           >= 0 an index into holders (the request holding it)
@@ -36,7 +38,8 @@ if TYPE_CHECKING:
 MAX_SUBSCRIPTION = 10.0  # seconds a subscription may ask for; the gateway renews every second
 FLUSH_INTERVAL = 0.1  # seconds between two messages to a watcher
 SNAPSHOT_INTERVAL = 0.2  # seconds between two snapshots
-MAX_STEP_ROWS = 512  # per message; older rows of a burst are dropped (the rows carry their step number)
+# per message; older rows of a burst are dropped (the rows carry their step number)
+MAX_STEP_ROWS = 512
 MAX_ROWS = 256  # sequence rows per queue in a snapshot
 MAX_SAMPLES = 512  # latency samples per message (TTFT and ITL each)
 FREE_EMPTY, FREE_CACHED = -2, -1
@@ -45,7 +48,8 @@ FREE_EMPTY, FREE_CACHED = -2, -1
 class Observer:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self.watchers: dict[bytes, float] = {}  # client identity -> monotonic time its subscription ends
+        # client identity -> monotonic time its subscription ends
+        self.watchers: dict[bytes, float] = {}
         self._rows: deque[tuple[float, ...]] = deque(maxlen=MAX_STEP_ROWS)
         self._ttft: list[float] = []
         self._itl: list[float] = []
@@ -91,17 +95,19 @@ class Observer:
                 ev = out.events or {}
                 if "first_token" in ev and "queued" in ev and len(self._ttft) < MAX_SAMPLES:
                     self._ttft.append(ev["first_token"] - ev["queued"])
-        if self.core.num_steps == self._last_row:  # no plan this time (nothing could run): no new step
+        # no plan this time (nothing could run): no new step
+        if self.core.num_steps == self._last_row:
             return
         self._last_row = self.core.num_steps
         s = self.core.last_step
-        self._rows.append((self.core.num_steps, now, s["step_prefill_tokens"], s["step_decode_tokens"],
-                           s["step_num_seqs"], s["step_seconds"], s["step_preempted"], s["step_swapped_out_blocks"],
+        self._rows.append((self.core.num_steps, now, s["step_prefill_tokens"],
+                           s["step_decode_tokens"], s["step_num_seqs"], s["step_seconds"],
+                           s["step_preempted"], s["step_swapped_out_blocks"],
                            s["step_swapped_in_blocks"], sampled))
 
     def due(self, force: bool = False) -> list[tuple[bytes, Observed]]:
-        """The messages to send now (none until FLUSH_INTERVAL has passed, unless forced); expired watchers
-        are dropped."""
+        """The messages to send now (none until FLUSH_INTERVAL has passed, unless forced); expired
+        watchers are dropped."""
         mono = time.monotonic()
         if mono < self._next_flush and not force:
             return []
@@ -126,29 +132,35 @@ class Observer:
         sched, bm = core.scheduler, core.block_manager
         holders: dict[str, int] = {}
         dev, cpu = bm.device, bm.cpu
-        blocks = [FREE_EMPTY if dev.block_hash[b] is None else FREE_CACHED for b in range(dev.num_blocks)]
-        cpu_blocks = [FREE_EMPTY if cpu.block_hash[b] is None else FREE_CACHED for b in range(cpu.num_blocks)]
+        blocks = [FREE_EMPTY if dev.block_hash[b] is None else FREE_CACHED
+                  for b in range(dev.num_blocks)]
+        cpu_blocks = [FREE_EMPTY if cpu.block_hash[b] is None else FREE_CACHED
+                      for b in range(cpu.num_blocks)]
         seqs: list[list[Any]] = []
-        for queue, name in ((sched.running, "running"), (sched.swapped, "swapped"), (sched.waiting, "waiting")):
+        for queue, name in ((sched.running, "running"), (sched.swapped, "swapped"),
+                            (sched.waiting, "waiting")):
             for i, seq in enumerate(queue):
                 rid = seq.request.request_id
                 holder = holders.setdefault(rid, len(holders))
                 table = cpu_blocks if seq.swapped else blocks
-                for b in seq.block_table[seq.released_blocks:]:  # not the placeholder of released ones
+                # not the placeholder of released ones
+                for b in seq.block_table[seq.released_blocks:]:
                     table[b] = holder
                 if i < MAX_ROWS:
                     seqs.append(_row(seq, name, holder))
-        # Held blocks no queued sequence names (a held CPU copy between two steps): shown as held, not free.
+        # Held blocks no queued sequence names (a held CPU copy between two steps): shown as held,
+        # not free.
         for table, pool in ((blocks, dev), (cpu_blocks, cpu)):
             for b, rc in enumerate(pool.ref_counts):
                 if rc and table[b] < 0:
                     table[b] = len(holders)
         shared = [[b, rc] for b, rc in enumerate(dev.ref_counts) if rc > 1]
         return {"step": core.num_steps, "t": time.time(), "num_blocks": dev.num_blocks,
-                "num_cpu_blocks": cpu.num_blocks, "block_size": bm.block_size, "stats": core.stats(),
-                "seqs": seqs, "counts": {"running": len(sched.running), "swapped": len(sched.swapped),
-                                         "waiting": len(sched.waiting)},
-                "blocks": blocks, "shared": shared, "cpu_blocks": cpu_blocks, "holders": list(holders)}
+                "num_cpu_blocks": cpu.num_blocks, "block_size": bm.block_size,
+                "stats": core.stats(), "seqs": seqs,
+                "counts": {"running": len(sched.running), "swapped": len(sched.swapped),
+                           "waiting": len(sched.waiting)}, "blocks": blocks, "shared": shared,
+                "cpu_blocks": cpu_blocks, "holders": list(holders)}
 
 
 def _row(seq: Sequence, queue: str, holder: int) -> list[Any]:
@@ -156,4 +168,5 @@ def _row(seq: Sequence, queue: str, holder: int) -> list[Any]:
     label = req.request_id if seq.group is None else f"{req.request_id}#{seq.index}"
     prompt = seq.num_prompt_tokens
     return [label, queue, min(seq.num_computed_tokens, prompt), prompt, seq.num_output_tokens,
-            req.params.max_tokens, req.priority, int(req.events.get("preempted", 0)), req.num_cached_tokens, holder]
+            req.params.max_tokens, req.priority, int(req.events.get("preempted", 0)),
+            req.num_cached_tokens, holder]

@@ -1,5 +1,6 @@
 """Speculative decoding: a proposer guesses a sequence's next tokens; the model verifies them all in
-one step (engine/speculative/verify.py), so a step can emit several tokens without changing the output.
+one step (engine/speculative/verify.py), so a step can emit several tokens without changing the
+output.
 
 Proposers have two calls: plan(seq, k) at schedule time, which decides how many drafts the step
 verifies (and so how much budget and how many blocks it takes), and propose(seqs, drafts) just
@@ -40,43 +41,48 @@ class Proposer(Protocol):
         ...
 
     def propose(self, seqs: list[Sequence], drafts: list[Drafts]) -> list[Drafts]:
-        """The planned drafts of seqs with their tokens (and the proposer's probabilities) filled in."""
+        """The planned drafts of seqs with their tokens (and the proposer's probabilities) filled
+        in."""
         ...
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Requests whose next-token distribution depends only on the tokens before it. Penalties, logprobs,
-    several sequences per request and structured output take the plain path (their outputs are the same
-    either way)."""
+    """Requests whose next-token distribution depends only on the tokens before it. Penalties,
+    logprobs, several sequences per request and structured output take the plain path (their outputs
+    are the same either way)."""
     p = params
-    # A constrained request opts out: verifying drafts under its mask would need the matcher rolled back
-    # for every rejected draft (docs/structured_output.md); a thinking budget forces one token a step.
+    # A constrained request opts out: verifying drafts under its mask would need the matcher rolled
+    # back for every rejected draft (docs/structured_output.md); a thinking budget forces one token
+    # a step.
     return (p.speculative and p.one_sequence and not p.has_penalties and p.logprobs is None
             and p.constraint is None and p.thinking_token_budget is None)
 
 
-def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], budget: int, max_model_len: int,
-                bm: BlockManager) -> Drafts | None:
-    """The drafts a unit the scheduler serves (ns[i] tokens for unit[i]) verifies this step: only a lone
-    sequence that may speculate and decodes (its last token is the budget's first), and none unless
-    their blocks are free already: drafts never cause a preemption."""
+def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], budget: int,
+                max_model_len: int, bm: BlockManager) -> Drafts | None:
+    """The drafts a unit the scheduler serves (ns[i] tokens for unit[i]) verifies this step: only a
+    lone sequence that may speculate and decodes (its last token is the budget's first), and none
+    unless their blocks are free already: drafts never cause a preemption."""
     seq = unit[0]
     if proposer is None or len(unit) != 1 or not seq.request.speculate or ns[0] != 1:
         return None
     k = draft_limit(seq, proposer.k, budget - 1, max_model_len)
     drafts = proposer.plan(seq, k) if k else None
-    if drafts is None or not drafts.num or not bm.can_allocate(bm.num_new_blocks(seq, seq.num_tokens + drafts.num)):
+    if (drafts is None or not drafts.num
+            or not bm.can_allocate(bm.num_new_blocks(seq, seq.num_tokens + drafts.num))):
         return None
     return drafts
 
 
 def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
-    """How many drafts seq may verify this step: none unless it decodes (only its last token is left to
-    compute) past min_tokens; at most k and the budget, never past max_tokens or max_model_len."""
+    """How many drafts seq may verify this step: none unless it decodes (only its last token is left
+    to compute) past min_tokens; at most k and the budget, never past max_tokens or
+    max_model_len."""
     p = seq.params
     if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
         return 0
-    return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1, max_model_len - seq.num_tokens - 1))
+    return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1,
+                      max_model_len - seq.num_tokens - 1))
 
 
 class SpecStats(dict[str, int]):
@@ -92,15 +98,17 @@ class SpecStats(dict[str, int]):
         self["spec_accepted_tokens"] += num_accepted
 
     def gauges(self) -> dict[str, float]:
-        """The counters, the share of drafts accepted, and tokens per verification (accepted drafts +
-        the one the target adds: 1.0 means speculation bought nothing)."""
-        drafts, accepted, steps = self["spec_draft_tokens"], self["spec_accepted_tokens"], self["spec_verifications"]
+        """The counters, the share of drafts accepted, and tokens per verification (accepted drafts
+        + the one the target adds: 1.0 means speculation bought nothing)."""
+        drafts, accepted = self["spec_draft_tokens"], self["spec_accepted_tokens"]
+        steps = self["spec_verifications"]
         return {**{f"total_{k}": v for k, v in self.items()},
                 "spec_acceptance_rate": accepted / drafts if drafts else 0.0,
                 "spec_mean_accepted_length": 1 + accepted / steps if steps else 0.0}
 
 
-def computed_after(computed_before: int, drafted: int, num_accepted: int, num_tokens: int) -> tuple[int, int]:
+def computed_after(computed_before: int, drafted: int, num_accepted: int,
+                   num_tokens: int) -> tuple[int, int]:
     """A verified step computed the last token and the drafts; the accepted drafts and the target's
     token were appended since (up to a stop), to num_tokens. -> (the sequence's computed tokens: its
     last token and the accepted drafts, never the token just appended; the draft model's computed
@@ -109,12 +117,14 @@ def computed_after(computed_before: int, drafted: int, num_accepted: int, num_to
     return computed, min(drafted, computed)
 
 
-def make_proposer(config: SpeculativeConfig, target: ModelConfig, num_blocks: int, cache: CacheConfig,
-                  dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> Proposer | None:
+def make_proposer(config: SpeculativeConfig, target: ModelConfig, num_blocks: int,
+                  cache: CacheConfig, dtype: torch.dtype, device: torch.device,
+                  backend: AttentionBackend) -> Proposer | None:
     if config.method is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
-    assert config.draft_model is not None, "SpeculativeConfig names a draft model with method 'draft'"
-    return DraftProposer(config.draft_model, config.num_speculative_tokens, target, num_blocks, cache, dtype,
-                         device, backend)
+    assert config.draft_model is not None, \
+        "SpeculativeConfig names a draft model with method 'draft'"
+    return DraftProposer(config.draft_model, config.num_speculative_tokens, target, num_blocks,
+                         cache, dtype, device, backend)

@@ -32,22 +32,24 @@ log = logging.getLogger("conveyor.spec")
 
 
 class DraftProposer:
-    """Proposes inside the step, after scheduling: the scheduler reserves k drafts' worth of budget and
-    blocks, and propose() fills them in before the target's forward."""
+    """Proposes inside the step, after scheduling: the scheduler reserves k drafts' worth of budget
+    and blocks, and propose() fills them in before the target's forward."""
 
     def __init__(self, model_name: str, num_tokens: int, target: ModelConfig, num_blocks: int,
-                 cache: CacheConfig, dtype: torch.dtype, device: torch.device, backend: AttentionBackend) -> None:
+                 cache: CacheConfig, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend) -> None:
         self.k = num_tokens
         self.model, mc = load_model(resolve_model(model_name), dtype, device)
         if mc.vocab_size != target.vocab_size:
-            raise ValueError(f"draft model {model_name!r} has a vocabulary of {mc.vocab_size} tokens; the "
-                             f"target's has {target.vocab_size}: they must be the same")
+            raise ValueError(f"draft model {model_name!r} has a vocabulary of {mc.vocab_size} "
+                             f"tokens; the target's has {target.vocab_size}: they must be the same")
         self.max_model_len: int | None = mc.max_position_embeddings
         self.kv = KVCache(dataclasses.replace(cache, num_blocks=num_blocks, num_cpu_blocks=0),
                           mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, device)
         self.block_size = cache.block_size
         self.device, self.backend = device, backend
-        log.info("draft model %s: %d layers, %d proposals per step", model_name, mc.num_layers, num_tokens)
+        log.info("draft model %s: %d layers, %d proposals per step", model_name, mc.num_layers,
+                 num_tokens)
 
     def plan(self, seq: Sequence, k: int) -> Drafts:
         return Drafts(k)
@@ -68,10 +70,13 @@ class DraftProposer:
                 for i in active:
                     s = seqs[i]
                     batch.add(tokens[i][-1:], s.num_tokens + step - 1, s.block_table, 1)
-            logits = batch.forward(self.model, self.kv.device, self.backend, self.device)  # [len(active), V]
-            self._sample(logits, [seqs[i] for i in active], [tokens[i] for i in active], [probs[i] for i in active])
+            # [len(active), V]
+            logits = batch.forward(self.model, self.kv.device, self.backend, self.device)
+            self._sample(logits, [seqs[i] for i in active], [tokens[i] for i in active],
+                         [probs[i] for i in active])
         # q per draft: [k, V]; None for greedy requests, whose drafts are the draft model's argmax
-        return [Drafts(n, tuple(t), torch.stack(q) if q else None) for n, t, q in zip(nums, tokens, probs)]
+        return [Drafts(n, tuple(t), torch.stack(q) if q else None)
+                for n, t, q in zip(nums, tokens, probs)]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
                 probs: list[list[torch.Tensor]]) -> None:
@@ -86,6 +91,7 @@ class DraftProposer:
         for j, i in enumerate(rand):
             assert q is not None
             position = seqs[i].num_tokens + len(drafts[i])
-            noise = torch.empty_like(q[j]).exponential_(generator=generator_of(seqs[i], position, q.device, stream=2))
+            generator = generator_of(seqs[i], position, q.device, stream=2)
+            noise = torch.empty_like(q[j]).exponential_(generator=generator)
             drafts[i].append(int((q[j] / noise).argmax()))
             probs[i].append(q[j])

@@ -34,7 +34,8 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
 
 
 class NgramProposer:
-    """Proposes at schedule time (it is cheap), so the step's budget counts exactly the drafts found."""
+    """Proposes at schedule time (it is cheap), so the step's budget counts exactly the drafts
+    found."""
 
     def __init__(self, num_tokens: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = num_tokens, n_min, n_max

@@ -22,7 +22,8 @@ from engine.sequence import Sequence
 from engine.step import Drafts
 
 
-def verify(logits: torch.Tensor, seqs: list[Sequence], drafts: list[Drafts]) -> list[tuple[tuple[int, ...], int]]:
+def verify(logits: torch.Tensor, seqs: list[Sequence],
+           drafts: list[Drafts]) -> list[tuple[tuple[int, ...], int]]:
     """logits: [sum(num drafts + 1), V], each sequence's rows in order.
     -> per sequence, (the drafts it accepts, the token that follows them)."""
     rows: list[Sequence] = []
@@ -58,11 +59,12 @@ def _matching(drafts: list[int], targets: list[int]) -> int:
     return a
 
 
-def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, seq: Sequence) -> tuple[int, int]:
-    """Deterministic proposals (q one-hot): sample every position from p with the noise plain decoding
-    would use there, keep the drafts while they equal the samples. P(accept x) = p(x), and after a
-    mismatch the sample is p conditioned on not x, which is rejection sampling's residual: the same
-    rule, and a seeded request gets exactly the tokens it gets without speculation."""
+def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None,
+                      seq: Sequence) -> tuple[int, int]:
+    """Deterministic proposals (q one-hot): sample every position from p with the noise plain
+    decoding would use there, keep the drafts while they equal the samples. P(accept x) = p(x), and
+    after a mismatch the sample is p conditioned on not x, which is rejection sampling's residual:
+    the same rule, and a seeded request gets exactly the tokens it gets without speculation."""
     noise = torch.empty_like(p)
     if seq.params.seed is None:
         noise.exponential_()
@@ -74,13 +76,16 @@ def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None, seq: Sequence
     return a, samples[a]
 
 
-def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor, seq: Sequence) -> tuple[int, int]:
-    """p: [k + 1, V] target probabilities; q: [k, V] the draft's. -> (accepted drafts, next token)."""
+def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor,
+                      seq: Sequence) -> tuple[int, int]:
+    """p: [k + 1, V] target probabilities; q: [k, V] the draft's. -> (accepted drafts, next
+    token)."""
     k, pos, dev = len(drafts), seq.num_tokens, p.device
     if seq.params.seed is None:
         u = torch.rand(k, device=dev, dtype=p.dtype).tolist()
     else:
-        u = [float(torch.rand(1, generator=generator_of(seq, pos + i, dev, stream=1), device=dev)) for i in range(k)]
+        u = [float(torch.rand(1, generator=generator_of(seq, pos + i, dev, stream=1), device=dev))
+             for i in range(k)]
     idx = torch.tensor(drafts, device=dev)
     p_x = p[:k].gather(1, idx[:, None])[:, 0].tolist()
     q_x = q.gather(1, idx[:, None])[:, 0].tolist()

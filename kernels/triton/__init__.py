@@ -9,6 +9,7 @@ from kernels.triton.decode import decode_attention, decode_block_n
 from kernels.triton.prefill import device_arch, prefill_attention, prefill_block_q, prefill_knobs, prefill_tiles
 
 __all__ = [
-    "copy_blocks", "decode_attention", "decode_block_n", "device_arch", "move_blocks", "prefill_attention",
-    "prefill_block_q", "prefill_knobs", "prefill_tiles", "store_kv", "swap_in", "swap_out",
+    "copy_blocks", "decode_attention", "decode_block_n", "device_arch", "move_blocks",
+    "prefill_attention", "prefill_block_q", "prefill_knobs", "prefill_tiles", "store_kv",
+    "swap_in", "swap_out",
 ]

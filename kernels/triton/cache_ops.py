@@ -1,5 +1,5 @@
-"""Cache writes and block moves: store new K/V through the slot mapping, copy blocks (copy-on-write),
-and swap blocks between the device pool and the CPU swap pool.
+"""Cache writes and block moves: store new K/V through the slot mapping, copy blocks
+(copy-on-write), and swap blocks between the device pool and the CPU swap pool.
 
 All three are pure data movement: they are judged by bytes moved per second against a plain
 device copy (bench/kernels.py), and the launchers keep every program's accesses contiguous.
@@ -20,7 +20,8 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]  # Triton types the argume
     slot_ptr,  # [T] int64
     stride_kt, stride_kh, stride_vt, stride_vh,  # D is unit-stride (asserted)
     stride_cb, stride_cs, stride_ch,  # cache strides (k and v caches share them, asserted)
-    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
 ):
     # Grid (T,): one program per new token writes its [Hkv, D] key and value rows.
     # Traffic: reads 2*T*Hkv*D elements of k/v, writes as many into the cache, plus T slot ids.
@@ -52,7 +53,8 @@ def store_kv(
     num_blocks, block_size, chkv, cd = k_cache.shape  # [num_blocks, block_size, Hkv, D]
     assert v.shape == k.shape and (chkv, cd) == (hkv, d) and v_cache.shape == k_cache.shape
     assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
     assert slot_mapping.shape == (t,) and slot_mapping.dtype == torch.int64
     if t == 0:
         return
@@ -113,7 +115,8 @@ def _planes(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(kv.shape[0] * 2, kv.shape[2], -1)
 
 
-def _move_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> None:
+def _move_blocks(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
+                 dst_idx: torch.Tensor) -> None:
     """dst[:, dst_idx[i]] = src[:, src_idx[i]] for [P, blocks, E] views on one device."""
     assert src.device == dst.device and src.dtype == dst.dtype
     assert src.shape[0] == dst.shape[0] and src.shape[2] == dst.shape[2]
@@ -141,12 +144,14 @@ def copy_blocks(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     copies onto a freshly allocated block); checked here when the ids are on the CPU (no sync).
     """
     if src.device.type == "cpu" and dst.device.type == "cpu":
-        assert not set(dst.tolist()) & set(src.tolist()), "copy_blocks: a dst block is also a src block"
+        overlap = set(dst.tolist()) & set(src.tolist())
+        assert not overlap, "copy_blocks: a dst block is also a src block"
     planes = _planes(kv)
     _move_blocks(planes, planes, src, dst)
 
 
-def move_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def move_blocks(src_kv: torch.Tensor, dst_kv: torch.Tensor, src: torch.Tensor,
+                dst: torch.Tensor) -> None:
     """Copy block src[i] of one pool onto block dst[i] of another pool on the same device."""
     _move_blocks(_planes(src_kv), _planes(dst_kv), src, dst)
 
@@ -156,7 +161,8 @@ def _staging(like: torch.Tensor, n: int, device: torch.device, pin: bool) -> tor
     return torch.empty(p, n, e, dtype=like.dtype, device=device, pin_memory=pin)
 
 
-def swap_out(dev_kv: torch.Tensor, host_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def swap_out(dev_kv: torch.Tensor, host_kv: torch.Tensor, src: torch.Tensor,
+             dst: torch.Tensor) -> None:
     """Device pool -> CPU pool. A kernel cannot touch host memory, and many small block copies
     across PCIe would each pay a transfer's latency: gather the blocks on the device into one
     contiguous staging buffer (kernel), bring it over in one bulk copy into pinned memory, then
@@ -173,7 +179,8 @@ def swap_out(dev_kv: torch.Tensor, host_kv: torch.Tensor, src: torch.Tensor, dst
     host.index_copy_(1, dst.to(device=host.device, dtype=torch.int64), bounce)
 
 
-def swap_in(host_kv: torch.Tensor, dev_kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def swap_in(host_kv: torch.Tensor, dev_kv: torch.Tensor, src: torch.Tensor,
+            dst: torch.Tensor) -> None:
     """CPU pool -> device pool: gather on the CPU into pinned staging, one bulk H2D copy, then a
     scatter kernel on the device (the mirror image of swap_out)."""
     host, dev = _planes(host_kv), _planes(dev_kv)

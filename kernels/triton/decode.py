@@ -47,8 +47,9 @@ def softmax_update(  # type: ignore[no-untyped-def]  # Triton types the argument
     return m_new, row_sum, acc
 
 
+# Triton types the arguments at launch.
 @triton.jit
-def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
+def _decode_partition_kernel(  # type: ignore[no-untyped-def]
     q_ptr,  # [T, H, D]; row q_rows[b] is sequence b's query
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     out_ptr,  # [T, H, D], written directly when there is one partition
@@ -60,19 +61,21 @@ def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types th
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch,
     stride_bt,
-    partition,  # keys per partition, a multiple of BLOCK_N (runtime: varies per step, no recompiles)
+    # keys per partition, a multiple of BLOCK_N (runtime: varies per step, no recompiles)
+    partition,
     num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head, padded to >= 16 for tl.dot
+    # query heads per KV head, padded to >= 16 for tl.dot
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,  # do dots in fp32 (the interpreter's bf16 tl.dot is wrong)
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs, so fp32 is not silently tf32
 ):
-    # Grid (B, Hkv, S): program (b, kvh, s) attends the GROUP query heads of KV head kvh of sequence b
-    # to keys [s*partition, min((s+1)*partition, seq_len)), BLOCK_N keys (possibly spanning several
-    # cache blocks) per iteration. Traffic: each K/V row of the sequence is read exactly once per
-    # KV head (2*L*D elements per (b, g)), plus the GROUP*D query once per program and, when
-    # S > 1, GROUP*(D+1) fp32 partial results written per program and read back by the reduce.
+    # Grid (B, Hkv, S): program (b, kvh, s) attends the GROUP query heads of KV head kvh of sequence
+    # b to keys [s*partition, min((s+1)*partition, seq_len)), BLOCK_N keys (possibly spanning
+    # several cache blocks) per iteration. Traffic: each K/V row of the sequence is read exactly
+    # once per KV head (2*L*D elements per (b, g)), plus the GROUP*D query once per program and,
+    # when S > 1, GROUP*(D+1) fp32 partial results written per program and read back by the reduce.
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -93,7 +96,8 @@ def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types th
     if UPCAST:
         q = q.to(tl.float32)
 
-    m = tl.full([GROUP_PAD], -1.0e30, tl.float32)  # running max (finite: masked tiles stay NaN-free)
+    # running max (finite: masked tiles stay NaN-free)
+    m = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     row_sum = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
@@ -104,7 +108,8 @@ def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types th
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k, v = kv_tile(k_cache_ptr, v_cache_ptr, block, pos, kvh, d, kv_mask,
                        stride_cb, stride_cs, stride_ch, BLOCK_SIZE, UPCAST)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [GROUP_PAD, BLOCK_N]
+        # [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m, row_sum, acc = softmax_update(scores, v, m, row_sum, acc, PRECISION)
 
@@ -114,7 +119,8 @@ def _decode_partition_kernel(  # type: ignore[no-untyped-def]  # Triton types th
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        part = (b * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + s  # [GROUP_PAD] in [B*H*S]
+        # [GROUP_PAD] in [B*H*S]
+        part = (b * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + s
         tl.store(part_out_ptr + part[:, None] * D + d[None, :], out, mask=o_mask)
         tl.store(part_lse_ptr + part, m + tl.log2(row_sum), mask=g_mask)
 
@@ -143,10 +149,12 @@ def _decode_reduce_kernel(  # type: ignore[no-untyped-def]  # Triton types the a
     lse = tl.load(part_lse_ptr + base + s, mask=s_mask, other=float("-inf"))  # [SPLITS_PAD]
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
-    o = tl.load(part_out_ptr + (base + s)[:, None] * D + d[None, :], mask=s_mask[:, None] & (d[None, :] < D), other=0.0)
+    o = tl.load(part_out_ptr + (base + s)[:, None] * D + d[None, :],
+                mask=s_mask[:, None] & (d[None, :] < D), other=0.0)
     out = tl.sum(o * w[:, None], 0)  # [BLOCK_D]
     row = tl.load(q_rows_ptr + b).to(tl.int64)
-    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    tl.store(out_ptr + row * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < D)
 
 
 def decode_block_n(head_dim: int) -> int:
@@ -177,8 +185,8 @@ class ReduceConfig(TypedDict):
     num_warps: int
 
 
-def decode_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                  interpret: bool) -> DecodeConfig:
+def decode_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                  dtype: torch.dtype, interpret: bool) -> DecodeConfig:
     """Constexprs and num_warps of _decode_partition_kernel; shared with the compile test."""
     group = num_heads // num_kv_heads
     return DecodeConfig(
@@ -205,7 +213,8 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
     max_seq_len: int,  # >= every seq_len; sizes the split grid without a device sync
-    partition: int | None = None,  # keys per split (multiple of decode_block_n); None: no split, no reduce
+    # keys per split (multiple of decode_block_n); None: no split, no reduce
+    partition: int | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([B, H, S, D], [B, H, S]) fp32
 ) -> None:
     """Attend one query token per sequence to its paged K/V. The backend picks partition once per
@@ -215,13 +224,15 @@ def decode_attention(
     b = q_rows.numel()
     assert out.shape == q.shape and cd == d and h % hkv == 0 and v_cache.shape == k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     assert q_rows.dtype == seq_lens.dtype == block_tables.dtype == torch.int32
     assert seq_lens.shape == (b,) and block_tables.dim() == 2 and block_tables.shape[0] == b
     assert block_tables.stride(1) == 1 and (partition is None or partition % decode_block_n(d) == 0)
     if b == 0:
         return
-    num_splits = 1 if partition is None or partition >= max_seq_len else triton.cdiv(max_seq_len, partition)
+    one_split = partition is None or partition >= max_seq_len
+    num_splits = 1 if one_split else triton.cdiv(max_seq_len, partition)
     if num_splits > 1:
         if workspace is None:
             workspace = (torch.empty(b, h, num_splits, d, dtype=torch.float32, device=q.device),

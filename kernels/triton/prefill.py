@@ -54,7 +54,8 @@ def _attend_keys(  # type: ignore[no-untyped-def]  # Triton types the arguments 
 def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton types the arguments at launch
     q_ptr, out_ptr,  # [T, H, D]
     k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
-    tile_seq_ptr, tile_start_ptr,  # [W] int32: the work list (sequence, first new token of the tile)
+    # [W] int32: the work list (sequence, first new token of the tile)
+    tile_seq_ptr, tile_start_ptr,
     q_start_ptr, q_lens_ptr, ctx_lens_ptr,  # [B] int32: first row in q, new tokens, cached tokens
     block_tables_ptr,  # [B, max_blocks] int32
     qk_scale,
@@ -99,13 +100,15 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]  # Triton types the argumen
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
     kv_end = tl.minimum(ctx + tile_start + BLOCK_Q, ctx + q_len)  # one past the tile's last key
-    full_end = ((ctx + tile_start) // BLOCK_N) * BLOCK_N  # keys below: seen by every row of the tile
+    # keys below: seen by every row of the tile
+    full_end = ((ctx + tile_start) // BLOCK_N) * BLOCK_N
     m, row_sum, acc = _attend_keys(q, m, row_sum, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kvh,
-                                   0, full_end, kv_end, qk_scale, stride_cb, stride_cs, stride_ch, d, d_mask,
-                                   False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+                                   0, full_end, kv_end, qk_scale, stride_cb, stride_cs, stride_ch,
+                                   d, d_mask, False, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
     m, row_sum, acc = _attend_keys(q, m, row_sum, acc, q_pos, k_cache_ptr, v_cache_ptr, bt_row, kvh,
-                                   full_end, kv_end, kv_end, qk_scale, stride_cb, stride_cs, stride_ch, d, d_mask,
-                                   True, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION)
+                                   full_end, kv_end, kv_end, qk_scale, stride_cb, stride_cs,
+                                   stride_ch, d, d_mask, True, BLOCK_N, BLOCK_SIZE, UPCAST,
+                                   PRECISION)
     out = acc / row_sum[:, None]  # every row sees key 0, so row_sum > 0
     tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
@@ -121,11 +124,11 @@ class PrefillKnobs:
     num_stages: int | None = None  # None: Triton's own default
 
 
-# Measured choices per GPU kind: CUDA capability ("sm90"), then (dtype bits, padded head dim). The one place
-# bench/triton_tune.py's results go. Not listed (and the CPU interpreter): PrefillKnobs(), the fallback.
-# sm90: `python bench/triton_tune.py` on an H100, bfloat16, 2026-11-26, the best config over the quick and
-# full sweeps: 1.8-1.9x the fallback at head dim 64 (SmolLM2 9/3 and 32/8 heads), 2.0-2.2x at 128
-# (docs/kernels.md, "Prefill tiles tuned on the H100"). H200s are sm90 too.
+# Measured choices per GPU kind: CUDA capability ("sm90"), then (dtype bits, padded head dim). The
+# one place bench/triton_tune.py's results go. Not listed (and the CPU interpreter): PrefillKnobs(),
+# the fallback. sm90: `python bench/triton_tune.py` on an H100, bfloat16, 2026-11-26, the best
+# config over the quick and full sweeps: 1.8-1.9x the fallback at head dim 64 (SmolLM2 9/3 and 32/8
+# heads), 2.0-2.2x at 128 (docs/kernels.md, "Prefill tiles tuned on the H100"). H200s are sm90 too.
 PREFILL_TUNED: dict[str, dict[tuple[int, int], PrefillKnobs]] = {
     "sm90": {
         (16, 64): PrefillKnobs(block_m=64, block_n=64, num_warps=4, num_stages=2),
@@ -141,7 +144,8 @@ def _cuda_arch(index: int) -> str:
 
 
 def device_arch(device: torch.device) -> str | None:
-    """PREFILL_TUNED's key for a device: "sm90" on an H100, None off CUDA (the interpreter's CPU tensors)."""
+    """PREFILL_TUNED's key for a device: "sm90" on an H100, None off CUDA (the interpreter's CPU
+    tensors)."""
     if device.type != "cuda":
         return None
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
@@ -149,17 +153,20 @@ def device_arch(device: torch.device) -> str | None:
 
 def prefill_knobs(arch: str | None, head_dim: int, dtype: torch.dtype, group: int) -> PrefillKnobs:
     """The table's entry for this GPU kind and shape, or the fallback: what launches by default. The
-    table was measured on GQA shapes (groups 3 and 4); without GQA (group 1) its tiles spill registers
-    on sm_90 (test_triton_compile.py), so those shapes keep the fallback until a sweep covers them."""
+    table was measured on GQA shapes (groups 3 and 4); without GQA (group 1) its tiles spill
+    registers on sm_90 (test_triton_compile.py), so those shapes keep the fallback until a sweep
+    covers them."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if group < 2:
         return PrefillKnobs()
     return PREFILL_TUNED.get(arch or "", {}).get((8 * dtype.itemsize, block_d), PrefillKnobs())
 
 
-def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype, block_m: int | None = None) -> int:
+def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+                    block_m: int | None = None) -> int:
     """New tokens per tile. The tile has BLOCK_M = BLOCK_Q * padded GQA group rows, >= 16 for
-    tl.dot: by default 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more registers)."""
+    tl.dot: by default 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more
+    registers)."""
     block_m = block_m or (64 if dtype.itemsize <= 2 else 32)
     group_pad: int = triton.next_power_of_2(num_heads // num_kv_heads)
     min_q: int = triton.cdiv(16, group_pad)  # tiles of at least 16 rows
@@ -167,17 +174,19 @@ def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype, block
 
 
 class PrefillConfig(DecodeConfig):
-    """_prefill_kernel's constexprs and launch options, passed as **config: the decode kernel's, plus
-    the new tokens per tile and the pipeline stages where tuned."""
+    """_prefill_kernel's constexprs and launch options, passed as **config: the decode kernel's,
+    plus the new tokens per tile and the pipeline stages where tuned."""
     BLOCK_Q: int
     num_stages: NotRequired[int]
 
 
-def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                   interpret: bool, knobs: PrefillKnobs | None = None) -> PrefillConfig:
-    """Constexprs and launch options of _prefill_kernel; shared with the compile test. Fallback: 64-row
-    tiles, 8 KiB K/V tiles and 8 warps, which compile without register spills on sm_90 for head dims
-    64 and 128 (ptxas -v, checked by test_triton_compile.py); PREFILL_TUNED holds the timed choices."""
+def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype, interpret: bool,
+                   knobs: PrefillKnobs | None = None) -> PrefillConfig:
+    """Constexprs and launch options of _prefill_kernel; shared with the compile test. Fallback:
+    64-row tiles, 8 KiB K/V tiles and 8 warps, which compile without register spills on sm_90 for
+    head dims 64 and 128 (ptxas -v, checked by test_triton_compile.py); PREFILL_TUNED holds the
+    timed choices."""
     knobs = knobs or PrefillKnobs()
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -185,8 +194,10 @@ def prefill_config(num_heads: int, num_kv_heads: int, head_dim: int, block_size:
     config = PrefillConfig(
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=prefill_block_q(num_heads, num_kv_heads, dtype, knobs.block_m),
-        D=head_dim, BLOCK_D=block_d, BLOCK_N=knobs.block_n or min(128, max(16, tile_elems // block_d)),
-        BLOCK_SIZE=block_size, UPCAST=interpret, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+        D=head_dim, BLOCK_D=block_d, BLOCK_N=knobs.block_n
+        or min(128, max(16, tile_elems // block_d)),
+        BLOCK_SIZE=block_size, UPCAST=interpret,
+        PRECISION="ieee" if dtype == torch.float32 else "tf32",
         num_warps=knobs.num_warps,
     )
     if knobs.num_stages is not None:
@@ -210,13 +221,15 @@ def prefill_attention(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding the new tokens' K/V
     v_cache: torch.Tensor,
     tile_seq: torch.Tensor,  # [W] int32
-    tile_start: torch.Tensor,  # [W] int32, built by prefill_tiles with prefill_block_q(H, Hkv, dtype, knobs.block_m)
+    # [W] int32, built by prefill_tiles with prefill_block_q(H, Hkv, dtype, knobs.block_m)
+    tile_start: torch.Tensor,
     q_start: torch.Tensor,  # [B] int32
     q_lens: torch.Tensor,  # [B] int32
     ctx_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
-    knobs: PrefillKnobs | None = None,  # None: the table's entry for this device (bench/triton_tune.py passes its own)
+    # None: the table's entry for this device (bench/triton_tune.py passes its own)
+    knobs: PrefillKnobs | None = None,
 ) -> None:
     """Attend every new token of the listed sequences to its sequence's paged K/V."""
     _, h, d = q.shape
@@ -224,14 +237,18 @@ def prefill_attention(
     b, w = q_lens.numel(), tile_seq.numel()
     assert out.shape == q.shape and cd == d and h % hkv == 0 and v_cache.shape == k_cache.shape
     assert q.dtype == k_cache.dtype == v_cache.dtype
-    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    assert tile_start.shape == (w,) and q_start.shape == ctx_lens.shape == (b,) and block_tables.shape[0] == b
-    assert all(t.dtype == torch.int32 for t in (tile_seq, tile_start, q_start, q_lens, ctx_lens, block_tables))
+    assert q.stride(2) == 1 and out.stride(2) == 1
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    assert tile_start.shape == (w,) and q_start.shape == ctx_lens.shape == (b,)
+    assert block_tables.shape[0] == b
+    assert all(t.dtype == torch.int32
+               for t in (tile_seq, tile_start, q_start, q_lens, ctx_lens, block_tables))
     assert block_tables.stride(1) == 1
     if w == 0:
         return
     knobs = knobs or prefill_knobs(device_arch(q.device), d, q.dtype, h // hkv)
-    config = prefill_config(h, hkv, d, block_size, q.dtype, interpret=q.device.type != "cuda", knobs=knobs)
+    config = prefill_config(h, hkv, d, block_size, q.dtype, interpret=q.device.type != "cuda",
+                            knobs=knobs)
     assert config["BLOCK_Q"] * config["GROUP_PAD"] >= 16, "tl.dot needs >= 16 rows"
     _prefill_kernel[(w, hkv)](
         q, out, k_cache, v_cache, tile_seq, tile_start, q_start, q_lens, ctx_lens, block_tables,

@@ -99,15 +99,20 @@ def fill(core: Any, num_seqs: int, context: tuple[int, int], steps: int) -> None
         core.step()
 
 
-def run_steps(core: Any, steps: int, prompt_chunk: int) -> None:
-    """steps steps; with prompt_chunk, each after admitting a prompt of that many tokens (one output token)."""
+def prompts_for(core: Any, steps: int, prompt_chunk: int) -> list[list[int]]:
+    """One prompt of prompt_chunk random tokens per step (none without prompt_chunk), drawn before timing."""
+    rng = random.Random(core.num_steps)
+    return [[rng.randrange(100, 40000) for _ in range(prompt_chunk)] for _ in range(steps if prompt_chunk else 0)]
+
+
+def run_steps(core: Any, steps: int, prompts: list[list[int]]) -> None:
+    """steps steps; with prompts, each after admitting the next one (one output token). Admitting is the
+    engine's work (a served loop does it between steps), so it is timed with the step."""
     from shared.sampling import SamplingParams
 
-    rng = random.Random(core.num_steps)
-    for _ in range(steps):
-        if prompt_chunk:
-            core.add(f"chunk{core.num_steps}", [rng.randrange(100, 40000) for _ in range(prompt_chunk)],
-                     SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    for i in range(steps):
+        if prompts:
+            core.add(f"chunk{core.num_steps}", prompts[i], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         core.step()
 
 
@@ -118,9 +123,10 @@ def timed_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, float
     saved = runner.model, runner.sampler, runner.backend
     model, sampler, plan = Timed(runner.model), Timed(runner.sampler), Timed(runner.backend.plan)
     runner.model, runner.sampler, runner.backend = model, sampler, WrappedBackend(saved[2], saved[2].forward, plan)
+    prompts = prompts_for(core, steps, prompt_chunk)
     t0 = time.perf_counter()
     try:
-        run_steps(core, steps, prompt_chunk)
+        run_steps(core, steps, prompts)
     finally:
         runner.model, runner.sampler, runner.backend = saved
     total = (time.perf_counter() - t0) / steps * 1e3
@@ -140,7 +146,7 @@ def profiled_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, fl
     runner.backend = backend
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run_steps(core, steps, prompt_chunk)
+            run_steps(core, steps, prompts_for(core, steps, prompt_chunk))
     finally:
         runner.model, runner.sampler, runner.backend = saved
     split: dict[str, float] = defaultdict(float)
@@ -222,7 +228,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
 
     if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/load/prepack.py)
         engine.load.weights.usable = lambda *_: False  # type: ignore[assignment]
-    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=num_seqs,
+    room = num_seqs + (args.prompt_chunk > 0)  # the mixed step's prompt is one sequence more
+    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=room,
                                    max_num_batched_tokens=2048, kv_cache_memory="2GiB",
                                    max_model_len=max(1024, args.context[1] + num_seqs + 3 * args.steps + 16),
                                    attention_backend=args.attention_backend, quantization=quantization))

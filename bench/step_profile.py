@@ -6,19 +6,22 @@ when it moves its own line. The offline EngineCore (no sockets, no gateway) hold
 1. timed without a profiler: step, model forward, sampling, and the rest (scheduling, input building,
    output processing: Python outside the model);
 2. under torch.profiler: the forward split by the op that Python called (its time with its children):
-   GEMMs (linear/addmm/mm), attention (SDPA), K/V gathers and writes (index_select & co. inside the
-   attention backend), attention's other ops (layouts, copies), elementwise (RMSNorm, RoPE, SiLU-and-mul,
-   residual adds, casts), the embedding, and dispatch/Python between ops.
+   GEMMs (linear/addmm/mm, torch's int4/int8 and the AMX int4 kernel), attention (SDPA or the native kernel),
+   K/V gathers and writes (index_select & co. inside the attention backend), attention's other ops (layouts,
+   copies), elementwise (RMSNorm, RoPE, SiLU-and-mul, residual adds, casts), the embedding, and
+   dispatch/Python between ops.
 Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
 
     python bench/step_profile.py [--configs auto:auto,bfloat16:none | --dtype D --quantization Q]
-                                 [--num-seqs 1,32] [--context 64,700]
+                                 [--num-seqs 1,32] [--context 64,700] [--prompt-chunk N]
                                  [--steps 10] [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
 
 --configs: dtype:quantization pairs, profiled one after the other in this run; the default, auto:auto, is
 what `conveyor serve` runs (--dtype auto --quantization auto). A summary of every (configuration, batch)
 pair closes the run, side by side.
+--prompt-chunk N: a mixed step instead, the decodes plus one new N-token prompt whole in every measured step
+(a request of one output token added before each step), as served steps carry prompt chunks.
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention backend from outside.
 """
@@ -40,12 +43,14 @@ from bench.scheduler_policies import Timed  # noqa: E402
 MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"
 GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm", "aten::baddbmm",
             "mkldnn::_linear_pointwise",  # prepacked weights (engine/load/prepack.py)
-            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm"}  # quantized (engine/load/quant.py)
-SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention")
+            "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",  # quantized (engine/load/quant.py)
+            "conveyor_cpu::int4_gemm_amx", "conveyor_cpu::int4_gemm_rows"}  # AMX int4 (engine/load/amx.py)
+SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention",
+               "conveyor_cpu::paged_attention")  # the native kernel (kernels/cpu)
 GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
 WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_", "aten::_index_put_impl_"}
-ROWS = ["GEMMs (linear, addmm, mm, int4/int8)", "attention (SDPA)", "K/V gathers (index_select)", "K/V writes",
-        "attention: other ops", "elementwise (norms, RoPE, SiLU, adds, casts)",
+ROWS = ["GEMMs (linear, addmm, mm, int4/int8)", "attention (SDPA or native kernel)", "K/V gathers (index_select)",
+        "K/V writes", "attention: other ops", "elementwise (norms, RoPE, SiLU, adds, casts)",
         "embedding", "dispatch and Python between ops"]
 
 
@@ -94,17 +99,34 @@ def fill(core: Any, num_seqs: int, context: tuple[int, int], steps: int) -> None
         core.step()
 
 
-def timed_steps(core: Any, steps: int) -> dict[str, float]:
+def prompts_for(core: Any, steps: int, prompt_chunk: int) -> list[list[int]]:
+    """One prompt of prompt_chunk random tokens per step (none without prompt_chunk), drawn before timing."""
+    rng = random.Random(core.num_steps)
+    return [[rng.randrange(100, 40000) for _ in range(prompt_chunk)] for _ in range(steps if prompt_chunk else 0)]
+
+
+def run_steps(core: Any, steps: int, prompts: list[list[int]]) -> None:
+    """steps steps; with prompts, each after admitting the next one (one output token). Admitting is the
+    engine's work (a served loop does it between steps), so it is timed with the step."""
+    from shared.sampling import SamplingParams
+
+    for i in range(steps):
+        if prompts:
+            core.add(f"chunk{core.num_steps}", prompts[i], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        core.step()
+
+
+def timed_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, float]:
     """ms per step: the whole step, the model forward, sampling, the rest, and the attention plan (part of
     the rest: the runner builds it before the forward)."""
     runner = core.runner
     saved = runner.model, runner.sampler, runner.backend
     model, sampler, plan = Timed(runner.model), Timed(runner.sampler), Timed(runner.backend.plan)
     runner.model, runner.sampler, runner.backend = model, sampler, WrappedBackend(saved[2], saved[2].forward, plan)
+    prompts = prompts_for(core, steps, prompt_chunk)
     t0 = time.perf_counter()
     try:
-        for _ in range(steps):
-            core.step()
+        run_steps(core, steps, prompts)
     finally:
         runner.model, runner.sampler, runner.backend = saved
     total = (time.perf_counter() - t0) / steps * 1e3
@@ -113,7 +135,7 @@ def timed_steps(core: Any, steps: int) -> dict[str, float]:
             "plan": plan.total / steps * 1e3}
 
 
-def profiled_steps(core: Any, steps: int) -> dict[str, float]:
+def profiled_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, float]:
     """ms per step of each row of ROWS (inside the forward), from the ops Python called directly."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -124,8 +146,7 @@ def profiled_steps(core: Any, steps: int) -> dict[str, float]:
     runner.backend = backend
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(steps):
-                core.step()
+            run_steps(core, steps, prompts_for(core, steps, prompt_chunk))
     finally:
         runner.model, runner.sampler, runner.backend = saved
     split: dict[str, float] = defaultdict(float)
@@ -170,11 +191,14 @@ def _row(name: str, parent: str) -> str:
 
 
 def step_flops(contexts: list[int], layers: int = 30, hidden: int = 576, inter: int = 1536, kv: int = 192,
-               vocab: int = 49152) -> float:
+               vocab: int = 49152, prompt: int = 0) -> float:
     """One decode step: each sequence's one token through every linear layer and the LM head, and
-    attention (QK^T and PV) over its whole context."""
-    per_token = 2 * layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter) + 2 * hidden * vocab
-    return sum(per_token + 4 * layers * hidden * ctx for ctx in contexts)
+    attention (QK^T and PV) over its whole context; plus a prompt of that many tokens (one LM head row,
+    causal attention)."""
+    linear = 2 * layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter)
+    per_token = linear + 2 * hidden * vocab
+    prompt_flops = (prompt * linear + 2 * hidden * vocab + 2 * layers * hidden * prompt * prompt) if prompt else 0
+    return sum(per_token + 4 * layers * hidden * ctx for ctx in contexts) + prompt_flops
 
 
 def print_split(timed: dict[str, float], prof: dict[str, float], scale: float) -> None:
@@ -204,7 +228,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
 
     if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/load/prepack.py)
         engine.load.weights.usable = lambda *_: False  # type: ignore[assignment]
-    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=num_seqs,
+    room = num_seqs + (args.prompt_chunk > 0)  # the mixed step's prompt is one sequence more
+    core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads, max_num_seqs=room,
                                    max_num_batched_tokens=2048, kv_cache_memory="2GiB",
                                    max_model_len=max(1024, args.context[1] + num_seqs + 3 * args.steps + 16),
                                    attention_backend=args.attention_backend, quantization=quantization))
@@ -215,16 +240,18 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
     limit = getattr(backend, "native_max_context", None) if getattr(backend, "native", False) else "off"
     print(f"\n## {dtype}, quantization {quantization}: {num_seqs} sequences decoding over contexts "
           f"{args.context[0]}..{args.context[1]}, "
-          f"{args.steps} steps each pass; native kernel's context limit: {limit}", flush=True)
+          f"{args.steps} steps each pass; native kernel's context limit: {limit}"
+          + (f"; plus a {args.prompt_chunk}-token prompt in every step" if args.prompt_chunk else ""), flush=True)
     fill(core, num_seqs, args.context, args.steps)
     contexts = [live.root.num_tokens for live in core.requests.values()]
-    timed = timed_steps(core, args.steps)
-    prof = profiled_steps(core, args.steps)
-    again = timed_steps(core, args.steps)  # the profiled pass moved the contexts: time once more, take the mean
+    timed = timed_steps(core, args.steps, args.prompt_chunk)
+    prof = profiled_steps(core, args.steps, args.prompt_chunk)
+    # the profiled pass moved the contexts: time once more, take the mean
+    again = timed_steps(core, args.steps, args.prompt_chunk)
     timed = {k: (timed[k] + again[k]) / 2 for k in timed}
     if len(core.requests) != num_seqs:  # a sequence ended mid-measure: the figures are for a smaller batch
         raise RuntimeError(f"{num_seqs - len(core.requests)} sequences finished while measured")
-    flops = step_flops(contexts)
+    flops = step_flops(contexts, prompt=args.prompt_chunk)
     peak = gemm_gflops(dtype=dtype)
     at_rows = gemm_gflops(n_tokens=num_seqs, dtype=dtype)
     torch.set_num_threads(args.threads)
@@ -238,7 +265,7 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
           f"(256x576x1536) = {ceiling:.2f} ms ({timed['step'] / ceiling:.1f}x below the step); the same GEMM at "
           f"{num_seqs} rows runs at {at_rows:.0f} GFLOP/s = {flops / (at_rows * 1e9) * 1e3:.2f} ms")
     gemm_ms = prof.get(ROWS[0], 0.0) * scale
-    linear_flops = flops - sum(4 * 30 * 576 * c for c in contexts)
+    linear_flops = flops - sum(4 * 30 * 576 * c for c in contexts) - 2 * 30 * 576 * args.prompt_chunk**2
     print(f"GEMMs in the forward: {linear_flops / 1e9:.2f} GFLOP in {gemm_ms:.2f} ms = "
           f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
     print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; rows scaled by "
@@ -264,6 +291,8 @@ def main() -> None:
     ap.add_argument("--context", type=lambda s: tuple(int(x) for x in s.split(",")), default=(64, 700),
                     help="shortest,longest prompt; the sequences spread evenly between them")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prompt-chunk", type=int, default=0,
+                    help="N > 0: a mixed step, every measured step also prefills a new N-token prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attention-backend", default="auto", help="auto | cpu | torch (the native kernel's baseline)")
     ap.add_argument("--no-prepack", action="store_true", help="projections as plain nn.Linear (the baseline)")

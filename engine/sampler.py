@@ -59,15 +59,19 @@ class Sampler:
     @staticmethod
     def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """min_tokens, logit_bias and penalties, only on the rows that ask for them. -> the processed
-        logits: a copy when any row is processed (the caller's logits stay as the model gave them, so
+        logits: a copy when any row changes (the caller's logits stay as the model gave them, so
         a failed batch can be sampled again row by row), else logits itself."""
-        if not any(r.params.min_tokens or r.params.has_penalties for r in seqs):
+        # Copied only for a row that changes: min_tokens with nothing to stop on (ignore_eos, as benchmarks
+        # ask for exact lengths) or already met changes nothing, and a [B, V] copy is a pass over the logits.
+        masked = [r.params.min_tokens and r.num_output_tokens < r.params.min_tokens and bool(r.stop_ids)
+                  for r in seqs]
+        if not any(masked) and not any(r.params.has_penalties for r in seqs):
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
         for i, r in enumerate(seqs):
             p = r.params
-            if p.min_tokens and r.num_output_tokens < p.min_tokens and r.stop_ids:
+            if masked[i]:
                 logits[i, list(r.stop_ids)] = float("-inf")  # may not stop before min_tokens
             if not p.has_penalties:
                 continue

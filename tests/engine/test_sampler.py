@@ -75,6 +75,18 @@ def test_min_tokens_equals_transformers(logits, produced):
     torch.testing.assert_close(processed(req, logits), ref)
 
 
+def test_min_tokens_without_a_stop_id_leaves_the_logits_uncopied(logits):
+    """ignore_eos with min_tokens (exact output lengths, as benchmarks ask) masks nothing: the sampler
+    neither copies the [B, V] logits nor changes them, and a row that still masks gets its own copy."""
+    free = make(PROMPT, OUTPUT[:1], min_tokens=3, ignore_eos=True)
+    batch = logits.repeat(2, 1)
+    assert Sampler._process(batch, [free, free]) is batch
+    masked = make(PROMPT, OUTPUT[:1], min_tokens=3)
+    out = Sampler._process(batch, [free, masked])
+    assert out is not batch and torch.equal(batch, logits.repeat(2, 1))  # the caller's logits as given
+    assert torch.equal(out[0], logits) and out[1, EOS] == float("-inf")
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
     req = Sequence(Request("r", PROMPT + OUTPUT, SamplingParams(temperature=1.0, min_p=min_p)))

@@ -6,12 +6,12 @@ A seeded row draws its E from a generator seeded by (seed, position), so its tok
 on what else is in the batch (nor on speculative decoding, see engine/speculative/verify.py).
 
 Before that, rows that ask for it get min_tokens (stop ids masked), logit_bias and penalties, in
-that order, in place on the logits, and last a spent thinking budget forces its end ids (engine/thinking.py).
-Logprobs (and the candidates of beam search, and the cumulative
-logprob best_of ranks by) are the raw model's log_softmax, taken before any of that, as OpenAI
-reports them; but rows under a structured-output constraint are masked first, in place (disallowed
-tokens -inf), so theirs are the log_softmax of the masked logits (docs/structured_output.md).
-A step where every row is plain greedy pays one attribute check per row and an argmax.
+that order, in place on the logits, and last a spent thinking budget forces its end ids
+(engine/thinking.py). Logprobs (and the candidates of beam search, and the cumulative logprob
+best_of ranks by) are the raw model's log_softmax, taken before any of that, as OpenAI reports them;
+but rows under a structured-output constraint are masked first, in place (disallowed tokens -inf),
+so theirs are the log_softmax of the masked logits (docs/structured_output.md). A step where every
+row is plain greedy pays one attribute check per row and an argmax.
 """
 from __future__ import annotations
 
@@ -31,10 +31,12 @@ class Sampler:
         self.device = torch.device(device)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], Logprobs]:
-        """logits: [B, V] float32, one row per sequence that samples. -> (B token ids, their logprobs)."""
+        """logits: [B, V] float32, one row per sequence that samples.
+        -> (B token ids, their logprobs)."""
         if all(s.request.plain for s in seqs):
             return argmax(logits), None
-        apply_masks(logits, seqs)  # structured output: in place, before everything (logprobs included)
+        # structured output: in place, before everything (logprobs included)
+        apply_masks(logits, seqs)
         lp_rows = [i for i, s in enumerate(seqs) if s.logprobs is not None or s.group is not None]
         raw_logp = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None  # [L, V]
         logits = thinking.force(self._process(logits, seqs), seqs)
@@ -58,13 +60,14 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """min_tokens, logit_bias and penalties, only on the rows that ask for them. -> the processed
-        logits: a copy when any row changes (the caller's logits stay as the model gave them, so
-        a failed batch can be sampled again row by row), else logits itself."""
-        # Copied only for a row that changes: min_tokens with nothing to stop on (ignore_eos, as benchmarks
-        # ask for exact lengths) or already met changes nothing, and a [B, V] copy is a pass over the logits.
-        masked = [r.params.min_tokens and r.num_output_tokens < r.params.min_tokens and bool(r.stop_ids)
-                  for r in seqs]
+        """min_tokens, logit_bias and penalties, only on the rows that ask for them. -> the
+        processed logits: a copy when any row changes (the caller's logits stay as the model gave
+        them, so a failed batch can be sampled again row by row), else logits itself."""
+        # Copied only for a row that changes: min_tokens with nothing to stop on (ignore_eos, as
+        # benchmarks ask for exact lengths) or already met changes nothing, and a [B, V] copy is a
+        # pass over the logits.
+        masked = [r.params.min_tokens and r.num_output_tokens < r.params.min_tokens
+                  and bool(r.stop_ids) for r in seqs]
         if not any(masked) and not any(r.params.has_penalties for r in seqs):
             return logits
         logits = logits.clone()
@@ -78,15 +81,18 @@ class Sampler:
             row = logits[i]  # [V] view
             if p.logit_bias:
                 ids = torch.tensor([t for t, _ in p.logit_bias], device=row.device)
-                row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=row.device))
+                row.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype,
+                                                    device=row.device))
             if p.repetition_penalty != 1.0:  # over prompt and output, as transformers
                 ids = torch.tensor(r.token_ids, device=row.device).unique()
                 seen = row[ids]
-                row[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+                row[ids] = torch.where(seen < 0, seen * p.repetition_penalty,
+                                       seen / p.repetition_penalty)
             if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
                 out = torch.tensor(r.token_ids[r.num_prompt_tokens:], device=row.device)
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)  # [V]
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+                present = (counts > 0).to(row.dtype)
+                row -= p.frequency_penalty * counts + p.presence_penalty * present
         return logits
 
     @staticmethod
@@ -109,9 +115,9 @@ class Sampler:
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
-    """Row-wise argmax [B, V] -> B ids, the first of equal maxima (as torch's). On the CPU through numpy,
-    whose vectorised argmax is several times faster than torch's at a full vocabulary: torch's was
-    most of a small model's decode step (docs/performance.md)."""
+    """Row-wise argmax [B, V] -> B ids, the first of equal maxima (as torch's). On the CPU through
+    numpy, whose vectorised argmax is several times faster than torch's at a full vocabulary:
+    torch's was most of a small model's decode step (docs/performance.md)."""
     ids: list[int]
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         ids = logits.contiguous().numpy().argmax(axis=-1).tolist()
@@ -121,7 +127,8 @@ def argmax(logits: torch.Tensor) -> list[int]:
 
 
 def _top_k_wanted(seq: Sequence) -> int:
-    """Top logprobs a row reports: the request's own `logprobs`, or 2 * beam_width beam candidates."""
+    """Top logprobs a row reports: the request's own `logprobs`, or 2 * beam_width beam
+    candidates under beam search."""
     p = seq.params
     k = p.logprobs or 0
     if p.use_beam_search:
@@ -130,8 +137,10 @@ def _top_k_wanted(seq: Sequence) -> int:
 
 
 def probs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """The distribution each row samples from: temperature, then top-k, top-p and min-p. -> [B, V]"""
-    temps = torch.tensor([r.params.temperature or 1.0 for r in seqs], dtype=logits.dtype, device=logits.device)
+    """The distribution each row samples from: temperature, then top-k, top-p and min-p.
+    -> [B, V]"""
+    temps = torch.tensor([r.params.temperature or 1.0 for r in seqs], dtype=logits.dtype,
+                         device=logits.device)
     logits = logits / temps[:, None]
     top_ks = [r.params.top_k for r in seqs]
     if any(k > 0 for k in top_ks):
@@ -156,7 +165,8 @@ def probs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def generator_of(seq: Sequence, position: int, device: torch.device, stream: int = 0) -> torch.Generator | None:
+def generator_of(seq: Sequence, position: int, device: torch.device,
+                 stream: int = 0) -> torch.Generator | None:
     """The RNG for the token at `position` of a seeded request (None: the global one, unseeded).
 
     Seeded from (seed, sequence index, position, stream) afresh for each token, so a seeded token's
@@ -166,4 +176,5 @@ def generator_of(seq: Sequence, position: int, device: torch.device, stream: int
     seed = seq.params.seed
     if seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(hash((seed, seq.index, position, stream)) & (2**63 - 1))
+    key = hash((seed, seq.index, position, stream)) & (2**63 - 1)
+    return torch.Generator(device=device).manual_seed(key)

@@ -1,5 +1,5 @@
-"""Batch: one forward pass's flattened inputs (ids, positions, KV slots, block tables), shared by the
-target model's step and the draft model's proposals."""
+"""Batch: one forward pass's flattened inputs (ids, positions, KV slots, block tables), shared by
+the target model's step and the draft model's proposals."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,10 +13,11 @@ if TYPE_CHECKING:
 
 
 class Batch:
-    """One forward's flattened inputs, built sequence by sequence (the target's step, or a draft's)."""
+    """One forward's flattened inputs, built sequence by sequence (the target's step, or a
+    draft's)."""
 
-    __slots__ = ("block_size", "input_ids", "positions", "slots", "query_lens", "context_lens", "tables",
-                 "logits_rows")
+    __slots__ = ("block_size", "input_ids", "positions", "slots", "query_lens", "context_lens",
+                 "tables", "logits_rows")
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size

@@ -7,11 +7,11 @@ at any row count, where oneDNN's packed bfloat16 kernel reaches 650 at 32 rows a
 copy of its dequantized matrix, and calls of packed_from rows or more take it (engine/load/quant.py,
 QuantizedLinear).
 
-packed_from comes from measurement: engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU kinds
-and thread counts measured (`python bench/quantized.py --gemm`), else a calibration at load on the
-model's own matrices, timed as a forward meets them (every layer in turn, so cold in cache). A copy
-costs 2 bytes a weight: it is made only while all copies together stay within PLAIN_MAX_BYTES, so a
-large model keeps its quantized size (and torch's int kernels at every row count).
+packed_from comes from measurement: engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS for the CPU
+kinds and thread counts measured (`python bench/quantized.py --gemm`), else a calibration at load on
+the model's own matrices, timed as a forward meets them (every layer in turn, so cold in cache). A
+copy costs 2 bytes a weight: it is made only while all copies together stay within PLAIN_MAX_BYTES,
+so a large model keeps its quantized size (and torch's int kernels at every row count).
 
 The choice makes a row's arithmetic depend on the step's row count (issue #30): the two kernels
 round differently. docs/performance.md, "Quantized weights by row count", has the figures and that
@@ -66,7 +66,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
                      size / 2**20)
         return {}
     for m in modules:
-        m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=deterministic), NEVER
+        m.packed, m.packed_from = PackedLinear(m.dequantized(), None,
+                                               pad_one_row=deterministic), NEVER
     if deterministic:
         for m in modules:
             m.packed_from = 1
@@ -93,11 +94,12 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     return chosen
 
 
-def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool) -> tuple[set[int], int | None]:
-    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel. -> (ids of the modules
-    that need no packed copy, the rows from which the others of their kind hand over to one: None where
-    the table for their kind applies). Deterministic: the AMX kernel at every row count (one kernel, whose
-    rows do not depend on the row count), no copy."""
+def attach_tiles(modules: Sequence[QuantizedLinear],
+                 deterministic: bool) -> tuple[set[int], int | None]:
+    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel. -> (ids of the
+    modules that need no packed copy, the rows from which the others of their kind hand over to one:
+    None where the table for their kind applies). Deterministic: the AMX kernel at every row count
+    (one kernel, whose rows do not depend on the row count), no copy."""
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
     rows = QUANTIZED_TILES_ROWS.get(torch.get_num_threads())
     if not tiled or (rows is None and not deterministic):
@@ -124,11 +126,11 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
 def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
                 clock: Callable[[], float] = time.perf_counter
                 ) -> list[tuple[int, float, float, float, float]]:
-    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX kernel's tiles,
-    through its rows path: inf where the modules have no AMX codes or the rows path does not take that
-    many rows), the best of reps, for one call of each module in turn (each module's weights leave the
-    cache before it comes round again, as in a forward). clock: a bench on a shared machine passes
-    time.thread_time (one thread)."""
+    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX
+    kernel's tiles, through its rows path: inf where the modules have no AMX codes or the rows path
+    does not take that many rows), the best of reps, for one call of each module in turn (each
+    module's weights leave the cache before it comes round again, as in a forward). clock: a bench
+    on a shared machine passes time.thread_time (one thread)."""
     out = []
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
     with torch.inference_mode():
@@ -141,7 +143,8 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
             tiles = [(_amx_call(m, False), x) for m, x in zip(tiled, tx)]
             by_rows = [(_amx_call(m, True), x) for m, x in zip(tiled, tx)]
             out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf"),
-                        _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT else float("inf")))
+                        _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT
+                        else float("inf")))
     return out
 
 

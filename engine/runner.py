@@ -26,8 +26,8 @@ log = logging.getLogger("conveyor.runner")
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend, device: torch.device,
-                 proposer: Proposer | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, backend: AttentionBackend,
+                 device: torch.device, proposer: Proposer | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -36,7 +36,8 @@ class ModelRunner:
         self.sampler = Sampler(device)
         self.proposer = proposer
         self.mark = no_mark  # where a step's phases begin, for a trace (EngineCore.set_tracer)
-        self.pool_mode = "last"  # how embedding requests pool (EngineCore sets it: engine/pooling.py)
+        # how embedding requests pool (EngineCore sets it: engine/pooling.py)
+        self.pool_mode = "last"
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -64,14 +65,15 @@ class ModelRunner:
             if samples:
                 sampling.append((seq, None))
         num_sampling_rows = len(batch.logits_rows)
-        score_rows, scored = prompt_logprobs.plan_rows(plan)  # prompt logprobs: rows after the sampling ones
+        # prompt logprobs: rows after the sampling ones
+        score_rows, scored = prompt_logprobs.plan_rows(plan)
         batch.logits_rows += score_rows
         self.mark("forward")
         pooled: dict[int, torch.Tensor] = {}
         if pool.rows:
             model = cast("LlamaForCausalLM", self.model)  # no embeddings under tensor parallelism
-            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device,
-                                                  pool.rows)
+            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend,
+                                                  self.device, pool.rows)
             pooled = pool.reduce(hidden)
         else:
             logits = self._forward(batch)  # [rows, V]
@@ -90,7 +92,8 @@ class ModelRunner:
                 return StepOutput(tokens, None, logprobs)
             return self._sample_and_verify(logits, sampling)
         except Exception:
-            log.exception("sampling %d sequences in one call failed; sampling them one by one", len(sampling))
+            log.exception("sampling %d sequences in one call failed; sampling them one by one",
+                          len(sampling))
             return self._one_by_one(logits, sampling)
 
     def _propose(self, plan: StepPlan) -> dict[int, Drafts]:
@@ -99,11 +102,14 @@ class ModelRunner:
             return plan.drafts
         assert self.proposer is not None
         where = list(plan.drafts)
-        filled = self.proposer.propose([plan.seqs[i] for i in where], [plan.drafts[i] for i in where])
+        filled = self.proposer.propose([plan.seqs[i] for i in where],
+                                       [plan.drafts[i] for i in where])
         return dict(zip(where, filled))
 
-    def _sample_and_verify(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
-        """Rows of plain sequences go to the sampler, rows of sequences with drafts to verification."""
+    def _sample_and_verify(self, logits: torch.Tensor,
+                           sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
+        """Rows of plain sequences go to the sampler, rows of sequences with drafts to
+        verification."""
         plain_rows: list[int] = []
         spec_rows: list[int] = []
         row = 0
@@ -129,11 +135,13 @@ class ModelRunner:
                 tokens.append(token)
                 accepted.append(kept)
                 logprobs.append(None)
-        return StepOutput(tokens, accepted, logprobs if any(e is not None for e in logprobs) else None)
+        return StepOutput(tokens, accepted,
+                          logprobs if any(e is not None for e in logprobs) else None)
 
-    def _one_by_one(self, logits: torch.Tensor, sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
-        """Sample or verify each sequence alone, so that only the requests at fault fail. Neither the
-        sampler nor verification writes the logits it is given: this second try sees them as the
+    def _one_by_one(self, logits: torch.Tensor,
+                    sampling: list[tuple[Sequence, Drafts | None]]) -> StepOutput:
+        """Sample or verify each sequence alone, so that only the requests at fault fail. Neither
+        the sampler nor verification writes the logits it is given: this second try sees them as the
         forward left them."""
         tokens: list[int] = []
         accepted: list[tuple[int, ...]] = []
@@ -169,13 +177,15 @@ class ModelRunner:
         move_blocks(self.backend, self.kv_cache, plan.swap_out, plan.swap_in, plan.copies)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
-        """-> logits [rows, V]: one forward of the model (tensor parallelism runs it on every rank)."""
+        """-> logits [rows, V]: one forward of the model (tensor parallelism runs it on every
+        rank)."""
         return batch.forward(self.model, self.kv_cache.device, self.backend, self.device)
 
 
 def move_blocks(backend: AttentionBackend, kv: KVCache, swap_out: list[tuple[int, int]],
                 swap_in: list[tuple[int, int]], copies: list[tuple[int, int]]) -> None:
-    """Out before in: a block swapped out this step may be the very block another request swaps into."""
+    """Out before in: a block swapped out this step may be the very block another request swaps
+    into."""
     for pairs, src, dst in ((swap_out, kv.device, kv.cpu), (swap_in, kv.cpu, kv.device)):
         if pairs:
             ids = torch.tensor(pairs, dtype=torch.int64)  # [N, 2] (src block, dst block)

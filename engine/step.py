@@ -88,10 +88,10 @@ class StepPlan:
 class StepOutput:
     """What the runner computed for a plan, in plan order, one entry per sequence that sampled
     (StepPlan.sampled names each sequence's entry). accepted[j]: the drafts sequence j kept before
-    its token (None: no drafts this step).
-    logprobs[j]: the sampled token's logprob entry where the sequence wants one (None: nobody did).
-    errors[j]: why sequence j could not be sampled (its request fails; tokens[j] is meaningless).
-    prompt_logprobs: plan index -> the prompt tokens that sequence's chunk scored (engine/prompt_logprobs.py)."""
+    its token (None: no drafts this step). logprobs[j]: the sampled token's logprob entry where the
+    sequence wants one (None: nobody did). errors[j]: why sequence j could not be sampled (its
+    request fails; tokens[j] is meaningless). prompt_logprobs: plan index -> the prompt tokens that
+    sequence's chunk scored (engine/prompt_logprobs.py)."""
 
     tokens: list[int] = field(default_factory=list)
     accepted: list[tuple[int, ...]] | None = None
@@ -106,8 +106,8 @@ class StepOutput:
 class Delta:
     """New tokens of one sequence (a request's choice `index`). finish_reason: this sequence's;
     finished: the whole request's (the last delta it sends). error: the request failed inside the
-    engine (this is its last delta; the client gets an ERROR instead of outputs). prompt_logprobs: on
-    the request's first delta, when it asked for them."""
+    engine (this is its last delta; the client gets an ERROR instead of outputs). prompt_logprobs:
+    on the request's first delta, when it asked for them."""
 
     request: Request
     new_token_ids: list[int]

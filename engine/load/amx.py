@@ -1,14 +1,15 @@
 """Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp.
 
-The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS reads:
-16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e of row r
-is column e // 2 at k = 2r + e % 2). The codes are stored in that element order, so dequantizing a tile
-row is one contiguous read of 16 bytes (element j in the low nibble of byte j, element 16 + j in the
-high one).
+The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS
+reads: 16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e
+of row r is column e // 2 at k = 2r + e % 2). The codes are stored in that element order, so
+dequantizing a tile row is one contiguous read of 16 bytes (element j in the low nibble of byte j,
+element 16 + j in the high one).
 
-A call of at most ROWS_PATH_MAX rows takes the kernel's rows path instead (AVX-512 FMAs on the weights
-dequantized in registers, the arithmetic TDPBF16PS performs, so each row's bits are the tiles' bits: the
-kernel's header and docs/kernels.md): a few rows do not pay for dequantizing a panel into tiles.
+A call of at most ROWS_PATH_MAX rows takes the kernel's rows path instead (AVX-512 FMAs on the
+weights dequantized in registers, the arithmetic TDPBF16PS performs, so each row's bits are the
+tiles' bits: the kernel's header and docs/kernels.md): a few rows do not pay for dequantizing a
+panel into tiles.
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ import torch
 import kernels.cpu
 
 TILE_N, TILE_K = 16, 32
-# Rows up to which int4_mm takes the rows path: where it beat the tiles in `python bench/quantized.py --gemm`
-# on the quiet 2-core AMX Xeon, 1 and 2 threads (docs/kernels.md).
+# Rows up to which int4_mm takes the rows path: where it beat the tiles in `python
+# bench/quantized.py --gemm` on the quiet 2-core AMX Xeon, 1 and 2 threads (docs/kernels.md).
 ROWS_PATH_MAX = 4
 ROWS_PATH_LIMIT = 8  # the most rows the kernel's rows path takes
 
@@ -42,7 +43,8 @@ def _tile_order(q: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1, 4).reshape(n // TILE_N, k // TILE_K, TILE_K // 2, 2 * TILE_N)
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor,
+              zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes q [N, K] in 0..15 with w = (q - 8) * scale + zero, scale and zero [N, K/32] ->
     (codes uint8 [N/16, K/32, 256], scale_zero bfloat16 [N/16, K/32, 2, 16])."""
     t = _tile_order(q.to(torch.uint8))
@@ -56,15 +58,15 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple
 
 
 def min_exponent(codes: torch.Tensor, scale_zero: torch.Tensor) -> int:
-    """The least binary exponent of the matrix's non-zero weights as the tiles see them: the rows path
-    checks from it whether a call can skip denormal handling (exactly, see the kernel)."""
+    """The least binary exponent of the matrix's non-zero weights as the tiles see them: the rows
+    path checks from it whether a call can skip denormal handling (exactly, see the kernel)."""
     return int(torch.ops.conveyor_cpu.int4_min_exponent(codes, scale_zero))
 
 
 def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, w_min_exponent: int,
             residual: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bfloat16 @ W.T (+ residual) -> [M, N] bfloat16: the rows path up to ROWS_PATH_MAX rows,
-    else the tiles; a row's bits are the same either way."""
+    """x [M, K] bfloat16 @ W.T (+ residual) -> [M, N] bfloat16: the rows path up to ROWS_PATH_MAX
+    rows, else the tiles; a row's bits are the same either way."""
     if x.shape[0] <= ROWS_PATH_MAX:
         return int4_mm_rows(x, codes, scale_zero, w_min_exponent, residual)
     return int4_mm_tiles(x, codes, scale_zero, residual)
@@ -73,13 +75,15 @@ def int4_mm(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, w_mi
 def int4_mm_tiles(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """int4_mm on AMX tiles, whatever the rows."""
-    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_amx(x.contiguous(), codes, scale_zero, residual)
+    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_amx(x.contiguous(), codes, scale_zero,
+                                                           residual)
     return y
 
 
-def int4_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, w_min_exponent: int,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_mm on the rows path (at most ROWS_PATH_LIMIT rows); w_min_exponent: min_exponent of these codes."""
-    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_rows(x.contiguous(), codes, scale_zero, residual,
-                                                            w_min_exponent)
+def int4_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
+                 w_min_exponent: int, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_mm on the rows path (at most ROWS_PATH_LIMIT rows); w_min_exponent: min_exponent of
+    these codes."""
+    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_rows(x.contiguous(), codes, scale_zero,
+                                                            residual, w_min_exponent)
     return y

@@ -1,16 +1,17 @@
-"""GGUF, llama.cpp's file format: read and dequantized into Hugging Face names, config.json (from its
-metadata: engine/load/gguf_config.py) and a cached safetensors folder, so engine/load/weights.py loads a
-GGUF model like any HF one. Separate from weights.py
-because it translates another project's format (its metadata keys, tensor names and what its converter
-did to each family's tensors), where weights.py builds models from HF-named tensors.
+"""GGUF, llama.cpp's file format: read and dequantized into Hugging Face names, config.json (from
+its metadata: engine/load/gguf_config.py) and a cached safetensors folder, so engine/load/weights.py
+loads a GGUF model like any HF one. Separate from weights.py because it translates another project's
+format (its metadata keys, tensor names and what its converter did to each family's tensors), where
+weights.py builds models from HF-named tensors.
 
-A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into a
-plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
-engine/load/weights.py's dequantized_folder(source), one tensor at a time; config.json's torch_dtype says what
-precision the file's matrices carried, for --dtype auto. Every start, the first included, then reads that
-folder like any HF model, in well under a second. The folder appears atomically (written beside it, then
-renamed), so a crash or a concurrent start never leaves a half-written cache that looks complete. Only
-where it cannot be written (read-only or full disk) is the whole dequantized file held in memory (read_gguf).
+A GGUF file is parsed and dequantized once (about 7 s for SmolLM2, most of it parsing metadata) into
+a plain HF folder (config.json + model.safetensors, fp32, HF names and HF q/k row order) in
+engine/load/weights.py's dequantized_folder(source), one tensor at a time; config.json's torch_dtype
+says what precision the file's matrices carried, for --dtype auto. Every start, the first included,
+then reads that folder like any HF model, in well under a second. The folder appears atomically
+(written beside it, then renamed), so a crash or a concurrent start never leaves a half-written
+cache that looks complete. Only where it cannot be written (read-only or full disk) is the whole
+dequantized file held in memory (read_gguf).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ from engine.load.quant import auto_mode, gguf_groups
 
 log = logging.getLogger("conveyor.weights")  # the cache's messages belong to the weight-loading log
 
-_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                "output": "lm_head"}
 _GGUF_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -50,27 +52,35 @@ _GGUF_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 # Where a family's llama.cpp names mean something else or add to the above.
-_GEMMA_LAYER = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+_GEMMA_LAYER = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
 _GGUF_LAYER_BY_ARCH = {
     "gemma2": _GEMMA_LAYER,
     "gemma3": _GEMMA_LAYER,
-    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused as HF ships them
-    # experts stacked [E, out, in]; gate and up are fused into transformers v5's gate_up_proj by read_gguf
+    # fused as HF ships them
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # experts stacked [E, out, in]; gate and up are fused into transformers v5's gate_up_proj by
+    # read_gguf
     "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
                  "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"},
 }
-_GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")  # Phi-3 LongRoPE: read into the config
-_EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")  # fused into _FUSED_EXPERTS on reading
+# Phi-3 LongRoPE: read into the config
+_GGUF_CONFIG_TENSORS = ("rope_factors_long", "rope_factors_short")
+# fused into _FUSED_EXPERTS on reading
+_EXPERT_HALVES = ("mlp.experts.gate_proj", "mlp.experts.up_proj")
 _FUSED_EXPERTS = "mlp.experts.gate_up_proj"
-GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]  # (HF name, fp32 tensor, its int4 groups)
-GROUPS_FILE = "int4_groups.safetensors"  # exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
+# (HF name, fp32 tensor, its int4 groups)
+GgufTensors = Iterator[tuple[str, torch.Tensor, dict[str, torch.Tensor]]]
+# exact Q4_0/Q4_1 groups: '{hf name}.scale' / '.min' [N, K/32]
+GROUPS_FILE = "int4_groups.safetensors"
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order, the exact int4 groups of its
-    Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order). Holds the whole
-    dequantized model: write_gguf_cache streams the same tensors to disk instead."""
+def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor],
+                                   dict[str, torch.Tensor]]:
+    """-> (HF config.json dict, HF-named fp32 tensors in HF's q/k row order, the exact int4 groups
+    of its Q4_0/Q4_1 matrices as '{hf name}.scale' / '.min' [N, K/32] in the same row order). Holds
+    the whole dequantized model: write_gguf_cache streams the same tensors to disk instead."""
     config, _, tensors = _open_gguf(path)
     groups: dict[str, torch.Tensor] = {}
     out = {}
@@ -81,15 +91,16 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict
 
 
 def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTensors]:
-    """-> (HF config.json dict, HF name -> shape of every tensor from the header alone, in the order the
-    stream yields them, a stream of (HF name, fp32 tensor in HF's q/k row order, its exact int4 groups by
-    '{hf name}.scale' / '.min', empty unless Q4_0/Q4_1)), each dequantized only when it is asked for.
+    """-> (HF config.json dict, HF name -> shape of every tensor from the header alone, in the order
+    the stream yields them, a stream of (HF name, fp32 tensor in HF's q/k row order, its exact int4
+    groups by '{hf name}.scale' / '.min', empty unless Q4_0/Q4_1)), each dequantized only when it is
+    asked for.
 
-    Undoes what llama.cpp's converter did per family: q/k rows of "llama" permuted to its interleaved
-    RoPE order (the others use NEOX, HF's order, and are stored as is); 1 added to every Gemma RMSNorm
-    weight (Gemma's norm is x * (1 + w)); Qwen3-MoE's experts stacked into [E, out, in] tensors, whose
-    gate and up are fused into one [E, 2I, hidden] ([gate; up] rows per expert) as HF v5 holds them:
-    the fused tensor comes where the second of the two stands in the file."""
+    Undoes what llama.cpp's converter did per family: q/k rows of "llama" permuted to its
+    interleaved RoPE order (the others use NEOX, HF's order, and are stored as is); 1 added to every
+    Gemma RMSNorm weight (Gemma's norm is x * (1 + w)); Qwen3-MoE's experts stacked into [E, out,
+    in] tensors, whose gate and up are fused into one [E, 2I, hidden] ([gate; up] rows per expert)
+    as HF v5 holds them: the fused tensor comes where the second of the two stands in the file."""
     t0 = time.perf_counter()
     reader = _checked_reader(path)
     config = gguf_config(reader)
@@ -113,13 +124,15 @@ def _open_gguf(path: Path) -> tuple[dict[str, Any], dict[str, list[int]], GgufTe
         raise ValueError(f"GGUF expert tensors without their gate/up counterpart: {sorted(halves)}")
     config["tie_word_embeddings"] = "lm_head.weight" not in shapes
     config["torch_dtype"] = gguf_dtype({t.tensor_type for t in reader.tensors if len(t.shape) > 1})
-    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors if len(t.shape) > 1})
+    config["conveyor_quantization"] = auto_mode({t.tensor_type.name for t in reader.tensors
+                                                 if len(t.shape) > 1})
     return config, shapes, _dequantize_gguf(reader, config, arch)
 
 
 def _checked_reader(path: Path) -> Any:
-    """gguf's GGUFReader, which first checks that every tensor's bytes lie inside the file: a truncated
-    file names itself, the tensor and the bytes missing (gguf's own error is numpy's reshape message)."""
+    """gguf's GGUFReader, which first checks that every tensor's bytes lie inside the file: a
+    truncated file names itself, the tensor and the bytes missing (gguf's own error is numpy's
+    reshape message)."""
     from gguf import GGUFReader
 
     class Checked(GGUFReader):
@@ -133,8 +146,9 @@ def _checked_reader(path: Path) -> Any:
                 begin = int(start_offs + offset[0])
                 end = begin + int(np.prod(dims)) * type_size // block
                 if end > size:
-                    raise ValueError(f"{path}: truncated GGUF: tensor {bytes(name).decode()} needs bytes "
-                                     f"{begin}..{end} and the file has {size}: {end - size} bytes missing")
+                    raise ValueError(f"{path}: truncated GGUF: tensor {bytes(name).decode()} needs "
+                                     f"bytes {begin}..{end} and the file has {size}: {end - size} "
+                                     "bytes missing")
             super()._build_tensors(start_offs, fields)
 
     return Checked(path)
@@ -143,10 +157,12 @@ def _checked_reader(path: Path) -> Any:
 def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTensors:
     from gguf.quants import dequantize
 
-    unpermute = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
+    unpermute = {"self_attn.q_proj": config["num_attention_heads"],
+                 "self_attn.k_proj": config["num_key_value_heads"]}
     permuted = arch == "llama"
     experts: dict[str, torch.Tensor] = {}  # the gate or up stack that waits for its other half
-    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None, leave=False):
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=None,
+                  leave=False):
         if t.name.rsplit(".", 1)[0] in _GGUF_CONFIG_TENSORS:
             continue
         name, module = _gguf_to_hf_name(t.name, arch)
@@ -158,8 +174,9 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
         del a
         if not bool(torch.isfinite(w).all()):  # a corrupt file: garbage served as healthy otherwise
             bad = int((~torch.isfinite(w)).sum())
-            raise ValueError(f"{reader.data.filename}: tensor {t.name} holds {bad} non-finite values (NaN or inf) of "
-                             f"{w.numel()}: the file is corrupt; download it again")
+            raise ValueError(f"{reader.data.filename}: tensor {t.name} holds {bad} non-finite "
+                             f"values (NaN or inf) of {w.numel()}: the file is corrupt; download "
+                             "it again")
         if permuted and module in unpermute:
             w = from_interleaved(w, unpermute[module])
         if arch in GEMMA_ARCHS and module.endswith(("norm", "layernorm")):
@@ -185,14 +202,15 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
 
 def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Inverse of llama.cpp's q/k permutation: within each head, rows (2j, 2j+1) -> (j, j + D/2).
-    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works for weights and biases."""
+    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works for weights and
+    biases."""
     d_half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, d_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _gguf_to_hf_name(name: str, arch: str) -> tuple[str, str]:
-    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'self_attn.q_proj'). Stacked
-    experts keep HF v5's names, which have no '.weight'."""
+    """'blk.3.attn_q.weight' -> ('model.layers.3.self_attn.q_proj.weight', 'self_attn.q_proj').
+    Stacked experts keep HF v5's names, which have no '.weight'."""
     base, kind = name.rsplit(".", 1)
     if base in _GGUF_GLOBAL:
         return f"{_GGUF_GLOBAL[base]}.{kind}", base
@@ -203,15 +221,16 @@ def _gguf_to_hf_name(name: str, arch: str) -> tuple[str, str]:
         suffix = "" if module.startswith("mlp.experts.") else f".{kind}"
         return f"model.layers.{parts[1]}.{module}{suffix}", module
     if base == "rope_freqs":
-        raise ValueError("GGUF rope_freqs (Llama 3.1-style RoPE scaling stored as factors) is not supported")
+        raise ValueError("GGUF rope_freqs (Llama 3.1-style RoPE scaling stored as factors) is not "
+                         "supported")
     raise ValueError(f"unexpected GGUF tensor {name!r} for architecture {arch!r}")
 
 
 def write_gguf_cache(path: Path, folder: Path) -> bool:
-    """Dequantizes the GGUF file into the HF folder, one tensor at a time: each is written and dropped
-    before the next is dequantized (the safetensors header, written first, needs only the shapes, which
-    the GGUF header has). The folder appears atomically. A failure (read-only or full disk) costs only
-    speed, so it is logged, not raised: -> whether the folder is there."""
+    """Dequantizes the GGUF file into the HF folder, one tensor at a time: each is written and
+    dropped before the next is dequantized (the safetensors header, written first, needs only the
+    shapes, which the GGUF header has). The folder appears atomically. A failure (read-only or full
+    disk) costs only speed, so it is logged, not raised: -> whether the folder is there."""
     tmp = None
     try:
         config, shapes, tensors = _open_gguf(path)
@@ -221,23 +240,26 @@ def write_gguf_cache(path: Path, folder: Path) -> bool:
         if groups:
             save_file(groups, str(tmp / GROUPS_FILE), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.rename(tmp, folder)  # fails if a concurrent start renamed its copy first: theirs is as good
+        # fails if a concurrent start renamed its copy first: theirs is as good
+        os.rename(tmp, folder)
         log.info("dequantized %s into %s", path.name, folder)
         return True
     except OSError as e:
         if (folder / "config.json").is_file():
             return True
-        log.warning("could not write the weight cache %s (%s); the next start dequantizes again", folder, e)
+        log.warning("could not write the weight cache %s (%s); the next start dequantizes again",
+                    folder, e)
         return False
     finally:
         if tmp is not None and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_safetensors(path: Path, shapes: dict[str, list[int]], tensors: GgufTensors) -> dict[str, torch.Tensor]:
-    """Writes the float32 tensors that stream in, in shapes' order, as one safetensors file; -> the groups
-    that came with them. The layout is safetensors' own: an 8-byte header size, a JSON header padded
-    to 8 bytes, then every tensor's bytes back to back."""
+def _write_safetensors(path: Path, shapes: dict[str, list[int]],
+                       tensors: GgufTensors) -> dict[str, torch.Tensor]:
+    """Writes the float32 tensors that stream in, in shapes' order, as one safetensors file; -> the
+    groups that came with them. The layout is safetensors' own: an 8-byte header size, a JSON header
+    padded to 8 bytes, then every tensor's bytes back to back."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
@@ -253,7 +275,8 @@ def _write_safetensors(path: Path, shapes: dict[str, list[int]], tensors: GgufTe
         for name, w, g in tensors:
             begin, end = header[name]["data_offsets"]
             if f.tell() - start != begin or list(w.shape) != header[name]["shape"]:
-                raise ValueError(f"GGUF tensor {name!r} is out of order or not the shape its header says")
+                raise ValueError(f"GGUF tensor {name!r} is out of order or not the shape its "
+                                 "header says")
             f.write(w.contiguous().numpy().data)
             groups.update(g)
             del w

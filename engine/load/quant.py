@@ -10,10 +10,10 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
   (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
-- torch's int kernels win only while a GEMM is bound by memory (a few rows): with 16-bit activations a
-  projection may also hold a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which
-  calls of packed_from rows or more take instead, so a quantized model is not slower than its bfloat16
-  form at any batch size.
+- torch's int kernels win only while a GEMM is bound by memory (a few rows): with 16-bit activations
+  a projection may also hold a oneDNN-packed copy of its dequantized matrix
+  (engine/kernel_choice.py), which calls of packed_from rows or more take instead, so a quantized
+  model is not slower than its bfloat16 form at any batch size.
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -35,17 +35,19 @@ log = logging.getLogger("conveyor.quant")
 
 GROUP = 32
 NEVER = 1 << 62  # a row threshold no call reaches
-# Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not all of
-# it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk as a whole).
+# Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not
+# all of it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk
+# as a whole).
 CHUNK_ROWS = 1024
 # Our parameter names (engine/models/llama.py) of the projections each decoder layer quantizes.
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]  # param name -> (scale, min) [N, K/32]: w = scale * q + min
+# param name -> (scale, min) [N, K/32]: w = scale * q + min
+Groups = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 class QuantizedLinear(nn.Module):
-    """What the int8 and int4 projections share: the choice, by rows, between torch's int kernel and a
-    packed copy of the dequantized matrix (packed; None: the int kernel at every row count)."""
+    """What the int8 and int4 projections share: the choice, by rows, between torch's int kernel and
+    a packed copy of the dequantized matrix (packed; None: the int kernel at every row count)."""
 
     bias: nn.Parameter | None
 
@@ -87,14 +89,16 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the GEMM."""
+        """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the
+        GEMM."""
         if self.bias is None:
             if self.packed is not None and self.uses_packed(x.shape[0]):
                 return self.packed.add_to(h, x)
             tiles = self.amx_mm(x, h)
             if tiles is not None:
                 return tiles
-        y: torch.Tensor = self.forward(x)  # not self(x): Module.__call__'s hook checks cost microseconds
+        # not self(x): Module.__call__'s hook checks cost microseconds
+        y: torch.Tensor = self.forward(x)
         return h + y
 
 
@@ -104,15 +108,18 @@ class Int8Linear(QuantizedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  absmax: torch.Tensor | None = None) -> None:
         """absmax: [N] each row's largest |w| where weight holds only some of the row's columns (a
-        tensor-parallel rank's row-parallel shard), so its codes and scales are the whole matrix's."""
+        tensor-parallel rank's row-parallel shard), so its codes and scales are the whole
+        matrix's."""
         super().__init__()
-        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
+        # no autograd graph: it would keep the float matrix alive beside its codes
+        w = weight.detach()
         n = w.shape[0]
         scale = torch.empty(n)
         q = torch.empty(w.shape, dtype=torch.int8)
         for r in range(0, n, CHUNK_ROWS):
             rows = w[r:r + CHUNK_ROWS].float()
-            peak = rows.abs().amax(dim=1) if absmax is None else absmax[r:r + CHUNK_ROWS].float()  # [rows]
+            # [rows]
+            peak = rows.abs().amax(dim=1) if absmax is None else absmax[r:r + CHUNK_ROWS].float()
             s = (peak / 127).clamp(min=1e-12)  # [rows]
             scale[r:r + CHUNK_ROWS] = s
             q[r:r + CHUNK_ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127)
@@ -120,10 +127,12 @@ class Int8Linear(QuantizedLinear):
         self.scales: torch.Tensor
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(dtype))
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
+                                                           requires_grad=False)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight, self.scales)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,
+                                                             self.scales)
         return y
 
     def shape(self) -> tuple[int, int]:
@@ -142,12 +151,14 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """y = x @ W.T (+ bias) with W[n, k] = (q - 8) * scale[g, n] + zero[g, n] for g = k // 32, q in 0..15."""
+    """y = x @ W.T (+ bias) with W[n, k] = (q - 8) * scale[g, n] + zero[g, n] for g = k // 32, q in
+    0..15."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
-        w = weight.detach()  # no autograd graph: it would keep the float matrix alive beside its codes
+        # no autograd graph: it would keep the float matrix alive beside its codes
+        w = weight.detach()
         n, k = w.shape
         scales, lows, packed, tiles = [], [], [], []
         with_tiles = dtype == torch.bfloat16 and amx.fits(n, k) and amx.usable()
@@ -157,8 +168,10 @@ class Int4Linear(QuantizedLinear):
                 lo, hi = wg.amin(dim=2), wg.amax(dim=2)  # [rows, K/32]
                 scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
             else:
-                scale, low = groups[0][r:r + CHUNK_ROWS].float(), groups[1][r:r + CHUNK_ROWS].float()
-            q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(-1, k)
+                scale = groups[0][r:r + CHUNK_ROWS].float()
+                low = groups[1][r:r + CHUNK_ROWS].float()
+            q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15)
+            q = q.to(torch.int32).view(-1, k)
             packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             if with_tiles:
                 tiles.append(amx.pack_int4(q, scale, low + 8 * scale))
@@ -169,15 +182,18 @@ class Int4Linear(QuantizedLinear):
         self.qweight: torch.Tensor
         self.scales_zeros: torch.Tensor
         self.register_buffer("qweight", packed[0] if len(packed) == 1 else torch.cat(packed))
-        self.register_buffer("scales_zeros", torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
+        self.register_buffer("scales_zeros",
+                             torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
         # The same codes repacked for the AMX kernel (engine/load/amx.py), where this CPU runs it.
         self.tile_codes: torch.Tensor | None
         self.tile_scale_zero: torch.Tensor | None
         self.register_buffer("tile_codes", torch.cat([c for c, _ in tiles]) if tiles else None)
         self.register_buffer("tile_scale_zero", torch.cat([z for _, z in tiles]) if tiles else None)
         self.tile_min_exponent = (amx.min_exponent(self.tile_codes, self.tile_scale_zero)
-                                  if self.tile_codes is not None and self.tile_scale_zero is not None else 0)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+                                  if self.tile_codes is not None
+                                  and self.tile_scale_zero is not None else 0)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
+                                                           requires_grad=False)
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.tile_codes is None or x.shape[0] < self.amx_from:
@@ -185,16 +201,17 @@ class Int4Linear(QuantizedLinear):
         return self.tile_mm(x, residual)
 
     def tile_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), whatever the rows."""
+        """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), whatever the
+        rows."""
         assert self.tile_codes is not None and self.tile_scale_zero is not None
-        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero, self.tile_min_exponent,
-                           residual)
+        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero,
+                           self.tile_min_exponent, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.scales_zeros.dtype:
             x = x.to(self.scales_zeros.dtype)
-        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight, GROUP,
-                                                                     self.scales_zeros)
+        y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight,
+                                                                     GROUP, self.scales_zeros)
         return y
 
     def shape(self) -> tuple[int, int]:
@@ -205,8 +222,8 @@ class Int4Linear(QuantizedLinear):
         return self.scales_zeros.dtype
 
     def dequantized(self) -> torch.Tensor:
-        """The kernel's own dequantization, read back through it: I @ W.T = W.T, exact in float32 (one
-        non-zero product per output), rounded once to the activations' dtype."""
+        """The kernel's own dequantization, read back through it: I @ W.T = W.T, exact in float32
+        (one non-zero product per output), rounded once to the activations' dtype."""
         k = self.shape()[1]
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
         cols = [self.quantized_mm(eye[r:r + CHUNK_ROWS]) for r in range(0, k, CHUNK_ROWS)]
@@ -216,7 +233,8 @@ class Int4Linear(QuantizedLinear):
 def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
              groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
     """One float projection -> its int8 or int4 replacement (int8 where int4 does not apply)."""
-    module = quantize_matrix(linear.weight, mode if isinstance(linear, nn.Linear) else "int8", dtype, groups)
+    module = quantize_matrix(linear.weight, mode if isinstance(linear, nn.Linear) else "int8",
+                             dtype, groups)
     if isinstance(linear, nn.Linear) and linear.bias is not None:
         module.bias = nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
     return module
@@ -225,16 +243,18 @@ def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
 def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
                     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
                     absmax: torch.Tensor | None = None) -> Int8Linear | Int4Linear:
-    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not apply).
-    absmax: the whole rows' largest |w| for an int8 matrix that is a slice of columns (Int8Linear)."""
+    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not
+    apply). absmax: the whole rows' largest |w| for an int8 matrix that is a slice of columns
+    (Int8Linear)."""
     if mode == "int4" and weight.shape[1] % GROUP == 0:
         return Int4Linear(weight, None, dtype, groups)
     return Int8Linear(weight, None, dtype, absmax)
 
 
 def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
-    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's projections and the
-    LM head in mode, the embedding as int8 rows (see module doc). A tied LM head is the embedding."""
+    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's projections
+    and the LM head in mode, the embedding as int8 rows (see module doc). A tied LM head is the
+    embedding."""
     targets = {f"model.layers.{i}.{name}": mode for i, layer in enumerate(model.model.layers)
                for name in LAYER_PROJECTIONS if isinstance(getattr(layer, name, None), nn.Linear)}
     if isinstance(model.lm_head, nn.Linear):
@@ -243,18 +263,22 @@ def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
     return targets
 
 
-def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype, groups: Groups | None = None) -> None:
-    """Replaces the quantized_targets of a loaded float model in place. engine/load/weights.py quantizes
-    while it loads instead, so the float model never exists; this is the same result from a float model
-    (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by our parameter name."""
+def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype,
+                   groups: Groups | None = None) -> None:
+    """Replaces the quantized_targets of a loaded float model in place. engine/load/weights.py
+    quantizes while it loads instead, so the float model never exists; this is the same result from
+    a float model (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by
+    our parameter name."""
     groups = groups or {}
     for path, kind in quantized_targets(model, mode).items():
         float_module = model.get_submodule(path)
-        model.set_submodule(path, quantize(float_module, kind, dtype, groups.get(f"{path}.weight")))  # type: ignore[arg-type]
+        group = groups.get(f"{path}.weight")
+        model.set_submodule(path, quantize(float_module, kind, dtype, group))  # type: ignore[arg-type]
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms, RoPE tables)."""
+    """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms, RoPE
+    tables)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -269,7 +293,8 @@ def gguf_groups(data: object, type_name: str, k: int) -> tuple[torch.Tensor, tor
     if block is None:
         return None
     raw = np.asarray(data, dtype=np.uint8).reshape(-1, k // GROUP, block)  # [N, K/32, block bytes]
-    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, K/32]
+    # [N, K/32]
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if type_name == "Q4_0":  # d * (q - 8)
         return d, -8 * d
     m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -277,8 +302,8 @@ def gguf_groups(data: object, type_name: str, k: int) -> tuple[torch.Tensor, tor
 
 
 def auto_mode(matrix_types: set[str]) -> str:
-    """What --quantization auto serves for a GGUF whose matrices carry these types: int8 when they are
-    all 8-bit (Q8_0), int4 when any carries fewer bits, none when they are all float."""
+    """What --quantization auto serves for a GGUF whose matrices carry these types: int8 when they
+    are all 8-bit (Q8_0), int4 when any carries fewer bits, none when they are all float."""
     quantized = matrix_types - {"F32", "F16", "BF16"}
     if not quantized:
         return "none"

@@ -16,30 +16,34 @@ from tqdm import tqdm
 from engine.load.gguf import GROUPS_FILE
 from engine.models.convert import HF_NAMES
 
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                       "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The shards the index names, else every *.safetensors except Mistral's consolidated.safetensors
-    (the same weights under Mistral's own names, shipped beside the HF shards in some repos)."""
+    """The shards the index names, else every *.safetensors except Mistral's
+    consolidated.safetensors (the same weights under Mistral's own names, shipped beside the HF
+    shards in some repos)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        return [folder / f
+                for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     files = sorted(f for f in folder.glob("*.safetensors")
                    if not f.name.startswith("consolidated") and f.name != GROUPS_FILE)
     if not files:
-        raise FileNotFoundError(f"{folder} has no *.safetensors files (only safetensors checkpoints are supported)")
+        raise FileNotFoundError(f"{folder} has no *.safetensors files (only safetensors "
+                                "checkpoints are supported)")
     return files
 
 
 def read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files, in
-    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file lives:
-    a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep the whole
-    file's pages beside its own copies. Read, each matrix's memory goes when the model drops it."""
+    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file
+    lives: a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep
+    the whole file's pages beside its own copies. Read, each matrix's memory goes when the model
+    drops it."""
     entries = []
     for f in files:
         with open(f, "rb") as fh:
@@ -52,10 +56,11 @@ def read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     entries.sort(key=lambda e: e[0])
     handles: dict[Path, Any] = {}
     try:
-        for _, name, f, offset, nbytes, info in tqdm(entries, desc="loading weights", unit="tensor", disable=None,
-                                                     leave=False):
+        for _, name, f, offset, nbytes, info in tqdm(entries, desc="loading weights", unit="tensor",
+                                                     disable=None, leave=False):
             fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))  # noqa: SIM115 (closed below)
-            yield name, _read_tensor(fh, offset, nbytes, info)  # no local keeps it while the caller holds it
+            # no local keeps it while the caller holds it
+            yield name, _read_tensor(fh, offset, nbytes, info)
     finally:
         for fh in handles.values():
             fh.close()
@@ -71,8 +76,8 @@ def _read_tensor(fh: Any, offset: int, nbytes: int, info: dict[str, Any]) -> tor
 
 
 def load_order(name: str) -> tuple[Any, ...]:
-    """Sort key of HF names: layer by layer, the parts of each fused group next to one another (q, k, v;
-    gate, up), so a streamed load never holds one group's parts while it reads another's."""
+    """Sort key of HF names: layer by layer, the parts of each fused group next to one another (q,
+    k, v; gate, up), so a streamed load never holds one group's parts while it reads another's."""
     parts = name.split(".")
     if len(parts) >= 4 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         rest = ".".join(parts[3:])

@@ -1,7 +1,7 @@
 """HF-named checkpoint tensors -> the state dict of engine/models/llama.py, for every family.
 
-What differs by family is only here: q/k/v and gate/up are fused (Phi-3 ships them fused already,
-so its q and k parts are split out, permuted and fused again), q/k rows and per-head q/k norm weights
+What differs by family is only here: q/k/v and gate/up are fused (Phi-3 ships them fused already, so
+its q and k parts are split out, permuted and fused again), q/k rows and per-head q/k norm weights
 go to the interleaved RoPE layout, Gemma's norms scale by (1 + w) and are stored as that sum, and
 Qwen3-MoE's per-expert matrices are stacked into one [E, ...] tensor per layer.
 """
@@ -14,8 +14,8 @@ import torch
 from engine.models.config import ModelConfig
 from engine.models.rope import to_interleaved
 
-# HF parameter name inside a decoder layer (without .weight/.bias) -> (ours, shard index in the fused
-# tensor, or None when not fused). Shards are concatenated along dim 0 in index order.
+# HF parameter name inside a decoder layer (without .weight/.bias) -> (ours, shard index in the
+# fused tensor, or None when not fused). Shards are concatenated along dim 0 in index order.
 HF_NAMES: dict[str, tuple[str, int | None]] = {
     "input_layernorm": ("input_layernorm", None),
     "self_attn.q_proj": ("qkv_proj", 0),
@@ -36,7 +36,8 @@ HF_NAMES: dict[str, tuple[str, int | None]] = {
     "mlp.experts.gate_up_proj": ("moe.gate_up", None),  # transformers v5's own fused expert tensors
     "mlp.experts.down_proj": ("moe.down", None),
 }
-_EXPERT_NAMES = {"gate_proj": ("moe.gate_up", 0), "up_proj": ("moe.gate_up", 1), "down_proj": ("moe.down", 0)}
+_EXPERT_NAMES = {"gate_proj": ("moe.gate_up", 0), "up_proj": ("moe.gate_up", 1),
+                 "down_proj": ("moe.down", 0)}
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -50,15 +51,17 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
 
 def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                    partial: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """convert_hf_weights one tensor at a time: each is yielded as soon as it is complete (a fused one
-    when its last part arrives), and this generator holds no reference to it, nor to its parts, once
-    the caller asks for the next, so a caller that consumes each (quantizes it) keeps only that one."""
+    """convert_hf_weights one tensor at a time: each is yielded as soon as it is complete (a fused
+    one when its last part arrives), and this generator holds no reference to it, nor to its parts,
+    once the caller asks for the next, so a caller that consumes each (quantizes it) keeps only that
+    one."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
     gemma = cfg.architecture in _GEMMA
     for name, t in weights:
         if not name.startswith(("model.", "lm_head.")):  # a base model's (Qwen3Model) has no prefix
             name = f"model.{name}"
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight"
+                                                    and cfg.tie_word_embeddings):
             continue
         if gemma and name.endswith("norm.weight"):
             t = t + 1  # Gemma's RMSNorm multiplies by (1 + w)
@@ -67,7 +70,8 @@ def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
             del t
             continue
         _, _, idx, rest = name.split(".", 3)  # model.layers.{idx}.{module}.{weight|bias}
-        if rest.startswith("mlp.experts.") and rest.count(".") == 4:  # mlp.experts.{e}.{proj}.weight
+        # mlp.experts.{e}.{proj}.weight
+        if rest.startswith("mlp.experts.") and rest.count(".") == 4:
             _, _, e, proj, _ = rest.split(".")
             stacked, part = _EXPERT_NAMES[proj]
             key = f"model.layers.{idx}.{stacked}"
@@ -99,12 +103,14 @@ def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
 
 
 def _cat_shards(group: dict[int, torch.Tensor]) -> torch.Tensor:
-    """The shards in index order along dim 0 (the dict, the caller's last reference to them, dies here)."""
+    """The shards in index order along dim 0 (the dict, the caller's last reference to them, dies
+    here)."""
     return torch.cat([group[i] for i in range(len(group))])
 
 
 def _to_interleaved(cfg: ModelConfig, module: str, t: torch.Tensor) -> torch.Tensor:
-    """q/k rows (and the per-head norms' weights) to the interleaved RoPE layout; others unchanged."""
+    """q/k rows (and the per-head norms' weights) to the interleaved RoPE layout; others
+    unchanged."""
     h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if module == "self_attn.q_proj":
         return to_interleaved(t, h)
@@ -121,5 +127,6 @@ def _to_interleaved(cfg: ModelConfig, module: str, t: torch.Tensor) -> torch.Ten
 def _stack_experts(group: dict[int, torch.Tensor], num_experts: int, gate_up: bool) -> torch.Tensor:
     """-> [E, 2I, hidden] ([gate; up] rows per expert) or [E, hidden, I]."""
     if gate_up:
-        return torch.stack([torch.cat((group[2 * e], group[2 * e + 1])) for e in range(num_experts)])
+        return torch.stack([torch.cat((group[2 * e], group[2 * e + 1]))
+                            for e in range(num_experts)])
     return torch.stack([group[2 * e] for e in range(num_experts)])

@@ -1,20 +1,23 @@
-"""The decoder families: Llama, Mistral, SmolLM2, Qwen2 (a q/k/v bias), Qwen3 (q/k norms), Phi-3 (fused
-checkpoint weights, LongRoPE), Gemma 2 and 3 (GeGLU, sandwich norms, soft-capping, sliding-window layers)
-and Qwen3-MoE (engine/models/moe.py). One graph with switches read from ModelConfig: the families differ
-in a handful of places, each a line or two below, and one graph keeps one fast path for all of them.
+"""The decoder families: Llama, Mistral, SmolLM2, Qwen2 (a q/k/v bias), Qwen3 (q/k norms), Phi-3
+(fused checkpoint weights, LongRoPE), Gemma 2 and 3 (GeGLU, sandwich norms, soft-capping,
+sliding-window layers) and Qwen3-MoE (engine/models/moe.py). One graph with switches read from
+ModelConfig: the families differ in a handful of places, each a line or two below, and one graph
+keeps one fast path for all of them.
 
 Input is one flattened varlen batch with no batch dim: every sequence's new tokens, concatenated
 (T rows). Attention goes only through the backend, which also writes K/V into the paged cache.
 
 Choices made for CPU speed, where one decode step reads every weight once and Python overhead
 per layer is visible:
-- q/k/v and gate/up are one GEMM each (fused when the weights are converted, engine/models/convert.py).
+- q/k/v and gate/up are one GEMM each (fused when the weights are converted,
+  engine/models/convert.py).
 - q and k rows are kept in the interleaved RoPE layout (engine/models/rope.py), so RoPE is a single
   complex multiply; only the K stored in the KV cache is in that order.
 - o_proj and down_proj add the residual inside the GEMM (addmm); the final norm and the LM head run
   only on the rows that sample (logits_rows), which is most of a short prompt's prefill cost.
-- A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of F.linear
-  (its add_to used where it has one); so does a tensor-parallel row-parallel one (engine/distributed/layers.py).
+- A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of
+  F.linear (its add_to used where it has one); so does a tensor-parallel row-parallel one
+  (engine/distributed/layers.py).
 """
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
 
 
 def linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
-    """x @ W.T (+ b) for an nn.Linear or a packed or quantized stand-in. Its forward is called directly:
-    nn.Module.__call__'s hook checks cost more than a one-row GEMM's Python (no hooks are used here)."""
+    """x @ W.T (+ b) for an nn.Linear or a packed or quantized stand-in. Its forward is called
+    directly: nn.Module.__call__'s hook checks cost more than a one-row GEMM's Python (no hooks are
+    used here)."""
     if isinstance(m, nn.Linear):
         return F.linear(x, m.weight, m.bias)
     out: torch.Tensor = m.forward(x)
@@ -47,7 +51,8 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     if isinstance(m, nn.Linear):
         h = torch.addmm(h, x, m.weight.t())
         return h if m.bias is None else h.add_(m.bias)
-    add_to = getattr(m, "add_to", None)  # a prepacked matrix fuses the add too (engine/load/prepack.py)
+    # a prepacked matrix fuses the add too (engine/load/prepack.py)
+    add_to = getattr(m, "add_to", None)
     if add_to is not None:
         out: torch.Tensor = add_to(h, x)
         return out
@@ -55,7 +60,8 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
 
 
 def rms(x: torch.Tensor, norm: nn.RMSNorm, native: bool = False) -> torch.Tensor:
-    """native: one pass of kernels/cpu/layer_ops.cpp for a [T, E] x (F.rms_norm is ten ATen calls on the CPU)."""
+    """native: one pass of kernels/cpu/layer_ops.cpp for a [T, E] x (F.rms_norm is ten ATen calls on
+    the CPU)."""
     if native:
         out: torch.Tensor = torch.ops.conveyor_cpu.rms_norm(x, norm.weight, norm.eps)
         return out
@@ -65,14 +71,16 @@ def rms(x: torch.Tensor, norm: nn.RMSNorm, native: bool = False) -> torch.Tensor
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.qk_size = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
         self.scale = cfg.attn_scale or cfg.head_dim**-0.5
         self.window = cfg.window(index)  # tokens this layer attends back, None = all
         self.softcap = cfg.attn_softcap
         self.local_rope = self.window is not None and cfg.local_rope_theta is not None
         self.gelu = cfg.hidden_act == "gelu_tanh"
-        self.native = False  # norms and RoPE through the native CPU ops (LlamaForCausalLM.use_native_ops)
+        # norms and RoPE through the native CPU ops (LlamaForCausalLM.use_native_ops)
+        self.native = False
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         qkv_size = self.qk_size + cfg.num_kv_heads * cfg.head_dim
         self.input_layernorm = nn.RMSNorm(hidden, eps)
@@ -80,8 +88,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, hidden, bias=cfg.o_proj_bias)
-        # Llama: the norm before the MLP. Gemma: the norm of the attention output (pre_feedforward_layernorm
-        # is then the norm before the MLP and post_feedforward_layernorm the norm of its output).
+        # Llama: the norm before the MLP. Gemma: the norm of the attention output
+        # (pre_feedforward_layernorm is then the norm before the MLP and post_feedforward_layernorm
+        # the norm of its output).
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = nn.RMSNorm(hidden, eps) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = nn.RMSNorm(hidden, eps) if cfg.sandwich_norms else None
@@ -94,14 +103,16 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn_meta: object, backend: AttentionBackend,
     ) -> torch.Tensor:
-        """h: [T, E] residual stream -> [T, E]. Calls F.* directly: module calls cost microseconds each."""
+        """h: [T, E] residual stream -> [T, E]. Calls F.* directly: module calls cost microseconds
+        each."""
         T, H, Hkv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         native = self.native
         x = rms(h, self.input_layernorm, native)  # [T, E]
         qkv = linear(x, self.qkv_proj)  # [T, (H + 2Hkv) * D]
         qk_flat, v_flat = qkv.split((self.qk_size, Hkv * D), dim=1)  # one call for both views
         qk = qk_flat.view(T, H + Hkv, D)
-        if self.q_norm is not None and self.k_norm is not None:  # per-head norms (weights in interleaved order)
+        # per-head norms (weights in interleaved order)
+        if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((rms(qk[:, :H], self.q_norm), rms(qk[:, H:], self.k_norm)), dim=1)
         qk = apply_rope(qk, rope)  # [T, H + Hkv, D]
         # q, k, v are row-strided views (stride(1) == D, stride(2) == 1), not T-contiguous copies.
@@ -110,8 +121,8 @@ class DecoderLayer(nn.Module):
         if self.window is None and self.softcap is None:
             o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale)  # [T, H, D]
         else:
-            o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale, window=self.window,
-                                softcap=self.softcap)
+            o = backend.forward(q, k, v, k_cache, v_cache, attn_meta, self.scale,
+                                window=self.window, softcap=self.softcap)
         o = o.reshape(T, H * D)
         if self.pre_feedforward_layernorm is None:
             h = add_linear(h, o, self.o_proj)  # h + o_proj(o): [T, E]
@@ -130,8 +141,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm). They are
-    not meaningfully initialised: the model is built on meta and engine/load/weights.py assigns real tensors."""
+    """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm). They
+    are not meaningfully initialised: the model is built on meta and engine/load/weights.py assigns
+    real tensors."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -148,19 +160,26 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg)
-        # Tied models have no lm_head parameter at all: forward uses the embedding, and loading stays strict.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Tied models have no lm_head parameter at all: forward uses the embedding, and loading
+        # stays strict.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size,
+                                                                      cfg.vocab_size, bias=False)
         self.rope: torch.Tensor  # [P, D/2, 2] float32, a buffer: moves with .to(), not saved
         self.register_buffer("rope", rope_table(cfg), persistent=False)
-        self.rope_local: torch.Tensor | None  # the sliding layers' table where their RoPE base differs
+        # the sliding layers' table where their RoPE base differs
+        self.rope_local: torch.Tensor | None
         local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
         self.register_buffer("rope_local", local, persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to call."""
+        """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to
+        call."""
         m = self.model
         emb = m.embed_tokens
-        h = F.embedding(input_ids, emb.weight) if isinstance(emb, nn.Embedding) else emb.rows(input_ids)
+        if isinstance(emb, nn.Embedding):
+            h = F.embedding(input_ids, emb.weight)
+        else:
+            h = emb.rows(input_ids)
         if self.config.embed_scale is not None:  # Gemma, in the model's dtype as transformers does
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
         return h
@@ -177,9 +196,11 @@ class LlamaForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, positions, kv_cache, attn_meta, backend)
         return self.logits(self.final_norm(h[logits_rows]))
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                      attn_meta: object, backend: AttentionBackend) -> torch.Tensor:
-        """-> [T, E] the residual stream after the last layer, before the final norm (forward's args)."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      kv_cache: torch.Tensor, attn_meta: object,
+                      backend: AttentionBackend) -> torch.Tensor:
+        """-> [T, E] the residual stream after the last layer, before the final norm (forward's
+        args)."""
         m = self.model
         h = self.embed(input_ids)  # [T, E]
         native = self.model.native_ops
@@ -190,12 +211,13 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings read."""
+        """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings
+        read."""
         return rms(h, self.model.norm, self.model.native_ops)
 
     def use_native_ops(self) -> None:
-        """Norms and RoPE through kernels/cpu/layer_ops.cpp: for a CPU model in float32 or bfloat16 whose
-        native library is loaded (engine/load/weights.py decides)."""
+        """Norms and RoPE through kernels/cpu/layer_ops.cpp: for a CPU model in float32 or bfloat16
+        whose native library is loaded (engine/load/weights.py decides)."""
         self.model.native_ops = True
         for layer in self.model.layers:
             if isinstance(layer, DecoderLayer):
@@ -209,5 +231,6 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def convert_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def convert_hf_weights(self,
+                           weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return convert_hf_weights(self.config, weights)

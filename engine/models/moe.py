@@ -1,10 +1,12 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top k of E experts per token; the experts run
-as two grouped GEMMs over all (token, expert) pairs sorted by expert, never a Python loop per token.
+"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top k of E experts per token; the experts
+run as two grouped GEMMs over all (token, expert) pairs sorted by expert, never a Python loop per
+token.
 
 torch._grouped_mm takes the rows sorted by group and each group's end offset, and multiplies each
 group by its own expert's matrix in one call (on the CPU as well as CUDA), so a step costs the same
 two GEMM launches whether one expert or all of them are hit. Where it is missing, the fallback loops
-over the experts that received rows (at most E iterations, each one GEMM over all of that expert's rows).
+over the experts that received rows (at most E iterations, each one GEMM over all of that expert's
+rows).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ class MoE(nn.Module):
 
     @staticmethod
     def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [N, in] rows grouped by expert (counts[e] rows for expert e), w: [E, out, in] -> [N, out]."""
+        """x: [N, in] rows grouped by expert (counts[e] rows for expert e), w: [E, out, in] -> [N,
+        out]."""
         if _GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16):
             offs = counts.cumsum(0).to(torch.int32)
             return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)

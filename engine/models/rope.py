@@ -1,5 +1,6 @@
-"""Rotary position embeddings: frequency tables computed exactly as transformers does (same float ops),
-kept as a [positions, D/2, 2] (cos, sin) table that the model indexes by position once per step.
+"""Rotary position embeddings: frequency tables computed exactly as transformers does (same float
+ops), kept as a [positions, D/2, 2] (cos, sin) table that the model indexes by position once per
+step.
 
 q and k rows are kept in the *interleaved* layout (dims 2i and 2i+1 rotate together, as in Meta's
 original checkpoints and in GGUF), so RoPE is one complex multiply instead of HF's rotate_half.
@@ -22,7 +23,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float | None = None, long: bool = Fal
     exponent = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d
     s = cfg.rope_scaling if theta is None else None
     if s is not None and s["rope_type"] == "longrope":
-        factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32, device="cpu")
+        factors = torch.tensor(s["long_factor" if long else "short_factor"], dtype=torch.float32,
+                               device="cpu")
         return 1.0 / (factors * base**exponent)
     inv = 1.0 / (base**exponent)
     if s is None:
@@ -44,10 +46,10 @@ def rope_table(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
     """-> [max_position_embeddings, D/2, 2] float32 (cos, sin), on the CPU even under a meta-device
     context, so a model built on meta has a real table.
 
-    LongRoPE (Phi-3): positions below original_max_position_embeddings rotate by the short factors and
-    later ones by the long factors, all scaled by the attention factor. transformers switches the whole
-    forward to the long factors once the sequence passes that length (earlier cached keys keep the short
-    ones); the two agree on every sequence shorter than it."""
+    LongRoPE (Phi-3): positions below original_max_position_embeddings rotate by the short factors
+    and later ones by the long factors, all scaled by the attention factor. transformers switches
+    the whole forward to the long factors once the sequence passes that length (earlier cached keys
+    keep the short ones); the two agree on every sequence shorter than it."""
     pos = torch.arange(cfg.max_position_embeddings, device="cpu").float()
     angles = torch.outer(pos, rope_inv_freq(cfg, theta))  # [P, D/2]
     s = cfg.rope_scaling if theta is None else None
@@ -64,11 +66,12 @@ def rope_table(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
 
 
 class Rotation(NamedTuple):
-    """One step's rotation, shared by every layer with the same table: the native op reads the table at
-    the positions; the PyTorch path multiplies by the step's complex factors, gathered once."""
+    """One step's rotation, shared by every layer with the same table: the native op reads the table
+    at the positions; the PyTorch path multiplies by the step's complex factors, gathered once."""
     table: torch.Tensor  # [P, D/2, 2] float32 (cos, sin)
     positions: torch.Tensor  # [T] int64
-    factors: torch.Tensor | None  # [T, 1, D/2] complex64; None: the native op (kernels/cpu/layer_ops.cpp)
+    # [T, 1, D/2] complex64; None: the native op (kernels/cpu/layer_ops.cpp)
+    factors: torch.Tensor | None
 
 
 def rotation(table: torch.Tensor, positions: torch.Tensor, native: bool) -> Rotation:
@@ -77,8 +80,8 @@ def rotation(table: torch.Tensor, positions: torch.Tensor, native: bool) -> Rota
 
 
 def apply_rope(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
-    """x: [T, N, D] with interleaved pairs -> [T, N, D] in x.dtype: x itself, turned in place, on the
-    native path (x is a fresh GEMM output there); a new tensor on the PyTorch path."""
+    """x: [T, N, D] with interleaved pairs -> [T, N, D] in x.dtype: x itself, turned in place, on
+    the native path (x is a fresh GEMM output there); a new tensor on the PyTorch path."""
     if rot.factors is None:
         torch.ops.conveyor_cpu.rope_(x, rot.table, rot.positions)
         return x
@@ -87,8 +90,8 @@ def apply_rope(x: torch.Tensor, rot: Rotation) -> torch.Tensor:
 
 
 def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """q/k rows (or a per-head norm's weights) from HF's half-split RoPE layout (dim j pairs with j + D/2)
-    to interleaved pairs (2j, 2j+1). This is the permutation llama.cpp's converter applies; engine/load/gguf.py
-    undoes it for GGUF files."""
+    """q/k rows (or a per-head norm's weights) from HF's half-split RoPE layout (dim j pairs with j
+    + D/2) to interleaved pairs (2j, 2j+1). This is the permutation llama.cpp's converter applies;
+    engine/load/gguf.py undoes it for GGUF files."""
     d_half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, 2, d_half, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

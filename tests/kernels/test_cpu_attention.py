@@ -152,6 +152,33 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, wind
         assert torch.equal(mixed[sum(b - a for a, b in others):], ours)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_lone_decode_cut_per_kv_head_gets_its_bits_in_a_batch(isa, dtype, threads, runnable):
+    """A step with few partitions (one stream, a short context) cuts each partition's task per KV head, and a
+    sequence's partials merge in whichever task finishes it last; a large batch does neither. A decode row
+    alone, at contexts across block and partition edges, has the bits it has inside a batch of 300 decode
+    rows over the same cache, and the sliding window's rows too."""
+    native(isa, runnable, dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(25)
+        length, bs, hkv, group, d = 900, 16, 3, 3, 64
+        blocks = -(-length // bs) + 2
+        table = torch.randperm(blocks, generator=gen)[: -(-length // bs)].tolist()
+        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(length, hkv * group, d, generator=gen).to(dtype)
+        for window in (0, 100):
+            batch = attend(isa, q, kc, vc, table, [(p, p + 1) for p in range(0, length, 3)], window, 0.0)
+            for p in (0, 15, 18, 255, 258, 300, 513, 768, 897):  # rows of the batch: multiples of 3
+                alone = attend(isa, q, kc, vc, table, [(p, p + 1)], window, 0.0)
+                assert torch.equal(alone, batch[p // 3:p // 3 + 1]), (p, window)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block_size,group,head_dim,window", [(8, 3, 64, 0), (32, 4, 128, 0), (16, 2, 96, 70)])
 def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, group, head_dim, window, runnable):

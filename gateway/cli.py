@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--reuse-port", action="store_true",
                          help="bind with SO_REUSEPORT (several processes, one port)")
     gateway.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)  # `serve` waits on it
+    # `serve --gateway-workers`: the stored responses' file its processes share (gateway/topology.py)
+    gateway.add_argument("--responses-store-path", default=None, help=argparse.SUPPRESS)
     for p in (serve, gateway):
         _add_http_flags(p)
     ping = sub.add_parser("ping", help="exit 0 when the engine at an address answers the handshake (health checks)")
@@ -139,8 +141,8 @@ def _add_http_flags(p: argparse.ArgumentParser) -> None:
                         "reasoning_content in chat completions (docs/api.md); default: none "
                         "(reasoning fields are refused)")
     p.add_argument("--responses-store-size", type=int, default=1024,
-                   help="stored /v1/responses kept in memory for previous_response_id and GET (least "
-                        "recently used first out); 0: none")
+                   help="stored /v1/responses kept for previous_response_id and GET (least recently used "
+                        "first out; serve's gateway workers share them); 0: none")
 
 
 def _env_defaults(parser: argparse.ArgumentParser) -> None:
@@ -156,10 +158,13 @@ def _env_defaults(parser: argparse.ArgumentParser) -> None:
             action.required = False
 
 
-def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
-    """The command line of one `serve --gateway-workers` process: `conveyor gateway` on serve's engines."""
+def worker_argv(args: argparse.Namespace, address: str, responses_store: str | None = None) -> list[str]:
+    """The command line of one `serve --gateway-workers` process: `conveyor gateway` on serve's engines
+    (and on its stored responses' file)."""
     argv = [sys.executable, "-m", "gateway", "gateway", "--engine-address", address, "--model", args.model,
             "--host", args.host, "--port", str(args.port), "--reuse-port"]
+    if responses_store is not None:
+        argv += ["--responses-store-path", responses_store]
     for dest in WORKER_FLAGS:
         value = getattr(args, dest)
         if dest == "curve_keys" and args.engine_address is None:
@@ -169,8 +174,9 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     return argv
 
 
-def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    """The gateway's slice of the flags, validated once."""
+def gateway_config(args: argparse.Namespace, responses_store: str | None = None) -> GatewayConfig:
+    """The gateway's slice of the flags, validated once; responses_store: the file serve's gateway
+    workers share (gateway/topology.py), else a worker's --responses-store-path."""
     from gateway.admission import Limits
     from gateway.state import GatewayConfig
     from shared.config import parse_memory
@@ -182,5 +188,6 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
                          chat_template=template, tool_call_parser=args.tool_call_parser,
                          reasoning_parser=args.reasoning_parser,
                          responses_store_size=args.responses_store_size,
+                         responses_store_path=responses_store or getattr(args, "responses_store_path", None),
                          max_prompt_chars=args.max_prompt_chars, header_timeout=args.header_timeout,
                          body_timeout=args.body_timeout, max_connections=args.max_connections)

@@ -2,7 +2,9 @@
 data-parallel replicas each on its own cores (`serve --data-parallel-size N`), or engines that run
 elsewhere (`conveyor gateway`, `serve --engine-address`). Topology starts them, waits for their READY,
 supervises the children, and stops them last, after the HTTP server: the gateway exits only once every
-engine child has (and so has written its --trace-file).
+engine child has (and so has written its --trace-file). With `serve --gateway-workers N` it also owns the
+folder of the stored responses all N processes share (gateway/responses_store.py): made at start, before
+any worker opens it, and removed at stop, after every worker has exited.
 """
 from __future__ import annotations
 
@@ -10,8 +12,12 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
+import shutil
+import tempfile
 
 from gateway.launcher import EngineProcess, default_address, keep_off_engine_cpus
+from gateway.responses_store import ResponseStore
 from gateway.router import Router, RouterConfig
 from gateway.supervisor import EngineSupervisor, RestartPolicy, stop_when_all_give_up
 from shared.client import AsyncEngineClient
@@ -41,20 +47,31 @@ def replica_processes(args: argparse.Namespace, n: int) -> list[EngineProcess]:
 class Topology:
     """connect (one client per engine, a router over several), start, wait_ready, supervise, stop."""
 
-    def __init__(self, engines: list[EngineProcess], addresses: list[str]) -> None:
+    def __init__(self, engines: list[EngineProcess], addresses: list[str], shared_dir: str | None = None) -> None:
         self.engines = engines  # the children this process starts and stops; none for engines elsewhere
         self.addresses = addresses
+        self.shared_dir = shared_dir  # what serve's gateway workers share; made by start, removed by stop
         self.clients: list[AsyncEngineClient] = []
         self.client: AsyncEngineClient | Router | None = None  # what the HTTP handlers talk to
         self.supervisors: list[EngineSupervisor] = []
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Topology:
-        if args.command != "serve" or args.engine_address is not None:
+        if args.command != "serve":
             return cls([], args.engine_address.split(","))
+        # A name nobody can guess, so that nobody can make the folder first (os.mkdir in start fails then).
+        shared = (os.path.join(tempfile.gettempdir(), f"conveyor-{os.getpid()}-{secrets.token_hex(8)}")
+                  if args.gateway_workers > 1 else None)
+        if args.engine_address is not None:
+            return cls([], args.engine_address.split(","), shared)
         dp = getattr(args, "data_parallel_size", 1)
         engines = replica_processes(args, dp) if dp > 1 else [EngineProcess(default_address(), engine_args(args))]
-        return cls(engines, [e.address for e in engines])
+        return cls(engines, [e.address for e in engines], shared)
+
+    @property
+    def responses_store(self) -> str | None:
+        """The stored responses' database of serve's gateway workers; None: each gateway its own."""
+        return None if self.shared_dir is None else os.path.join(self.shared_dir, "responses.sqlite")
 
     def connect(self, args: argparse.Namespace) -> AsyncEngineClient | Router:
         """The clients, not started yet. ValueError: a CURVE key file is missing, a routing flag is wrong."""
@@ -67,6 +84,9 @@ class Topology:
         return self.client
 
     def start(self) -> None:
+        if self.shared_dir is not None:
+            os.mkdir(self.shared_dir, 0o700)
+            ResponseStore(0, self.responses_store).close()  # the file in WAL mode before two processes open it
         for engine in self.engines:
             engine.start()
 
@@ -109,3 +129,5 @@ class Topology:
         for engine in self.engines:
             await asyncio.to_thread(engine.stop)
             log.info("engine %s stopped", engine.address)
+        if self.shared_dir is not None:
+            shutil.rmtree(self.shared_dir, ignore_errors=True)

@@ -107,7 +107,7 @@ class Choice:
                 self._seen = []
                 return
             self._seen.append(token)
-            self._thinking = thinking.after(state, self._seen, 0, *self._tags)
+            self._thinking = thinking.after(state, self._seen, 0, *self._tags, self._strings)
             if self._thinking is None and state != thinking.WAITING:
                 self.reasoning_tokens = thinking.span(state, self._seen, self._tags[0])
 

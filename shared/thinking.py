@@ -11,16 +11,22 @@ text. A state is an int or None, immutable, so a forked sequence copies it with 
              prompt opened the block; else just after the start ids)
     None     the reasoning ended (the end ids were written, or forced), or is not tracked
 
-Matching is by ids: exact for models whose tags are single tokens (Qwen3, QwQ, the DeepSeek-R1
-distills); a tag the model spells with other tokens is not seen here (the text parser, which works on
-text, still splits it).
+Matching is by ids where a tag is one token (Qwen3, QwQ, the DeepSeek-R1 distills): exact. A tag of
+several tokens (a tokenizer without `<think>` in its vocabulary, as SmolLM2's) has many spellings: the
+one its ids give alone (`</`, `think`, `>`) and those the model writes in context (` </` after a space,
+`>` merged with what follows, ...). Where the caller has the tokens' text (`strings`: the client side,
+shared/choices.py), such a tag is matched on the decoded text, as vLLM's reasoning parsers do for
+tokenizers without the tags as tokens, so reasoning_tokens agrees with the text split (gateway/
+reasoning.py). The engine has no text: its thinking budget sees a several-token tag only as its ids
+spell it (a model's other spelling leaves the budget running; engine/thinking.py).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shared.errors import InvalidRequest
 
+Strings = Callable[[int], str]  # token id -> its text decoded alone (shared/choices.py TokenStrings)
 WAITING = -1
 MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
 MAX_TOKEN_ID = (1 << 31) - 1  # shared/sampling.py's bounds for the wire
@@ -36,13 +42,29 @@ def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int
 
 
 def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Sequence[int],
-          end_ids: Sequence[int]) -> int | None:
-    """The state once tokens (the output from index begin) has grown by its last token."""
+          end_ids: Sequence[int], strings: Strings | None = None) -> int | None:
+    """The state once tokens (the output from index begin) has grown by its last token; strings: match
+    a tag of several ids on the text."""
     if state is None:
         return None
     if state == WAITING:
-        return len(tokens) if _ends_with(tokens, start_ids, begin) else WAITING
-    return None if _ends_with(tokens, end_ids, state) else state
+        return len(tokens) if _tag_ends(tokens, start_ids, begin, strings) else WAITING
+    return None if _tag_ends(tokens, end_ids, state, strings) else state
+
+
+def _tag_ends(tokens: Sequence[int], tag: Sequence[int], begin: int, strings: Strings | None) -> bool:
+    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and strings given) its
+    text in the tokens' text, ending inside the last token's (an earlier end was seen at its token)."""
+    if strings is None or len(tag) < 2:
+        return _ends_with(tokens, tag, begin)
+    if len(tokens) <= begin:
+        return False
+    text, last = "".join(strings(t) for t in tag), strings(tokens[-1])
+    tail, i = last, len(tokens) - 1
+    while len(tail) < len(text) + len(last) - 1 and i > begin:  # enough text before it to hold the tag
+        i -= 1
+        tail = strings(tokens[i]) + tail
+    return tail.find(text, max(0, len(tail) - len(last) - len(text) + 1)) >= 0
 
 
 def forced(state: int | None, tokens: Sequence[int], budget: int, end_ids: Sequence[int]) -> int | None:

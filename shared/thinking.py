@@ -53,15 +53,20 @@ def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Seque
 
 
 def _tag_ends(tokens: Sequence[int], tag: Sequence[int], begin: int, strings: Strings | None) -> bool:
-    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and strings given) its
-    text in the tokens' text, ending inside the last token's (an earlier end was seen at its token)."""
-    if strings is None or len(tag) < 2:
+    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and strings given) by
+    text. Special tokens' text is skipped: a tag made of them has none, and its ids say it."""
+    text = "".join(strings(t) for t in tag) if strings is not None and len(tag) > 1 else ""
+    if strings is None or not text:
         return _ends_with(tokens, tag, begin)
-    if len(tokens) <= begin:
-        return False
-    text, last = "".join(strings(t) for t in tag), strings(tokens[-1])
+    return len(tokens) > begin and _text_ends(tokens, text, begin, strings)
+
+
+def _text_ends(tokens: Sequence[int], text: str, begin: int, strings: Strings) -> bool:
+    """Is text in the text of tokens[begin:], ending inside the last token's? (An earlier end was seen at
+    its own token.) Only the tail that can hold it is joined: one step costs the tag's length."""
+    last = strings(tokens[-1])
     tail, i = last, len(tokens) - 1
-    while len(tail) < len(text) + len(last) - 1 and i > begin:  # enough text before it to hold the tag
+    while len(tail) < len(text) + len(last) - 1 and i > begin:
         i -= 1
         tail = strings(tokens[i]) + tail
     return tail.find(text, max(0, len(tail) - len(last) - len(text) + 1)) >= 0

@@ -58,7 +58,7 @@ class ResponseStore:
     def __init__(self, size: int, path: str | None = None) -> None:
         self.size = size
         # IMMEDIATE: a write takes the lock at BEGIN, so two processes never deadlock upgrading a read
-        # lock; timeout: how long a statement waits for another process's write (microseconds each).
+        # lock; timeout: how long a statement waits for another process's write (one row and the eviction).
         self._db = sqlite3.connect(path or ":memory:", timeout=10.0, isolation_level="IMMEDIATE",
                                    check_same_thread=False)
         if path is not None:

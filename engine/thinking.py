@@ -2,11 +2,15 @@
 `thinking_token_budget` tokens, then its end-of-reasoning ids are forced, one a step, and the model
 goes on with its answer (Anthropic's thinking.budget_tokens, vLLM's thinking_token_budget).
 
-- The state (shared/thinking.py: where the reasoning began, or that it ended) is `Sequence.thinking`,
-  set at creation (engine/sequence.py), then written by the scheduler alone (`after`, with each token
-  it appends); an int or None, so a fork copies it and preemption keeps it with the tokens.
+- The state (shared/thinking.py: where the reasoning began, or that it ended) is
+  `Sequence.thinking`, set at creation (engine/sequence.py), then written by the scheduler alone
+  (`after`, with each token it appends); an int or None, so a fork copies it and preemption keeps it
+  with the tokens.
 - The sampler asks `force` for the rows whose budget is spent: their logits become -inf but for the
-  forced id, after the raw log-softmax is taken, so a forced token's logprob is what the model gave it.
+  forced id, after the raw log-softmax is taken, so a forced token's logprob is what the model gave
+  it.
+- The engine has no text, so a tag is matched by its ids (shared/thinking.py): a tag of several
+  tokens that the model spells otherwise (` </` after a space) is not seen, and the budget goes on.
 - Budgeted requests do not speculate (engine/speculative can_speculate) and refuse beam search and
   grammars (shared/sampling.py): one token a step, each one this module has seen.
 """

@@ -55,8 +55,8 @@ def worker_processes(args: argparse.Namespace, config: GatewayConfig,
     if args.command != "serve" or args.gateway_workers <= 1:
         return None
     env = {**os.environ, **worker_env(config.auth)}  # the keys not in argv: ps shows it
-    return WorkerProcesses([worker_argv(args, address) for _ in range(args.gateway_workers - 1)],
-                           env)
+    argv = worker_argv(args, address, config.responses_store_path)
+    return WorkerProcesses([argv for _ in range(args.gateway_workers - 1)], env)
 
 
 async def http_runner(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.AppRunner:
@@ -121,7 +121,7 @@ async def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the key folder lacks a file: say which, no traceback
         print(f"conveyor: {e}", file=sys.stderr)
         return 2
-    config = gateway_config(args)
+    config = gateway_config(args, topology.responses_store)
     topology.start()
     workers, runner = None, None
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(stop.wait())]

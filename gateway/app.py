@@ -48,7 +48,7 @@ def build_app(config: GatewayConfig, client: AsyncEngineClient | Router) -> web.
     client.on_output = _on_output(app[ADMISSION], app[METRICS])
     app.add_routes(routes)
     app.router.add_get("/v1/ws", websocket_handler)
-    responses.setup(app, config.responses_store_size)
+    responses.setup(app, config.responses_store_size, config.responses_store_path)
     app.router.add_get("/v1/responses", responses_ws.websocket)  # OpenAI's WebSocket mode
     anthropic.setup(app)
     dashboard.setup(app)

@@ -56,8 +56,8 @@ def parse_reasoning(body: dict[str, Any], parser: str | None, tokenizer: Any, id
     if parser is None:
         for key in ("include_reasoning", "thinking_token_budget"):
             if body.get(key) is not None:
-                raise InvalidRequest(f"{key} is not supported: this server splits no reasoning (start it "
-                                     "with --reasoning-parser)", param=key)
+                raise InvalidRequest(f"{key} is not supported: this server splits no reasoning "
+                                     "(start it with --reasoning-parser)", param=key)
         return None, params
     tail = tokenizer.decode(ids[-256:], skip_special_tokens=False)
     opened = parser == "deepseek_r1" or prompt_opens(tail)
@@ -103,7 +103,9 @@ def anthropic_thinking(value: Any, reasons: bool, max_tokens: int | None) -> dic
                                  param="thinking.budget_tokens")
         if max_tokens is not None and budget < max_tokens:
             return {"thinking_token_budget": budget}
-    return {"chat_template_kwargs": {"enable_thinking": False}} if kind == "disabled" and reasons else {}
+    if kind == "disabled" and reasons:
+        return {"chat_template_kwargs": {"enable_thinking": False}}
+    return {}
 
 
 def prompt_opens(prompt_text: str) -> bool:

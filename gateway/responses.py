@@ -50,7 +50,7 @@ def parse(app: web.Application, body: Any, local: ResponseStore | None = None,
 def history_of(app: web.Application, body: Any, local: ResponseStore | None = None,
                tenant: str | None = None) -> list[dict[str, Any]] | None:
     """previous_response_id's stored conversation (None without one; 404 if gone), read on the
-    event loop, which alone writes the store."""
+    event loop, which alone uses this process's connection to the store."""
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
     if not isinstance(prev, str):
         return None
@@ -332,9 +332,15 @@ def _part(kind: str, text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def setup(app: web.Application, store_size: int) -> None:
-    """The HTTP routes; OpenAI's WebSocket mode (GET /v1/responses) is gateway/responses_ws.py's."""
-    app[RESPONSES] = ResponseStore(store_size)
+def setup(app: web.Application, store_size: int, store_path: str | None = None) -> None:
+    """The HTTP routes; OpenAI's WebSocket mode (GET /v1/responses) is gateway/responses_ws.py's.
+    store_path: the store the gateway workers of one serve share (None: this process's own)."""
+    app[RESPONSES] = ResponseStore(store_size, store_path)
+
+    async def close(app: web.Application) -> None:
+        app[RESPONSES].close()
+
+    app.on_cleanup.append(close)
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)

@@ -158,3 +158,4 @@ class _Session:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.kept.close()

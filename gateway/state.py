@@ -44,6 +44,8 @@ class GatewayConfig:
     tool_call_parser: str = "auto"  # how tool calls are read from the output (gateway/tools.py)
     reasoning_parser: str | None = None  # splits <think> reasoning off (gateway/reasoning.py)
     responses_store_size: int = 1024  # stored /v1/responses kept for previous_response_id (LRU)
+    # The SQLite file the gateway workers of one serve share (gateway/topology.py); None: in memory.
+    responses_store_path: str | None = None
     # Characters of prompt text before 400, checked before tokenizing; None: max_model_len times the
     # longest token's characters (more text than that cannot fit the context, whatever it says).
     max_prompt_chars: int | None = None

@@ -3,24 +3,31 @@ forces the end of the reasoning at a thinking budget, engine/thinking.py) and fo
 (which counts reasoning tokens for `usage`, shared/choices.py).
 
 The gateway tokenizes the reasoning parser's tags (`<think>`, `</think>`) with the model's tokenizer
-and sends their ids in SamplingParams (reasoning_start_ids, reasoning_end_ids); the engine never sees
-text. A state is an int or None, immutable, so a forked sequence copies it with its tokens:
+and sends their ids in SamplingParams (reasoning_start_ids, reasoning_end_ids); the engine never
+sees text. A state is an int or None, immutable, so a forked sequence copies it with its tokens:
 
     WAITING  the output has not written the start ids yet (the prompt did not open the block)
     k >= 0   reasoning began at index k of the caller's token list (the output's first index: the
              prompt opened the block; else just after the start ids)
     None     the reasoning ended (the end ids were written, or forced), or is not tracked
 
-Matching is by ids: exact for models whose tags are single tokens (Qwen3, QwQ, the DeepSeek-R1
-distills); a tag the model spells with other tokens is not seen here (the text parser, which works on
-text, still splits it).
+Matching is by ids where a tag is one token (Qwen3, QwQ, the DeepSeek-R1 distills): exact. A tag of
+several tokens (a tokenizer without `<think>` in its vocabulary, as SmolLM2's) has many spellings:
+the one its ids give alone (`</`, `think`, `>`) and those the model writes in context (` </` after a
+space, `>` merged with what follows, ...). Where the caller has the tokens' text (`strings`: the
+client side, shared/choices.py), such a tag is matched on the decoded text, as vLLM's reasoning
+parsers do for tokenizers without the tags as tokens, so reasoning_tokens agrees with the text split
+(gateway/ reasoning.py). The engine has no text: its thinking budget sees a several-token tag only
+as its ids spell it (a model's other spelling leaves the budget running; engine/thinking.py).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shared.errors import InvalidRequest
 
+# token id -> its text decoded alone (shared/choices.py TokenStrings)
+Strings = Callable[[int], str]
 WAITING = -1
 MAX_TAG_IDS = 32  # reasoning_start_ids / reasoning_end_ids: a tag's tokens, not a payload
 MAX_TOKEN_ID = (1 << 31) - 1  # shared/sampling.py's bounds for the wire
@@ -36,16 +43,41 @@ def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int
 
 
 def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Sequence[int],
-          end_ids: Sequence[int]) -> int | None:
-    """The state once tokens (the output from index begin) has grown by its last token."""
+          end_ids: Sequence[int], strings: Strings | None = None) -> int | None:
+    """The state once tokens (the output from index begin) has grown by its last token; strings:
+    match a tag of several ids on the text."""
     if state is None:
         return None
     if state == WAITING:
-        return len(tokens) if _ends_with(tokens, start_ids, begin) else WAITING
-    return None if _ends_with(tokens, end_ids, state) else state
+        return len(tokens) if _tag_ends(tokens, start_ids, begin, strings) else WAITING
+    return None if _tag_ends(tokens, end_ids, state, strings) else state
 
 
-def forced(state: int | None, tokens: Sequence[int], budget: int, end_ids: Sequence[int]) -> int | None:
+def _tag_ends(tokens: Sequence[int], tag: Sequence[int], begin: int,
+              strings: Strings | None) -> bool:
+    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and strings
+    given) by text. Special tokens' text is skipped: a tag made of them has none, and its ids say
+    it."""
+    text = "".join(strings(t) for t in tag) if strings is not None and len(tag) > 1 else ""
+    if strings is None or not text:
+        return _ends_with(tokens, tag, begin)
+    return len(tokens) > begin and _text_ends(tokens, text, begin, strings)
+
+
+def _text_ends(tokens: Sequence[int], text: str, begin: int, strings: Strings) -> bool:
+    """Is text in the text of tokens[begin:], ending inside the last token's? (An earlier end was
+    seen at its own token.) Only the tail that can hold it is joined: one step costs the tag's
+    length."""
+    last = strings(tokens[-1])
+    tail, i = last, len(tokens) - 1
+    while len(tail) < len(text) + len(last) - 1 and i > begin:
+        i -= 1
+        tail = strings(tokens[i]) + tail
+    return tail.find(text, max(0, len(tail) - len(last) - len(text) + 1)) >= 0
+
+
+def forced(state: int | None, tokens: Sequence[int], budget: int,
+           end_ids: Sequence[int]) -> int | None:
     """The token the output must take next: the next end id once `budget` reasoning tokens are out
     (after the end ids' prefix the output may have begun already), else None."""
     if state is None or state == WAITING or len(tokens) - state < budget:
@@ -60,7 +92,8 @@ def span(state: int, tokens: Sequence[int], start_ids: Sequence[int]) -> int:
 
 def _ends_with(tokens: Sequence[int], tag: Sequence[int], begin: int) -> bool:
     n = len(tag)
-    return len(tokens) - begin >= n and all(tokens[len(tokens) - n + i] == t for i, t in enumerate(tag))
+    return len(tokens) - begin >= n and all(tokens[len(tokens) - n + i] == t
+                                            for i, t in enumerate(tag))
 
 
 def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
@@ -71,8 +104,8 @@ def _partial(tokens: Sequence[int], tag: Sequence[int], begin: int) -> int:
     return 0
 
 
-def validate(start_ids: Sequence[int], end_ids: Sequence[int], budget: int | None, beam_search: bool,
-             constrained: bool) -> None:
+def validate(start_ids: Sequence[int], end_ids: Sequence[int], budget: int | None,
+             beam_search: bool, constrained: bool) -> None:
     """SamplingParams' reasoning fields (ranges, and what a budget cannot be combined with), as
     SamplingParams.validate checks the others: InvalidRequest naming the field."""
     for name, ids in (("reasoning_start_ids", start_ids), ("reasoning_end_ids", end_ids)):
@@ -88,8 +121,8 @@ def validate(start_ids: Sequence[int], end_ids: Sequence[int], budget: int | Non
            "the reasoning (the gateway sends them where it runs a reasoning parser)")
     _check(not beam_search, "thinking_token_budget", "cannot be used with beam search")
     # The grammar decides every token, and the forced end ids may be tokens it does not allow.
-    _check(not constrained, "thinking_token_budget", "cannot be used with structured output or a forced "
-           "tool call")
+    _check(not constrained, "thinking_token_budget",
+           "cannot be used with structured output or a forced tool call")
 
 
 def _is_int(x: object) -> bool:

@@ -40,8 +40,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, pin_threads  # noqa: E402
-from bench.kernels import Case, Shape, attention_traffic, build_batch  # noqa: E402
+from bench.common import machine, pin_threads
+from bench.kernels import Case, Shape, attention_traffic, build_batch
 
 # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64; the engine's default block size.
 SMOLLM2 = Shape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)

@@ -18,7 +18,7 @@ import time
 import timeit
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, machine, pin_threads  # noqa: E402
+from bench.common import cpu_features, machine, pin_threads
 
 
 class TimedTracer:
@@ -30,12 +30,12 @@ class TimedTracer:
         self.tracer, self.seconds = Tracer(), 0.0
         self.mark = self.tracer.mark
 
-    def before_execute(self, plan):  # noqa: ANN001, ANN201
+    def before_execute(self, plan):
         t0 = time.perf_counter()
         self.tracer.before_execute(plan)
         self.seconds += time.perf_counter() - t0
 
-    def end_step(self, *args):  # noqa: ANN002, ANN201
+    def end_step(self, *args):
         t0 = time.perf_counter()
         self.tracer.end_step(*args)
         self.seconds += time.perf_counter() - t0

@@ -23,11 +23,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aiohttp  # noqa: E402
+import aiohttp
 
-from bench.english import chat_prompts  # noqa: E402
-from bench.serving import run_load  # noqa: E402
-from bench.vs_vllm import BENCH, NAME, bodies, measure, ran_as, running, say  # noqa: E402
+from bench.english import chat_prompts
+from bench.serving import run_load
+from bench.vs_vllm import BENCH, NAME, bodies, measure, ran_as, running, say
 
 MODES = {"default": (), "deterministic": ("--deterministic",)}
 

@@ -20,7 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import gemm_gflops, machine, pin_threads, workload  # noqa: E402
+from bench.common import gemm_gflops, machine, pin_threads, workload
 
 
 def run_conveyor(reqs, args, kv_cache_dtype: str = "auto") -> float:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads, workload  # noqa: E402
+from bench.common import machine, pin_threads, workload
 
 SYSTEM_LEN = 1000
 

@@ -36,7 +36,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, machine, pin_threads  # noqa: E402
+from bench.common import cpu_features, machine, pin_threads
 
 PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):", "Once upon a time",
            "Water boils at", "The quick brown fox", "Photosynthesis is the process", "1, 2, 3, 4,"]

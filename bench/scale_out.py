@@ -30,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import orjson
 
-from bench.common import cpu_features, machine  # noqa: E402
+from bench.common import cpu_features, machine
 
 
 @dataclass

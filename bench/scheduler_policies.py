@@ -18,7 +18,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads, workload  # noqa: E402
+from bench.common import machine, pin_threads, workload
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, machine, pin_threads  # noqa: E402
+from bench.common import cpu_features, machine, pin_threads
 
 
 def plain(top_k: int) -> tuple[Any, Any]:

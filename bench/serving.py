@@ -28,8 +28,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import orjson  # noqa: E402
-import uvloop  # noqa: E402
+import orjson
+import uvloop
 
 NAN = float("nan")
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -47,8 +48,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aiohttp  # noqa: E402
-import orjson  # noqa: E402
+import aiohttp
+import orjson
 
 VOCAB = 49152  # SmolLM2's tokenizer, and so the tiny model's vocabulary
 GREEDY_PROMPTS = ["The soak test", "Once upon a time", "def main():", "1, 2, 3, 4,", "Paris is the"]
@@ -360,10 +361,8 @@ async def monitor(url: str, gateway: int, run: Run, stop: asyncio.Event) -> None
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
             await scrape(session, url, gateway, run)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-            except TimeoutError:
-                pass
 
 
 async def killer(url: str, gateway: int, total: int, kills: int, run: Run, topology: str,

@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads  # noqa: E402
+from bench.common import machine, pin_threads
 
 CODE = '''def load_users(path):
     users = []

@@ -36,8 +36,8 @@ from collections import defaultdict
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, gemm_gflops, machine, pin_threads  # noqa: E402
-from bench.scheduler_policies import Timed  # noqa: E402
+from bench.common import cpu_features, gemm_gflops, machine, pin_threads
+from bench.scheduler_policies import Timed
 
 # Labels of the ranges this bench opens around the runner's parts.
 MODEL, SAMPLING, ATTENTION, PLAN = "bench::model", "bench::sampling", "bench::attention", "bench::attention_plan"

@@ -17,7 +17,7 @@ import time
 from statistics import median
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, machine, pin_threads  # noqa: E402
+from bench.common import cpu_features, machine, pin_threads
 
 # A typical schema whose outputs run long enough to measure: a list of records.
 SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "maxItems": 40, "items": {
@@ -44,7 +44,7 @@ def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[flo
     mask_time = [0.0]
     real = sampler_module.apply_masks
 
-    def timed(logits, seqs) -> None:  # noqa: ANN001
+    def timed(logits, seqs) -> None:
         t0 = time.perf_counter()
         real(logits, seqs)
         mask_time[0] += time.perf_counter() - t0

@@ -45,7 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -220,10 +220,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    try:  # children that outlived their parent still belong to the group
+    with suppress(ProcessLookupError):  # children that outlived their parent still belong to the group
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # -- the workload ----------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ DIR` wrote as DIR/engine (shared/wire.py)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -61,10 +62,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"python -m engine: {e}")
     except KeyboardInterrupt:  # SIGTERM while loading
         return
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         EngineLoop(core, args.address, keys, args.heartbeat_interval, args.trace_file).run()
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

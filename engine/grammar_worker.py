@@ -95,7 +95,7 @@ def _child(compiler: Any, job: dict[str, Any], out: IO[bytes], max_bytes: int) -
         write_frame(out, json.dumps(error).encode())
         return
     # BLE001: the compiler's own exception types vary; the message is the point
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         message = _CPP_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip()
                                   else type(e).__name__)
         write_frame(out, json.dumps({"error": f"invalid {what(job['kind'])}: {message}"}).encode())
@@ -138,7 +138,7 @@ class _Server:
             try:
                 with os.fdopen(w, "wb") as out:
                     _child(self.compiler, job, out, self.max_bytes)
-            except BaseException:  # noqa: BLE001 - a child must end here, whatever happened
+            except BaseException:  # a child must end here, whatever happened
                 code = 1
             os._exit(code)
         os.close(w)

@@ -14,6 +14,7 @@ on and off (engine/observe/trace.py), and --trace-file records one from the star
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -157,10 +158,8 @@ class EngineLoop:
             self.auth.stop()
         self.ctx.term()
         if self.address.startswith("ipc://"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.address[len("ipc://"):])
-            except FileNotFoundError:
-                pass
 
     def _drain(self) -> None:
         for _ in range(MAX_DRAIN_PER_STEP):  # the rest waits for the next step

@@ -195,7 +195,7 @@ class Grammars:
             except GrammarError as e:
                 failed.append((rid, str(e), 400))
             # BLE001: answered to the request, never raised into the step
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # every waiting request hears it (a 500)
                 log.exception("request %s: its grammar could not be compiled", rid)
                 failed.append((rid, f"the engine could not compile this request's constraint: "
                                     f"{type(e).__name__}: {e}", 500))
@@ -243,7 +243,7 @@ class Grammars:
         def run() -> None:
             try:
                 starting.set_result(start())
-            except Exception as e:  # noqa: BLE001 - every waiting request hears it (a 500)
+            except Exception as e:
                 log.exception("the grammar compile server did not start")
                 starting.set_exception(e)
 

@@ -14,10 +14,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from shared.client import AsyncEngineClient  # noqa: E402
-from shared.errors import EngineDead, InvalidRequest  # noqa: E402
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.sync_client import EngineClient  # noqa: E402
+from shared.client import AsyncEngineClient
+from shared.errors import EngineDead, InvalidRequest
+from shared.sampling import SamplingParams
+from shared.sync_client import EngineClient
 
 
 async def async_examples(address: str, model: str | None) -> None:

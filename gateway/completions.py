@@ -214,7 +214,7 @@ async def _pump(
     try:
         async for chunk in gen:
             await queue.put((i, chunk))
-    except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+    except Exception as e:  # handed to the consumer, which raises it
         await queue.put((i, e))
         return
     finally:

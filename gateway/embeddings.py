@@ -73,9 +73,7 @@ def parse(body: Any, served: Served) -> EmbeddingsRequest:
 
 def _inputs(value: Any, served: Served) -> list[list[int]]:
     """input: a string, a list of strings, a list of token ids, or a list of such lists."""
-    if isinstance(value, str):
-        value = [value]
-    elif _is_ids(value):
+    if isinstance(value, str) or _is_ids(value):
         value = [value]
     if not isinstance(value, list) or not value:
         raise InvalidRequest(

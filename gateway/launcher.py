@@ -13,6 +13,7 @@ torch, a --trace-file never written).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -124,11 +125,9 @@ def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
         except FileNotFoundError:  # the process ended meanwhile: the watcher of workers reports it
             continue
         for tid in tids:
-            try:
-                # later threads inherit it from the one that starts them
+            # later threads inherit it from the one that starts them; a thread may have ended meanwhile
+            with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(int(tid), rest)
-            except ProcessLookupError:  # the thread ended meanwhile
-                pass
     return rest
 
 

@@ -33,8 +33,12 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0)
+
+
 def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    # prometheus_client reads both spellings
+    lower = os.environ.get("prometheus_multiproc_dir")  # noqa: SIM112
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or lower
 
 
 @dataclass(slots=True)
@@ -68,12 +72,12 @@ class _LocalHistogram:
     def flush(self) -> None:
         counts, self.counts = self.counts, [0] * len(self.bounds)
         total, self.sum = self.sum, 0.0
-        # SLF001: per-bucket counts, as observe() keeps them
-        for bucket, n in zip(self.hist._buckets, counts):  # noqa: SLF001
+        # the histogram's private per-bucket counters, added to as observe() adds to them
+        for bucket, n in zip(self.hist._buckets, counts):
             if n:
                 bucket.inc(n)
         if total:
-            self.hist._sum.inc(total)  # noqa: SLF001
+            self.hist._sum.inc(total)
 
 
 class Metrics:

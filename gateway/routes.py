@@ -4,6 +4,7 @@ client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -128,11 +129,9 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     client, stats = request.app[CLIENT], None
     if client.connected:
-        try:
+        # on an error: exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
+        with contextlib.suppress(ConveyorError):
             stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
-        except ConveyorError:
-            # exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
-            pass
     replicas = None
     # data parallelism: each replica's gauges too, labelled by address
     if isinstance(client, Router):

@@ -16,6 +16,7 @@ socket.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -316,7 +317,5 @@ async def sse_response(request: web.Request,
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
-    try:
+    with contextlib.suppress(ConnectionResetError):
         await resp.write(data)
-    except ConnectionResetError:
-        pass

@@ -21,6 +21,7 @@ sse() writes named SSE events (`event: NAME` / `data: JSON`), the framing both t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -147,10 +148,8 @@ async def sse(
     except ConnectionResetError:  # the client went away; closing `frames` aborts the request
         log.info("client disconnected from %s", request.path)
     except ConveyorError as e:  # too late for a status code
-        try:
+        with contextlib.suppress(ConnectionResetError):
             await resp.write(_frame(on_error(e)))
-        except ConnectionResetError:
-            pass
     finally:
         await frames.aclose()
     return resp

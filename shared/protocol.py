@@ -264,7 +264,7 @@ def decode(frames: list[bytes]) -> Message:
         kind = MsgType(bytes(frames[0]))
         data = orjson.loads(frames[1])
         return _DECODERS[kind](data)
-    except Exception as e:  # noqa: BLE001 - every decoding failure becomes one typed error
+    except Exception as e:  # every decoding failure becomes one typed error
         rid = data.get("request_id") if isinstance(data, dict) else None
         malformed = f"malformed message: {type(e).__name__}: {e}"
         why = str(e) if isinstance(e, ConveyorError) else malformed

@@ -53,7 +53,7 @@ def _load_saved(folder: Path) -> PreTrainedTokenizerBase | None:
         return None
     try:
         return AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - a broken cache is rebuilt, never fatal
+    except Exception as e:  # a broken cache is rebuilt, never fatal
         log.warning("cached tokenizer at %s is unreadable (%s); rebuilding it", folder, e)
         shutil.rmtree(folder, ignore_errors=True)
         return None
@@ -97,7 +97,7 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
             extra["tools"] = tools
         ids: Any = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=True, return_dict=False, **extra)
-    except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad roles/content
+    except Exception as e:  # templates raise their own errors for bad roles/content
         raise InvalidRequest(f"could not apply the chat template: {e}", param="messages") from None
     # some transformers versions ignore return_dict
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

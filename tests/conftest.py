@@ -118,7 +118,7 @@ def smollm2_source() -> ModelSource:
 
 
 @pytest.fixture(autouse=True)
-def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):
     """Issue #14's watchdog, in every test: no scheduler a test builds may ever have had work waiting
     and nothing it could schedule (conveyor_engine_stalled_steps_total in a server)."""
     from engine.scheduler import Scheduler
@@ -146,7 +146,7 @@ def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
 
 
 @pytest.fixture(autouse=True)
-def free_dead_engines():  # noqa: ANN201
+def free_dead_engines():
     """An engine's KV and swap pools (GiBs, written at start) live until the cyclic collector finds the
     engine, which a suite of few Python objects and many engines seldom runs: dead engines' pools then pile
     up in the one pytest process until the machine runs out of memory (21 GB was seen). Collect after any

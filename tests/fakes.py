@@ -3,6 +3,7 @@ model's tokenizer loaded once per test session into a temporary cache (never ~/.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import shutil
@@ -191,10 +192,8 @@ class Stopped(Exception):
 def serve_in_thread(loop: Any) -> threading.Thread:
     """loop.run() on a daemon thread, started; a Stopped raised inside it ends it quietly."""
     def serve() -> None:
-        try:
+        with contextlib.suppress(Stopped):
             loop.run()
-        except Stopped:
-            pass
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -19,7 +19,7 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
     """Up to k tokens that followed the latest earlier occurrence of the last n tokens, trying the
     longest n first (n_max down to n_min). [] when nothing matches."""
     L = len(token_ids)
-    if k <= 0 or L <= n_min:
+    if k <= 0 or n_min >= L:
         return []
     buf = array("i", token_ids).tobytes()
     for n in range(min(n_max, L - 1), n_min - 1, -1):

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def local_ray():  # noqa: ANN201
+def local_ray():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -47,7 +47,7 @@ def tiny_offline(tiny_chat_model: Path) -> Callable[[list[str], int], list[str]]
     return generate
 
 
-async def stream_completion(session, url: str, prompt: str, max_tokens: int) -> str:  # noqa: ANN001
+async def stream_completion(session, url: str, prompt: str, max_tokens: int) -> str:
     """Greedy SSE completion -> its text; asserts the stream ends with [DONE]."""
     import orjson
 

@@ -6,6 +6,7 @@ tree down with one killpg even when the gateway is wedged; the engine child shar
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -150,22 +151,16 @@ class Server:
         code: int | None = None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         else:
             code = self.proc.returncode
         left = wait_gone(sorted(self._descendants), 10.0)
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)  # the whole session, whatever state it is in
-        except (ProcessLookupError, PermissionError):
-            pass
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
         if left:
             raise AssertionError(f"processes outlived the server and had to be killed: {left}")

@@ -20,7 +20,7 @@ PREFIX = ("You are a careful assistant. Answer in one short sentence, cite nothi
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+def dp_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
     with Server(["serve", "--model", str(tiny_chat_model), "--data-parallel-size", "2", "--dtype", "float32",
                  "--kv-cache-memory", "32MiB", "--log-level", "info"], log_path=log) as srv:

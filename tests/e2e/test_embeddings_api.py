@@ -57,7 +57,7 @@ def close(got: list[float], ref: torch.Tensor) -> bool:
     return float(F.cosine_similarity(torch.tensor(got), ref, dim=0)) > 0.9999
 
 
-def test_strings_token_ids_and_usage(client: openai.OpenAI, reference) -> None:  # noqa: ANN001
+def test_strings_token_ids_and_usage(client: openai.OpenAI, reference) -> None:
     tok = smollm2_tokenizer()
     res = client.embeddings.create(
         model="tiny-chat", input=TEXTS, encoding_format="float", user="u-1"
@@ -102,7 +102,7 @@ def test_base64_is_float32_little_endian(client: openai.OpenAI) -> None:
         assert np.array_equal(np.asarray(d.embedding, dtype=np.float32), decoded)
 
 
-def test_long_input_chunked_and_truncated(client: openai.OpenAI, reference) -> None:  # noqa: ANN001
+def test_long_input_chunked_and_truncated(client: openai.OpenAI, reference) -> None:
     """1024 tokens (the context) in 128-token chunks; 1100 is refused unless truncate_prompt_tokens
     asks, and then it is the last tokens that count."""
     ids = [(37 * i + 11) % 49000 for i in range(1100)]

@@ -41,7 +41,7 @@ def ref(tiny_chat_model: Path):
     return logp
 
 
-def check_echo_logprobs(lp, ids: list[int], logp: torch.Tensor, k: int) -> None:  # noqa: ANN001
+def check_echo_logprobs(lp, ids: list[int], logp: torch.Tensor, k: int) -> None:
     tok = smollm2_tokenizer()
     strings = [tok.decode([t]) for t in ids]
     assert lp.tokens[:len(ids)] == strings
@@ -59,7 +59,7 @@ def check_echo_logprobs(lp, ids: list[int], logp: torch.Tensor, k: int) -> None:
         assert strings[j] in got  # the prompt token itself, always
 
 
-def test_echo_scoring_without_generating_equals_transformers(client: openai.OpenAI, ref) -> None:  # noqa: ANN001
+def test_echo_scoring_without_generating_equals_transformers(client: openai.OpenAI, ref) -> None:
     tok = smollm2_tokenizer()
     ids = [tok.encode(t) for t in TEXTS]
     for prompt in (TEXTS, ids):  # a batch of strings, and of token-id lists
@@ -72,7 +72,7 @@ def test_echo_scoring_without_generating_equals_transformers(client: openai.Open
             check_echo_logprobs(c.logprobs, p, ref(p), k=1)
 
 
-def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, ref) -> None:  # noqa: ANN001
+def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, ref) -> None:
     kw = dict(model="tiny-chat", prompt=TEXTS[1], max_tokens=5, temperature=0, logprobs=3,
               extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0]
@@ -107,7 +107,7 @@ def test_batched_prompts_generate_one_choice_per_prompt_and_n(client: openai.Ope
     assert parts[-1].usage.completion_tokens == 16 and all(p.id == parts[0].id for p in parts)
 
 
-def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref) -> None:  # noqa: ANN001
+def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref) -> None:
     ids = smollm2_tokenizer().encode(TEXTS[0])
     resp = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
     got = resp.model_dump()["choices"][0]["prompt_logprobs"]

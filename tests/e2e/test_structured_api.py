@@ -87,7 +87,7 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     ({"guided_grammar": 'root ::= "(" [1-9] ("+" [1-9])* ")"'}, lambda t: re.fullmatch(r"\([1-9](\+[1-9])*\)", t)),
     ({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
 ])
-def test_vllm_spellings(client: openai.OpenAI, extra: dict, check) -> None:  # noqa: ANN001
+def test_vllm_spellings(client: openai.OpenAI, extra: dict, check) -> None:
     out = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=40, temperature=1.0, seed=7,
                                     extra_body=extra)
     assert check(out.choices[0].text), out.choices[0].text
@@ -116,7 +116,7 @@ def _check_calls(calls: list, names: set[str]) -> None:
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_tool_choice_required_and_named_give_valid_calls(client: openai.OpenAI, choice) -> None:  # noqa: ANN001
+def test_tool_choice_required_and_named_give_valid_calls(client: openai.OpenAI, choice) -> None:
     names = {"get_weather", "get_time"} if choice == "required" else {"get_time"}
     kw: dict[str, Any] = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80,
                               temperature=0)

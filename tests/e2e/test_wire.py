@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 LONG = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 300))
 
 

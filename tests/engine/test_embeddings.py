@@ -22,7 +22,7 @@ from tests.traced import prefill_chunks
 
 
 @pytest.fixture(scope="module")
-def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:  # noqa: ANN001
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     return make_tiny_checkpoint(
@@ -31,7 +31,7 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoin
 
 
 @pytest.fixture(scope="module")
-def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:  # noqa: ANN001
+def tiny_mistral_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:
     """A sliding window on every layer: the engine releases the blocks every window has passed."""
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -138,7 +138,7 @@ def test_prompt_that_can_never_fit_is_rejected_and_others_continue(tiny_llama_di
     assert len(got) == 5
 
 
-def test_max_model_len_option_narrows_the_engine_limit(tiny_llama_dir) -> None:  # noqa: ANN001
+def test_max_model_len_option_narrows_the_engine_limit(tiny_llama_dir) -> None:
     """The offline API's max_model_len reaches the scheduler and the admission limits alike."""
     from engine.offline import LLM
 

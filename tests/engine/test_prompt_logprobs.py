@@ -18,7 +18,7 @@ K = 5
 TOL = 1e-4
 
 
-def small_config(folder: str, **options: object):  # noqa: ANN201
+def small_config(folder: str, **options: object):
     """A KV pool of 32 MiB (the default 2 GiB, times every core a test builds, is too much beside others)."""
     if "num_blocks" not in options:
         options["kv_cache_memory"] = "32MiB"

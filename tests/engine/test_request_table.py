@@ -101,7 +101,7 @@ def test_a_request_whose_step_handling_raises_leaves_nothing(make_core: Callable
     core = make_core()
     append = Scheduler._append
 
-    def poisoned(self: Scheduler, seq, token, entry) -> None:  # noqa: ANN001
+    def poisoned(self: Scheduler, seq, token, entry) -> None:
         if seq.request.request_id == "plain":
             raise RuntimeError("poisoned append")
         append(self, seq, token, entry)
@@ -144,7 +144,7 @@ def test_closing_the_engine_ends_what_is_live(make_core: Callable[..., EngineCor
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:  # noqa: ANN001
+def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.e2e.conftest import TINY_CHAT

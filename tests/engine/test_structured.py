@@ -117,7 +117,7 @@ def smollm2() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:  # noqa: ANN001
+def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.e2e.conftest import TINY_CHAT
@@ -128,7 +128,7 @@ def tiny_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_chec
     return folder
 
 
-def chat(tok, text: str) -> list[int]:  # noqa: ANN001
+def chat(tok, text: str) -> list[int]:
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
                                    return_dict=False)
 

@@ -48,7 +48,7 @@ def test_slow_reader_gets_merged_events_not_a_growing_queue() -> None:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 await asyncio.sleep(0.5)
-                assert await asyncio.to_thread(eng.wait_for, lambda: not eng._live, 20)  # noqa: SLF001 - engine done
+                assert await asyncio.to_thread(eng.wait_for, lambda: not eng._live, 20)  # engine done
                 raw = await asyncio.to_thread(_read_all, sock)
         head, _, body_raw = raw.partition(b"\r\n\r\n")
         assert b"200 OK" in head

@@ -29,7 +29,7 @@ async def supervised(engine: EngineProcess) -> AsyncIterator[tuple[AsyncEngineCl
         yield client, sup, stop, asyncio.create_task(sup.supervise(stop))
 
 
-async def until(pred, timeout: float = 30.0) -> None:  # noqa: ANN001
+async def until(pred, timeout: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not pred():
         assert asyncio.get_running_loop().time() < deadline, "condition not met in time"

@@ -37,7 +37,7 @@ def _serve(conn: Connection, interpret: bool) -> None:
         try:
             fn(**kwargs)
             conn.send(("ok", ""))
-        except BaseException as e:  # noqa: BLE001 - pytest.skip/fail raise BaseException subclasses too
+        except BaseException as e:  # pytest.skip/fail raise BaseException subclasses too
             kind = "skip" if type(e).__name__ == "Skipped" else "fail"
             conn.send((kind, str(e) if kind == "skip" else traceback.format_exc()))
 

@@ -16,7 +16,7 @@ from shared.tokenizer import apply_chat_template
 from tests.fakes import FakeEngine, fake_logprobs, smollm2_tokenizer
 
 
-def run(coro):  # noqa: ANN001, ANN201 - tiny helper, no pytest-asyncio needed
+def run(coro):  # tiny helper, no pytest-asyncio needed
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
@@ -54,7 +54,7 @@ def test_many_requests_are_routed_to_their_own_streams() -> None:
     run(main())
 
 
-async def _collect(stream) -> list[int]:  # noqa: ANN001
+async def _collect(stream) -> list[int]:
     return [t async for o in stream for t in o.new_token_ids]
 
 

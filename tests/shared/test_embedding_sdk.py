@@ -15,7 +15,7 @@ from shared.errors import ConveyorError, InvalidRequest
 from tests.fakes import FakeEngine
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 

@@ -125,7 +125,8 @@ def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
         except FileNotFoundError:  # the process ended meanwhile: the watcher of workers reports it
             continue
         for tid in tids:
-            # later threads inherit it from the one that starts them; a thread may have ended meanwhile
+            # later threads inherit it from the one that starts them; a thread may have ended
+            # meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(int(tid), rest)
     return rest

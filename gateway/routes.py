@@ -129,7 +129,8 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     client, stats = request.app[CLIENT], None
     if client.connected:
-        # on an error: exported as conveyor_engine_up 0; the gateway's own metrics are still worth a scrape
+        # on an error: exported as conveyor_engine_up 0; the gateway's own metrics are still
+        # worth a scrape
         with contextlib.suppress(ConveyorError):
             stats = await client.get_stats(timeout=request.app[CONFIG].health_timeout)
     replicas = None

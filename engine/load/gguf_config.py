@@ -103,7 +103,8 @@ def _rope(arch: str, get: Any, by_name: dict[str, Any], head_dim: int) -> dict[s
         factors = {k: dequantize(t.data, t.tensor_type).astype(np.float64).tolist()
                    for k, t in tensors.items()}
         original = get(f"{arch}.rope.scaling.original_context_length")
-        rope.update(rope_type="longrope", long_factor=factors["long"], short_factor=factors["short"],
+        rope.update(rope_type="longrope", long_factor=factors["long"],
+                    short_factor=factors["short"],
                     original_max_position_embeddings=original,
                     attention_factor=get(f"{arch}.rope.scaling.attn_factor"))
     return rope

@@ -273,7 +273,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype,
     for path, kind in quantized_targets(model, mode).items():
         float_module = model.get_submodule(path)
         group = groups.get(f"{path}.weight")
-        model.set_submodule(path, quantize(float_module, kind, dtype, group))  # type: ignore[arg-type]
+        quantized = quantize(float_module, kind, dtype, group)  # type: ignore[arg-type]
+        model.set_submodule(path, quantized)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -58,7 +58,8 @@ def read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         for _, name, f, offset, nbytes, info in tqdm(entries, desc="loading weights", unit="tensor",
                                                      disable=None, leave=False):
-            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))  # noqa: SIM115 (closed below)
+            # SIM115: closed below, with every handle
+            fh = handles.get(f) or handles.setdefault(f, open(f, "rb"))  # noqa: SIM115
             # no local keeps it while the caller holds it
             yield name, _read_tensor(fh, offset, nbytes, info)
     finally:

@@ -1,10 +1,11 @@
 """Native CPU kernels, built on first use with the machine's C++ compiler and cached on disk.
 
 The build is one g++ call against torch's own headers and libraries (no ninja, no setuptools): the
-kernels are compiled for the CPU they run on (-march=native), so the cache key holds the CPU's flags as
-well as the source and torch's version, and a cache copied to another machine is rebuilt, never run.
-Linking the OpenMP runtime by name reuses the one torch has loaded, so at::parallel_for shares torch's
-threads. Where no compiler is present the caller falls back to PyTorch ops (available() says so).
+kernels are compiled for the CPU they run on (-march=native), so the cache key holds the CPU's flags
+as well as the source and torch's version, and a cache copied to another machine is rebuilt, never
+run. Linking the OpenMP runtime by name reuses the one torch has loaded, so at::parallel_for shares
+torch's threads. Where no compiler is present the caller falls back to PyTorch ops (available() says
+so).
 """
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("conveyor.kernels")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # included by the sources: part of the cache key
+SOURCES = [Path(__file__).with_name(n)
+           for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
+# included by the sources: part of the cache key
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-DNDEBUG", "-w"]
 
 
@@ -37,8 +40,9 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    """CONVEYOR_KERNEL_CACHE, else CONVEYOR_CACHE's kernels folder. A build's name holds its key (sources,
-    torch, CPU flags, compiler flags), so one folder can serve every test session and checkout."""
+    """CONVEYOR_KERNEL_CACHE, else CONVEYOR_CACHE's kernels folder. A build's name holds its
+    key (sources, torch, CPU flags, compiler flags), so one folder can serve every test
+    session and checkout."""
     own = os.environ.get("CONVEYOR_KERNEL_CACHE")
     if own:
         return Path(own)
@@ -58,13 +62,14 @@ def _command(out: Path) -> list[str]:
 def build() -> Path:
     """-> the shared library, compiled now if this source, torch and CPU have no cached build."""
     key = hashlib.sha256()
-    for part in [*(s.read_bytes() for s in [*SOURCES, *HEADERS]), torch.__version__.encode(), _cpu_flags().encode(),
-                 " ".join(FLAGS).encode()]:
+    for part in [*(s.read_bytes() for s in [*SOURCES, *HEADERS]), torch.__version__.encode(),
+                 _cpu_flags().encode(), " ".join(FLAGS).encode()]:
         key.update(part)
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     lib = folder / f"conveyor_cpu-{key.hexdigest()[:16]}.so"
-    with open(folder / ".lock", "w") as lock:  # one build at a time across processes; the others wait
+    # one build at a time across processes; the others wait
+    with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not lib.exists():
             log.info("compiling the CPU attention kernel (first start on this machine, ~30 s)")
@@ -80,7 +85,8 @@ def build() -> Path:
 
 @cache
 def available() -> bool:
-    """Whether the native kernels are loaded (built if needed); False, logged once, where they cannot be."""
+    """Whether the native kernels are loaded (built if needed); False, logged once,
+    where they cannot be."""
     if os.environ.get("CONVEYOR_NATIVE_KERNELS", "1") == "0":
         return False
     try:

@@ -96,10 +96,10 @@ class EngineCore:
         return outs
 
     def _end(self, request_id: str) -> LiveRequest | None:
-        """A request ends before it finished (abort, client gone, failure): out of the table, and
-        out of whatever holds it: its compile (killed when no one else waits for it) or the
-        scheduler's queues (every sequence of it, blocks freed). -> its record; None when it was not
-        live."""
+        """A request ends before it finished (abort, client gone, failure): out of the
+        table, and out of whatever holds it: its compile (killed when no one else waits for
+        it) or the scheduler's queues (every sequence of it, blocks freed). -> its record;
+        None when it was not live."""
         record = self.requests.end(request_id)
         if record is None:
             return None
@@ -111,10 +111,10 @@ class EngineCore:
         return record
 
     def stop_choice(self, request_id: str, index: int) -> RoutedOutputs:
-        """End one choice of a request (a stop string the gateway found in its text), freeing its
-        blocks. -> its "stop" row, which ends the request when it was the last choice running;
-        nothing when the request or choice is unknown, finished, or not streamed (the client has not
-        seen it)."""
+        """End one choice of a request (a stop string the gateway found in its text), freeing
+        its blocks. -> its "stop" row, which ends the request when it was the last choice
+        running; nothing when the request or choice is unknown, finished, or not streamed (the
+        client has not seen it)."""
         record = self.requests.get(request_id)
         g = record.root.group if record is not None else None
         outs = RoutedOutputs()
@@ -167,9 +167,9 @@ class EngineCore:
         return outputs
 
     def _run(self, plan: StepPlan) -> list[Delta]:
-        """The plan executed and applied. A forward that fails ends only this step's requests; an
-        EngineFault (no request's fault, and no later step can run) goes up: the caller ends the
-        engine."""
+        """The plan executed and applied. A forward that fails ends only this step's
+        requests; an EngineFault (no request's fault, and no later step can run) goes up: the
+        caller ends the engine."""
         try:
             output = self.runner.execute(plan)
         except EngineFault:
@@ -202,8 +202,8 @@ class EngineCore:
         return outs
 
     def set_tracer(self, tracer: Tracer | None) -> None:
-        """Record steps and request lifecycles into tracer from the next step on (None: stop
-        recording)."""
+        """Record steps and request lifecycles into tracer from the next step on
+        (None: stop recording)."""
         self.tracer = tracer
         self.mark = self.runner.mark = tracer.mark if tracer is not None else no_mark
 

@@ -43,11 +43,11 @@ def listen(ctx: zmq.Context[zmq.Socket[bytes]], address: str, keys: Keys | None,
 
 
 class Heartbeats(threading.Thread):
-    """A HEARTBEAT to every client with requests in flight, every interval, from a thread of its
-    own: it goes on while a long step runs (the forward releases the GIL), so a client's silence
-    timeout tells whether the engine process is there at all, not how long a step takes (a float32
-    step of 2048 prompt tokens takes seconds on a CPU). A process that is frozen or gone falls
-    silent whole."""
+    """A HEARTBEAT to every client with requests in flight, every interval, from a thread of
+    its own: it goes on while a long step runs (the forward releases the GIL), so a client's
+    silence timeout tells whether the engine process is there at all, not how long a step takes
+    (a float32 step of 2048 prompt tokens takes seconds on a CPU). A process that is frozen or
+    gone falls silent whole."""
 
     def __init__(self, sock: zmq.Socket[bytes], lock: threading.Lock, interval: float) -> None:
         super().__init__(name="heartbeats", daemon=True)

@@ -3,13 +3,13 @@ own sentence-transformers files), which rows of a step each embedding request co
 vector it finally gets.
 
 An embedding request is a prompt that is prefilled and never decoded. It is scheduled like any
-prompt (chunked under the token budget, so it never holds decodes back), samples nothing, and frees
-its KV blocks when its last chunk is computed. It never starts on a cached prefix: the cached
-tokens' hidden states are not kept, and mean pooling needs every row. Per step the runner returns
-each embedding chunk's contribution (PoolRows.reduce): the sum of its rows for mean pooling, the
-last row of the last chunk for last-token pooling, the first row of the first chunk for cls pooling.
-The scheduler adds them up (`accumulate`), and `finish` turns the total into the vector sent
-back."""
+prompt (chunked under the token budget, so it never holds decodes back), samples nothing, and
+frees its KV blocks when its last chunk is computed. It never starts on a cached prefix: the
+cached tokens' hidden states are not kept, and mean pooling needs every row. Per step the runner
+returns each embedding chunk's contribution (PoolRows.reduce): the sum of its rows for mean
+pooling, the last row of the last chunk for last-token pooling, the first row of the first chunk
+for cls pooling. The scheduler adds them up (`accumulate`), and `finish` turns the total into
+the vector sent back."""
 
 from __future__ import annotations
 
@@ -133,9 +133,9 @@ def _json(path: Path) -> Any:
 def check(
     info: PoolingInfo, limits: Limits, prompt_token_ids: list[int], params: PoolingParams
 ) -> None:
-    """Raises InvalidRequest naming the field when an embedding request can never run here. The
-    whole input is prefilled, so it may take the model's whole context (no generated token follows
-    it)."""
+    """Raises InvalidRequest naming the field when an embedding request can never run
+    here. The whole input is prefilled, so it may take the model's whole context (no
+    generated token follows it)."""
     info.check(params)
     vocab = limits.vocab_size
     if not prompt_token_ids:
@@ -195,8 +195,8 @@ def finish(
     total: torch.Tensor, num_tokens: int, info: PoolingInfo, params: PoolingParams
 ) -> list[float]:
     """The request's vector: the mean (for mean pooling), its first `dimensions` numbers
-    (Matryoshka), L2-normalised when the engine normalises (after the cut, so the shorter vector is
-    unit length)."""
+    (Matryoshka), L2-normalised when the engine normalises (after the cut, so the shorter
+    vector is unit length)."""
     v = total / num_tokens if info.mode == "mean" else total
     if params.dimensions is not None:
         v = v[: params.dimensions]

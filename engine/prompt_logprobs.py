@@ -65,11 +65,11 @@ def plan_rows(plan: StepPlan) -> tuple[list[int], list[tuple[int, range]]]:
 def score(
     logits: torch.Tensor, plan: StepPlan, wanted: list[tuple[int, range]]
 ) -> dict[int, list[PromptEntry]]:
-    """logits: [rows, V] float32, the rows plan_rows named, in order. -> plan index -> its entries.
-    log_softmax(x)[t] = x[t] - logsumexp(x): only the [rows] normaliser is computed, and the ranks
-    and the top k come from the logits themselves (same order), so no second [rows, V] tensor is
-    written. A token's logprob and its value among the top k are one subtraction of the same floats:
-    equal."""
+    """logits: [rows, V] float32, the rows plan_rows named, in order. -> plan index -> its
+    entries. log_softmax(x)[t] = x[t] - logsumexp(x): only the [rows] normaliser is computed,
+    and the ranks and the top k come from the logits themselves (same order), so no second
+    [rows, V] tensor is written. A token's logprob and its value among the top k are one
+    subtraction of the same floats: equal."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [rows, 1]: this chunk's rows only
     vocab = logits.shape[-1]
     out: dict[int, list[PromptEntry]] = {}
@@ -113,10 +113,10 @@ def record(plan: StepPlan, output: StepOutput) -> None:
 
 
 def attach(deltas: list[Delta]) -> None:
-    """A request's prompt logprobs ride on each choice's first output row (every prompt token is
-    scored by then: a token is sampled only once the whole prompt is computed). Each choice's, so
-    that a client that echoes the prompt in every choice (n > 1) has them whichever row it reads
-    first."""
+    """A request's prompt logprobs ride on each choice's first output row (every prompt token
+    is scored by then: a token is sampled only once the whole prompt is computed). Each
+    choice's, so that a client that echoes the prompt in every choice (n > 1) has them
+    whichever row it reads first."""
     for d in deltas:
         s = d.request.prompt_scores
         if s is not None and d.index not in s.sent and d.error is None:

@@ -16,9 +16,9 @@ PromptEntry = tuple[float, int, list[tuple[int, float]]]
 
 
 class PromptScores:
-    """One request's prompt logprobs so far: entries[j - 1] scores prompt token j (token 0 has
-    none). Written by the scheduler alone (engine/scheduler.py, through `record` and `attach`
-    below)."""
+    """One request's prompt logprobs so far: entries[j - 1] scores prompt token j
+    (token 0 has none). Written by the scheduler alone (engine/scheduler.py, through
+    `record` and `attach` below)."""
 
     __slots__ = ("k", "entries", "sent")
 

@@ -134,8 +134,8 @@ class Sequence:
 
 def stop_reason(seq: Sequence, token: int, max_model_len: int) -> str | None:
     """Why seq ends once it appends token: "stop" (a stop token past min_tokens), "length"
-    (max_tokens or max_model_len reached), or None. Stop strings are the gateway's; a grammar's end,
-    structured's."""
+    (max_tokens or max_model_len reached), or None. Stop strings are the gateway's; a
+    grammar's end, structured's."""
     p, num_tokens = seq.params, seq.num_tokens + 1
     num_output = num_tokens - seq.num_prompt_tokens
     if token in seq.stop_ids and num_output > p.min_tokens:

@@ -1,5 +1,5 @@
-"""Structured output in the engine: grammars compiled off the step, a matcher per sequence, masks on
-the logits.
+"""Structured output in the engine: grammars compiled off the step, a matcher per
+sequence, masks on the logits.
 
 Library: xgrammar (docs/structured_output.md says why, with the figures that chose it over
 llguidance).
@@ -158,9 +158,9 @@ class Grammars:
 
     # ---------------------------------------------------------------- requests
     def release(self, future: Future[xgr.CompiledGrammar]) -> None:
-        """No request waits for future any more (the last one was aborted): a compile still running
-        is killed, its process with it. The caller (EngineCore, from its RequestTable) knows who
-        waits."""
+        """No request waits for future any more (the last one was aborted): a compile still
+        running is killed, its process with it. The caller (EngineCore, from its
+        RequestTable) knows who waits."""
         if future.done():
             return
         key = next((c for c, (_, f) in self._cache.items() if f is future), None)
@@ -297,9 +297,9 @@ _PENALTY = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=
 
 
 def advance(seq: Sequence, token: int) -> bool:
-    """seq's matcher takes the token it just appended. -> True when the grammar has ended (the
-    sequence stops). Raises when the token breaks the grammar: a bug, which fails this request
-    only."""
+    """seq's matcher takes the token it just appended. -> True when the grammar has
+    ended (the sequence stops). Raises when the token breaks the grammar: a bug, which
+    fails this request only."""
     m = seq.matcher
     assert m is not None
     if not m.accept_token(token):

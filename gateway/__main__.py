@@ -102,9 +102,9 @@ async def serve_http(args: argparse.Namespace, runner: web.AppRunner,
 
 
 async def run(args: argparse.Namespace) -> int:
-    """The engines start first and load while the rest starts; the HTTP server binds once they are
-    ready. A signal, or every engine child giving up, stops it all in reverse order: the engines
-    last."""
+    """The engines start first and load while the rest starts; the HTTP server binds once
+    they are ready. A signal, or every engine child giving up, stops it all in reverse
+    order: the engines last."""
     from gateway.topology import Topology
     from shared.errors import EngineDead
 

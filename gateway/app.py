@@ -81,9 +81,9 @@ async def _engine(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    """While this gateway has requests in flight, keep the engine's queue length fresh for
-    admission, and move locally counted metrics into prometheus (another worker may answer the next
-    scrape)."""
+    """While this gateway has requests in flight, keep the engine's queue length fresh
+    for admission, and move locally counted metrics into prometheus (another worker may
+    answer the next scrape)."""
     async def poll() -> None:
         admission, client = app[ADMISSION], app[CLIENT]
         while True:

@@ -98,9 +98,9 @@ HUBS = web.AppKey("dashboard_hubs", list[Hub])
 
 
 def setup(app: web.Application) -> None:
-    """Routes, one hub per engine (each data-parallel replica's own: the page shows one replica, the
-    one its ?replica=N names, and says which), and each client's OBSERVED callback, for
-    build_app()."""
+    """Routes, one hub per engine (each data-parallel replica's own: the page shows one
+    replica, the one its ?replica=N names, and says which), and each client's OBSERVED
+    callback, for build_app()."""
     client = app[CLIENT]
     watched = [r.client for r in client.replicas] if isinstance(client, Router) else [client]
     hubs = [Hub(c) for c in watched]

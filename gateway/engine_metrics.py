@@ -67,8 +67,8 @@ REPLICA_GAUGES = {
 
 @dataclass
 class ReplicaRow:
-    """One replica at scrape time: its address, fresh STATS (None: it did not answer), requests
-    routed to it."""
+    """One replica at scrape time: its address, fresh STATS (None: it did not answer),
+    requests routed to it."""
 
     address: str
     stats: dict[str, float] | None

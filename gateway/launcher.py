@@ -133,9 +133,9 @@ def keep_off_engine_cpus(engine_pid: int, pids: list[int]) -> set[int] | None:
 
 
 class WorkerProcesses:
-    """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own DEALER
-    to the engine and binds the same port with SO_REUSEPORT, so the kernel spreads connections over
-    them."""
+    """Extra gateway processes of `conveyor serve --gateway-workers N`: each connects its own
+    DEALER to the engine and binds the same port with SO_REUSEPORT, so the kernel spreads
+    connections over them."""
 
     def __init__(self, argvs: list[list[str]], env: dict[str, str] | None = None,
                  stop_timeout: float = 10.0) -> None:
@@ -147,8 +147,8 @@ class WorkerProcesses:
         self._ready_fds: list[int] = []
 
     def start(self) -> None:
-        """Each worker gets the write end of a pipe (--ready-fd) and writes one line to it once it
-        serves."""
+        """Each worker gets the write end of a pipe (--ready-fd) and writes one line
+        to it once it serves."""
         parent = os.getpid()
         preexec = (lambda: _die_with_parent(parent)) if sys.platform.startswith("linux") else None
         for argv in self.argvs:

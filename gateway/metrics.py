@@ -55,9 +55,9 @@ class _Live:
 
 
 class _LocalHistogram:
-    """Observations counted here (a bisect and two adds, no lock), added to a prometheus Histogram
-    by flush(): per-token observations are the gateway's hottest path at thousands of tokens per
-    second."""
+    """Observations counted here (a bisect and two adds, no lock), added to a prometheus
+    Histogram by flush(): per-token observations are the gateway's hottest path at thousands
+    of tokens per second."""
 
     def __init__(self, hist: Histogram, buckets: tuple[float, ...]) -> None:
         self.hist = hist
@@ -167,9 +167,9 @@ class Metrics:
             self._generation_tokens = 0
 
     def finish(self, request_id: str, finish_reason: str, num_prompt: int, num_cached: int) -> None:
-        """TTFT, queue time and end-to-end latency: differences of the engine's own timestamps when
-        its final output carried them (one clock, wherever the gateway runs), else this process's
-        clock."""
+        """TTFT, queue time and end-to-end latency: differences of the engine's own
+        timestamps when its final output carried them (one clock, wherever the gateway runs),
+        else this process's clock."""
         rec = self._live.pop(request_id, None)
         if rec is None:
             return

@@ -68,9 +68,9 @@ def _lp(value: float | None) -> float | None:
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict[str, Any]:
-    """OpenAI's legacy shape. text_offset: where the first token starts in the choice's text so far.
-    top_logprobs holds the k most likely tokens and always the sampled one (so up to k + 1, as
-    OpenAI)."""
+    """OpenAI's legacy shape. text_offset: where the first token starts in the choice's
+    text so far. top_logprobs holds the k most likely tokens and always the sampled one (so
+    up to k + 1, as OpenAI)."""
     tokens, token_logprobs, offsets = [], [], []
     tops: list[dict[str, float | None] | None] = []
     for e in entries:
@@ -109,8 +109,8 @@ def prompt_logprobs_view(entries: list[TokenLogprob] | None,
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """OpenAI's chat shape: per token its string, logprob, UTF-8 bytes and the top_logprobs
-    alternatives."""
+    """OpenAI's chat shape: per token its string, logprob, UTF-8 bytes and the
+    top_logprobs alternatives."""
     return {"content": [{"token": e.token, "logprob": _lp(e.logprob),
                          "bytes": list(e.token.encode()),
                          "top_logprobs": [{"token": s, "logprob": _lp(v), "bytes": list(s.encode())}

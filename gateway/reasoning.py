@@ -35,8 +35,8 @@ OPEN, CLOSE = "<think>", "</think>"
 
 @dataclass(frozen=True, slots=True)
 class Reasoning:
-    """One chat request's reasoning settings: how its output starts, and whether reasoning is
-    returned."""
+    """One chat request's reasoning settings: how its output starts, and whether
+    reasoning is returned."""
 
     parser: str
     opened: bool  # the output starts inside a think block (the prompt opened it, or deepseek_r1)

@@ -277,9 +277,9 @@ class Render:
         return out
 
     def _assistant(self) -> dict[str, Any]:
-        """This response's output as the chat message a later previous_response_id renders: the
-        reasoning goes in reasoning_content (the template decides whether to show it), never in
-        the content."""
+        """This response's output as the chat message a later previous_response_id renders:
+        the reasoning goes in reasoning_content (the template decides whether to show it),
+        never in the content."""
         text, thought = self._joined("message"), self._joined("reasoning")
         msg: dict[str, Any] = {"role": "assistant", "content": text or None}
         if thought:

@@ -27,9 +27,8 @@ from shared.errors import ConveyorError
 _SCHEMA = (
     # used: the LRU order over every process; max(used) + 1 is taken inside each write's
     # transaction.
-    "CREATE TABLE IF NOT EXISTS responses (owner TEXT NOT NULL, id TEXT NOT NULL, used INTEGER NOT "
-    "NULL,"
-    " body BLOB NOT NULL, PRIMARY KEY (owner, id))",
+    "CREATE TABLE IF NOT EXISTS responses (owner TEXT NOT NULL, id TEXT NOT NULL,"
+    " used INTEGER NOT NULL, body BLOB NOT NULL, PRIMARY KEY (owner, id))",
     "CREATE INDEX IF NOT EXISTS responses_used ON responses (used)",
 )
 _NEXT = "(SELECT coalesce(max(used), 0) + 1 FROM responses)"
@@ -89,8 +88,9 @@ class ResponseStore:
         """The stored response, now the most recently used; None if unknown, evicted or
         another's."""
         with self._db:
-            row = self._db.execute(f"UPDATE responses SET used = {_NEXT} WHERE owner = ? AND id = "
-                                   "? RETURNING body", (owner or "", rid)).fetchone()
+            row = self._db.execute(f"UPDATE responses SET used = {_NEXT}"
+                                   " WHERE owner = ? AND id = ? RETURNING body",
+                                   (owner or "", rid)).fetchone()
         if row is None:
             return None
         fields = orjson.loads(row[0])

@@ -144,9 +144,9 @@ class Router:
         return self.ready
 
     async def _join(self, r: Replica) -> None:
-        """Waits for this replica's first READY (its client greets it again by itself after each
-        loss); one serving another model than the first replica's is kept out of the ring, with a
-        log line."""
+        """Waits for this replica's first READY (its client greets it again by itself after
+        each loss); one serving another model than the first replica's is kept out of the
+        ring, with a log line."""
         while True:
             try:
                 ready = await r.client.start(timeout=JOIN_RETRY_S)
@@ -279,9 +279,9 @@ class Router:
                         len(moved))
 
     async def _poll_stats(self) -> None:
-        """Each replica's queue, fresh every stats_interval; the tokens routed since then are
-        counted on top until the next answer includes them. Requests held for a lost replica move to
-        a live one."""
+        """Each replica's queue, fresh every stats_interval; the tokens routed since then
+        are counted on top until the next answer includes them. Requests held for a lost
+        replica move to a live one."""
         while True:
             await asyncio.sleep(self.config.stats_interval)
             for r in self.replicas:

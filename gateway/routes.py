@@ -1,6 +1,6 @@
-"""HTTP handlers. They only translate HTTP to shared/client.py calls and back; all checking of
-bodies is in openai_schema.py, the request lifecycle in streaming.py, and all engine I/O in the
-client."""
+"""HTTP handlers. They only translate HTTP to shared/client.py calls and back; all
+checking of bodies is in openai_schema.py, the request lifecycle in streaming.py, and all
+engine I/O in the client."""
 from __future__ import annotations
 
 import asyncio

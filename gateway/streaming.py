@@ -184,11 +184,11 @@ class ChoiceSplit:
 
 async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
-    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is yielded
-    before the engine's first output, so an engine ERROR is raised before any byte is sent; the role
-    travels in each choice's first chunk. With stream_interval N a choice's first token goes out at
-    once, then an event every N of its tokens (and its last). Logprobs travel with the text they
-    belong to."""
+    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is
+    yielded before the engine's first output, so an engine ERROR is raised before any byte is
+    sent; the role travels in each choice's first chunk. With stream_interval N a choice's first
+    token goes out at once, then an event every N of its tokens (and its last). Logprobs travel
+    with the text they belong to."""
     model, interval = app[SERVED].name, app[CONFIG].stream_interval
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
     choices: dict[int, _Choice] = {}
@@ -290,9 +290,9 @@ def sse_event(obj: Any) -> bytes:
 
 async def sse_response(request: web.Request,
                        events: AsyncGenerator[dict[str, Any], None]) -> web.StreamResponse:
-    """Stream `events` as SSE. The first event is awaited before the headers go out, so an error the
-    engine answers at once (an ERROR for the ADD, a 429) is still a proper status with an OpenAI
-    body."""
+    """Stream `events` as SSE. The first event is awaited before the headers go out, so an
+    error the engine answers at once (an ERROR for the ADD, a 429) is still a proper
+    status with an OpenAI body."""
     try:
         first = await anext(events, None)
     except BaseException:

@@ -3,11 +3,11 @@ loop.
 
 Any exit of the engine while the gateway serves (SIGKILL, the OOM killer, a segfault, an exception
 that left its loop) is a crash. The supervisor tells the client at once (`engine_lost`, so /ready
-answers 503 and requests in flight wait to be resumed rather than fail), waits a backoff, and starts
-a new engine on the same address; the client's DEALER reconnects by itself and re-handshakes, which
-resumes the streams (shared/resume.py). Only the process that owns the engine child supervises it:
-the other gateway workers see their connection drop and come back, and resume their own streams the
-same way.
+answers 503 and requests in flight wait to be resumed rather than fail), waits a backoff, and
+starts a new engine on the same address; the client's DEALER reconnects by itself and
+re-handshakes, which resumes the streams (shared/resume.py). Only the process that owns the engine
+child supervises it: the other gateway workers see their connection drop and come back, and resume
+their own streams the same way.
 
 Crash loop: a crash counts toward the limit unless the engine before it had served for `window`
 seconds; more than `max_restarts` such crashes in a row and the gateway exits non-zero, for the
@@ -62,8 +62,8 @@ def describe_exit(code: int) -> str:
 
 
 class EngineSupervisor:
-    """Runs beside the HTTP server: `await supervise(stop)` returns when it gave up (after setting
-    stop)."""
+    """Runs beside the HTTP server: `await supervise(stop)` returns when it gave up
+    (after setting stop)."""
 
     def __init__(self, engine: EngineProcess, client: AsyncEngineClient,
                  policy: RestartPolicy) -> None:
@@ -102,9 +102,9 @@ class EngineSupervisor:
         return code
 
     async def _wait_ready(self) -> None:
-        """Until the new engine answers the handshake (the client greets it by itself on reconnect)
-        or exits; one that does neither within ready_timeout is killed, which counts as its
-        crash."""
+        """Until the new engine answers the handshake (the client greets it by itself
+        on reconnect) or exits; one that does neither within ready_timeout is killed,
+        which counts as its crash."""
         deadline = time.monotonic() + self.policy.ready_timeout
         while self.engine.exit_code() is None and not self.client.connected:
             if time.monotonic() > deadline:
@@ -118,9 +118,9 @@ class EngineSupervisor:
 
 
 async def stop_when_all_give_up(supervisors: list[EngineSupervisor], stop: asyncio.Event) -> None:
-    """Supervises every engine, each on its own; sets stop once all have given up. One data-parallel
-    replica in a crash loop leaves the ring, and the others serve on (its requests moved to
-    them)."""
+    """Supervises every engine, each on its own; sets stop once all have given up. One
+    data-parallel replica in a crash loop leaves the ring, and the others serve on (its
+    requests moved to them)."""
     events = [asyncio.Event() for _ in supervisors]
     tasks = [asyncio.create_task(s.supervise(e)) for s, e in zip(supervisors, events)]
     try:

@@ -44,8 +44,8 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class Tools:
-    """A chat request's tools, as the gateway uses them: for the template, the constraint, the
-    parser."""
+    """A chat request's tools, as the gateway uses them: for the template, the
+    constraint, the parser."""
 
     tools: list[dict[str, Any]]  # OpenAI's tool objects, validated
     choice: str  # "auto" | "required" | "named" ("none" never builds a Tools)

@@ -87,8 +87,8 @@ class Topology:
         return os.path.join(self.shared_dir, "responses.sqlite")
 
     def connect(self, args: argparse.Namespace) -> AsyncEngineClient | Router:
-        """The clients, not started yet. ValueError: a CURVE key file is missing, a routing flag is
-        wrong."""
+        """The clients, not started yet. ValueError: a CURVE key file is missing, a
+        routing flag is wrong."""
         # serve's own engines are on ipc://, which needs no keys
         keys = None if self.engines else args.curve_keys
         self.clients = [AsyncEngineClient(a, name="gateway", model=args.model,
@@ -120,17 +120,17 @@ class Topology:
             await self.client.start(timeout=timeout)
 
     def keep_off_engine(self, pids: list[int]) -> None:
-        """One engine child: the gateway processes `pids` move to the cores its threads are not
-        bound to."""
+        """One engine child: the gateway processes `pids` move to the cores its
+        threads are not bound to."""
         if len(self.engines) == 1 and self.engines[0].proc is not None:
             cpus = keep_off_engine_cpus(self.engines[0].proc.pid, pids)
             if cpus:
                 log.info("gateway processes on CPUs %s, off the engine's", sorted(cpus))
 
     def supervise(self, stop: asyncio.Event, args: argparse.Namespace) -> asyncio.Task[None] | None:
-        """Restarts each engine child that dies, on its own (the others serve meanwhile, and on past
-        its give-up); sets stop once all have given up. Engines elsewhere are not this process's to
-        restart."""
+        """Restarts each engine child that dies, on its own (the others serve meanwhile, and on
+        past its give-up); sets stop once all have given up. Engines elsewhere are not this
+        process's to restart."""
         if not self.engines:
             return None
         policy = RestartPolicy(max_restarts=args.max_engine_restarts,

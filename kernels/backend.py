@@ -48,11 +48,11 @@ class AttentionBackend(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: Any, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
-        """q [T, H, D], k and v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, H, D].
-        Write k/v into their cache slots, then attend each new token to its sequence's cached
-        context (fully) and to the new tokens (causally). window: a token at position p sees only
-        keys at p - window + 1 .. p. softcap: scores s become softcap * tanh(s / softcap) before the
-        mask."""
+        """q [T, H, D], k and v [T, Hkv, D], caches [num_blocks, block_size, Hkv, D] -> [T, H,
+        D]. Write k/v into their cache slots, then attend each new token to its sequence's
+        cached context (fully) and to the new tokens (causally). window: a token at position p
+        sees only keys at p - window + 1 .. p. softcap: scores s become softcap * tanh(s /
+        softcap) before the mask."""
         ...
 
     def copy_blocks(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

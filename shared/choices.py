@@ -224,8 +224,8 @@ class Choices:
         return outs
 
     def _prompt_entries(self, rows: list[Any]) -> list[TokenLogprob]:
-        """The wire's [None, [logprob, rank, [[id, logprob], ...]], ...] -> one TokenLogprob per
-        prompt token."""
+        """The wire's [None, [logprob, rank, [[id, logprob], ...]], ...] -> one
+        TokenLogprob per prompt token."""
         s, ids = self._strings, self.prompt_token_ids
         out = []
         for t, row in zip(ids, rows):

@@ -32,8 +32,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """What detokenizing needs of a tokenizer: a transformers tokenizer, or the FastDecoder around
-    one."""
+    """What detokenizing needs of a tokenizer: a transformers tokenizer, or the
+    FastDecoder around one."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = ...,
                clean_up_tokenization_spaces: bool = ...) -> str:
@@ -70,8 +70,8 @@ class IncrementalDetokenizer:
 
     @property
     def num_decoded_tokens(self) -> int:
-        """Tokens whose text is decoded (into num_decoded_chars); later ones end in an unfinished
-        character."""
+        """Tokens whose text is decoded (into num_decoded_chars); later ones end in an
+        unfinished character."""
         return self._read_offset
 
     def _decode_new(self, final: bool) -> str:
@@ -118,9 +118,9 @@ def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
 
 
 class FastDecoder:
-    """The tokenizer's `decode` without transformers' per-call wrapping (about 4x less time per
-    call; the gateway decodes once or twice per request per step). Used only where it gives the very
-    same text."""
+    """The tokenizer's `decode` without transformers' per-call wrapping (about 4x less time
+    per call; the gateway decodes once or twice per request per step). Used only where it
+    gives the very same text."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._backend: Tokenizer = tokenizer._tokenizer
@@ -132,8 +132,8 @@ class FastDecoder:
 
     @staticmethod
     def wrap(tokenizer: Decoder) -> Decoder:
-        """FastDecoder(tokenizer) when it decodes a probe of ids exactly as tokenizer.decode
-        does."""
+        """FastDecoder(tokenizer) when it decodes a probe of ids exactly as
+        tokenizer.decode does."""
         backend = getattr(tokenizer, "_tokenizer", None)
         fast_backend = hasattr(backend, "decode") and getattr(tokenizer, "is_fast", False)
         if backend is None or not fast_backend:

@@ -1,6 +1,6 @@
-"""Checks that run before a model loads: a mistake a user can fix in a second must not cost them a
-model load first and a traceback after it. Each returns one line saying what is wrong, or None. No
-torch here."""
+"""Checks that run before a model loads: a mistake a user can fix in a second must not cost
+them a model load first and a traceback after it. Each returns one line saying what is wrong,
+or None. No torch here."""
 from __future__ import annotations
 
 import os

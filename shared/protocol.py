@@ -171,9 +171,9 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Observe:
-    """Client -> engine: send me OBSERVED messages for the next `seconds` (at most 10; 0 stops). A
-    watcher renews it while it wants more, so a client that vanished stops costing the engine
-    anything soon."""
+    """Client -> engine: send me OBSERVED messages for the next `seconds` (at most 10; 0
+    stops). A watcher renews it while it wants more, so a client that vanished stops costing
+    the engine anything soon."""
 
     seconds: float
 

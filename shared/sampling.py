@@ -190,9 +190,9 @@ class SamplingParams:
                        "applies to beam search only: set use_beam_search=true")
 
     def _validate_beam_search(self) -> None:
-        """Beam search here is deterministic and scores raw log-softmax, as transformers' generate
-        with do_sample=False: anything that would reshape the distribution is refused, never
-        ignored."""
+        """Beam search here is deterministic and scores raw log-softmax, as transformers'
+        generate with do_sample=False: anything that would reshape the distribution is
+        refused, never ignored."""
         _check(self.n <= self.beam_width, "n",
                f"must be <= beam_width with beam search, got {self.n} > {self.beam_width}")
         _check(self.best_of is None, "best_of",

@@ -64,9 +64,9 @@ class RequestStream:
 
 
 def merge_outputs(old: P.RequestOutput, new: P.RequestOutput) -> P.RequestOutput:
-    """Two consecutive deltas of one sequence as one, in place in `old` (a stream's own pending
-    copy): tokens (and logprobs) joined, the fields that change from delta to delta taken from the
-    newer one."""
+    """Two consecutive deltas of one sequence as one, in place in `old` (a stream's own
+    pending copy): tokens (and logprobs) joined, the fields that change from delta to delta
+    taken from the newer one."""
     old.new_token_ids += new.new_token_ids
     old.finished, old.finish_reason = new.finished, new.finish_reason
     old.num_cached_tokens = new.num_cached_tokens

@@ -55,9 +55,9 @@ def after(state: int | None, tokens: Sequence[int], begin: int, start_ids: Seque
 
 def _tag_ends(tokens: Sequence[int], tag: Sequence[int], begin: int,
               strings: Strings | None) -> bool:
-    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and strings
-    given) by text. Special tokens' text is skipped: a tag made of them has none, and its ids say
-    it."""
+    """Does the last token complete tag in tokens[begin:]: by ids, or (several ids and
+    strings given) by text. Special tokens' text is skipped: a tag made of them has
+    none, and its ids say it."""
     text = "".join(strings(t) for t in tag) if strings is not None and len(tag) > 1 else ""
     if strings is None or not text:
         return _ends_with(tokens, tag, begin)
@@ -65,9 +65,9 @@ def _tag_ends(tokens: Sequence[int], tag: Sequence[int], begin: int,
 
 
 def _text_ends(tokens: Sequence[int], text: str, begin: int, strings: Strings) -> bool:
-    """Is text in the text of tokens[begin:], ending inside the last token's? (An earlier end was
-    seen at its own token.) Only the tail that can hold it is joined: one step costs the tag's
-    length."""
+    """Is text in the text of tokens[begin:], ending inside the last token's? (An earlier
+    end was seen at its own token.) Only the tail that can hold it is joined: one step
+    costs the tag's length."""
     last = strings(tokens[-1])
     tail, i = last, len(tokens) - 1
     while len(tail) < len(text) + len(last) - 1 and i > begin:

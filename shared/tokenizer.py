@@ -25,9 +25,9 @@ Prompt = str | Messages | list[int]  # text, chat messages, or token ids
 
 
 def load_tokenizer(source: ModelSource, cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """HF folder: load it directly. GGUF: parse the GGUF metadata once (slow: seconds), then keep a
-    saved copy under `cache_dir / "tokenizer"` (default `source.cache_dir`) and load that next
-    time."""
+    """HF folder: load it directly. GGUF: parse the GGUF metadata once (slow: seconds),
+    then keep a saved copy under `cache_dir / "tokenizer"` (default `source.cache_dir`)
+    and load that next time."""
     from transformers import AutoTokenizer  # lazy: token-level SDK users never pay for transformers
 
     tok: PreTrainedTokenizerBase | None
@@ -80,10 +80,10 @@ def apply_chat_template(tok: PreTrainedTokenizerBase, messages: Messages,
                         add_generation_prompt: bool = True,
                         tools: list[dict[str, Any]] | None = None, template: str | None = None,
                         kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Chat messages -> prompt token ids, with the assistant turn opened for the model to continue.
-    tools: OpenAI tool objects for the template; template: Jinja text used instead of the model's;
-    kwargs: more variables for the template (a request's chat_template_kwargs, checked by the
-    gateway)."""
+    """Chat messages -> prompt token ids, with the assistant turn opened for the model to
+    continue. tools: OpenAI tool objects for the template; template: Jinja text used instead of
+    the model's; kwargs: more variables for the template (a request's chat_template_kwargs,
+    checked by the gateway)."""
     if template is None and not has_chat_template(tok):
         raise InvalidRequest("this model has no chat template; use /v1/completions with a plain "
                              "prompt", param="messages")

@@ -77,8 +77,8 @@ def bound(sock: AnySocket, max_message_size: int) -> None:
 
 @dataclass(frozen=True)
 class Keys:
-    """One side's CURVE keys: its own pair, and the engine's public key (a client needs it to
-    connect)."""
+    """One side's CURVE keys: its own pair, and the engine's public key (a client
+    needs it to connect)."""
 
     public: bytes
     secret: bytes
@@ -87,9 +87,9 @@ class Keys:
 
 
 def load_keys(folder: str | os.PathLike[str], side: str) -> Keys:
-    """side "engine": FOLDER/engine.key_secret (+ the admitted clients' *.key); "client":
-    FOLDER/client.key_secret and FOLDER/engine.key. ValueError saying what is missing and how to
-    make it."""
+    """side "engine": FOLDER/engine.key_secret (+ the admitted clients' *.key);
+    "client": FOLDER/client.key_secret and FOLDER/engine.key. ValueError saying what is
+    missing and how to make it."""
     path = Path(folder)
     own = path / f"{ENGINE_KEY if side == 'engine' else CLIENT_KEY}.key_secret"
     engine = path / f"{ENGINE_KEY}.key{'_secret' if side == 'engine' else ''}"

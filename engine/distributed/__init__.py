@@ -1,11 +1,11 @@
 """Tensor parallelism: one model split by attention heads and MLP columns over N ranks
 (Megatron-style).
 
-The engine process keeps the scheduler, the block manager and sampling, and is rank 0; ranks 1..N-1
-are worker processes (local, or Ray actors on other nodes). Each step the engine sends every worker
-one packed int64 message (message.py) over ZeroMQ; every rank then runs the one model graph
-(engine/models/llama.py) on its shard, whose row-parallel projections all-reduce (layers.py,
-comm.py).
+The engine process keeps the scheduler, the block manager and sampling, and is rank 0; ranks
+1..N-1 are worker processes (local, or Ray actors on other nodes). Each step the engine
+sends every worker one packed int64 message (message.py) over ZeroMQ; every rank then runs
+the one model graph (engine/models/llama.py) on its shard, whose row-parallel projections
+all-reduce (layers.py, comm.py).
 
     executor.py  TPRunner: the runner the scheduler sees (execute(plan) -> StepOutput), starts
                  workers

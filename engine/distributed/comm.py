@@ -23,8 +23,8 @@ class Comm:
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
                  device: torch.device) -> None:
-        """Rank 0 opens the store (port 0: any free port, see .port) without waiting; join() meets
-        the others."""
+        """Rank 0 opens the store (port 0: any free port, see .port) without waiting;
+        join() meets the others."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = dist.TCPStore(host, port, world_size, rank == 0, timeout=self.timeout,
@@ -75,8 +75,8 @@ class Comm:
         return t
 
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
-        """t: [B, C] on each rank -> on rank 0 [B, world_size * C] (rank r's columns at r*C); None
-        elsewhere."""
+        """t: [B, C] on each rank -> on rank 0 [B, world_size * C] (rank r's columns at
+        r*C); None elsewhere."""
         out = [[torch.empty_like(t) for _ in range(self.world_size)]] if self.rank == 0 else []
         opts = dist.GatherOptions()
         opts.rootRank = 0

@@ -44,9 +44,9 @@ class RowParallel(nn.Module):
 
 
 class ShardedLlama(LlamaForCausalLM):
-    """One rank's model: the single-rank graph on its shard (cfg: the shard's config), with the two
-    vocabulary hooks overridden. Rank r holds vocabulary rows r*Vs.. of Vs = ceil(V/N), the last
-    padded."""
+    """One rank's model: the single-rank graph on its shard (cfg: the shard's config), with
+    the two vocabulary hooks overridden. Rank r holds vocabulary rows r*Vs.. of Vs =
+    ceil(V/N), the last padded."""
 
     def __init__(self, cfg: ModelConfig, comm: Comm, vocab_start: int, vocab_size: int) -> None:
         super().__init__(cfg)
@@ -61,9 +61,9 @@ class ShardedLlama(LlamaForCausalLM):
         return self.comm.all_reduce(h.masked_fill_(outside.unsqueeze(1), 0.0))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[B, E] -> [B, V] float32 on rank 0 (every rank's columns gathered, the padding cut); this
-        rank's [B, V/N] elsewhere, which nothing reads. Soft-capping is per logit, so each rank caps
-        its own."""
+        """[B, E] -> [B, V] float32 on rank 0 (every rank's columns gathered, the padding
+        cut); this rank's [B, V/N] elsewhere, which nothing reads. Soft-capping is per logit,
+        so each rank caps its own."""
         part = super().logits(h)  # [B, V/N]
         full = self.comm.gather_columns(part)  # rank 0: [B, N * V/N]
         return part if full is None else full[:, : self.vocab_size]

@@ -29,9 +29,9 @@ log = logging.getLogger("conveyor.tp")
 
 @dataclass(frozen=True)
 class RankSpec:
-    """Everything a rank needs to start, as plain JSON (a worker's command line or a Ray actor's
-    call). num_blocks and num_cpu_blocks are rank 0's, so every rank's pools hold the same block
-    ids."""
+    """Everything a rank needs to start, as plain JSON (a worker's command line or a Ray
+    actor's call). num_blocks and num_cpu_blocks are rank 0's, so every rank's pools
+    hold the same block ids."""
 
     folder: str
     dtype: str
@@ -69,8 +69,8 @@ class RankRunner:
 
     @torch.inference_mode()
     def run(self, s: StepInputs) -> torch.Tensor:
-        """Block moves, then the forward. -> logits [B, V] on rank 0, this rank's vocabulary columns
-        elsewhere."""
+        """Block moves, then the forward. -> logits [B, V] on rank 0, this rank's
+        vocabulary columns elsewhere."""
         move_blocks(self.backend, self.kv, s.swap_out, s.swap_in, s.copies)
         dev = self.device
         layout = BatchLayout(s.query_lens, s.context_lens, s.tables, self.kv.block_size,

@@ -98,9 +98,9 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
 
 
 def checkpoint_folder(source: ModelSource) -> Path:
-    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache. Writing
-    that cache streams one tensor at a time (engine/load/gguf.py), so no process holds the whole
-    model."""
+    """The safetensors folder to slice: the HF folder, or a GGUF file's dequantized cache.
+    Writing that cache streams one tensor at a time (engine/load/gguf.py), so no process
+    holds the whole model."""
     if source.gguf_file is None:
         return source.folder
     folder = dequantized_folder(source)
@@ -112,9 +112,9 @@ def checkpoint_folder(source: ModelSource) -> Path:
 
 
 def read_shard(folder: Path, shard: Shard) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as it is
-    read. A row-parallel bias is rank 0's alone: the others hold zeros, so the all-reduce adds it
-    once."""
+    """HF-named tensors in load_order (per file), each cut to this rank's rows/columns as
+    it is read. A row-parallel bias is rank 0's alone: the others hold zeros, so the
+    all-reduce adds it once."""
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt", device="cpu") as h:
             for name in sorted(h.keys(), key=load_order):

@@ -82,8 +82,8 @@ def int4_mm_tiles(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor
 
 def int4_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
                  w_min_exponent: int, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_mm on the rows path (at most ROWS_PATH_LIMIT rows); w_min_exponent: min_exponent of
-    these codes."""
+    """int4_mm on the rows path (at most ROWS_PATH_LIMIT rows); w_min_exponent:
+    min_exponent of these codes."""
     y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_rows(x.contiguous(), codes, scale_zero,
                                                             residual, w_min_exponent)
     return y

@@ -201,9 +201,9 @@ def _dequantize_gguf(reader: Any, config: dict[str, Any], arch: str) -> GgufTens
 
 
 def from_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k permutation: within each head, rows (2j, 2j+1) -> (j, j + D/2).
-    Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works for weights and
-    biases."""
+    """Inverse of llama.cpp's q/k permutation: within each head, rows (2j, 2j+1) -> (j, j
+    + D/2). Same as transformers' LlamaTensorProcessor._reverse_permute_weights; works
+    for weights and biases."""
     d_half = w.shape[0] // num_heads // 2
     return w.reshape(num_heads, d_half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

@@ -79,9 +79,9 @@ def gguf_config(reader: Any) -> dict[str, Any]:
 
 
 def _rope(arch: str, get: Any, by_name: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The config's rope_parameters: the base, linear scaling from the metadata, or Phi-3's
-    LongRoPE, which llama.cpp knows by its rope_factors_{long,short} tensors. Partial RoPE is
-    refused."""
+    """The config's rope_parameters: the base, linear scaling from the metadata, or
+    Phi-3's LongRoPE, which llama.cpp knows by its rope_factors_{long,short} tensors.
+    Partial RoPE is refused."""
     rope_dims = get(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ValueError(f"GGUF rope.dimension_count {rope_dims} != head_dim {head_dim}: partial "

@@ -84,16 +84,16 @@ def plain_from_rows(dtype: torch.dtype) -> int | None:
 
 
 class PackedLinear(nn.Module):
-    """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor); from
-    plain_from rows on, with the plain W through F.linear (MKL) instead, where that measured
-    faster."""
+    """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor);
+    from plain_from rows on, with the plain W through F.linear (MKL) instead, where
+    that measured faster."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  plain_from: int | None = None, pad_one_row: bool = False) -> None:
         """pad_one_row (--deterministic): a one-row call runs as two rows, because oneDNN takes
-        another kernel for one row of some shapes (K = 1536 here), which rounds that row differently
-        than the same row of any larger call; from two rows on, a row's result does not depend on
-        the row count."""
+        another kernel for one row of some shapes (K = 1536 here), which rounds that row
+        differently than the same row of any larger call; from two rows on, a row's result does not
+        depend on the row count."""
         super().__init__()
         self.pad_one_row = pad_one_row
         self.dtype = weight.dtype
@@ -147,9 +147,9 @@ def usable(model: nn.Module, device: torch.device) -> bool:
 
 def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...],
                   deterministic: bool = False) -> int:
-    """Replaces each decoder layer's plain projections and the LM head in place. -> matrices packed.
-    deterministic: one kernel at every row count (no MKL from plain_from rows), one-row calls
-    padded."""
+    """Replaces each decoder layer's plain projections and the LM head in place. -> matrices
+    packed. deterministic: one kernel at every row count (no MKL from plain_from rows),
+    one-row calls padded."""
     packed = 0
     plain_from = None if deterministic else plain_from_rows(next(model.parameters()).dtype)
     linears = [(layer, name) for layer in model.model.layers for name in projections

@@ -107,9 +107,9 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
                  absmax: torch.Tensor | None = None) -> None:
-        """absmax: [N] each row's largest |w| where weight holds only some of the row's columns (a
-        tensor-parallel rank's row-parallel shard), so its codes and scales are the whole
-        matrix's."""
+        """absmax: [N] each row's largest |w| where weight holds only some of the row's
+        columns (a tensor-parallel rank's row-parallel shard), so its codes and scales
+        are the whole matrix's."""
         super().__init__()
         # no autograd graph: it would keep the float matrix alive beside its codes
         w = weight.detach()
@@ -243,18 +243,18 @@ def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
 def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
                     groups: tuple[torch.Tensor, torch.Tensor] | None = None,
                     absmax: torch.Tensor | None = None) -> Int8Linear | Int4Linear:
-    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does not
-    apply). absmax: the whole rows' largest |w| for an int8 matrix that is a slice of columns
-    (Int8Linear)."""
+    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does
+    not apply). absmax: the whole rows' largest |w| for an int8 matrix that is a slice of
+    columns (Int8Linear)."""
     if mode == "int4" and weight.shape[1] % GROUP == 0:
         return Int4Linear(weight, None, dtype, groups)
     return Int8Linear(weight, None, dtype, absmax)
 
 
 def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
-    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's projections
-    and the LM head in mode, the embedding as int8 rows (see module doc). A tied LM head is the
-    embedding."""
+    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's
+    projections and the LM head in mode, the embedding as int8 rows (see module doc). A tied LM
+    head is the embedding."""
     targets = {f"model.layers.{i}.{name}": mode for i, layer in enumerate(model.model.layers)
                for name in LAYER_PROJECTIONS if isinstance(getattr(layer, name, None), nn.Linear)}
     if isinstance(model.lm_head, nn.Linear):

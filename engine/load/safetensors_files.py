@@ -39,11 +39,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_copies(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files, in
-    load_order. A memory map's pages stay resident, and counted, as long as any tensor of the file
-    lives: a model that casts, packs or quantizes its matrices (all but float32 on a GPU) would keep
-    the whole file's pages beside its own copies. Read, each matrix's memory goes when the model
-    drops it."""
+    """Streams tensors as fresh tensors of their own, read (not memory-mapped) from the files,
+    in load_order. A memory map's pages stay resident, and counted, as long as any tensor of the
+    file lives: a model that casts, packs or quantizes its matrices (all but float32 on a GPU)
+    would keep the whole file's pages beside its own copies. Read, each matrix's memory goes
+    when the model drops it."""
     entries = []
     for f in files:
         with open(f, "rb") as fh:

@@ -79,9 +79,9 @@ def load_model(source: ModelSource, dtype: torch.dtype | str, device: torch.devi
 
 
 def dequantized_folder(source: ModelSource) -> Path:
-    """Where a GGUF source's dequantized HF folder lives. The name carries the format's version, so
-    a folder an older Conveyor wrote (v1: no record of the file's precision) is never read as this
-    one."""
+    """Where a GGUF source's dequantized HF folder lives. The name carries the format's
+    version, so a folder an older Conveyor wrote (v1: no record of the file's precision) is
+    never read as this one."""
     return source.cache_dir / f"weights-v{_CACHE_FORMAT}"
 
 
@@ -178,9 +178,9 @@ def _load_quantized(model: LlamaForCausalLM, cfg: ModelConfig, weights: Weights,
 
 
 def _float32(weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
-    """Float tensors as float32. A map, not a generator: a generator's frame would keep the last
-    tensor it yielded (the last part of a fused group) alive while the caller quantizes the fused
-    matrix."""
+    """Float tensors as float32. A map, not a generator: a generator's frame would keep the
+    last tensor it yielded (the last part of a fused group) alive while the caller
+    quantizes the fused matrix."""
     return map(_float32_item, weights)
 
 
@@ -195,9 +195,9 @@ def _on_quantized(name: str, weight: torch.Tensor) -> None:
 
 
 def _release_freed_memory() -> None:
-    """Hands what the load freed (float32 matrices once quantized, cast or packed) back to the OS.
-    glibc keeps freed heap memory for reuse, so without this the process stays larger than the model
-    it holds."""
+    """Hands what the load freed (float32 matrices once quantized, cast or packed) back to
+    the OS. glibc keeps freed heap memory for reuse, so without this the process stays larger
+    than the model it holds."""
     import ctypes
 
     try:

@@ -162,10 +162,10 @@ def _headless(d: dict[str, Any]) -> bool:
 
 
 def _windows(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
-    """Per-layer sliding windows, as transformers applies them: `layer_types` where the config has
-    them (Qwen2/3, Gemma 2/3 since transformers v5), else every layer for Mistral and Phi-3 when
-    sliding_window is set, and Qwen's use_sliding_window from max_window_layers up in older
-    configs."""
+    """Per-layer sliding windows, as transformers applies them: `layer_types` where the
+    config has them (Qwen2/3, Gemma 2/3 since transformers v5), else every layer for Mistral
+    and Phi-3 when sliding_window is set, and Qwen's use_sliding_window from
+    max_window_layers up in older configs."""
     window = d.get("sliding_window")
     if not window:
         return ()
@@ -186,9 +186,9 @@ def _windows(arch: str, d: dict[str, Any], num_layers: int) -> tuple[int | None,
 
 
 def _local_rope(d: dict[str, Any]) -> tuple[dict[str, Any], float | None]:
-    """Gemma 3 has one RoPE per layer type: -> (d with the global one as its rope_parameters, for
-    _rope; the sliding layers' base, or None where every layer rotates alike). Scaled sliding layers
-    are refused."""
+    """Gemma 3 has one RoPE per layer type: -> (d with the global one as its rope_parameters,
+    for _rope; the sliding layers' base, or None where every layer rotates alike). Scaled
+    sliding layers are refused."""
     rope = d.get("rope_parameters") or {}
     if "full_attention" not in rope:
         return d, None
@@ -210,9 +210,9 @@ def _eos_ids(d: dict[str, Any], generation_config: dict[str, Any] | None) -> lis
 
 
 def _experts(arch: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields (Qwen3-MoE): every decoder_sparse_step-th layer is
-    sparse unless mlp_only_layers keeps it dense. Zero experts (every other family): a dense
-    model."""
+    """ModelConfig's mixture-of-experts fields (Qwen3-MoE): every decoder_sparse_step-th
+    layer is sparse unless mlp_only_layers keeps it dense. Zero experts (every other
+    family): a dense model."""
     num_experts = int(d.get("num_experts") or d.get("num_local_experts")
                       or 0) if arch == "Qwen3MoeForCausalLM" else 0
     step, dense_only = d.get("decoder_sparse_step", 1), set(d.get("mlp_only_layers") or [])
@@ -228,10 +228,10 @@ def _experts(arch: str, d: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _gemma_legacy(arch: str, d: dict[str, Any]) -> dict[str, Any]:
     """Gemma configs written before transformers had `layer_types` and per-layer-type RoPE (most
-    Gemma 2 and 3 checkpoints on the hub) -> the current spelling, as transformers' config classes
-    read them: a window on every layer but each `sliding_window_pattern`-th (2 for Gemma 2, 6 for
-    Gemma 3), and Gemma 3's sliding layers rotating with `rope_local_base_freq` (10000) without the
-    global scaling."""
+    Gemma 2 and 3 checkpoints on the hub) -> the current spelling, as transformers' config
+    classes read them: a window on every layer but each `sliding_window_pattern`-th (2 for Gemma
+    2, 6 for Gemma 3), and Gemma 3's sliding layers rotating with `rope_local_base_freq` (10000)
+    without the global scaling."""
     d = dict(d)
     if d.get("sliding_window") and not d.get("layer_types"):
         period = int(d.get("sliding_window_pattern") or (2 if arch == "Gemma2ForCausalLM" else 6))

@@ -51,10 +51,10 @@ def convert_hf_weights(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tens
 
 def iter_converted(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]],
                    partial: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """convert_hf_weights one tensor at a time: each is yielded as soon as it is complete (a fused
-    one when its last part arrives), and this generator holds no reference to it, nor to its parts,
-    once the caller asks for the next, so a caller that consumes each (quantizes it) keeps only that
-    one."""
+    """convert_hf_weights one tensor at a time: each is yielded as soon as it is complete (a
+    fused one when its last part arrives), and this generator holds no reference to it, nor to
+    its parts, once the caller asks for the next, so a caller that consumes each (quantizes
+    it) keeps only that one."""
     pending: dict[str, dict[int, torch.Tensor]] = {}
     gemma = cfg.architecture in _GEMMA
     for name, t in weights:

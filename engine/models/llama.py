@@ -38,8 +38,8 @@ __all__ = ["DecoderLayer", "LlamaForCausalLM", "linear", "to_interleaved"]
 
 def linear(x: torch.Tensor, m: nn.Module) -> torch.Tensor:
     """x @ W.T (+ b) for an nn.Linear or a packed or quantized stand-in. Its forward is called
-    directly: nn.Module.__call__'s hook checks cost more than a one-row GEMM's Python (no hooks are
-    used here)."""
+    directly: nn.Module.__call__'s hook checks cost more than a one-row GEMM's Python (no
+    hooks are used here)."""
     if isinstance(m, nn.Linear):
         return F.linear(x, m.weight, m.bias)
     out: torch.Tensor = m.forward(x)
@@ -60,8 +60,8 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, m: nn.Module) -> torch.Tensor:
 
 
 def rms(x: torch.Tensor, norm: nn.RMSNorm, native: bool = False) -> torch.Tensor:
-    """native: one pass of kernels/cpu/layer_ops.cpp for a [T, E] x (F.rms_norm is ten ATen calls on
-    the CPU)."""
+    """native: one pass of kernels/cpu/layer_ops.cpp for a [T, E] x (F.rms_norm is ten
+    ATen calls on the CPU)."""
     if native:
         out: torch.Tensor = torch.ops.conveyor_cpu.rms_norm(x, norm.weight, norm.eps)
         return out
@@ -141,9 +141,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm). They
-    are not meaningfully initialised: the model is built on meta and engine/load/weights.py assigns
-    real tensors."""
+    """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm).
+    They are not meaningfully initialised: the model is built on meta and engine/load/weights.py
+    assigns real tensors."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

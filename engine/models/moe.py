@@ -1,6 +1,6 @@
-"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top k of E experts per token; the experts
-run as two grouped GEMMs over all (token, expert) pairs sorted by expert, never a Python loop per
-token.
+"""Mixture-of-experts MLP (Qwen3-MoE): a router picks the top k of E experts per token;
+the experts run as two grouped GEMMs over all (token, expert) pairs sorted by expert,
+never a Python loop per token.
 
 torch._grouped_mm takes the rows sorted by group and each group's end offset, and multiplies each
 group by its own expert's matrix in one call (on the CPU as well as CUDA), so a step costs the same
@@ -49,8 +49,8 @@ class MoE(nn.Module):
 
     @staticmethod
     def _grouped(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: [N, in] rows grouped by expert (counts[e] rows for expert e), w: [E, out, in] -> [N,
-        out]."""
+        """x: [N, in] rows grouped by expert (counts[e] rows for expert e), w: [E,
+        out, in] -> [N, out]."""
         if _GROUPED_MM and x.dtype in (torch.float32, torch.bfloat16):
             offs = counts.cumsum(0).to(torch.int32)
             return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)

@@ -1,6 +1,6 @@
-"""Rotary position embeddings: frequency tables computed exactly as transformers does (same float
-ops), kept as a [positions, D/2, 2] (cos, sin) table that the model indexes by position once per
-step.
+"""Rotary position embeddings: frequency tables computed exactly as transformers does
+(same float ops), kept as a [positions, D/2, 2] (cos, sin) table that the model indexes
+by position once per step.
 
 q and k rows are kept in the *interleaved* layout (dims 2i and 2i+1 rotate together, as in Meta's
 original checkpoints and in GGUF), so RoPE is one complex multiply instead of HF's rotate_half.

@@ -187,8 +187,8 @@ class Tracer:
 
     # ------------------------------------------------------------ output
     def trace(self) -> dict[str, Any]:
-        """The Chrome trace of what the ring holds: its events, with the names of their processes
-        and tracks."""
+        """The Chrome trace of what the ring holds: its events, with the names of their
+        processes and tracks."""
         events = list(self.events)
         tids = {e["tid"] for e in events if e["pid"] == REQUESTS_PID}
         meta: list[dict[str, Any]] = [

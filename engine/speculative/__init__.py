@@ -1,6 +1,6 @@
-"""Speculative decoding: a proposer guesses a sequence's next tokens; the model verifies them all in
-one step (engine/speculative/verify.py), so a step can emit several tokens without changing the
-output.
+"""Speculative decoding: a proposer guesses a sequence's next tokens; the model verifies
+them all in one step (engine/speculative/verify.py), so a step can emit several tokens
+without changing the output.
 
 Proposers have two calls: plan(seq, k) at schedule time, which decides how many drafts the step
 verifies (and so how much budget and how many blocks it takes), and propose(seqs, drafts) just
@@ -41,8 +41,8 @@ class Proposer(Protocol):
         ...
 
     def propose(self, seqs: list[Sequence], drafts: list[Drafts]) -> list[Drafts]:
-        """The planned drafts of seqs with their tokens (and the proposer's probabilities) filled
-        in."""
+        """The planned drafts of seqs with their tokens (and the proposer's
+        probabilities) filled in."""
         ...
 
 
@@ -75,9 +75,9 @@ def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], 
 
 
 def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
-    """How many drafts seq may verify this step: none unless it decodes (only its last token is left
-    to compute) past min_tokens; at most k and the budget, never past max_tokens or
-    max_model_len."""
+    """How many drafts seq may verify this step: none unless it decodes (only its last
+    token is left to compute) past min_tokens; at most k and the budget, never past
+    max_tokens or max_model_len."""
     p = seq.params
     if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
         return 0

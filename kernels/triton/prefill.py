@@ -144,18 +144,18 @@ def _cuda_arch(index: int) -> str:
 
 
 def device_arch(device: torch.device) -> str | None:
-    """PREFILL_TUNED's key for a device: "sm90" on an H100, None off CUDA (the interpreter's CPU
-    tensors)."""
+    """PREFILL_TUNED's key for a device: "sm90" on an H100, None off CUDA (the
+    interpreter's CPU tensors)."""
     if device.type != "cuda":
         return None
     return _cuda_arch(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def prefill_knobs(arch: str | None, head_dim: int, dtype: torch.dtype, group: int) -> PrefillKnobs:
-    """The table's entry for this GPU kind and shape, or the fallback: what launches by default. The
-    table was measured on GQA shapes (groups 3 and 4); without GQA (group 1) its tiles spill
-    registers on sm_90 (test_triton_compile.py), so those shapes keep the fallback until a sweep
-    covers them."""
+    """The table's entry for this GPU kind and shape, or the fallback: what launches by
+    default. The table was measured on GQA shapes (groups 3 and 4); without GQA (group 1) its
+    tiles spill registers on sm_90 (test_triton_compile.py), so those shapes keep the fallback
+    until a sweep covers them."""
     block_d = max(16, triton.next_power_of_2(head_dim))
     if group < 2:
         return PrefillKnobs()
@@ -164,9 +164,9 @@ def prefill_knobs(arch: str | None, head_dim: int, dtype: torch.dtype, group: in
 
 def prefill_block_q(num_heads: int, num_kv_heads: int, dtype: torch.dtype,
                     block_m: int | None = None) -> int:
-    """New tokens per tile. The tile has BLOCK_M = BLOCK_Q * padded GQA group rows, >= 16 for
-    tl.dot: by default 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot needs more
-    registers)."""
+    """New tokens per tile. The tile has BLOCK_M = BLOCK_Q * padded GQA group rows, >= 16
+    for tl.dot: by default 64 for 16-bit types, 32 for fp32 (whose non-tensor-core dot
+    needs more registers)."""
     block_m = block_m or (64 if dtype.itemsize <= 2 else 32)
     group_pad: int = triton.next_power_of_2(num_heads // num_kv_heads)
     min_q: int = triton.cdiv(16, group_pad)  # tiles of at least 16 rows

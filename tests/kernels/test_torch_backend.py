@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from kernels.torch_backend import MAX_BUCKETS, SHORT_QUERY, SPLIT_COST_BLOCKS, SPLIT_RATIO, TorchBackend, buckets
+from kernels.torch_backend import TorchBackend
+from kernels.torch_plan import MAX_BUCKETS, SHORT_QUERY, SPLIT_COST_BLOCKS, SPLIT_RATIO, buckets
 from tests.kernels.paged_batch import random_batch
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine import groups
-from engine.block_manager import BlockManager, PrefixHit
+from engine.block_manager import BlockManager
+from engine.prefix_cache import PrefixHit
 from engine.sequence import Sequence
 from shared.config import SchedulerConfig
 

@@ -56,35 +56,23 @@ class AsyncEngineClient(EngineConnection):
     @property
     def has_held(self) -> bool:
         """Requests wait for a lost engine to come back."""
-        return bool(self._resumer.held)
+        return bool(self._requests.held)
 
     def hand_over(self) -> list[tuple[InFlight, RequestStream]]:
         """The requests held for this client's lost engine, removed from it for another to adopt."""
-        moved = []
-        for rid in sorted(self._resumer.held):
-            stream = self._streams.pop(rid, None)
-            rec = self._resumer.inflight.pop(rid, None)
-            if stream is not None and rec is not None:
-                moved.append((rec, stream))
-        self._resumer.held = set()
         self._cancel_resume_timer()
-        return moved
+        return self._requests.take_held()
 
     def adopt(self, rec: InFlight, stream: RequestStream) -> bool:
         """Continue another client's held request on this client's engine (prompt + delivered
         tokens, as a resume), on the caller's same stream. -> False when this client cannot take it
         now."""
-        rid = rec.add.request_id
-        if not self.connected or rid in self._streams:
+        if not self.connected or rec.add.request_id in self._requests:
             return False
-        again = rec.resubmit()
-        if isinstance(again, P.RequestOutput):  # all tokens delivered: only the final row was lost
-            stream.put(again)
-            return True
-        stream.owner = self
-        self._streams[rid] = stream
-        self._resumer.inflight[rid] = rec
-        self._spawn(self._send_all([again]))
+        again = self._requests.adopt(rec, stream)
+        if again is not None:  # None: all tokens delivered, only the final row was lost
+            stream.owner = self
+            self._spawn(self._send_all([again]))
         return True
 
     # -- token-level calls ---------------------------------------------------------------------------
@@ -96,34 +84,29 @@ class AsyncEngineClient(EngineConnection):
         check_priority(priority)  # a typed error here, not an ERROR answer later
         await self.wait_ready()
         rid = request_id or uuid.uuid4().hex
-        if rid in self._streams:
+        if rid in self._requests:
             raise InvalidRequest(f"request id {rid!r} is already running", param="request_id")
-        stream = self._streams[rid] = RequestStream(rid)
         add = P.Add(rid, list(prompt_token_ids), params, priority, pooling)
-        self._resumer.track(add)  # before the send: an engine lost meanwhile must find it to hold
+        stream = self._requests.start(add)  # before the send: an engine lost meanwhile must find it to hold
         try:
             await self._send(add)
-        except ConveyorError:
-            self._streams.pop(rid, None)
-            self._resumer.forget(rid)
+        except ConveyorError as e:
+            self._requests.end(rid, e)
             raise
         return stream
 
     async def abort(self, request_id: str) -> None:
         """Idempotent. The stream ends at once (finish_reason "abort"); the engine frees the request."""
-        stream = self._streams.pop(request_id, None)
-        if stream is None:
+        if not self._requests.end(request_id, P.RequestOutput(request_id, [], finished=True, finish_reason="abort")):
             return
-        self._resumer.forget(request_id)
-        stream.put(P.RequestOutput(request_id, [], finished=True, finish_reason="abort"))
-        if self._dead is None and self._ctx is not None:
+        if self._dead is None and self._sock is not None:
             await self._send(P.Abort([request_id]))
 
     async def stop_choice(self, request_id: str, index: int) -> None:
         """End one choice of a live n > 1 request (a stop string ended it here): the engine frees that
         sequence and answers with a "stop" row for it; the stream goes on with the other choices. A request
         this client no longer streams is left alone, as the engine would ignore it."""
-        if request_id in self._streams and self._dead is None:
+        if request_id in self._requests and self._dead is None:
             await self._send(P.StopChoice(request_id, index))
 
     async def reset_prefix_cache(self) -> None:

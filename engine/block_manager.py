@@ -7,56 +7,37 @@ prefix caching shares full prompt blocks across requests. A shared block is neve
 place: the writer gets a copy first (copy-on-write). Only the block a sequence writes next can be
 shared and partial, because full blocks are never written again.
 
-Prefix caching: a full, computed block is named by hash((parent block's hash, its token ids)), so a
-hash names the whole prefix up to that block. A freed block keeps its hash and stays reusable
-(engine/block_pool.py: one pool's reference counts, free list in eviction order, and names). Evicting
-a hashed device block copies it to the CPU pool while that has room; a later hit there is swapped back in.
+Prefix caching (engine/prefix_cache.py: how blocks are named, and what a hit is): a full, computed
+block is named by its prefix's hash and stays reusable after it is freed, until it is evicted.
 
 Callers ask before they act: `can_allocate(n)` then `allocate(seq, num_tokens)`. The block manager
 writes a sequence's block table, `swapped` flag and block hashes, never its counters: what the
-scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value; so do the
-copies the runner must make before the next forward (`take_moves()` -> `BlockMoves`: swaps and
+scheduler needs to know (how many tokens a prefix hit covers) comes back as a return value; so do
+the copies the runner must make before the next forward (`take_moves()` -> `BlockMoves`: swaps and
 evictions device -> CPU, swaps CPU -> device, copy-on-write device -> device).
 
-Sliding windows (`window`, set only when EVERY layer of the model has one: the largest of them, as
-engine/build.py's release_window decides): a block whose every position is older than what the
-sequence's next computed token can see (positions < num_computed_tokens - window + 1) is never read
-again, so `release_out_of_window` gives it back (a
-reference, as for any shared block) and points its table entry at `placeholder`, a block kept out of
-the pool that nobody writes and so holds zeros: kernels may gather it, the window masks it, and 0 * 0
-leaks nothing. `seq.released_blocks` counts those leading entries; everything that walks a table
-(fork, free, swap) skips them. A released full block keeps its hash like any freed one, so other
-requests can still hit it. A model with one global layer (Gemma's alternating layers) needs every
-block: there `window` is None and nothing is released.
+Sliding windows (engine/window.py says which blocks and why): blocks that a sequence's window has
+passed go back to the pool, and their table entries point at `placeholder`; `seq.released_blocks`
+counts those leading entries, and everything that walks a table (fork, free, swap) skips them.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
+from engine import window as sliding
 from engine.block_pool import BlockPool
+from engine.prefix_cache import PrefixHit, longest_prefix
 from engine.prompt_logprobs import bypasses_cache
 from engine.sequence import Sequence
 from engine.step import BlockMoves
 
 
-@dataclass
-class PrefixHit:
-    """The longest cached prefix of a request: device blocks first, then CPU-tier blocks after them."""
-
-    device: list[int] = field(default_factory=list)
-    cpu: list[int] = field(default_factory=list)
-    num_free_touched: int = 0  # device hits that sit in the free list (taking them uses free room)
-
-    def num_tokens(self, block_size: int) -> int:
-        return (len(self.device) + len(self.cpu)) * block_size
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, free_order: Iterable[int] | None = None,
-                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False, window: int | None = None) -> None:
-        """num_blocks: the device cache's blocks. With a window the last of them is the placeholder and
-        the pool holds the others."""
+                 num_cpu_blocks: int = 0, enable_prefix_caching: bool = False,
+                 window: int | None = None) -> None:
+        """num_blocks: the device cache's blocks. With a window the last of them is the placeholder
+        and the pool holds the others."""
         self.block_size = block_size
         self.window = window
         self.placeholder = num_blocks - 1 if window is not None else -1
@@ -103,16 +84,15 @@ class BlockManager:
         return moves
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return sliding.blocks_for(num_tokens, self.block_size)
 
     # ------------------------------------------------------- sliding window
     def releasable(self, num_computed: int) -> int:
-        """Leading blocks no layer reads again once num_computed tokens are computed: the next token, at
-        position num_computed, sees positions num_computed - window + 1 and later."""
-        return max(0, (num_computed - self.window + 1) // self.block_size) if self.window is not None else 0
+        return sliding.releasable(self.window, self.block_size, num_computed)
 
     def release_out_of_window(self, seq: Sequence) -> None:
-        """Give back seq's blocks that its window has passed (one reference each: a fork keeps its own)."""
+        """Give back seq's blocks that its window has passed (one reference each: a fork keeps its
+        own)."""
         r, old = self.releasable(seq.num_computed_tokens), seq.released_blocks
         if r > old:
             assert not seq.swapped and r <= len(seq.block_table)
@@ -121,11 +101,7 @@ class BlockManager:
             seq.released_blocks = r
 
     def max_live_blocks(self, max_new_tokens: int) -> int | None:
-        """The most blocks one sequence holds while computing at most max_new_tokens tokens a step (its
-        window's and the new tokens'); None without a window (then: its whole context)."""
-        if self.window is None:
-            return None
-        return self.blocks_for(self.window + max_new_tokens + self.block_size - 2)
+        return sliding.max_live_blocks(self.window, self.block_size, max_new_tokens)
 
     # ------------------------------------------------------------- allocate
     def _needs_cow(self, seq: Sequence) -> bool:
@@ -141,7 +117,8 @@ class BlockManager:
         return num_new_blocks <= self.device.num_free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        assert self.num_new_blocks(seq, num_tokens) <= self.device.num_free, "allocate() without can_allocate()"
+        assert self.num_new_blocks(seq, num_tokens) <= self.device.num_free, \
+            "allocate() without can_allocate()"
         if self._needs_cow(seq):
             i = seq.num_computed_tokens // self.block_size
             old, new = seq.block_table[i], self._take()
@@ -156,7 +133,8 @@ class BlockManager:
         seq.block_table.extend(self._take() for _ in range(n))
 
     def _take(self) -> int:
-        """A device block; a cached block it evicts is first saved to the CPU tier when that has room."""
+        """A device block; a cached block it evicts is first saved to the CPU tier when that has
+        room."""
         block_id, h = self.device.take()
         if h is not None and self.cpu.num_blocks and h not in self.cpu.cached and self.cpu.num_free:
             cpu_id, _ = self.cpu.take()
@@ -191,42 +169,35 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """seq.block_hashes extended to cover its first num_blocks full blocks."""
         hashes, ids, bs = seq.block_hashes, seq.token_ids, self.block_size
-        salt = seq.params.cache_salt  # the first block's parent: different salts never share a block
+        # the first block's parent: different salts never share a block
+        salt = seq.params.cache_salt
         root = None if salt is None else ("cache_salt", salt)
         for i in range(len(hashes), num_blocks):
             hashes.append(hash((hashes[i - 1] if i else root, tuple(ids[i * bs:(i + 1) * bs]))))
         return hashes
 
     def lookup(self, seq: Sequence) -> PrefixHit:
-        """The longest cached prefix of seq's tokens, never the last token: one token must be computed
-        to have logits to sample from; none at all for a request that still has prompt tokens to score
-        (a cached prefix has no logits). No side effects."""
-        hit = PrefixHit()
+        """The longest cached prefix of seq's tokens, never the last token: one token must be
+        computed to have logits to sample from; none at all for a request that still has prompt
+        tokens to score (a cached prefix has no logits). No side effects."""
         if not self.enable_prefix_caching or seq.block_table or bypasses_cache(seq):
-            return hit
-        dev, cpu = self.device, self.cpu
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.block_size):
-            if not hit.cpu and h in dev.cached:
-                block_id = dev.cached[h]
-                hit.device.append(block_id)
-                hit.num_free_touched += dev.ref_counts[block_id] == 0
-            elif h in cpu.cached:
-                hit.cpu.append(cpu.cached[h])
-            else:
-                break
-        return hit
+            return PrefixHit()
+        return longest_prefix(self._hashes(seq, (seq.num_tokens - 1) // self.block_size),
+                              self.device, self.cpu)
 
     def can_allocate_hit(self, hit: PrefixHit, num_tokens: int) -> bool:
         # Table entries below r are out of the window already: neither taken nor allocated.
         r, nd = self.releasable(hit.num_tokens(self.block_size)), len(hit.device)
-        touched = hit.num_free_touched if not r else sum(self.device.ref_counts[b] == 0 for b in hit.device[r:])
+        touched = hit.num_free_touched if not r else sum(self.device.ref_counts[b] == 0
+                                                         for b in hit.device[r:])
         need = self.blocks_for(num_tokens) - max(r, nd)
         return need <= self.device.num_free - touched
 
     def allocate_hit(self, seq: Sequence, hit: PrefixHit, num_tokens: int) -> int:
-        """Start seq on its cached prefix (device hits shared, CPU hits swapped into new blocks), then
-        allocate up to num_tokens. Hit blocks its window has passed already are not taken at all (the
-        placeholder stands in). -> the tokens the prefix covers: seq's computed tokens from now."""
+        """Start seq on its cached prefix (device hits shared, CPU hits swapped into new
+        blocks), then allocate up to num_tokens. Hit blocks its window has passed already are
+        not taken at all (the placeholder stands in). -> the tokens the prefix covers: seq's
+        computed tokens from now."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         cached = hit.num_tokens(self.block_size)
         r, nd = self.releasable(cached), len(hit.device)
@@ -244,22 +215,26 @@ class BlockManager:
             self.device.set_hash(block_id, h)
             self._moves.swap_in.append((cpu_id, block_id))
             seq.block_table.append(block_id)
-        if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:  # a first admission, not a recompute
+        # a first admission, not a recompute
+        if seq.num_output_tokens == 0 and seq.num_sent_tokens == 0:
             self.stats["prefix_queries"] += seq.num_prompt_tokens
             self.stats["prefix_hits"] += cached
             self.stats["prefix_cpu_hits"] += len(hit.cpu) * self.block_size
-        self._extend(seq, num_tokens)  # the next write starts a block of its own: never a shared one
+        # the next write starts a block of its own: never a shared one
+        self._extend(seq, num_tokens)
         return cached
 
     def computed(self, seq: Sequence, num_computed_before: int) -> None:
-        """seq computed tokens from num_computed_before on: name the blocks that filled, then release."""
+        """seq computed tokens from num_computed_before on: name the blocks that
+        filled, then release."""
         if self.enable_prefix_caching:
             self.cache_blocks(seq, num_computed_before)
         if self.window is not None:
             self.release_out_of_window(seq)
 
     def cache_blocks(self, seq: Sequence, num_computed_before: int) -> None:
-        """Name the blocks that became full and computed this step, so later requests can share them."""
+        """Name the blocks that became full and computed this step, so later requests can share
+        them."""
         bs = self.block_size
         first, last = num_computed_before // bs, seq.num_computed_tokens // bs
         if last > first and self.enable_prefix_caching and not seq.swapped:
@@ -272,32 +247,21 @@ class BlockManager:
         self.device.reset()
         self.cpu.reset()
 
-    # ------------------------------------------------------------------ swap
-    # A request's beams move as one (they step together): a block several of them share is copied once
-    # and stays shared, so the group comes back into as many blocks as it left.
-    # Released (out-of-window) entries stay placeholders both ways: only live blocks move.
+    # ------------------------------------------------------------------ swap A request's beams move
+    # as one (they step together): a block several of them share is copied once and stays shared, so
+    # the group comes back into as many blocks as it left. Released (out-of-window) entries stay
+    # placeholders both ways: only live blocks move.
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
         return len(_distinct(seqs)) <= self.cpu.num_free
 
     def do_swap_out(self, seqs: list[Sequence]) -> None:
-        """Move seqs' blocks to the CPU pool; the runner copies the pairs before the next forward."""
-        moved: dict[int, int] = {}  # device block -> its CPU copy
-        for seq in seqs:
-            assert not seq.swapped
-            r, live = seq.released_blocks, seq.block_table[seq.released_blocks:]
-            for b in live:
-                if b in moved:
-                    self.cpu.touch(moved[b])
-                else:
-                    moved[b] = self.cpu.take()[0]
-            self.device.release(live)
-            seq.block_table[r:] = [moved[b] for b in live]
-            seq.swapped = True
-        self._moves.swap_out.extend(moved.items())
+        """Move seqs' blocks to the CPU pool; the runner copies the pairs before the next
+        forward."""
+        self._moves.swap_out.extend(self._relocate(seqs, to_cpu=True))
 
     def can_swap_in(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
-        """Room for seqs' blocks, the new ones each needs for its first num_tokens tokens, and a copy of
-        each shared block one of them writes next."""
+        """Room for seqs' blocks, the new ones each needs for its first num_tokens tokens, and a
+        copy of each shared block one of them writes next."""
         need = len(_distinct(seqs))
         for seq, n in zip(seqs, num_tokens):
             need += max(0, self.blocks_for(n) - len(seq.block_table))
@@ -307,19 +271,27 @@ class BlockManager:
 
     def do_swap_in(self, seqs: list[Sequence]) -> None:
         """Move seqs' blocks back into (possibly other) device blocks, shared as they were."""
-        moved: dict[int, int] = {}  # CPU block -> its device block
+        self._moves.swap_in.extend(self._relocate(seqs, to_cpu=False))
+
+    def _relocate(self, seqs: list[Sequence], to_cpu: bool) -> list[tuple[int, int]]:
+        """seqs' live blocks into new blocks of the other pool. -> (old block, new block) pairs."""
+        new_pool = self.cpu if to_cpu else self.device
+        moved: dict[int, int] = {}  # old block -> its new copy
         for seq in seqs:
-            assert seq.swapped
+            assert seq.swapped != to_cpu
             r, live = seq.released_blocks, seq.block_table[seq.released_blocks:]
-            for c in live:
-                if c in moved:
-                    self.device.touch(moved[c])
+            for b in live:
+                if b in moved:
+                    new_pool.touch(moved[b])
                 else:
-                    moved[c] = self._take()
-            self._cpu_held += live  # released next step, after the runner has read them
-            seq.block_table[r:] = [moved[c] for c in live]
-            seq.swapped = False
-        self._moves.swap_in.extend(moved.items())
+                    moved[b] = self.cpu.take()[0] if to_cpu else self._take()
+            if to_cpu:
+                self.device.release(live)
+            else:
+                self._cpu_held += live  # released next step, after the runner has read them
+            seq.block_table[r:] = [moved[b] for b in live]
+            seq.swapped = to_cpu
+        return list(moved.items())
 
 
 def _distinct(seqs: list[Sequence]) -> set[int]:

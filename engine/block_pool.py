@@ -60,9 +60,9 @@ class BlockPool:
                     self.free_blocks.move_to_end(block_id, last=False)
 
     def set_hash(self, block_id: int, h: int) -> None:
-        """Name a full block. A second block with the same content stays unnamed (no de-duplication:
-        it may be in some sequence's table, and rewriting tables under a running step is not worth
-        it)."""
+        """Name a full block. A second block with the same content stays unnamed (no
+        de-duplication: it may be in some sequence's table, and rewriting tables under a running
+        step is not worth it)."""
         if self.block_hash[block_id] is None and h not in self.cached:
             self.block_hash[block_id] = h
             self.cached[h] = block_id

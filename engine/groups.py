@@ -49,8 +49,8 @@ def holds_last_prompt_token(seq: Sequence) -> bool:
 
 
 def end(seq: Sequence) -> list[Sequence]:
-    """seq's request ends: -> every sequence of it still live (seq alone without a group), none live
-    after."""
+    """seq's request ends: -> every sequence of it still live (seq alone without a
+    group), none live after."""
     g = seq.group
     if g is None:
         return [seq]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine import groups
-from engine.block_manager import BlockManager, PrefixHit
+from engine.block_manager import BlockManager
+from engine.prefix_cache import PrefixHit
 from engine.sequence import Sequence
 from shared.config import SchedulerConfig
 
@@ -48,10 +49,10 @@ def admission_open(cfg: SchedulerConfig, step: int, steps_waited: int, num_waiti
 
 @dataclass(frozen=True)
 class Admission:
-    """What admission decided for one waiting sequence. verdict: `start` it now with num_tokens
-    tokens; `pass` over it (it is long and enough long prefills run: shorter prompts behind it go
-    first); or `stop` admitting this step (it does not fit, and a later request does not overtake
-    it)."""
+    """What admission decided for one waiting sequence. verdict: `start` it now with
+    num_tokens tokens; `pass` over it (it is long and enough long prefills run: shorter
+    prompts behind it go first); or `stop` admitting this step (it does not fit, and a later
+    request does not overtake it)."""
 
     verdict: Literal["start", "pass", "stop"]
     num_tokens: int = 0
@@ -132,8 +133,8 @@ def victim(candidates: list[Sequence]) -> Sequence:
 
 
 def place(queue: list[Sequence], seq: Sequence) -> int:
-    """Where seq goes in a waiting or swapped queue, kept in (priority, arrival) order; FCFS among
-    equals."""
+    """Where seq goes in a waiting or swapped queue, kept in (priority, arrival)
+    order; FCFS among equals."""
     return bisect.bisect_right([_order(s) for s in queue], _order(seq))
 
 

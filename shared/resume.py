@@ -16,7 +16,6 @@ instead.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Container
 from dataclasses import dataclass, field
 
 from shared import protocol as P
@@ -48,7 +47,8 @@ def resume_refusal(params: SamplingParams) -> str | None:
 @dataclass(slots=True)
 class InFlight:
     """What resubmitting one request takes: its original ADD and every token delivered for it so
-    far. Written only by the client's reader (note) and its resume (resubmit)."""
+    far. Written only through the client's RequestTable (shared/requests.py): its reader (note) and
+    its resume (resubmit)."""
 
     add: P.Add
     refusal: str | None  # resume_refusal(add.params), computed once at add time
@@ -57,6 +57,15 @@ class InFlight:
     num_cached_tokens: int = 0
     resumed: int = 0  # how many times it was resubmitted
     scored: bool = False  # its prompt logprobs were delivered (they ride on the first row)
+
+    @classmethod
+    def of(cls, add: P.Add) -> InFlight:
+        try:
+            refusal = resume_refusal(add.params)
+        # a record sent without validation (for the engine to refuse): nothing to resume
+        except TypeError:
+            refusal = "its sampling parameters are not valid"
+        return cls(add, refusal)
 
     def note(self, out: P.RequestOutput) -> None:
         """A row about to reach the caller: remember its tokens; on a resumed run, report the counts
@@ -90,79 +99,6 @@ class InFlight:
                                      prompt_logprobs=None if self.scored else p.prompt_logprobs)
         ids = [*self.add.prompt_token_ids, *self.delivered]
         return dataclasses.replace(self.add, prompt_token_ids=ids, params=params)  # pooling kept
-
-
-class Resumer:
-    """The client's record of its requests in flight, and which of them wait for an engine to come
-    back. The client calls track/forget as requests start and end, deliver for every row, hold when
-    the engine is lost and resume when one answers the handshake again."""
-
-    def __init__(self) -> None:
-        self.inflight: dict[str, InFlight] = {}
-        # In flight when the engine was lost: their rows are dropped until they are resubmitted.
-        self.held: set[str] = set()
-
-    def track(self, add: P.Add) -> None:
-        try:
-            refusal = resume_refusal(add.params)
-        # a record sent without validation (for the engine to refuse): nothing to resume
-        except TypeError:
-            refusal = "its sampling parameters are not valid"
-        self.inflight[add.request_id] = InFlight(add, refusal)
-
-    def forget(self, request_id: str) -> None:
-        self.inflight.pop(request_id, None)
-        self.held.discard(request_id)
-
-    def deliver(self, out: P.RequestOutput) -> bool:
-        """Whether this row goes to the caller: not a lost engine's row for a held request (the
-        resubmission computes those tokens again)."""
-        if self.held and out.request_id in self.held:
-            return False
-        self.inflight[out.request_id].note(out)
-        if out.finished:
-            del self.inflight[out.request_id]
-        return True
-
-    def hold(self, resumable: bool = True) -> dict[str, str]:
-        """The engine is lost: hold every request that can be resumed. -> the others, request id ->
-        why not (forgotten here; the caller fails them)."""
-        refused = {}
-        for rid, rec in list(self.inflight.items()):
-            refusal = rec.refusal if resumable else "resuming is off"
-            if refusal is None:
-                self.held.add(rid)
-            else:
-                refused[rid] = refusal
-                del self.inflight[rid]
-        return refused
-
-    def resume(self, live: Container[str]) -> tuple[list[P.Add], list[P.RequestOutput]]:
-        """An engine answered the handshake: the ADDs that continue the held requests still `live`,
-        and the final rows of those that had nothing left to generate."""
-        adds, ends = [], []
-        for rid in sorted(self.held):
-            if rid not in live:
-                continue
-            again = self.inflight[rid].resubmit()
-            if isinstance(again, P.Add):
-                adds.append(again)
-            else:
-                del self.inflight[rid]
-                ends.append(again)
-        self.held = set()
-        return adds, ends
-
-    def expire(self) -> list[str]:
-        """The engine did not come back in time: -> the held requests, forgotten (the caller fails
-        them)."""
-        held, self.held = sorted(self.held), set()
-        for rid in held:
-            del self.inflight[rid]
-        return held
-
-    def clear(self) -> None:
-        self.inflight, self.held = {}, set()
 
 
 def refusal_message(reason: str, refusal: str) -> str:

@@ -16,9 +16,6 @@ MAX_LINES, MAX_CHARS, MAX_FUNCTION_LINES, MAX_STEP_LINES = 400, 16_000, 60, 20
 
 # path -> (lines, characters) at most, for files over a budget today.
 FILES_OVER: dict[str, tuple[int, int]] = {
-    "engine/block_manager.py": (326, 17197),
-    "engine/scheduler.py": (399, 20706),
-    "shared/connection.py": (387, 20996),
 }
 # (path, function) -> lines at most, for functions over the budget today.
 FUNCTIONS_OVER: dict[tuple[str, str], int] = {}

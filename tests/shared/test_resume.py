@@ -122,3 +122,34 @@ def test_prompt_logprobs_are_neither_sent_twice_nor_lost_on_resume() -> None:
     again = late.resubmit()
     assert isinstance(again, P.Add) and again.prompt_token_ids == [*PROMPT, 1000, 1001]
     assert again.params.prompt_logprobs is None and again.params.max_tokens == 6
+
+
+def test_every_ending_leaves_the_client_table_and_reaches_its_stream() -> None:
+    """shared/requests.py: a refusal to resume, a held request's late row, a resume with nothing left to
+    generate and the resume timeout each end through the one table; nothing is left in it after."""
+    from shared.requests import RequestTable
+
+    async def go() -> None:
+        table = RequestTable()
+        done = table.start(P.Add("done", PROMPT, SamplingParams(max_tokens=1)))
+        going = table.start(P.Add("going", PROMPT, SamplingParams(max_tokens=4)))
+        forked = table.start(P.Add("forked", PROMPT, SamplingParams(n=2, max_tokens=4)))
+        for rid in ("done", "going"):
+            table.deliver(P.RequestOutput(rid, [1000]), None)
+        assert table.hold(True, "engine gone") == ["done", "going"]
+        with pytest.raises(EngineDead, match="cannot be resumed.*n=2"):
+            await forked.__anext__()
+        table.deliver(P.RequestOutput("going", [1001]), None)  # the lost engine's: dropped
+        adds = table.resume()
+        assert [(a.request_id, a.prompt_token_ids, a.params.max_tokens) for a in adds] == \
+            [("going", [*PROMPT, 1000], 3)]
+        last = await done.__anext__()  # its row before the loss and its final one, merged (unread)
+        assert (last.new_token_ids, last.finished, last.finish_reason) == ([1000], True, "length")
+        assert (await going.__anext__()).new_token_ids == [1000]
+        table.hold(True, "engine gone again")
+        table.expire(EngineDead("did not come back"))
+        with pytest.raises(EngineDead, match="did not come back"):
+            await going.__anext__()
+        assert len(table) == 0
+
+    run(go())

@@ -107,6 +107,19 @@ def test_sliding_windows_and_soft_capping(isa, dtype, window, softcap, runnable)
     check(native(isa, runnable, dtype), batch, dtype, window, softcap)
 
 
+def one_sequence(seed: int, length: int, hkv: int, spare: int, dtype: torch.dtype
+                 ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random sequence of length tokens (3 query heads per KV head, D 64) in 16-token blocks
+    scattered over a cache with spare blocks more. -> (its block table, K cache, V cache, q)"""
+    gen = torch.Generator().manual_seed(seed)
+    bs, group, d = 16, 3, 64
+    blocks = -(-length // bs) + spare
+    table = torch.randperm(blocks, generator=gen)[: -(-length // bs)].tolist()
+    kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(length, hkv * group, d, generator=gen).to(dtype)
+    return table, kc, vc, q
+
+
 def attend(isa: str, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, table: list[int],
            pieces: list[tuple[int, int]], window: int, softcap: float) -> torch.Tensor:
     """One kernel call in which each (start, end) of pieces is a sequence whose tokens start..end-1 are
@@ -130,12 +143,9 @@ def test_a_token_gets_the_same_bits_however_its_prompt_is_split(isa, dtype, wind
     chunks cut at random places (some of at most 16 tokens, which take the decode-style tasks, some longer);
     and the same beside other sequences: every row's output bitwise equal."""
     native(isa, runnable, dtype)  # skips what this CPU cannot run
-    gen = torch.Generator().manual_seed(30)
-    length, bs, hkv, group, d = 600, 16, 2, 3, 64
-    blocks = -(-length // bs) + 4
-    table = torch.randperm(blocks, generator=gen)[: -(-length // bs)].tolist()
-    kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
-    q = torch.randn(length, hkv * group, d, generator=gen).to(dtype)
+    length = 600
+    table, kc, vc, q = one_sequence(30, length, hkv=2, spare=4, dtype=dtype)
+    gen = torch.Generator().manual_seed(31)
     whole = attend(isa, q, kc, vc, table, [(0, length)], window, softcap)
     assert not whole.isnan().any()
     decodes = attend(isa, q, kc, vc, table, [(p, p + 1) for p in range(length)], window, softcap)
@@ -164,12 +174,8 @@ def test_a_lone_decode_cut_per_kv_head_gets_its_bits_in_a_batch(isa, dtype, thre
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gen = torch.Generator().manual_seed(25)
-        length, bs, hkv, group, d = 900, 16, 3, 3, 64
-        blocks = -(-length // bs) + 2
-        table = torch.randperm(blocks, generator=gen)[: -(-length // bs)].tolist()
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
-        q = torch.randn(length, hkv * group, d, generator=gen).to(dtype)
+        length = 900
+        table, kc, vc, q = one_sequence(25, length, hkv=3, spare=2, dtype=dtype)
         for window in (0, 100):
             batch = attend(isa, q, kc, vc, table, [(p, p + 1) for p in range(0, length, 3)], window, 0.0)
             for p in (0, 15, 18, 255, 258, 300, 513, 768, 897):  # rows of the batch: multiples of 3

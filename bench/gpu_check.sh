@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks only a CUDA machine can make, in one go, each step bounded and logged on its own so that
 # one failure leaves the others' results: the machine, the Triton kernels compiled and run natively
-# against the PyTorch reference and the engine under CUDA graphs, their speed (bench/kernels.py), the prefill kernel's launch choices
-# swept (bench/triton_tune.py), the whole engine on each attention backend (bench/gpu_engine.py),
-# and the CPU kernel tests on the host's CPU (another CPU kind).
+# against the PyTorch reference and the engine under CUDA graphs, their speed (bench/kernels.py),
+# the prefill kernel's launch choices swept (bench/triton_tune.py), the whole engine on each
+# attention backend (bench/gpu_engine.py), and the CPU kernel tests on the host's CPU (another CPU
+# kind).
 #
 #   bash bench/gpu_check.sh OUTDIR        # OUTDIR gets one log per step
 #

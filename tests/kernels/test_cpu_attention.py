@@ -186,6 +186,26 @@ def test_a_lone_decode_cut_per_kv_head_gets_its_bits_in_a_batch(isa, dtype, thre
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group,head_dim", [(4, 64), (8, 128), (5, 96)])
+def test_a_query_heads_bits_do_not_depend_on_its_place_in_its_group(isa, group, head_dim, runnable):
+    """The avx512_bf16 path scores a decode token's query heads three at a time per K load (then two, or
+    one): a head's scores must not depend on which heads share its loads. Rolling the heads inside each
+    group moves every head to another place (alone, or second of three), and its output keeps its bits."""
+    native(isa, runnable, torch.bfloat16)
+    gen = torch.Generator().manual_seed(group)
+    length, hkv, bs = 200, 2, 16
+    table = torch.randperm(-(-length // bs), generator=gen).tolist()
+    kc, vc = (torch.randn(len(table), bs, hkv, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(length, hkv * group, head_dim, generator=gen).to(torch.bfloat16)
+    roll = torch.tensor([h * group + (g + 1) % group for h in range(hkv) for g in range(group)])
+    decodes = [(p, p + 1) for p in range(0, length, 9)]
+    for softcap in (0.0, 20.0):
+        out = attend(isa, q, kc, vc, table, decodes, 0, softcap)
+        rolled = attend(isa, q[:, roll], kc, vc, table, decodes, 0, softcap)
+        assert torch.equal(rolled, out[:, roll]), softcap
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block_size,group,head_dim,window", [(8, 3, 64, 0), (32, 4, 128, 0), (16, 2, 96, 70)])
 def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, group, head_dim, window, runnable):
     """A row's online softmax runs once per 64-position unit (fewer positions where a block is larger), and

@@ -76,8 +76,7 @@ def build(config: EngineConfig) -> EngineParts:
     if tp_runner is not None:
         tp_runner.proposer = proposer
     runner = tp_runner or ModelRunner(model, kv, backend, device, proposer)
-    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling,
-                           tensor_parallel=tp_runner is not None)
+    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling)
     runner.pool_mode = pool.mode
     limits = Limits(mc.vocab_size, max_len, config.scheduler.max_num_seqs, bm.num_blocks,
                     bm.block_size, live)

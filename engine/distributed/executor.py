@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import zmq
@@ -34,6 +36,7 @@ from shared.model_source import ModelSource
 log = logging.getLogger("conveyor.tp")
 DEATH_GRACE_S = 2.0  # how long a failed collective waits for a dead worker's exit to become visible
 STOP_GRACE_S = 2.0  # how long the survivors of a dead worker get to take STOP before being killed
+R = TypeVar("R")  # what rank 0's part of a step returns
 
 
 class TPRunner(ModelRunner):
@@ -48,10 +51,17 @@ class TPRunner(ModelRunner):
         self._moves = (plan.swap_out, plan.swap_in, plan.copies)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
+        return self._on_every_rank(batch, self.rank0.run)
+
+    def _forward_hidden(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._on_every_rank(batch, lambda s: self.rank0.run_pooling(s, batch, rows))
+
+    def _on_every_rank(self, batch: Batch, run: Callable[[StepInputs], R]) -> R:
+        """The step's inputs to every worker, then rank 0's part of the step."""
         inputs = StepInputs.of(batch, *self._moves)
         self._broadcast(pack(inputs))
         try:
-            return self.rank0.run(inputs)
+            return run(inputs)
         except CollectiveError as e:
             # A killed worker's sockets reset before its exit can be seen: give the exit a moment to
             # show, so the error names the lost rank rather than only the failed collective.

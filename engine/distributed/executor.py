@@ -24,7 +24,7 @@ from engine.distributed.comm import CollectiveError, Comm
 from engine.distributed.launch import ProcessWorker, RayWorker, WorkerHandle, node_ip, ray_placement
 from engine.distributed.message import StepInputs, pack, stop_message
 from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv, per_rank_cache
-from engine.distributed.shard import Shard, check_divisible, checkpoint_folder
+from engine.distributed.shard import Shard, check_divisible, check_int4, checkpoint_folder
 from engine.distributed.worker import READY
 from engine.load.weights import read_config
 from engine.models.config import ModelConfig
@@ -101,11 +101,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     folder = checkpoint_folder(source)
     cfg = read_config(folder, config.dtype, device, config.quantization)
     check_divisible(cfg, n)
-    # A rank's int4 groups would match one engine's only where K/N % 32 == 0, and a GGUF's exact
-    # Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights.
     if cfg.quantization == "int4":
-        raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
-                         "--tensor-parallel-size 1")
+        check_int4(cfg, n, source.gguf_file is not None)
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
     # its block counts are every rank's

@@ -111,3 +111,13 @@ def test_int4_whose_groups_a_rank_would_cut_is_refused(tmp_path: Path) -> None:
     folder = save_tiny(tmp_path, T.LlamaConfig, T.LlamaForCausalLM, intermediate_size=96)
     with pytest.raises(ValueError, match=r"int4 is not sharded at tensor_parallel_size 2: .*down_proj \(48 columns"):
         tp_engine(folder, 2, quantization="int4")
+
+
+def test_int4_of_a_gguf_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A GGUF's Q4 codes are carried over exactly at TP=1; the ranks read its dequantized cache and would
+    quantize it again, so int4 of a GGUF is refused by name (int8 of it is sharded)."""
+    from tests.engine.test_quantized import write_gguf
+
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "tiny-q4.gguf")
+    with pytest.raises(ValueError, match="int4 of a GGUF is not sharded"):
+        tp_engine(gguf, 2, quantization="int4")

@@ -81,8 +81,7 @@ def build(config: EngineConfig) -> EngineParts:
     if tp_runner is not None:
         tp_runner.proposer = proposer
     runner = tp_runner or ModelRunner(model, kv, backend, device, proposer)
-    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling,
-                           tensor_parallel=tp_runner is not None)
+    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling)
     runner.pool_mode = pool.mode
     if tp_runner is None and device.type == "cuda" and not config.enforce_eager:
         runner.graphs = capture_decode_graphs(runner, config.scheduler.max_num_seqs, max_len)

@@ -74,9 +74,7 @@ class ModelRunner:
         self.mark("forward")
         pooled: dict[int, torch.Tensor] = {}
         if pool.rows:
-            model = cast("LlamaForCausalLM", self.model)  # no embeddings under tensor parallelism
-            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend,
-                                                  self.device, pool.rows)
+            logits, hidden = self._forward_hidden(batch, pool.rows)
             pooled = pool.reduce(hidden)
         else:
             logits = self._forward(batch)  # [rows, V]
@@ -185,6 +183,12 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         return batch.forward(self.model, self.kv_cache.device, self.backend, self.device)
+
+    def _forward_hidden(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [rows, V], the final hidden states of `rows`): one forward for sampled and
+        pooled (embedding) rows (tensor parallelism runs it on every rank)."""
+        model = cast("LlamaForCausalLM", self.model)
+        return batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device, rows)
 
 
 def move_blocks(backend: AttentionBackend, kv: KVCache, swap_out: list[tuple[int, int]],

@@ -36,22 +36,19 @@ def fits(n: int, k: int) -> bool:
     return n % TILE_N == 0 and k % TILE_K == 0
 
 
-def _block_order(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [N/16, K/32, 16 blocks, 16 bytes, 2 nibbles]: block 2j + P (k step j, k parity P),
-    byte 2c + s, nibble h is column 8h + c at k = 4j + P + 2 (s = 0) or 4j + P (s = 1)."""
+def _tile_order(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/16, K/32, 16, 32]: tile (column block, k block), row r, element e."""
     n, k = q.shape
-    # [nb, h, c, kb, j, later, P] with k = 4j + 2 later + P
-    t = q.reshape(n // TILE_N, 2, TILE_N // 2, k // TILE_K, TILE_K // 4, 2, 2)
-    t = t.permute(0, 3, 4, 6, 2, 5, 1).flip(5)  # [nb, kb, j, P, c, s, h]: s = 0 the later k
-    return t.reshape(n // TILE_N, k // TILE_K, 16, 16, 2)
+    t = q.reshape(n // TILE_N, TILE_N, k // TILE_K, TILE_K // 2, 2)  # [nb, column, kb, r, parity]
+    return t.permute(0, 2, 3, 1, 4).reshape(n // TILE_N, k // TILE_K, TILE_K // 2, 2 * TILE_N)
 
 
 def pack_int4(q: torch.Tensor, scale: torch.Tensor,
               zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes q [N, K] in 0..15 with w = (q - 8) * scale + zero, scale and zero [N, K/32] ->
     (codes uint8 [N/16, K/32, 256], scale_zero bfloat16 [N/16, K/32, 2, 16])."""
-    t = _block_order(q.to(torch.uint8))
-    codes = (t[..., 0] | (t[..., 1] << 4)).reshape(t.shape[0], t.shape[1], -1)
+    t = _tile_order(q.to(torch.uint8))
+    codes = (t[..., :TILE_N] | (t[..., TILE_N:] << 4)).reshape(t.shape[0], t.shape[1], -1)
     n, groups = scale.shape
 
     def by_tile(v: torch.Tensor) -> torch.Tensor:

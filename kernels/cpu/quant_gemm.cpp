@@ -112,11 +112,9 @@ inline __m512 widen16(const bf* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One int4 B tile (16 columns x 32 k), its codes in the rows path's order (engine/load/amx.py): 16 blocks
-// of 16 bytes, block 2j + P for k step j (k = 4j..4j + 3) and k parity P; byte 2c + s of a block holds
-// column c (low nibble) and column 8 + c (high), at k = 4j + P + 2 for s = 0 and 4j + P for s = 1.
-// sz: scale[16], zero[16] bfloat16. The tiles and the rows path both dequantize with this code (row), so
-// with the same bits; the tiles then reorder the words into TDPBF16PS's layout (tile_rows).
+// One int4 B tile (16 columns x 32 k) -> bfloat16 VNNI [16 k pairs][32], a tile row at a time. codes: 16
+// rows of 16 bytes, byte j holding element j (low nibble) and element 16 + j (high); sz: scale[16],
+// zero[16] bfloat16. The tiles and the rows path both dequantize with this code, so with the same bits.
 struct Int4Tile {
   __m512 s_lo, s_hi, l_lo, l_hi;
   const uint8_t* codes;
@@ -128,36 +126,21 @@ struct Int4Tile {
     pair_lanes(low, &l_lo, &l_hi);
   }
 
-  // Block b = 2j + P as bfloat16 words: word 2c is column c (c < 16) at k = 4j + P + 2, word 2c + 1 the
-  // same column at k = 4j + P. So dword c is one column's two steps of its parity's chain, the later k
-  // in the low half: the order in which vdpbf16ps adds them (high half first).
-  __m512i row(int b) const {
+  // Tile row r (k pair r): element e = column e / 2 at k parity e % 2; as dwords, column i's even k in
+  // the low half, its odd k in the high half.
+  __m512i row(int r) const {
     // q as float32 by a lookup: vpermps reads only an index's low 4 bits, so the low nibble needs no mask
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * b)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * r)));
     const __m512 q_lo = _mm512_permutexvar_ps(bytes, values);
     const __m512 q_hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(q_hi, s_hi, l_hi), _mm512_fmadd_ps(q_lo, s_lo, l_lo));
   }
 };
 
-// Blocks 2j and 2j + 1 (row) -> tile rows 2j and 2j + 1 (k pairs 4j, 4j + 1 and 4j + 2, 4j + 3; element e
-// of a tile row is column e / 2 at k parity e % 2).
-inline void tile_rows(__m512i even, __m512i odd, __m512i* first, __m512i* second) {
-  const __m512i late = _mm512_set_epi16(62, 30, 60, 28, 58, 26, 56, 24, 54, 22, 52, 20, 50, 18, 48, 16, 46, 14, 44,
-                                        12, 42, 10, 40, 8, 38, 6, 36, 4, 34, 2, 32, 0);
-  *first = _mm512_permutex2var_epi16(even, _mm512_add_epi16(late, _mm512_set1_epi16(1)), odd);
-  *second = _mm512_permutex2var_epi16(even, late, odd);
-}
-
 inline void dequant_int4(const uint8_t* codes, const bf* sz, bf* out) {
   const Int4Tile tile(codes, sz);
-  for (int j = 0; j < kTileRows / 2; ++j) {
-    __m512i first, second;
-    tile_rows(tile.row(2 * j), tile.row(2 * j + 1), &first, &second);
-    _mm512_storeu_si512(out + 64 * j, first);
-    _mm512_storeu_si512(out + 64 * j + 32, second);
-  }
+  for (int r = 0; r < kTileRows; ++r) _mm512_storeu_si512(out + 32 * r, tile.row(r));
 }
 
 // C tile (16 x 16 float32 in c) -> rows [0, rows) of y's columns [n0, n0 + 16), plus the residual's.
@@ -290,56 +273,62 @@ inline void switch_csr(unsigned csr) {
 }
 
 // TDPBF16PS's arithmetic for rows of a few-row x against `cols` (1 or 2) 16-column tiles of int4 codes
-// side by side, kt tiles along k each. For each 32-k tile: per output an FMA chain from zero over the even
-// k and one over the odd k, in k order, then acc += even + odd, with DAZ and FTZ. vdpbf16ps adds two
-// products to a float32 lane one after the other (the high words' first), each rounded to nearest even,
-// denormal inputs read as zero and outputs flushed, whatever MXCSR says: so one vdpbf16ps is two steps of
-// a chain when the weights' words (Int4Tile::row) and x's words hold the chain's two k, later k low. xs:
-// per row and tile, 8 dwords of x's even chain (step j: k = 4j + 2 low, 4j high), then 8 of its odd one.
-// The weights are dequantized under the caller's MXCSR, as gemm dequantizes them. Only acc += even + odd
-// reads MXCSR: `plain` leaves it as it is (exact where no sum can be denormal: the caller checks that from
-// exponents, with round to nearest), else DAZ and FTZ are set around it. -> c[M][32] float32.
+// side by side, kt tiles along k each: xs is x's even k [M][K/2], then its odd k [M][K/2], float32. For each
+// 32-k tile: per output an FMA chain from zero over the even k and one over the odd k, in k order, then
+// acc += even + odd, with DAZ and FTZ. Two ways:
+// - plain (the fast one): the weights dequantized in registers and everything under the caller's MXCSR.
+//   Exact where no step can produce a value below float32's smallest normal (the caller checks that from
+//   exponents, and reads x's denormals as zero): there DAZ and FTZ never act.
+// - switched: MXCSR's DAZ and FTZ set around each tile's FMAs, the tile dequantized before (to a buffer)
+//   under the caller's MXCSR, as gemm dequantizes. Exact for every input.
+// -> c[M][32] float32.
 template <int M, bool plain>
-void rows_tiles(const uint32_t* xs, int64_t kt, const uint8_t* codes, const bf* sz, int64_t codes_step,
+void rows_tiles(const float* xs, int64_t kh, int64_t kt, const uint8_t* codes, const bf* sz, int64_t codes_step,
                 int64_t sz_step, int cols, unsigned csr, float* c) {
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const float* xe = xs;
+  const float* xo = xs + M * kh;
   __m512 acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  alignas(64) bf buffer[plain ? 1 : 2 * kTileRows * kTileK];
   for (int64_t t = 0; t < kt; ++t) {
     const uint8_t* tc = codes + t * kTileRows * 16;
     const bf* ts = sz + t * 2 * kTileN;
+    if (!plain) {
+      for (int j = 0; j < cols; ++j) dequant_int4(tc + j * codes_step, ts + j * sz_step, buffer + j * kTileRows * kTileK);
+      switch_csr((csr & ~kRounding) | kDazFtz);
+    }
     const Int4Tile t0(tc, ts), t1(cols == 2 ? tc + codes_step : tc, cols == 2 ? ts + sz_step : ts);
     __m512 even[M][2], odd[M][2];
     for (int r = 0; r < M; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
-    for (int j = 0; j < kTileRows / 2; ++j) {  // k = 32 t + 4 j .. + 3
-      for (int col = 0; col < 2; ++col) {
-        if (col == cols) break;
-        const Int4Tile& tile = col ? t1 : t0;
-        const __m512bh we = (__m512bh)tile.row(2 * j), wo = (__m512bh)tile.row(2 * j + 1);
+    for (int p = 0; p < kTileRows; ++p) {  // k pair p of the tile: k = 32 t + 2 p (even), + 1 (odd)
+      const int64_t kp = t * kTileRows + p;
+      for (int j = 0; j < 2; ++j) {
+        if (j == cols) break;
+        const __m512i w = plain ? (j ? t1 : t0).row(p)
+                                : _mm512_load_si512(buffer + j * kTileRows * kTileK + p * kTileK);
+        // dword i: column i's bfloat16 at the even k (low half), at the odd k (high half)
+        const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+        const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(w, odd_mask));
         for (int r = 0; r < M; ++r) {
-          const uint32_t* xr = xs + (r * kt + t) * kTileRows;
-          even[r][col] = _mm512_dpbf16_ps(even[r][col], we, (__m512bh)_mm512_set1_epi32(xr[j]));
-          odd[r][col] = _mm512_dpbf16_ps(odd[r][col], wo, (__m512bh)_mm512_set1_epi32(xr[8 + j]));
+          even[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xe[r * kh + kp]), we, even[r][j]);
+          odd[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xo[r * kh + kp]), wo, odd[r][j]);
         }
       }
     }
-    if (!plain) {
-      for (int r = 0; r < M; ++r)
-        for (int col = 0; col < cols; ++col) pin(even[r][col]), pin(odd[r][col]), pin(acc[r][col]);
-      switch_csr((csr & ~kRounding) | kDazFtz);
-    }
     for (int r = 0; r < M; ++r)
-      for (int col = 0; col < cols; ++col) {
-        acc[r][col] = _mm512_add_ps(acc[r][col], _mm512_add_ps(even[r][col], odd[r][col]));
-        if (!plain) pin(acc[r][col]);
+      for (int j = 0; j < cols; ++j) {
+        acc[r][j] = _mm512_add_ps(acc[r][j], _mm512_add_ps(even[r][j], odd[r][j]));
+        if (!plain) pin(acc[r][j]);
       }
     if (!plain) switch_csr(csr);
   }
   for (int r = 0; r < M; ++r)
-    for (int col = 0; col < cols; ++col) _mm512_storeu_ps(c + r * kPanelN + kTileN * col, acc[r][col]);
+    for (int j = 0; j < cols; ++j) _mm512_storeu_ps(c + r * kPanelN + kTileN * j, acc[r][j]);
 }
 
-using RowsTiles = void (*)(const uint32_t*, int64_t, const uint8_t*, const bf*, int64_t, int64_t, int, unsigned,
-                           float*);
+using RowsTiles = void (*)(const float*, int64_t, int64_t, const uint8_t*, const bf*, int64_t, int64_t, int,
+                           unsigned, float*);
 constexpr int kMaxRows = 8;  // the rows path takes at most this many rows
 constexpr RowsTiles kRowsTiles[2][kMaxRows] = {
     {rows_tiles<1, false>, rows_tiles<2, false>, rows_tiles<3, false>, rows_tiles<4, false>, rows_tiles<5, false>,
@@ -389,24 +378,27 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
   const bf* res = residual_at.first;  // plain names: a lambda cannot capture a structured binding in C++17
   const int64_t ldr = residual_at.second;
   if (m == 0) return y;
-  // x's words reordered for rows_tiles (per tile: its even chain's steps, then its odd chain's), and the
-  // least exponent of its normal values (vdpbf16ps reads denormals as zero). K is a multiple of 32.
-  std::vector<uint32_t> xs(m * kh);
+  // x's even k, then its odd k, as float32 with denormals read as (signed) zero, as DAZ reads them; and the
+  // least exponent of its normal values. 32 elements (16 pairs) a step: K is a multiple of 32.
+  std::vector<float> xs(2 * m * kh);
   const bf* xp = x.data_ptr<bf>();
-  const __m512i steps = _mm512_set_epi16(29, 31, 25, 27, 21, 23, 17, 19, 13, 15, 9, 11, 5, 7, 1, 3, 28, 30, 24, 26, 20,
-                                         22, 16, 18, 12, 14, 8, 10, 4, 6, 0, 2);
-  const __m512i exponent = _mm512_set1_epi16(0x7F80);
-  __m512i least = _mm512_set1_epi16(255);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u)), exponent = _mm512_set1_epi32(0x7F800000);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512i least = _mm512_set1_epi32(255);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < kh; i += 16) {
-      const __m512i words = _mm512_loadu_si512(xp + r * x.stride(0) + 2 * i);
-      _mm512_storeu_si512(&xs[r * kh + i], _mm512_permutexvar_epi16(steps, words));
-      const __mmask32 normal = _mm512_test_epi16_mask(words, exponent);
-      least = _mm512_mask_min_epu16(least, normal, least, _mm512_srli_epi16(_mm512_and_si512(words, exponent), 7));
+      const __m512i pairs = _mm512_loadu_si512(xp + r * x.stride(0) + 2 * i);
+      const __m512i even = _mm512_slli_epi32(pairs, 16), odd = _mm512_and_si512(pairs, high);
+      const __mmask16 even_normal = _mm512_test_epi32_mask(even, exponent);
+      const __mmask16 odd_normal = _mm512_test_epi32_mask(odd, exponent);
+      _mm512_storeu_si512(&xs[r * kh + i], _mm512_mask_blend_epi32(even_normal, _mm512_and_si512(even, sign), even));
+      _mm512_storeu_si512(&xs[(m + r) * kh + i], _mm512_mask_blend_epi32(odd_normal, _mm512_and_si512(odd, sign), odd));
+      const __m512i field_even = _mm512_srli_epi32(_mm512_and_si512(even, exponent), 23);
+      const __m512i field_odd = _mm512_srli_epi32(_mm512_and_si512(odd, exponent), 23);
+      least = _mm512_mask_min_epu32(least, even_normal, least, field_even);
+      least = _mm512_mask_min_epu32(least, odd_normal, least, field_odd);
     }
-  alignas(64) uint16_t fields[32];
-  _mm512_store_si512(fields, least);
-  const int field = *std::min_element(fields, fields + 32);
+  const int field = static_cast<int>(_mm512_reduce_min_epu32(least));
   const int x_min_exponent = field == 255 ? kNoExponent : field - 127;
   const bool plain = x_min_exponent + w_min_exponent - 14 >= -126;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
@@ -419,7 +411,7 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
     const RowsTiles multiply = kRowsTiles[plain && (csr & kRounding) == 0][m - 1];
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (2 * p + 1 < nt) ? 2 : 1;
-      multiply(xs.data(), kt, cp + 2 * p * codes_step, sp + 2 * p * sz_step, codes_step, sz_step, cols, csr, c);
+      multiply(xs.data(), kh, kt, cp + 2 * p * codes_step, sp + 2 * p * sz_step, codes_step, sz_step, cols, csr, c);
       for (int j = 0; j < cols; ++j)
         for (int64_t r = 0; r < m; ++r)
           write_tile(c + r * kPanelN + kTileN * j, 1, yp + r * n, n, res ? res + r * ldr : nullptr, ldr,

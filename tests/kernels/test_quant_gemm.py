@@ -20,19 +20,17 @@ def module(n: int, k: int, seed: int = 0) -> Int4Linear:
     return Int4Linear(torch.randn(n, k, generator=gen) * 0.05, None, torch.bfloat16)
 
 
-def test_packing_puts_each_code_where_the_rows_path_reads_it() -> None:
-    """Block 2j + P of a tile holds k step j (k = 4j .. 4j + 3) at parity P: byte 2c + s is column c (low
-    nibble) and 8 + c (high) at k = 4j + P + 2 (s = 0) or 4j + P (s = 1)."""
+def test_packing_puts_each_code_where_the_tile_reads_it() -> None:
+    """Element e of tile row r is column e // 2 at k = 2r + e % 2; byte j holds elements j and 16 + j."""
     n, k = 32, 64
     q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1))
     scale, zero = torch.rand(n, k // 32), torch.rand(n, k // 32)
     codes, sz = amx.pack_int4(q, scale, zero)
     assert codes.shape == (2, 2, 256) and sz.shape == (2, 2, 2, 16)
-    for nb, kb, j, p, c, s, h in [(0, 0, 0, 0, 0, 0, 0), (1, 1, 7, 1, 7, 1, 1), (0, 1, 3, 1, 2, 0, 1),
-                                  (1, 0, 5, 0, 6, 1, 0)]:
-        byte = codes[nb, kb, 16 * (2 * j + p) + 2 * c + s]
-        code = (byte >> 4) if h else (byte & 15)
-        assert code == q[16 * nb + 8 * h + c, 32 * kb + 4 * j + p + 2 * (1 - s)]
+    for nb, kb, r, e in [(0, 0, 0, 0), (1, 1, 15, 31), (0, 1, 7, 16), (1, 0, 3, 9)]:
+        byte = codes[nb, kb, 16 * r + e % 16]
+        code = (byte >> 4) if e >= 16 else (byte & 15)
+        assert code == q[16 * nb + e // 2, 32 * kb + 2 * r + e % 2]
     assert sz[1, 0, 0, 5] == scale[21, 0].to(torch.bfloat16) and sz[0, 1, 1, 3] == zero[3, 1].to(torch.bfloat16)
 
 

@@ -28,17 +28,19 @@ from torch import nn
 
 from engine.load import amx
 from engine.load.dtype import cpu_kind
-from engine.load.prepack import PLAIN_MAX_BYTES, QUANTIZED_TILES_ROWS, PackedLinear, quantized_packed_from
+from engine.load.prepack import (
+    ONEDNN_SAME_BITS_ROWS,
+    PLAIN_MAX_BYTES,
+    QUANTIZED_TILES_ROWS,
+    PackedLinear,
+    quantized_packed_from,
+)
 from engine.load.quant import Int4Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
-# On AMX CPUs oneDNN's packed bfloat16 calls of up to this many rows give each row the same
-# bits, larger calls round a few rows otherwise (tests/kernels/test_quant_gemm.py), so
-# --deterministic cuts them there.
-ONEDNN_SAME_BITS_ROWS = 32
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -70,15 +72,14 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
             log.info("no packed copies of the quantized matrices: they would take %.0f MiB",
                      size / 2**20)
         return {}
-    for m in modules:
-        m.packed, m.packed_from = PackedLinear(m.dequantized(), None,
-                                               pad_one_row=deterministic), NEVER
     kind = kind or cpu_kind()
+    cut = ONEDNN_SAME_BITS_ROWS if deterministic and kind == "AMX" else None
+    for m in modules:
+        m.packed = PackedLinear(m.dequantized(), None, pad_one_row=deterministic, max_rows=cut)
+        m.packed_from = NEVER
     if deterministic:
         for m in modules:
             m.packed_from = 1
-            if kind == "AMX":
-                m.packed_rows = ONEDNN_SAME_BITS_ROWS
         log.info("--deterministic: quantized GEMMs on their packed %s copies at every row count",
                  str(dtype).removeprefix("torch."))
         return {k: 1 for k in {kind_of(m) for m in modules}}

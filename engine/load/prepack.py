@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.load.dtype import cpu_kind
+
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
 
@@ -83,19 +85,33 @@ def plain_from_rows(dtype: torch.dtype) -> int | None:
     return PLAIN_FROM_ROWS.get(torch.backends.cpu.get_cpu_capability())
 
 
+# On AMX CPUs oneDNN's packed bfloat16 calls of up to this many rows give each row the same
+# bits; larger calls round a few rows otherwise (tests/kernels/test_quant_gemm.py).
+ONEDNN_SAME_BITS_ROWS = 32
+
+
+def same_bits_rows(deterministic: bool) -> int | None:
+    """PackedLinear's max_rows: where --deterministic must cut calls for a row's bits to hold."""
+    return ONEDNN_SAME_BITS_ROWS if deterministic and cpu_kind() == "AMX" else None
+
+
 class PackedLinear(nn.Module):
     """y = x @ W.T (+ b) with W in oneDNN's blocked layout (an opaque mkldnn tensor);
     from plain_from rows on, with the plain W through F.linear (MKL) instead, where
     that measured faster."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 plain_from: int | None = None, pad_one_row: bool = False) -> None:
+                 plain_from: int | None = None, pad_one_row: bool = False,
+                 max_rows: int | None = None) -> None:
         """pad_one_row (--deterministic): a one-row call runs as two rows, because oneDNN takes
         another kernel for one row of some shapes (K = 1536 here), which rounds that row
-        differently than the same row of any larger call; from two rows on, a row's result does not
-        depend on the row count."""
+        differently than the same row of any larger call. max_rows (--deterministic on AMX CPUs,
+        same_bits_rows()): larger calls are cut into calls of max_rows, because there oneDNN
+        rounds a few rows of a call over ONEDNN_SAME_BITS_ROWS otherwise. With both, a row's
+        result does not depend on the row count."""
         super().__init__()
         self.pad_one_row = pad_one_row
+        self.max_rows = max_rows
         self.dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor
@@ -114,6 +130,9 @@ class PackedLinear(nn.Module):
         return self.plain if self.plain_from is not None and x.shape[0] >= self.plain_from else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            step = self.max_rows
+            return torch.cat([self.forward(x[i:i + step]) for i in range(0, x.shape[0], step)])
         if self.pad_one_row and x.shape[0] == 1:
             return self.forward(x.expand(2, -1).contiguous())[:1]
         if (plain := self._plain_for(x)) is not None:
@@ -124,6 +143,10 @@ class PackedLinear(nn.Module):
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b), the addition fused into the GEMM."""
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            step = self.max_rows
+            return torch.cat([self.add_to(h[i:i + step], x[i:i + step])
+                              for i in range(0, x.shape[0], step)])
         if self.pad_one_row and x.shape[0] == 1:
             return self.add_to(h.expand(2, -1).contiguous(), x.expand(2, -1).contiguous())[:1]
         if (plain := self._plain_for(x)) is not None:
@@ -149,20 +172,21 @@ def prepack_model(model: LlamaForCausalLM, projections: tuple[str, ...],
                   deterministic: bool = False) -> int:
     """Replaces each decoder layer's plain projections and the LM head in place. -> matrices
     packed. deterministic: one kernel at every row count (no MKL from plain_from rows),
-    one-row calls padded."""
+    one-row calls padded, large calls cut on AMX CPUs."""
     packed = 0
     plain_from = None if deterministic else plain_from_rows(next(model.parameters()).dtype)
+    cut = same_bits_rows(deterministic)
     linears = [(layer, name) for layer in model.model.layers for name in projections
                if isinstance(getattr(layer, name, None), nn.Linear)]
     if sum(getattr(layer, name).weight.nbytes for layer, name in linears) > PLAIN_MAX_BYTES:
         plain_from = None
     for layer, name in linears:
         proj = getattr(layer, name)
-        setattr(layer, name, PackedLinear(proj.weight, proj.bias, plain_from, deterministic))
+        setattr(layer, name, PackedLinear(proj.weight, proj.bias, plain_from, deterministic, cut))
         packed += 1
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     if isinstance(head, (nn.Linear, nn.Embedding)):
-        packed_head = PackedLinear(head.weight, None, plain_from, deterministic)
+        packed_head = PackedLinear(head.weight, None, plain_from, deterministic, cut)
         model.lm_head = packed_head  # type: ignore[assignment]
         packed += 1
     log.info("%d weight matrices prepacked for oneDNN%s", packed,

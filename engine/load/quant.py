@@ -56,7 +56,6 @@ class QuantizedLinear(nn.Module):
         self.packed: PackedLinear | None = None
         self.packed_from = 0
         self.amx_from = NEVER  # rows from which an int4 matrix with AMX codes takes the AMX kernel
-        self.packed_rows = NEVER  # most rows per call of the packed copy
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """x @ W.T (+ residual) on AMX tiles where this matrix runs them at x's rows; else None."""
@@ -90,13 +89,9 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def on_packed(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ h) on the packed copy, packed_rows a call (kernel_choice says why)."""
+        """x @ W.T (+ h) on the packed copy."""
         assert self.packed is not None
-        step = self.packed_rows
-        if x.shape[0] <= step:
-            return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
-        return torch.cat([self.on_packed(x[i:i + step], h if h is None else h[i:i + step])
-                          for i in range(0, x.shape[0], step)])
+        return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the

@@ -80,3 +80,22 @@ def test_a_padded_one_row_call_equals_that_row_of_any_larger_call(dtype: torch.d
         for rows in (1, 2, 3, 17, 40):
             assert torch.equal(packed(x[:rows]), full[:rows]), rows
             assert torch.equal(packed.add_to(h[:rows], x[:rows]), full_add[:rows]), rows
+
+
+def test_deterministic_prepack_cuts_large_calls_where_onednn_needs_it() -> None:
+    """--deterministic on a plain model: every packed matrix is padded at one row and, on AMX CPUs
+    (where oneDNN rounds a few rows of a call over 32 rows otherwise), cut into calls of 32 rows; a
+    row's bits then hold in calls of any size (tests/kernels/test_quant_gemm.py checks the cut's
+    bits on AMX)."""
+    from engine.load.dtype import cpu_kind
+
+    model = _Model()
+    prepack.prepack_model(model, ("qkv_proj",), deterministic=True)  # type: ignore[arg-type]
+    packed = [cast(PackedLinear, proj) for proj in model.model.projections()]
+    packed.append(cast(PackedLinear, model.lm_head))
+    want = prepack.ONEDNN_SAME_BITS_ROWS if cpu_kind() == "AMX" else None
+    assert all(m.pad_one_row and m.plain is None and m.max_rows == want for m in packed)
+    x = torch.randn(70, 32)
+    with torch.inference_mode():
+        alone = torch.cat([packed[0](x[i:i + 1]) for i in range(70)])
+        assert torch.equal(packed[0](x), alone)

@@ -327,10 +327,10 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
     copied = [m for m in modules if m not in tiled]
     assert copied and all(m.packed is not None and m.packed_from == 1 for m in copied)
     assert all(m.packed.pad_one_row for m in copied if m.packed is not None)
-    from engine.load.dtype import cpu_kind
+    from engine.load.prepack import same_bits_rows
 
-    cut = kernel_choice.ONEDNN_SAME_BITS_ROWS if cpu_kind() == "AMX" else kernel_choice.NEVER
-    assert all(m.packed_rows == cut for m in copied)
+    cut = same_bits_rows(True)
+    assert all(m.packed.max_rows == cut for m in copied if m.packed is not None)
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(monkeypatch) -> None:

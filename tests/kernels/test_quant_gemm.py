@@ -204,12 +204,12 @@ def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() 
     """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's bits of
     the row alone (padded to two rows) in calls of up to 160 rows, because calls of more than 32 rows are
     cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
-    from engine import kernel_choice
+    from engine.load.prepack import ONEDNN_SAME_BITS_ROWS
 
     m = Int8Linear(torch.randn(4096, 576, generator=torch.Generator().manual_seed(6)) * 0.05, None,
                    torch.bfloat16)
-    m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=True), 1
-    m.packed_rows = kernel_choice.ONEDNN_SAME_BITS_ROWS
+    m.packed = PackedLinear(m.dequantized(), None, pad_one_row=True, max_rows=ONEDNN_SAME_BITS_ROWS)
+    m.packed_from = 1
     x = torch.randn(160, 576, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
     h = torch.randn(160, 4096, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
     alone = torch.cat([m.forward(x[i:i + 1]) for i in range(160)])

@@ -17,6 +17,7 @@ from gateway import translate
 from gateway.reasoning import Reasoning, split_reasoning
 from gateway.tools import Tools, parse_calls
 from shared.choices import TextOutput
+from shared.sampling import SamplingParams
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
@@ -36,6 +37,7 @@ TOOLS = Tools(
 class _Req:
     tools: Tools | None = TOOLS
     reasoning: Reasoning | None = None
+    params, score_only, echo = SamplingParams(), False, None
 
 
 def _collect(pieces: list[str], interval: int, req: Any = None) -> list[Any]:

@@ -50,7 +50,7 @@ class Reasoning:
 def spellings(tokenizer: Any, tag: str) -> tuple[tuple[int, ...], ...]:
     """A tag's spellings in context other than its ids alone, as the tokenizer writes the text
     around it in AROUND, first found first: the tokens whose text covers the tag. Found once per
-    served tokenizer (seconds' tenths), so the engine ends a thinking budget on any of them
+    served tokenizer (gateway/app.py), so the engine ends a thinking budget on any of them
     (shared/thinking.py). A one-token tag, or a tokenizer without offsets, has its ids alone."""
     alone = tuple(encode(tokenizer, tag, add_special_tokens=False))
     found = dict.fromkeys([alone])

@@ -48,10 +48,10 @@ def initial(start_ids: Sequence[int], end_ids: Sequence[int], begin: int) -> int
 
 @dataclass(frozen=True, slots=True)
 class Tag:
-    """One reasoning tag as a matcher looks for it, built once by its caller (per request, per
-    choice): ids is what the engine forces; spellings the other ids the model writes it as in
+    """One reasoning tag as a matcher looks for it: ids, its tokens alone (what the engine forces
+    unless the output began another spelling); spellings, the other ids the model writes it as in
     context, in order of preference; text, where the caller has the tokens' text and the tag is
-    several tokens of text, is what it is matched on instead (see `tag_text`)."""
+    several tokens of text, what it is matched on instead (`tag_text`, joined once per choice)."""
 
     ids: tuple[int, ...]
     spellings: tuple[tuple[int, ...], ...] = ()

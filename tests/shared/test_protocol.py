@@ -145,13 +145,16 @@ def test_malformed_raises_protocol_error(frames: list[bytes]) -> None:
         P.decode(frames)
 
 
+BAD_SPELLINGS: list[object] = ["9", [9, 10], [[]], [["9"]], [[-1]], [[True]], [[9] * 33], [[9]] * 65, [[2**31]]]
+
+
 @pytest.mark.parametrize(
     "params, param",
     [({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p"),
      ({"max_tokens": "many"}, "max_tokens"), ({"no_such_knob": 1}, "no_such_knob"), ({"stop": [""]}, "stop"),
      # the end tag's spellings: lists of 1..32 token ids, at most 64 of them, beside the end ids
      *(({"reasoning_end_ids": [9, 10], "reasoning_end_spellings": bad}, "reasoning_end_spellings")
-       for bad in ("9", [9, 10], [[]], [["9"]], [[-1]], [[True]], [[9] * 33], [[9]] * 65, [[2**31]])),
+       for bad in BAD_SPELLINGS),
      ({"reasoning_end_spellings": [[9]]}, "reasoning_end_spellings")],  # no end ids to spell
 )
 def test_bad_sampling_params_keep_request_id(params: dict[str, object], param: str) -> None:

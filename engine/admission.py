@@ -35,8 +35,11 @@ class Limits:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", param="prompt")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})", param="stop_token_ids")
-        for name in ("reasoning_start_ids", "reasoning_end_ids"):
-            if any(not 0 <= t < vocab for t in getattr(params, name)):
+        tags = {"reasoning_start_ids": params.reasoning_start_ids,
+                "reasoning_end_ids": params.reasoning_end_ids,
+                "reasoning_end_spellings": [t for s in params.reasoning_end_spellings for t in s]}
+        for name, ids in tags.items():
+            if any(not 0 <= t < vocab for t in ids):
                 raise InvalidRequest(f"{name} must be in [0, {vocab})", param=name)
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab})",

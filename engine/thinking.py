@@ -9,8 +9,9 @@ goes on with its answer (Anthropic's thinking.budget_tokens, vLLM's thinking_tok
 - The sampler asks `force` for the rows whose budget is spent: their logits become -inf but for the
   forced id, after the raw log-softmax is taken, so a forced token's logprob is what the model gave
   it.
-- The engine has no text, so a tag is matched by its ids (shared/thinking.py): a tag of several
-  tokens that the model spells otherwise (` </` after a space) is not seen, and the budget goes on.
+- The engine has no text, so a tag is matched by ids (shared/thinking.py): the end tag's own and
+  the spellings in context the gateway found with its tokenizer (` </` after a space, `>.`); the
+  forced end goes on with the spelling the output has begun.
 - Budgeted requests do not speculate (engine/speculative can_speculate) and refuse beam search and
   grammars (shared/sampling.py): one token a step, each one this module has seen.
 """
@@ -31,8 +32,8 @@ def after(seq: Sequence) -> int | None:
     if seq.thinking is None:
         return None
     p = seq.params
-    return thinking.after(seq.thinking, seq.token_ids, seq.num_prompt_tokens, p.reasoning_start_ids,
-                          p.reasoning_end_ids)
+    return thinking.after(seq.thinking, seq.token_ids, seq.num_prompt_tokens,
+                          thinking.Tag(p.reasoning_start_ids), _end(seq))
 
 
 def force(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -42,7 +43,7 @@ def force(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for i, s in enumerate(seqs):
         budget = s.params.thinking_token_budget
         if s.thinking is not None and budget is not None:
-            token = thinking.forced(s.thinking, s.token_ids, budget, s.params.reasoning_end_ids)
+            token = thinking.forced(s.thinking, s.token_ids, budget, _end(s))
             if token is not None:
                 forced.append((i, token))
     if not forced:
@@ -52,3 +53,7 @@ def force(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits[i] = float("-inf")
         logits[i, token] = 0.0
     return logits
+
+
+def _end(seq: Sequence) -> thinking.Tag:
+    return thinking.Tag(seq.params.reasoning_end_ids, seq.params.reasoning_end_spellings)

@@ -19,6 +19,7 @@ from gateway.admission import Admission
 from gateway.metrics import Metrics
 from gateway.openai_output import error_body
 from gateway.openai_schema import Served
+from gateway.reasoning import CLOSE, spellings
 from gateway.router import Router
 from gateway.routes import routes
 from gateway.state import (
@@ -76,6 +77,8 @@ async def _engine(app: web.Application) -> AsyncIterator[None]:
     served.chat_template = app[CONFIG].chat_template
     served.tool_call_parser = app[CONFIG].tool_call_parser
     served.reasoning_parser = app[CONFIG].reasoning_parser
+    if served.reasoning_parser is not None:
+        served.reasoning_end_spellings = spellings(served.tokenizer, CLOSE)
     yield
     await client.close()
 

@@ -40,6 +40,8 @@ class Served:
     chat_template: str | None = None  # --chat-template: rendered instead of the model's template
     tool_call_parser: str = "auto"
     reasoning_parser: str | None = None  # --reasoning-parser (gateway/reasoning.py)
+    # with a parser: `</think>`'s spellings in context (gateway/reasoning.py spellings)
+    reasoning_end_spellings: tuple[tuple[int, ...], ...] = ()
     max_prompt_chars: int = 0  # 0: no limit (GatewayConfig.max_prompt_chars says how it is set)
 
     def check_chars(self, n: int, param: str) -> None:
@@ -94,7 +96,8 @@ def parse_chat(body: Any, served: Served) -> ParsedRequest:
                      tool_constraint=tools.constraint() if tools else None)
     parsed.tools = tools
     parsed.reasoning, parsed.params = parse_reasoning(body, served.reasoning_parser,
-                                                      served.tokenizer, ids, parsed.params)
+                                                      served.tokenizer, ids, parsed.params,
+                                                      served.reasoning_end_spellings)
     return with_prompt_logprobs(parsed, body)
 
 

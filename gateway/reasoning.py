@@ -21,16 +21,20 @@ Messages as a `thinking` block.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.fields import known, obj_at, typed
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
+from shared.thinking import MAX_SPELLINGS
 from shared.tokenizer import encode
 
 PARSERS = ("qwen3", "deepseek_r1")
 OPEN, CLOSE = "<think>", "</think>"
+# What a model writes around a tag: each (before, after) pair gives its tokens in that context.
+AROUND = ("", " ", "\n", ".", ",", ":", "!", "?", ")", "]", "*", "`", '"', "'", ">", "a")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +47,33 @@ class Reasoning:
     include: bool = True  # vLLM's include_reasoning: false drops the reasoning from the response
 
 
+def spellings(tokenizer: Any, tag: str) -> tuple[tuple[int, ...], ...]:
+    """A tag's spellings in context other than its ids alone, as the tokenizer writes the text
+    around it in AROUND, first found first: the tokens whose text covers the tag. Found once per
+    served tokenizer (gateway/app.py), so the engine ends a thinking budget on any of them
+    (shared/thinking.py). A one-token tag, or a tokenizer without offsets, has its ids alone."""
+    alone = tuple(encode(tokenizer, tag, add_special_tokens=False))
+    found = dict.fromkeys([alone])
+    for left, right in itertools.product(AROUND, repeat=2) if len(alone) > 1 else ():
+        try:
+            enc = tokenizer(f"x{left}{tag}{right}x", add_special_tokens=False,
+                            return_offsets_mapping=True)
+        except NotImplementedError:  # a slow tokenizer
+            return ()
+        a, b = 1 + len(left), 1 + len(left) + len(tag)  # the tag's characters
+        found[tuple(t for t, (s, e) in zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+                    if s < b and e > a)] = None
+    return tuple(found)[1:1 + MAX_SPELLINGS]
+
+
 def parse_reasoning(body: dict[str, Any], parser: str | None, tokenizer: Any, ids: list[int],
-          params: SamplingParams) -> tuple[Reasoning | None, SamplingParams]:
+          params: SamplingParams, end_spellings: tuple[tuple[int, ...], ...] = (),
+          ) -> tuple[Reasoning | None, SamplingParams]:
     """A chat body's reasoning fields -> how its output starts (the prompt's tail says whether it
     opened <think>), and params with the tags' ids, by which the engine enforces vLLM's
-    thinking_token_budget and the gateway counts reasoning_tokens (shared/thinking.py). Without a
-    parser, a reasoning field is a 400."""
+    thinking_token_budget and the gateway counts reasoning_tokens (shared/thinking.py), and with a
+    budget the end tag's other spellings (`spellings`), by which the engine sees the model end its
+    reasoning itself. Without a parser, a reasoning field is a 400."""
     include, budget = body.get("include_reasoning"), body.get("thinking_token_budget")
     if include is not None and not isinstance(include, bool):
         raise InvalidRequest(f"include_reasoning must be true or false, got {repr(include)[:100]}",
@@ -63,8 +88,10 @@ def parse_reasoning(body: dict[str, Any], parser: str | None, tokenizer: Any, id
     opened = parser == "deepseek_r1" or prompt_opens(tail)
     start = () if opened else tuple(encode(tokenizer, OPEN, add_special_tokens=False))
     end = tuple(encode(tokenizer, CLOSE, add_special_tokens=False))
+    spelled = end_spellings if budget is not None else ()  # only a budget reads them
     params = dataclasses.replace(params, reasoning_start_ids=start, reasoning_end_ids=end,
-                                 thinking_token_budget=budget)  # validated there: a 400 naming it
+                                 thinking_token_budget=budget,  # validated there: a 400 naming it
+                                 reasoning_end_spellings=spelled)
     return Reasoning(parser, opened, include is not False), params
 
 

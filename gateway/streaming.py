@@ -3,8 +3,8 @@ itself.
 
 run_request: engine connected? -> admission (429 before anything is queued) -> the engine ->
 metrics.
-chunks: the OpenAI stream chunks of one request (one choice per chunk), with --stream-interval
-applied.
+chunks: the OpenAI stream chunks of one request (one choice per chunk), rendered from the one
+streaming loop every door shares (gateway/choice_stream.py).
 complete: the whole response, every choice (n) in index order.
 sse_response: `data: {json}\\n\\n` per chunk, then `data: [DONE]`, over a plain web.StreamResponse.
 
@@ -27,21 +27,20 @@ import orjson
 from aiohttp import web
 
 from gateway.auth import cache_salt
+from gateway.choice_stream import ChoiceBuffer, ChoiceStream, Delta
 from gateway.openai_output import (
     chat_choice,
-    chat_logprobs,
     completion_choice,
-    completion_logprobs,
     error_body,
     prompt_logprobs_view,
     response_object,
     usage,
 )
 from gateway.openai_schema import ParsedRequest
-from gateway.reasoning import ReasoningStream, split_reasoning
+from gateway.reasoning import split_reasoning
 from gateway.state import ADMISSION, CLIENT, CONFIG, METRICS, SERVED
-from gateway.tools import ToolCall, ToolStream, stream_deltas
-from shared.choices import TextOutput, TokenLogprob
+from gateway.tools import stream_deltas
+from shared.choices import TextOutput
 from shared.errors import ConveyorError, EngineDead, Overloaded
 from shared.sampling import SamplingParams
 
@@ -97,155 +96,56 @@ def _isolated(app: web.Application, req: ParsedRequest) -> SamplingParams:
     return dataclasses.replace(req.params, cache_salt=cache_salt(req.tenant, req.params.cache_salt))
 
 
-class _Choice:
-    """What one choice has received and not sent yet (--stream-interval), and what a response
-    needs."""
-
-    __slots__ = ("text", "reasoning", "logprobs", "num_tokens", "first", "ended", "text_offset",
-                 "finish_reason", "prompt", "echoed")
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.reasoning: list[str] = []  # with --reasoning-parser: the reasoning not sent yet
-        self.logprobs: list[TokenLogprob] = []
-        self.num_tokens = 0  # since the last event
-        self.first, self.ended = True, False
-        self.text_offset = 0  # completions' text_offset of the next token
-        self.finish_reason: str | None = None
-        # prompt logprobs, from the choice's first output
-        self.prompt: list[TokenLogprob] | None = None
-        self.echoed = False
-
-    def add(self, out: TextOutput, reasoning: str = "", score_only: bool = False) -> None:
-        if out.prompt_logprobs is not None and self.prompt is None:
-            self.prompt = out.prompt_logprobs
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-        if score_only:  # max_tokens 0: the one token the engine sampled is not part of the answer
-            return
-        self.text.append(out.text)
-        if reasoning:
-            self.reasoning.append(reasoning)
-        self.num_tokens += len(out.token_ids)
-        if out.logprobs:
-            self.logprobs += out.logprobs
-
-    def take_reasoning(self) -> str:
-        text, self.reasoning = "".join(self.reasoning), []
-        return text
-
-    def take(self, chat: bool, want_logprobs: bool, req: ParsedRequest | None = None,
-             ) -> tuple[str, dict[str, Any] | None]:
-        """-> the text and logprobs object gathered since the last take; with completions' echo the
-        prompt's text (and its tokens' logprobs) go first, in the first take."""
-        text, entries = "".join(self.text), self.logprobs
-        self.text, self.logprobs, self.num_tokens = [], [], 0
-        if req is not None and req.echo is not None and not self.echoed:
-            self.echoed = True
-            text = req.echo + text
-            k = req.params.logprobs or 0
-            entries = [dataclasses.replace(e, top=e.top[:k]) for e in self.prompt or []] + entries
-        if not want_logprobs:
-            return text, None
-        if chat:
-            return text, chat_logprobs(entries)
-        lps = completion_logprobs(entries, self.text_offset)
-        self.text_offset += sum(len(e.token) for e in entries)
-        return text, lps
-
-
-class ChoiceSplit:
-    """One streamed chat choice's text -> (reasoning, content, tool calls at the end): the
-    reasoning parser first (--reasoning-parser), then the tool-call parser on the content. The
-    one per-choice split every front door renders from (chat chunks here; Responses, Messages)."""
-
-    __slots__ = ("reasoning", "tools", "include")
-
-    def __init__(self, req: ParsedRequest) -> None:
-        opened = req.reasoning.opened if req.reasoning is not None else None
-        self.reasoning = ReasoningStream(opened) if opened is not None else None
-        self.include = req.reasoning is not None and req.reasoning.include
-        self.tools = ToolStream(req.tools) if req.tools is not None else None
-
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[ToolCall]]:
-        thought, calls = "", list[ToolCall]()
-        if self.reasoning is not None:
-            thought, text = self.reasoning.feed(text)
-            if final:
-                more, rest = self.reasoning.finish()
-                thought, text = thought + more, text + rest
-        if self.tools is not None:
-            text = self.tools.feed(text)
-            if final:
-                rest, calls = self.tools.finish()
-                text += rest
-        return (thought if self.include else ""), text, calls
-
-
 async def chunks(app: web.Application, req: ParsedRequest, rid: str,
                  chat: bool) -> AsyncGenerator[dict[str, Any], None]:
-    """OpenAI stream chunks of one request, one choice per chunk (its `index`). Nothing is
-    yielded before the engine's first output, so an engine ERROR is raised before any byte is
-    sent; the role travels in each choice's first chunk. With stream_interval N a choice's first
-    token goes out at once, then an event every N of its tokens (and its last). Logprobs travel
-    with the text they belong to."""
-    model, interval = app[SERVED].name, app[CONFIG].stream_interval
-    created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
-    choices: dict[int, _Choice] = {}
-    splits: dict[int, ChoiceSplit] = {}
-    outputs = run_request(app, req, rid)
+    """OpenAI stream chunks of one request, one choice per chunk (its `index`), rendered from the
+    one streaming loop (gateway/choice_stream.py). Nothing is yielded before the engine's first
+    output, so an engine ERROR is raised before any byte is sent; the role travels in each choice's
+    first chunk."""
+    model, created = app[SERVED].name, int(time.time())
+    stream = ChoiceStream(req, run_request(app, req, rid), app[CONFIG].stream_interval, chat)
+    deltas = stream.deltas()
     try:
-        async for out in outputs:
-            last = out
-            c = choices.get(out.index) or choices.setdefault(out.index, _Choice())
-            if c.ended:
-                continue
-            calls: list[ToolCall] = []
-            thought = ""
-            if chat and (req.tools is not None or req.reasoning is not None):  # may hold back tags
-                split = splits.get(out.index) or splits.setdefault(out.index, ChoiceSplit(req))
-                thought, text, calls = split.feed(out.text, out.finish_reason is not None)
-                out = dataclasses.replace(out, text=text)
-            c.add(out, thought, req.score_only)
-            c.ended = out.finish_reason is not None
-            if not (c.first or c.ended or c.num_tokens >= interval):
-                continue
-            if not (any(c.text) or c.reasoning or c.logprobs or c.ended or c.first):
-                continue  # text held back (an unfinished character, a possible stop string)
-            text, lps = c.take(chat, want_lps, req)
-            thought, reason = c.take_reasoning(), out.finish_reason
-            if calls:  # the content, then each call's name and arguments, then the finish reason
-                head = {"content": text} if text or c.first else {}
-                head |= {"reasoning_content": thought} if thought else {}
-                for delta in [head, *stream_deltas(calls)]:
-                    if not delta:
-                        continue
-                    if c.first:
-                        delta = {"role": "assistant", **delta}
-                    choice = {"index": out.index, "delta": delta, "logprobs": lps,
-                              "finish_reason": None}
-                    c.first, lps = False, None
-                    yield response_object(rid, created, model, chat, True, [choice])
-                text, thought, reason = "", "", "tool_calls"
-            choice = (chat_choice(out.index, text, reason, True, c.first, lps, reasoning=thought)
-                      if chat else completion_choice(out.index, text, reason, lps))
-            c.first = False
-            yield response_object(rid, created, model, chat, True, [choice])
-        if req.include_usage and last is not None:
-            yield response_object(rid, created, model, chat, True, [], text_usage(last, req))
+        async for d in deltas:
+            for choice in _chunk_choices(d, chat):
+                yield response_object(rid, created, model, chat, True, [choice])
+        if req.include_usage and stream.last is not None:
+            yield response_object(rid, created, model, chat, True, [], text_usage(stream.last, req))
     finally:
-        await outputs.aclose()
+        await deltas.aclose()
+
+
+def _chunk_choices(d: Delta, chat: bool) -> list[dict[str, Any]]:
+    """One delta as its chunks' choice objects; with tool calls: the content, then each call's
+    name and arguments, then the finish reason."""
+    text, thought, lps, first, reason = d.text, d.thought, d.logprobs, d.first, d.out.finish_reason
+    out = []
+    if d.calls:
+        head = {"content": text} if text or first else {}
+        head |= {"reasoning_content": thought} if thought else {}
+        for delta in [head, *stream_deltas(d.calls)]:
+            if not delta:
+                continue
+            if first:
+                delta = {"role": "assistant", **delta}
+            out.append({"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": None})
+            first, lps = False, None
+        text, thought, reason = "", "", "tool_calls"
+    out.append(chat_choice(d.index, text, reason, True, first, lps, reasoning=thought) if chat
+               else completion_choice(d.index, text, reason, lps))
+    return out
 
 
 async def complete(app: web.Application, req: ParsedRequest, rid: str,
                    chat: bool) -> dict[str, Any]:
     """The whole (non-streaming) response object, its choices in index order."""
     created, last, want_lps = int(time.time()), None, req.params.logprobs is not None
-    choices: dict[int, _Choice] = {}
+    choices: dict[int, ChoiceBuffer] = {}
     outputs = run_request(app, req, rid)
     try:
         async for out in outputs:
-            choices.setdefault(out.index, _Choice()).add(out, score_only=req.score_only)
+            choices.setdefault(out.index, ChoiceBuffer()).add(out, out.text,
+                                                              score_only=req.score_only)
             last = out
     finally:
         await outputs.aclose()

@@ -4,8 +4,9 @@ Chat completions, OpenAI's Responses API and Anthropic's Messages API are three 
 request and one stream. Each door's parser translates its body into a chat-completions body and
 builds the one internal request with openai_schema.parse_chat (template, tools, grammar,
 SamplingParams); every door streams through run_request (admission, the engine, metrics), the one
-detokenizer (shared/choices.py) and the chat route's per-choice split (gateway/streaming.py
-ChoiceSplit: the reasoning parser, then the tool-call parser), and gets these events:
+detokenizer (shared/choices.py) and the one streaming loop (gateway/choice_stream.py: per choice,
+the reasoning parser, then the tool-call parser, and --stream-interval), which the chat and
+completions routes render as chunks; the Responses and Messages doors get these events:
 
     Started(prompt tokens)       the engine's first output arrived (nothing comes before it, so an
                                  error the engine answers at once is still an HTTP status)
@@ -30,9 +31,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway.choice_stream import ChoiceStream
 from gateway.openai_schema import ParsedRequest
 from gateway.state import CONFIG
-from gateway.streaming import ChoiceSplit, run_request
+from gateway.streaming import run_request
 from gateway.tools import ToolCall
 from shared.errors import ConveyorError
 
@@ -75,45 +77,27 @@ Event = Started | Thought | Text | Call | End
 
 
 async def events(app: web.Application, req: ParsedRequest, rid: str) -> AsyncGenerator[Event, None]:
-    """The events of a one-choice request; closing the generator aborts it in the engine."""
-    interval = app[CONFIG].stream_interval
-    split = ChoiceSplit(req)
-    thoughts: list[str] = []
-    pending: list[str] = []
-    count, started, sent = 0, False, False
-    outputs = run_request(app, req, rid)
+    """The events of a one-choice request, from the one streaming loop every door shares
+    (gateway/choice_stream.py); closing the generator aborts it in the engine."""
+    stream = ChoiceStream(req, run_request(app, req, rid), app[CONFIG].stream_interval, chat=True)
+    deltas = stream.deltas()
     try:
-        async for out in outputs:
-            if not started:
-                started = True
+        async for d in deltas:
+            out = d.out
+            if d.first:
                 yield Started(out.num_prompt_tokens, out.num_cached_tokens)
-            # reasoning, then content until a call may begin; the calls when the output ends
-            thought, text, calls = split.feed(out.text, out.finish_reason is not None)
-            thoughts.append(thought)
-            pending.append(text)
-            count += len(out.token_ids)
-            ended = out.finish_reason is not None or out.finished
-            # first at once
-            if (ended or count >= interval or not sent) and any(thoughts + pending):
-                if any(thoughts):  # a delta's reasoning precedes its content
-                    yield Thought("".join(thoughts))
-                if any(pending):
-                    yield Text("".join(pending))
-                thoughts, pending, count, sent = [], [], 0, True
-            if ended:
-                for call in calls:
+            if d.thought:  # a delta's reasoning precedes its content
+                yield Thought(d.thought)
+            if d.text:
+                yield Text(d.text)
+            if out.finish_reason is not None or out.finished:
+                for call in d.calls:
                     yield Call(call)
-                yield End(
-                    out.finish_reason or "stop",
-                    out.stop_string,
-                    out.num_prompt_tokens,
-                    out.num_output_tokens,
-                    out.num_cached_tokens,
-                    out.num_reasoning_tokens,
-                )
+                yield End(out.finish_reason or "stop", out.stop_string, out.num_prompt_tokens,
+                          out.num_output_tokens, out.num_cached_tokens, out.num_reasoning_tokens)
                 return
     finally:
-        await outputs.aclose()
+        await deltas.aclose()
 
 
 Frame = tuple[str, dict[str, Any]]  # (SSE event name, JSON data)

@@ -86,9 +86,11 @@ class Choice:
     def __init__(self, decoder: Decoder, stop: Sequence[str], num_top: int | None,
                  strings: TokenStrings, params: SamplingParams | None = None) -> None:
         self.detok = IncrementalDetokenizer(decoder, stop)
-        self._tags = (params.reasoning_start_ids, params.reasoning_end_ids) if params else ((), ())
-        # where this choice reasons (shared/thinking.py)
-        self._thinking = thinking.initial(*self._tags, 0)
+        start, end = (params.reasoning_start_ids, params.reasoning_end_ids) if params else ((), ())
+        # where this choice reasons (shared/thinking.py), by its tags' text joined once here
+        self._thinking = thinking.initial(start, end, 0)
+        self._start, self._end = (thinking.Tag(ids, text=thinking.tag_text(ids, strings))
+                                  for ids in (start, end))
         self._seen: list[int] = []  # the output ids the state has taken, while it tracks
         self.reasoning_tokens = 0  # a reasoning part's tokens, once it ended
         self.finish_reason: str | None = None
@@ -102,7 +104,7 @@ class Choice:
         state = self._thinking
         if state is None or state == thinking.WAITING:
             return self.reasoning_tokens
-        return thinking.span(state, self._seen, self._tags[0])
+        return thinking.span(state, self._seen, self._start.ids)
 
     def _track(self, before: int) -> None:
         """The reasoning state over the tokens the detokenizer took since it held before of them."""
@@ -112,9 +114,10 @@ class Choice:
                 self._seen = []
                 return
             self._seen.append(token)
-            self._thinking = thinking.after(state, self._seen, 0, *self._tags, self._strings)
+            self._thinking = thinking.after(state, self._seen, 0, self._start, self._end,
+                                            self._strings)
             if self._thinking is None and state != thinking.WAITING:
-                self.reasoning_tokens = thinking.span(state, self._seen, self._tags[0])
+                self.reasoning_tokens = thinking.span(state, self._seen, self._start.ids)
 
     def step(self, ids: list[int], logprobs: list[list[Any]] | None,
              final: bool) -> tuple[str, list[TokenLogprob] | None]:

@@ -31,7 +31,9 @@ from shared.sampling import SamplingParams, check_priority
 # 6: HELLO no longer names the client and READY no longer lists the eos ids (nobody read either).
 # 7: SamplingParams.reasoning_start_ids, reasoning_end_ids and thinking_token_budget (an engine of 6
 # refuses every request of a reasoning server, which carries them).
-PROTOCOL_VERSION = 7
+# 8: SamplingParams.reasoning_end_spellings (every ADD carries it, so an engine of 7 would refuse
+# every request).
+PROTOCOL_VERSION = 8
 
 
 class MsgType(bytes, enum.Enum):

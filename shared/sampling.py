@@ -89,19 +89,20 @@ class SamplingParams:
     # through cached_tokens (docs/prefix_caching.md). None: the shared cache.
     cache_salt: str | None = None
     # Reasoning models: the reasoning parser's tags' ids (no start ids: the prompt opened the
-    # block), and vLLM's thinking_token_budget, after which the engine forces the end ids
-    # (shared/thinking.py).
+    # block) and the end tag's other spellings, and vLLM's thinking_token_budget, after which the
+    # engine forces the end ids (shared/thinking.py).
     reasoning_start_ids: tuple[int, ...] = ()
     reasoning_end_ids: tuple[int, ...] = ()
     thinking_token_budget: int | None = None
+    reasoning_end_spellings: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; keep the frozen record hashable and immutable.
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, "stop_token_ids"))
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple(self.stop, "stop")
         object.__setattr__(self, "stop", stop)
-        for name in ("reasoning_start_ids", "reasoning_end_ids"):
-            object.__setattr__(self, name, _as_tuple(getattr(self, name), name))
+        for name, ids in thinking.as_tuples(self).items():
+            object.__setattr__(self, name, ids)
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         object.__setattr__(self, "constraint", Constraint.from_wire(self.constraint))
         self._check_salt()
@@ -181,7 +182,7 @@ class SamplingParams:
                    "the grammar decides when the output may end")
         thinking.validate(self.reasoning_start_ids, self.reasoning_end_ids,
                           self.thinking_token_budget, self.use_beam_search,
-                          self.constraint is not None)
+                          self.constraint is not None, self.reasoning_end_spellings)
         if self.use_beam_search:
             self._validate_beam_search()
         else:

@@ -1,5 +1,7 @@
 """thinking_token_budget in the engine (engine/thinking.py): after exactly `budget` reasoning tokens the
-end ids are forced, one a step, and the model goes on; tiny random Llama, greedy, stepped in-process."""
+end ids are forced, one a step, and the model goes on; tiny random Llama, greedy, stepped in-process. And
+SmolLM2 itself closing its reasoning with `</think>` spelled as its tokenizer writes it in context, which
+ends the budget by the spellings the gateway finds (gateway/reasoning.py)."""
 from __future__ import annotations
 
 import itertools
@@ -9,11 +11,15 @@ from typing import Any
 import pytest
 
 from engine.core import EngineCore
+from engine.offline import LLM
+from gateway.reasoning import CLOSE, spellings
 from shared.config import build_config
 from shared.constraints import Constraint
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
+from shared.tokenizer import encode
 from tests.conftest import request_outputs
+from tests.fakes import smollm2_tokenizer
 
 PROMPT = list(range(3, 40))
 MAX = 20
@@ -112,7 +118,45 @@ def test_a_budget_that_cannot_be_honoured_is_refused(kw: dict[str, Any], param: 
     assert e.value.param == param
 
 
-def test_end_ids_outside_the_vocabulary_are_refused_by_the_engine(core: EngineCore) -> None:
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"reasoning_end_ids": (10**6,)}, "reasoning_end_ids"),
+    ({"reasoning_end_ids": (5,), "reasoning_end_spellings": ((6,), (7, 10**6))}, "reasoning_end_spellings"),
+])
+def test_end_ids_outside_the_vocabulary_are_refused_by_the_engine(core: EngineCore, kw: dict[str, Any],
+                                                                  param: str) -> None:
     with pytest.raises(InvalidRequest) as e:
-        core.add("bad", PROMPT, SamplingParams(thinking_token_budget=4, reasoning_end_ids=(10**6,)))
-    assert e.value.param == "reasoning_end_ids" and not core.has_work()
+        core.add("bad", PROMPT, SamplingParams(thinking_token_budget=4, **kw))
+    assert e.value.param == param and not core.has_work()
+
+
+# Few-shot: SmolLM2 copies the examples' ` </think>`, which its tokenizer writes ` </`, `think`, `>` (after a
+# space), not as `</think>` alone encodes (`</`, `think`, `>`). The prompt opened the block.
+FEW_SHOT = ("Q: 2+2?\n<think> two plus two </think> 4\nQ: 3+3?\n<think> three plus three </think> 6\n"
+            "Q: 4+4?\n<think>")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    return LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none", kv_cache_memory="64MiB",
+               num_threads=1)
+
+
+def test_smollm2_closing_its_reasoning_in_another_spelling_ends_the_budget(smollm2: LLM) -> None:
+    tok = smollm2_tokenizer()
+    prompt, end = tok.encode(FEW_SHOT, add_special_tokens=False), encode(tok, CLOSE, add_special_tokens=False)
+
+    def generate(**kw: Any) -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw)
+        return list(smollm2.generate([prompt], params, use_tqdm=False)[0].token_ids)
+
+    free = generate()
+    # The reference is the tokenizer's decode: the reasoning ends at the token whose prefix holds `</think>`.
+    closed = next(k for k in range(1, len(free) + 1) if CLOSE in tok.decode(free[:k]))
+    assert closed <= 8 and all(free[i:i + len(end)] != end for i in range(len(free)))  # not the tag's own ids
+    budget = {"reasoning_end_ids": tuple(end), "reasoning_end_spellings": spellings(tok, CLOSE)}
+    # The model closed it before the budget was spent: nothing is forced (ids alone forced `</think>` at 12).
+    assert generate(thinking_token_budget=12, **budget) == free
+    # Spent inside the model's spelling, after ` </`: the forced end goes on with that spelling, the model's own.
+    assert generate(thinking_token_budget=closed - 2, **budget) == free
+    # Spent before the model began one: the tag's own ids, forced.
+    assert generate(thinking_token_budget=2, **budget)[2:2 + len(end)] == end

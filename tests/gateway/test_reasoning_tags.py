@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.reasoning import CLOSE, split_reasoning
+from shared import protocol as P
 from shared import thinking
 from shared.choices import Choice, TokenStrings
 from shared.sampling import SamplingParams
@@ -43,7 +44,7 @@ def test_the_tags_ids_alone_miss_these_outputs_tags(text: str) -> None:
     assert len(starts) > 1 and len(end) > 1
     state = thinking.initial(starts, end, 0)
     for k in range(1, len(ids) + 1):
-        state = thinking.after(state, ids[:k], 0, starts, end)
+        state = thinking.after(state, ids[:k], 0, thinking.Tag(tuple(starts)), thinking.Tag(tuple(end)))
     assert state is not None
 
 
@@ -88,3 +89,35 @@ def test_chat_split_and_usage_agree_streamed_and_not(text: str, per_step: int) -
     assert "".join(d.get("content") or "" for d in deltas) == answer
     for usage in (whole["usage"], chunks[-1]["usage"]):
         assert usage["completion_tokens_details"]["reasoning_tokens"] == reference_count(ids)
+
+
+# Outputs of a block the prompt opened, closed in spellings its ids alone miss (` </`, `>.`, `.</`, `>"`, `>,`).
+CLOSINGS = ["I think so </think> Paris is the capital.", "hmm, so</think>.\n\nParis.", "So.</think>\"Paris\"",
+            "(x)</think>, then", "so </think>)"]
+
+
+@pytest.mark.parametrize("text", CLOSINGS)
+def test_the_engine_sees_the_reasoning_end_where_the_text_does_by_the_spellings_the_gateway_sends(text: str) -> None:
+    """What the engine's budget matches (ids, no text): the end tag's ids and the spellings a budgeted chat
+    request carries, found with the served tokenizer. The reference is the tokenizer's decode."""
+    tok = smollm2_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+
+    async def main() -> list[P.Add]:
+        with FakeEngine(ids) as eng:
+            async with gateway(eng, reasoning_parser="qwen3") as http:
+                await post(http, "/v1/chat/completions", chat_body(False) | {"thinking_token_budget": 8})
+                await post(http, "/v1/chat/completions", chat_body(False))
+            return eng.adds()
+
+    budgeted, plain = (add.params for add in run(main()))
+    assert plain.reasoning_end_spellings == ()  # only a budget reads them
+    assert all(CLOSE in tok.decode(list(s)) for s in budgeted.reasoning_end_spellings)
+    for end in (thinking.Tag(budgeted.reasoning_end_ids), thinking.Tag(budgeted.reasoning_end_ids,
+                                                                       budgeted.reasoning_end_spellings)):
+        state: int | None = 0
+        for k in range(1, len(ids) + 1):
+            state = thinking.after(state, ids[:k], 0, thinking.Tag(()), end)
+            if state is None:
+                break
+        assert (k if state is None else None) == (reference_count(ids) if end.spellings else None)

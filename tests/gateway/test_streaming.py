@@ -87,3 +87,36 @@ def _dechunk(body: bytes) -> bytes:
             return b"".join(out)
         out.append(body[j + 2:j + 2 + size])
         i = j + 2 + size + 2
+
+
+def test_the_one_loop_sends_a_choices_first_output_and_first_text_at_once_then_every_n() -> None:
+    """gateway/choice_stream.py, which chat, completions, Responses and Messages all render: per choice,
+    its first output (the role chunk) and its first text go out at once, then every N of its tokens, and
+    its last; each choice counts its own tokens."""
+    from collections.abc import AsyncGenerator
+
+    from gateway.choice_stream import ChoiceStream
+    from gateway.openai_schema import ParsedRequest
+    from shared.choices import TextOutput
+    from shared.sampling import SamplingParams
+
+    script = [(0, ""), (1, ""), (0, "a"), (0, "b"), (1, "x"), (0, "c"), (0, "d"), (1, "y"), (0, "e")]
+
+    async def outputs() -> AsyncGenerator[TextOutput, None]:
+        for k, (index, text) in enumerate(script):
+            last = k == len(script) - 1 or all(i != index for i, _ in script[k + 1:])
+            yield TextOutput("r", text, [k], k == len(script) - 1, "stop" if last else None, 3, k + 1, index=index)
+
+    async def main() -> list[tuple[int, bool, str, str | None]]:
+        req = ParsedRequest([1], SamplingParams(n=2), True, False)
+        return [(d.index, d.first, d.text, d.out.finish_reason)
+                async for d in ChoiceStream(req, outputs(), 3, chat=True).deltas()]
+
+    assert asyncio.run(main()) == [
+        (0, True, "", None), (1, True, "", None),  # the first outputs, held back: the role chunks
+        (0, False, "a", None),  # the first text
+        (1, False, "x", None),
+        (0, False, "bcd", None),  # then every 3 of its tokens
+        (1, False, "y", "stop"),  # and its last
+        (0, False, "e", "stop"),
+    ]

@@ -21,6 +21,7 @@ from gateway.reasoning import Reasoning, split_reasoning
 from gateway.state import CONFIG, GatewayConfig
 from gateway.tools import Tools, parse_calls
 from shared.choices import TextOutput
+from shared.sampling import SamplingParams
 
 CALL = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
@@ -40,6 +41,7 @@ TOOLS = Tools(
 class _Req:
     tools: Tools | None = TOOLS
     reasoning: Reasoning | None = None
+    params, score_only, echo = SamplingParams(), False, None
 
 
 def _collect(pieces: list[str], interval: int, req: _Req | None = None) -> list[Any]:

@@ -38,6 +38,8 @@ MESSAGES: list[P.Message] = [
     P.Outputs([P.RequestOutput("r5", [9], True, "length", 2, 0, None, None, 0,
                                [None, [-2.5, 3, [[7, -0.25]]]])]),
     P.Add("r6", [1, 2], SamplingParams(max_tokens=1), pooling=PoolingParams(32)),
+    P.Add("r7", [1], SamplingParams(thinking_token_budget=4, reasoning_end_ids=(9, 10, 11),
+                                    reasoning_end_spellings=((8, 10, 11), (9, 10, 12), (13,)))),
     P.Outputs([P.RequestOutput("r6", [], True, "stop", 2, 0, None, None, 0, None, [0.5, -0.25])]),
     P.Observe(3.0),
     P.Observe(0.0),
@@ -148,10 +150,17 @@ def test_malformed_raises_protocol_error(frames: list[bytes]) -> None:
         P.decode(frames)
 
 
+BAD_SPELLINGS: list[object] = ["9", [9, 10], [[]], [["9"]], [[-1]], [[True]], [[9] * 33], [[9]] * 65, [[2**31]]]
+
+
 @pytest.mark.parametrize(
     "params, param",
     [({"temperature": -1.0}, "temperature"), ({"max_tokens": 0}, "max_tokens"), ({"top_p": 0}, "top_p"),
-     ({"max_tokens": "many"}, "max_tokens"), ({"no_such_knob": 1}, "no_such_knob"), ({"stop": [""]}, "stop")],
+     ({"max_tokens": "many"}, "max_tokens"), ({"no_such_knob": 1}, "no_such_knob"), ({"stop": [""]}, "stop"),
+     # the end tag's spellings: lists of 1..32 token ids, at most 64 of them, beside the end ids
+     *(({"reasoning_end_ids": [9, 10], "reasoning_end_spellings": bad}, "reasoning_end_spellings")
+       for bad in BAD_SPELLINGS),
+     ({"reasoning_end_spellings": [[9]]}, "reasoning_end_spellings")],  # no end ids to spell
 )
 def test_bad_sampling_params_keep_request_id(params: dict[str, object], param: str) -> None:
     """The engine answers ERROR for the very request, so the decoder must keep its id."""

@@ -11,12 +11,13 @@ from shared.sampling import SamplingParams
 from tests.fakes import smollm2_tokenizer
 
 OPEN, CLOSE = [7, 8], [9, 10, 11]
+END = thinking.Tag(tuple(CLOSE))
 
 
 def states(output: list[int], start: list[int]) -> list[int | None]:
     state, out = thinking.initial(start, CLOSE, 0), []
     for n in range(1, len(output) + 1):
-        state = thinking.after(state, output[:n], 0, start, CLOSE)
+        state = thinking.after(state, output[:n], 0, thinking.Tag(tuple(start)), END)
         out.append(state)
     return out
 
@@ -30,12 +31,12 @@ def test_states_open_at_the_start_ids_and_end_at_the_end_ids() -> None:
 
 
 def test_forced_is_the_rest_of_the_end_ids_once_the_budget_is_spent() -> None:
-    assert thinking.forced(0, [1, 2], 3, CLOSE) is None
-    assert thinking.forced(0, [1, 2, 3], 3, CLOSE) == 9
-    assert thinking.forced(0, [1, 2, 9], 3, CLOSE) == 10  # the model began the tag
-    assert thinking.forced(0, [1, 2, 9, 10], 3, CLOSE) == 11
-    assert thinking.forced(2, [9, 10, 1], 1, CLOSE) == 9  # a tag's prefix before the reasoning is not one
-    assert thinking.forced(thinking.WAITING, [1, 2, 3], 0, CLOSE) is None
+    assert thinking.forced(0, [1, 2], 3, END) is None
+    assert thinking.forced(0, [1, 2, 3], 3, END) == 9
+    assert thinking.forced(0, [1, 2, 9], 3, END) == 10  # the model began the tag
+    assert thinking.forced(0, [1, 2, 9, 10], 3, END) == 11
+    assert thinking.forced(2, [9, 10, 1], 1, END) == 9  # a tag's prefix before the reasoning is not one
+    assert thinking.forced(thinking.WAITING, [1, 2, 3], 0, END) is None
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 100])

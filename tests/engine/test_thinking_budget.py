@@ -141,6 +141,7 @@ def smollm2() -> LLM:
                num_threads=1)
 
 
+@pytest.mark.slow  # loads the real model in float32 (about a minute): out of `make check`
 def test_smollm2_closing_its_reasoning_in_another_spelling_ends_the_budget(smollm2: LLM) -> None:
     tok = smollm2_tokenizer()
     prompt, end = tok.encode(FEW_SHOT, add_special_tokens=False), encode(tok, CLOSE, add_special_tokens=False)

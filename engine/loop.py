@@ -2,7 +2,8 @@
 
 Busy loop: poll the socket without waiting while there is work, block while idle (an idle engine
 uses no CPU). Each step's outputs go out as one OUTPUTS message per client, holding only that
-client's requests. A malformed message gets an ERROR back and is dropped; it never stops the loop.
+client's requests (engine/outbox.py, the sending side). A malformed message gets an ERROR back and
+is dropped; it never stops the loop.
 
 The wire is bounded (shared/wire.py): a message over the size limit never reaches this loop (ZeroMQ
 drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
@@ -20,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
 
 import zmq
 
@@ -28,6 +28,7 @@ from engine.core import EngineCore
 from engine.listener import Heartbeats, listen
 from engine.observe.dashboard import Observer
 from engine.observe.trace import Tracer
+from engine.outbox import Outbox
 from engine.requests import RoutedOutputs
 from engine.step import EngineFault
 from shared.errors import ConveyorError, ProtocolError
@@ -38,20 +39,16 @@ from shared.protocol import (
     Error,
     GetStats,
     Hello,
-    Message,
     Observe,
-    Outputs,
     Ready,
-    RequestOutput,
     ResetPrefixCache,
     Stats,
     StopChoice,
     Trace,
     TraceData,
     decode,
-    encode,
 )
-from shared.wire import HEARTBEAT_INTERVAL, HWM, Keys, max_message_size
+from shared.wire import HEARTBEAT_INTERVAL, Keys, max_message_size
 
 log = logging.getLogger("conveyor.loop")
 
@@ -78,12 +75,11 @@ class EngineLoop:
         self.ctx.linger = 0  # as close() does: term() never waits on unsent messages (a dead peer's)
         self.max_message_size = max_message_size(core.max_model_len)
         self.sock, self.auth = listen(self.ctx, address, keys, self.max_message_size)
-        # Clients whose output queue was full: the errors they are owed, delivered once they read again.
-        self.behind: dict[bytes, dict[str, Error]] = {}
         self.next_beat = 0.0
         # The socket is used from two threads (the loop, the heartbeats): every use holds this lock.
         self.lock = threading.Lock()
         self.heartbeats = Heartbeats(self.sock, self.lock, heartbeat_interval)
+        self.outbox = Outbox(self.sock, self.lock, self._forget)
         self.close_linger_ms = 0  # unsent at close is dropped (a client resumes what it missed)
 
     def run(self) -> None:
@@ -101,20 +97,20 @@ class EngineLoop:
                     self._drain()
                 # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their thread, to
                 # every client with requests in flight (none while idle)
-                self.heartbeats.targets = self.core.requests.clients() - self.behind.keys()
+                self.heartbeats.targets = self.core.requests.clients() - self.outbox.behind.keys()
                 if busy or self.core.has_work():
                     outputs = self._step()
                     if self.observer.watchers:
                         self.observer.on_step(outputs)
-                    self._send_outputs(outputs)
+                    self.outbox.send_outputs(outputs)
                 if self.observer.watchers:
                     for client, observed in self.observer.due():
-                        self._send(client, observed)
+                        self.outbox.send(client, observed)
                 # 3. between steps, at most once per interval: the errors owed to clients that were behind
                 now = time.monotonic()
                 if now >= self.next_beat:
                     self.next_beat = now + self.heartbeat_interval
-                    self._pay_owed_errors()
+                    self.outbox.pay_owed_errors()
         finally:
             gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
             try:
@@ -173,42 +169,42 @@ class EngineLoop:
                 self._handle(client, decode(body))
             except ProtocolError as e:
                 log.warning("bad message from %s: %s", client.hex(), e)
-                self._send(client, Error(e.request_id, str(e), e.status))
+                self.outbox.send(client, Error(e.request_id, str(e), e.status))
 
     def _handle(self, client: bytes, msg: object) -> None:
         if isinstance(msg, Add):
-            if client in self.behind:  # it has not read what it was sent: no new work for it
-                self._owe(client, Error(msg.request_id, "", 503))
+            if client in self.outbox.behind:  # it has not read what it was sent: no new work for it
+                self.outbox.owe(client, Error(msg.request_id, "", 503))
                 return
             try:
                 # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
                 self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.pooling, client)
             except ConveyorError as e:
-                self._send(client, Error(msg.request_id, str(e), e.status))
+                self.outbox.send(client, Error(msg.request_id, str(e), e.status))
                 return
             except Exception as e:  # a check that should have refused it did not: refuse it here
                 log.exception("request %s: adding it failed", msg.request_id)
-                self._send(client, Error(msg.request_id, f"the engine could not add this request: {e}", 500))
+                self.outbox.send(client, Error(msg.request_id, f"the engine could not add this request: {e}", 500))
         elif isinstance(msg, Abort):
             requests = self.core.requests
-            self._send_outputs(self.core.abort([r for r in msg.request_ids if requests.client_of(r) == client]))
+            self.outbox.send_outputs(self.core.abort([r for r in msg.request_ids if requests.client_of(r) == client]))
         elif isinstance(msg, StopChoice):
             if self.core.requests.client_of(msg.request_id) == client:  # as for ABORT: only its owner may
-                self._send_outputs(self.core.stop_choice(msg.request_id, msg.index))
+                self.outbox.send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
             version = msg.protocol_version
             if not isinstance(version, int) or isinstance(version, bool):
                 why = f"protocol_version must be an integer, got {type(version).__name__} {version!r}"[:300]
-                self._send(client, Error(None, why, 400))
+                self.outbox.send(client, Error(None, why, 400))
                 return
             if version != PROTOCOL_VERSION:
                 why = f"protocol version {version} is not {PROTOCOL_VERSION}"
-                self._send(client, Error(None, why, 400))
+                self.outbox.send(client, Error(None, why, 400))
                 return
-            self._send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
+            self.outbox.send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
                                      self.max_message_size, self.heartbeat_interval, self.core.pooling.to_dict()))
         elif isinstance(msg, GetStats):
-            self._send(client, Stats(self.core.stats()))
+            self.outbox.send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):
             self.core.reset_prefix_cache()
         elif isinstance(msg, Observe):
@@ -216,7 +212,7 @@ class EngineLoop:
         elif isinstance(msg, Trace):
             self._trace(client, msg.on)
         else:
-            self._send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
+            self.outbox.send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
 
     def _trace(self, client: bytes, on: bool) -> None:
         """On: record (the trace that records already, if one does). Off: answer with what was recorded,
@@ -225,88 +221,13 @@ class EngineLoop:
         if on:
             self.core.set_tracer(tracer or Tracer())
             return
-        self._send(client, TraceData(tracer.trace() if tracer is not None else Tracer().trace()))
+        self.outbox.send(client, TraceData(tracer.trace() if tracer is not None else Tracer().trace()))
         if self.trace_file is None:
             self.core.set_tracer(None)
 
-    def _send_outputs(self, outputs: RoutedOutputs) -> None:
-        """Each output to the client that owns its request (outputs says whose: a request that ended
-        has left the engine's table)."""
-        by_client: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        for out in outputs:
-            assert out.request_id is not None
-            client = outputs.clients[out.request_id]
-            assert client is not None, "every request the loop added has its client"
-            if isinstance(out, Error):  # the request failed in the engine: this is its last word
-                self._send(client, out)
-                continue
-            by_client[client].append(out)
-        for client, outs in by_client.items():
-            if any(o.prompt_logprobs is not None for o in outs):  # alone, so each message stays bounded
-                for o in outs:  # (engine/admission.py caps one request's prompt logprobs)
-                    if o.prompt_logprobs is not None:
-                        self._send(client, Outputs([o]))
-                outs = [o for o in outs if o.prompt_logprobs is None]
-            if outs:
-                self._send(client, Outputs(outs))
-
-    def _send(self, client: bytes, msg: Message) -> None:
-        """Never blocks and never drops in silence: a client that is gone has its requests aborted; one
-        whose queue is full (HWM messages it has not read) too, and it is told so (_fell_behind)."""
-        if client in self.behind:
-            self._owe(client, msg)
-            return
-        try:
-            frames = [client, *encode(msg)]
-            with self.lock:
-                self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            self._fell_behind(client, msg)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            self._gone(client)
-
-    def _gone(self, client: bytes) -> None:
-        gone = self.core.requests.of_client(client)
-        log.warning("client %s is gone; aborting its %d requests", client.hex(), len(gone))
-        self.core.abort(gone)
-        self.behind.pop(client, None)
-        self.observer.drop(client)
-
-    def _fell_behind(self, client: bytes, unsent: Message) -> None:
-        """Aborting is the one bounded choice: holding its outputs here would grow without limit, and
-        pausing only its requests would still hold their KV blocks. The client hears it through an
-        ERROR per request, sent once it has read its queue (_beat), so no stream of its hangs."""
+    def _forget(self, client: bytes) -> list[str]:
+        """Aborts every request of a client that is gone or behind (Outbox) -> their ids."""
         mine = self.core.requests.of_client(client)
-        log.warning("client %s left %d messages unread; aborting its %d requests", client.hex(), HWM, len(mine))
         self.core.abort(mine)
         self.observer.drop(client)
-        self.behind[client] = {}
-        self._owe(client, unsent)
-        for rid in mine:
-            self._owe(client, Error(rid, "", 503))
-
-    def _owe(self, client: bytes, msg: Message) -> None:
-        """A client that is behind is owed an ERROR for each request it lost: those it was sent outputs
-        of, and those it adds meanwhile (refused). Other messages to it are dropped (STATS, heartbeats:
-        answers it will have given up on). At most HWM are kept: its heartbeat timeout ends any other."""
-        if isinstance(msg, Outputs):
-            rids = [o.request_id for o in msg.outputs]
-        else:
-            rids = [msg.request_id] if isinstance(msg, Error) and msg.request_id else []
-        owed = self.behind[client]
-        for rid in rids:
-            if len(owed) < HWM:
-                owed[rid] = Error(rid, f"the engine aborted this request: this client left {HWM} messages "
-                                       "unread (it reads its outputs too slowly, or not at all)", 503)
-
-    def _pay_owed_errors(self) -> None:
-        """The errors owed to clients that were behind, as far as their queues take them now."""
-        for client, owed in list(self.behind.items()):
-            del self.behind[client]  # so that _send tries the socket again
-            left = list(owed.values())
-            while left and client not in self.behind:
-                self._send(client, left.pop(0))  # full again: _fell_behind owes that one again
-            if left:
-                self.behind[client].update((e.request_id, e) for e in left if e.request_id)
+        return mine

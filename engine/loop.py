@@ -6,12 +6,12 @@ client's requests (engine/outbox.py, the sending side). A malformed message gets
 is dropped; it never stops the loop.
 
 The wire is bounded (shared/wire.py): a message over the size limit never reaches this loop (ZeroMQ
-drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client whose
-output queue is full has its requests aborted and is told so once it reads again (never a silent drop).
-Every HEARTBEAT_INTERVAL, from a thread of its own (engine/listener.py), each client with requests in
-flight gets a HEARTBEAT.
-Clients that OBSERVE get step rows and snapshots between steps (engine/observe/dashboard.py); TRACE turns a trace
-on and off (engine/observe/trace.py), and --trace-file records one from the start, written when the loop ends.
+drops that connection); at most MAX_DRAIN_PER_STEP messages are taken between two steps; a client
+whose output queue is full has its requests aborted and is told so once it reads again (never a
+silent drop). Every HEARTBEAT_INTERVAL, from a thread of its own (engine/listener.py), each client
+with requests in flight gets a HEARTBEAT. Clients that OBSERVE get step rows and snapshots between
+steps (engine/observe/dashboard.py); TRACE turns a trace on and off (engine/observe/trace.py), and
+--trace-file records one from the start, written when the loop ends.
 """
 from __future__ import annotations
 
@@ -54,16 +54,18 @@ log = logging.getLogger("conveyor.loop")
 
 IDLE_POLL_MS = 1000  # while idle, wake this often only to notice signals (and send heartbeats)
 OBSERVED_POLL_MS = 100  # while idle and watched: the dashboard sees the last step's effects at once
-# Messages taken from the socket between two steps. One costs ~10-50 us to decode and apply, so 256 add at
-# most ~10 ms to a step, while being more than a step admits (max_num_seqs 128 by default): a flood waits
-# for later steps instead of delaying every running request's next token without bound. The ROUTER takes
-# from its clients in turn, so another client's message waits behind at most a few of the flood's.
+# Messages taken from the socket between two steps. One costs ~10-50 us to decode and apply, so 256
+# add at most ~10 ms to a step, while being more than a step admits (max_num_seqs 128 by default): a
+# flood waits for later steps instead of delaying every running request's next token without bound.
+# The ROUTER takes from its clients in turn, so another client's message waits behind at most a few
+# of the flood's.
 MAX_DRAIN_PER_STEP = 256
 
 
 class EngineLoop:
     def __init__(self, core: EngineCore, address: str, keys: Keys | None = None,
-                 heartbeat_interval: float = HEARTBEAT_INTERVAL, trace_file: str | None = None) -> None:
+                 heartbeat_interval: float = HEARTBEAT_INTERVAL,
+                 trace_file: str | None = None) -> None:
         self.core = core
         self.observer = Observer(core)
         self.trace_file = trace_file
@@ -72,7 +74,7 @@ class EngineLoop:
         self.heartbeat_interval = heartbeat_interval
         self.address = address
         self.ctx = zmq.Context()
-        self.ctx.linger = 0  # as close() does: term() never waits on unsent messages (a dead peer's)
+        self.ctx.linger = 0  # as in close(): term() never waits on a dead peer's unsent messages
         self.max_message_size = max_message_size(core.max_model_len)
         self.sock, self.auth = listen(self.ctx, address, keys, self.max_message_size)
         self.next_beat = 0.0
@@ -83,8 +85,9 @@ class EngineLoop:
         self.close_linger_ms = 0  # unsent at close is dropped (a client resumes what it missed)
 
     def run(self) -> None:
-        # The start-up heap (torch, the model, hundreds of thousands of objects) lives until exit: frozen,
-        # the garbage collector stops rescanning it, so a full collection no longer stalls a step.
+        # The start-up heap (torch, the model, hundreds of thousands of objects) lives until
+        # exit: frozen, the garbage collector stops rescanning it, so a full collection no longer
+        # stalls a step.
         gc.freeze()
         self.heartbeats.start()
         try:
@@ -92,11 +95,12 @@ class EngineLoop:
                 # 1. drain the inbox: adds and aborts take effect before the next step
                 busy = self.core.has_work()
                 with self.lock:
-                    ready = self.sock.poll(0 if busy else OBSERVED_POLL_MS if self.observer.watchers else IDLE_POLL_MS)
+                    idle_ms = OBSERVED_POLL_MS if self.observer.watchers else IDLE_POLL_MS
+                    ready = self.sock.poll(0 if busy else idle_ms)
                 if ready:
                     self._drain()
-                # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their thread, to
-                # every client with requests in flight (none while idle)
+                # 2. one step: schedule, execute, update; heartbeats go on meanwhile, from their
+                # thread, to every client with requests in flight (none while idle)
                 self.heartbeats.targets = self.core.requests.clients() - self.outbox.behind.keys()
                 if busy or self.core.has_work():
                     outputs = self._step()
@@ -106,16 +110,19 @@ class EngineLoop:
                 if self.observer.watchers:
                     for client, observed in self.observer.due():
                         self.outbox.send(client, observed)
-                # 3. between steps, at most once per interval: the errors owed to clients that were behind
+                # 3. between steps, at most once per interval: the errors owed to clients that
+                # were behind
                 now = time.monotonic()
                 if now >= self.next_beat:
                     self.next_beat = now + self.heartbeat_interval
                     self.outbox.pay_owed_errors()
         finally:
-            gc.unfreeze()  # so that exit collects it (nanobind, under triton, reports what is left as leaks)
+            # so that exit collects it (nanobind, under triton, reports what is left as leaks)
+            gc.unfreeze()
             try:
                 self._write_trace()
-            finally:  # a trace that cannot be written must not leave the socket and the workers open
+            finally:
+                # a trace that cannot be written must not leave the socket and the workers open
                 self.close()
 
     def _write_trace(self) -> None:
@@ -129,9 +136,9 @@ class EngineLoop:
         log.info("trace written to %s", self.trace_file)
 
     def _step(self) -> RoutedOutputs:
-        """EngineCore.step ends a request that fails inside it; this is the net under that net. A bug
-        that escapes the step cannot be pinned on one request: every request in the engine ends with
-        an error, its blocks freed, and the engine goes on serving new ones."""
+        """EngineCore.step ends a request that fails inside it; this is the net under that net. A
+        bug that escapes the step cannot be pinned on one request: every request in the engine ends
+        with an error, its blocks freed, and the engine goes on serving new ones."""
         try:
             return self.core.step()
         except EngineFault as e:  # this process cannot compute any more: exit; clients resume
@@ -177,32 +184,39 @@ class EngineLoop:
                 self.outbox.owe(client, Error(msg.request_id, "", 503))
                 return
             try:
-                # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew across machines).
-                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.pooling, client)
+                # FCFS by the engine's own clock at receipt: clients' clocks differ (and skew
+                # across machines).
+                self.core.add(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
+                              msg.pooling, client)
             except ConveyorError as e:
                 self.outbox.send(client, Error(msg.request_id, str(e), e.status))
                 return
             except Exception as e:  # a check that should have refused it did not: refuse it here
                 log.exception("request %s: adding it failed", msg.request_id)
-                self.outbox.send(client, Error(msg.request_id, f"the engine could not add this request: {e}", 500))
+                why = f"the engine could not add this request: {e}"
+                self.outbox.send(client, Error(msg.request_id, why, 500))
         elif isinstance(msg, Abort):
             requests = self.core.requests
-            self.outbox.send_outputs(self.core.abort([r for r in msg.request_ids if requests.client_of(r) == client]))
+            mine = [r for r in msg.request_ids if requests.client_of(r) == client]
+            self.outbox.send_outputs(self.core.abort(mine))
         elif isinstance(msg, StopChoice):
-            if self.core.requests.client_of(msg.request_id) == client:  # as for ABORT: only its owner may
+            # as for ABORT: only its owner may
+            if self.core.requests.client_of(msg.request_id) == client:
                 self.outbox.send_outputs(self.core.stop_choice(msg.request_id, msg.index))
         elif isinstance(msg, Hello):
             version = msg.protocol_version
             if not isinstance(version, int) or isinstance(version, bool):
-                why = f"protocol_version must be an integer, got {type(version).__name__} {version!r}"[:300]
+                got = f"{type(version).__name__} {version!r}"
+                why = f"protocol_version must be an integer, got {got}"[:300]
                 self.outbox.send(client, Error(None, why, 400))
                 return
             if version != PROTOCOL_VERSION:
                 why = f"protocol version {version} is not {PROTOCOL_VERSION}"
                 self.outbox.send(client, Error(None, why, 400))
                 return
-            self.outbox.send(client, Ready(PROTOCOL_VERSION, self.core.source.name, self.core.max_model_len,
-                                     self.max_message_size, self.heartbeat_interval, self.core.pooling.to_dict()))
+            self.outbox.send(client, Ready(PROTOCOL_VERSION, self.core.source.name,
+                                           self.core.max_model_len, self.max_message_size,
+                                           self.heartbeat_interval, self.core.pooling.to_dict()))
         elif isinstance(msg, GetStats):
             self.outbox.send(client, Stats(self.core.stats()))
         elif isinstance(msg, ResetPrefixCache):
@@ -212,16 +226,18 @@ class EngineLoop:
         elif isinstance(msg, Trace):
             self._trace(client, msg.on)
         else:
-            self.outbox.send(client, Error(None, f"the engine does not accept {type(msg).__name__} messages", 400))
+            why = f"the engine does not accept {type(msg).__name__} messages"
+            self.outbox.send(client, Error(None, why, 400))
 
     def _trace(self, client: bytes, on: bool) -> None:
-        """On: record (the trace that records already, if one does). Off: answer with what was recorded,
-        and stop recording unless --trace-file records for the file."""
+        """On: record (the trace that records already, if one does). Off: answer with what was
+        recorded, and stop recording unless --trace-file records for the file."""
         tracer = self.core.tracer
         if on:
             self.core.set_tracer(tracer or Tracer())
             return
-        self.outbox.send(client, TraceData(tracer.trace() if tracer is not None else Tracer().trace()))
+        trace = tracer.trace() if tracer is not None else Tracer().trace()
+        self.outbox.send(client, TraceData(trace))
         if self.trace_file is None:
             self.core.set_tracer(None)
 

@@ -28,7 +28,12 @@ from torch import nn
 
 from engine.load import amx
 from engine.load.dtype import cpu_kind
-from engine.load.prepack import PLAIN_MAX_BYTES, QUANTIZED_TILES_ROWS, PackedLinear, quantized_packed_from
+from engine.load.prepack import (
+    PLAIN_MAX_BYTES,
+    QUANTIZED_TILES_ROWS,
+    PackedLinear,
+    quantized_packed_from,
+)
 from engine.load.quant import Int4Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")

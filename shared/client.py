@@ -19,7 +19,13 @@ from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.connection import EngineConnection
 from shared.detokenizer import Decoder, FastDecoder
-from shared.embedding import CANNOT_POOL, EmbeddingOutput, PoolingInfo, PoolingParams, truncate_tokens
+from shared.embedding import (
+    CANNOT_POOL,
+    EmbeddingOutput,
+    PoolingInfo,
+    PoolingParams,
+    truncate_tokens,
+)
 from shared.errors import ConveyorError, InvalidRequest
 from shared.resume import InFlight
 from shared.sampling import SamplingParams, check_priority

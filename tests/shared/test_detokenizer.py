@@ -136,7 +136,7 @@ def test_stop_string_split_across_tokens(name: str, text: str, stop: tuple[str, 
     for seed in range(5):
         deltas, detok = stream(tok, ids, random.Random(seed), stop)
         assert "".join(deltas) == expected
-        assert detok.stopped and detok.stop_reason in stop
+        assert detok.stopped and detok.stop_string in stop
         assert detok.step(tok.encode(" more", add_special_tokens=False)) == ""  # nothing after a stop
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The checks only a CUDA machine can make, in one go, each step bounded and logged on its own so that
 # one failure leaves the others' results: the machine, the Triton kernels compiled and run natively
-# against the PyTorch reference, their speed (bench/kernels.py), the prefill kernel's launch choices
-# swept (bench/triton_tune.py), the whole engine on each attention backend (bench/gpu_engine.py),
-# and the CPU kernel tests on the host's CPU (another CPU kind).
+# against the PyTorch reference and the engine under CUDA graphs, their speed (bench/kernels.py),
+# the prefill kernel's launch choices swept (bench/triton_tune.py), the whole engine on each
+# attention backend (bench/gpu_engine.py), and the CPU kernel tests on the host's CPU (another CPU
+# kind).
 #
 #   bash bench/gpu_check.sh OUTDIR        # OUTDIR gets one log per step
 #
@@ -28,7 +29,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, log to OUTDIR/NAME.log, print 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } >"$out/machine.log" 2>&1
 echo "machine: $(head -2 "$out/machine.log" | tail -1)"
-step triton_cuda_tests 170 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_cuda.py
+step triton_cuda_tests 200 env TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_cuda.py tests/kernels/test_cuda_graphs.py
 step bench_kernels 100 python3 bench/kernels.py --dtype bfloat16
 step triton_tune 150 python3 bench/triton_tune.py --quick --max-seconds 120
 step engine_smollm2 100 python3 bench/gpu_engine.py --shape smollm2 --dtype bfloat16

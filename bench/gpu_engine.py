@@ -1,7 +1,8 @@
-"""The whole engine on a CUDA GPU: the Triton attention backend against the PyTorch one, side by side.
+"""The whole engine on a CUDA GPU: the Triton attention backend against the PyTorch one, and the
+Triton backend's decode steps eager against replayed as CUDA graphs, side by side.
 
 One seeded workload (prompts 32..512 tokens, outputs 8..256, ignore_eos) through the offline engine
-on each backend in this run, same model, dtype and limits. Prints output tok/s of each, their ratio,
+on each in this run, same model, dtype and limits. Prints output tok/s of each, their ratio,
 and whether the greedy tokens agree (float32 must agree exactly; in bfloat16 the two backends round
 differently, so the share of requests whose tokens agree is printed instead).
 
@@ -41,14 +42,20 @@ def write_checkpoint(shape: str, folder: str) -> str:
     return folder
 
 
-def run(model: str, backend: str, reqs, args) -> tuple[float, list[list[int]]]:
+# (name, attention backend, enforce_eager): the torch backend never replays graphs (its plan is
+# built on the host each step); the Triton backend with and without them.
+RUNS = [("torch", "torch", True), ("triton eager", "triton", True), ("triton graphs", "triton", False)]
+
+
+def run(model: str, backend: str, eager: bool, reqs, args) -> tuple[float, list[list[int]]]:
     import torch
 
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
     llm = LLM(model, device="cuda", dtype=args.dtype, attention_backend=backend, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="8GiB")
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="8GiB",
+              enforce_eager=eager)
     llm.generate([[100, 101, 102]], SamplingParams(max_tokens=4), use_tqdm=False)  # compile and warm up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     torch.cuda.synchronize()
@@ -80,13 +87,14 @@ def main() -> None:
     print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {out_tokens} output tokens")
     with tempfile.TemporaryDirectory() as folder:
         model = write_checkpoint(args.shape, folder)
-        results = {b: run(model, b, reqs, args) for b in ("torch", "triton")}
+        results = {name: run(model, backend, eager, reqs, args) for name, backend, eager in RUNS}
     base = results["torch"][0]
-    print(f"\n{'backend':10s}{'seconds':>10s}{'output tok/s':>14s}{'vs torch':>10s}")
+    print(f"\n{'run':16s}{'seconds':>10s}{'output tok/s':>14s}{'vs torch':>10s}")
     for name, (secs, _) in results.items():
-        print(f"{name:10s}{secs:10.2f}{out_tokens / secs:14.1f}{base / secs:9.2f}x")
-    same = sum(a == b for a, b in zip(results["torch"][1], results["triton"][1]))
-    print(f"greedy tokens equal on {same} of {len(reqs)} requests")
+        print(f"{name:16s}{secs:10.2f}{out_tokens / secs:14.1f}{base / secs:9.2f}x")
+    for a, b in (("torch", "triton eager"), ("triton eager", "triton graphs")):
+        same = sum(x == y for x, y in zip(results[a][1], results[b][1]))
+        print(f"greedy tokens of {a} and {b} equal on {same} of {len(reqs)} requests")
 
 
 if __name__ == "__main__":

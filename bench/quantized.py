@@ -14,6 +14,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
     python bench/quantized.py --gemm [--threads 2]
+    python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
 --gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
@@ -207,6 +208,43 @@ def gemm(args: argparse.Namespace) -> None:
             print(f"{kind}: AMX rows path faster than its tiles at rows {sorted(beats)}", flush=True)
 
 
+def head(args: argparse.Namespace) -> None:
+    """The tied int8 head, one arithmetic at every row count or not (issue #30): for torch's int8 kernel,
+    the packed copy (the default from a few rows) and the packed copy padded at one row and cut into calls
+    of kernel_choice.ONEDNN_SAME_BITS_ROWS (--deterministic on AMX CPUs), the rows whose bits differ from
+    the same row alone, then ms per call by rows (best of --reps)."""
+    import torch
+
+    from engine import kernel_choice
+    from engine.load.prepack import PackedLinear
+    from engine.load.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
+    m = next(m for m in kernel_choice.switched_modules(model) if kernel_choice.kind_of(m) == "int8")
+    packed = PackedLinear(m.dequantized(), None)
+    m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=True), 1
+    m.packed_rows = kernel_choice.ONEDNN_SAME_BITS_ROWS
+    kernels = {"int8 kernel": m.quantized_mm, "packed": packed.forward, "packed, padded and cut": m.forward}
+    x = torch.randn(max(args.rows), m.shape()[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    print(f"{args.model}'s tied int8 head {m.shape()}, bfloat16 activations, {args.threads} threads")
+    for name, f in kernels.items():
+        alone = torch.cat([f(x[i:i + 1]) for i in range(x.shape[0])])
+        differ = {r: int((f(x[:r]) != alone[:r]).any(dim=1).sum()) for r in args.rows}
+        print(f"{name}: rows differing from the row alone, by call rows: {differ}", flush=True)
+    for r in args.rows:
+        times = []
+        for f in kernels.values():
+            best = float("inf")
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                f(x[:r])
+                best = min(best, time.perf_counter() - t0)
+            times.append(f"{best * 1e3:7.2f}")
+        print(f"rows {r:>3}: " + "  ".join(f"{n} {t}" for n, t in zip(kernels, times)), flush=True)
+
+
 def ab(args: argparse.Namespace) -> None:
     """The default configuration against --dtype bfloat16 --quantization none in one process, runs
     alternating (ABBA), so that a shared machine's drift falls on both alike."""
@@ -255,6 +293,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
     p.add_argument("--gemm", action="store_true", help="int kernels against packed copies by rows (see above)")
+    p.add_argument("--head", action="store_true", help="the tied int8 head's kernels: row-invariant or not, ms")
     p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--configs", type=lambda v: v.split(","),
@@ -273,10 +312,10 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
-    if args.gemm or args.ab:
+    if args.gemm or args.ab or args.head:
         print(machine())
         print(cpu_features())
-        (gemm if args.gemm else ab)(args)
+        (gemm if args.gemm else head if args.head else ab)(args)
         return
     if args.one or args.load_only:
         print(json.dumps(one(args) if args.one else load_only(args)))

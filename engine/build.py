@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -24,6 +25,10 @@ from kernels.backend import AttentionBackend, backend_limit
 from shared.config import EngineConfig
 from shared.embedding import PoolingInfo
 from shared.model_source import ModelSource, resolve_model
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -76,9 +81,10 @@ def build(config: EngineConfig) -> EngineParts:
     if tp_runner is not None:
         tp_runner.proposer = proposer
     runner = tp_runner or ModelRunner(model, kv, backend, device, proposer)
-    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling,
-                           tensor_parallel=tp_runner is not None)
+    pool = pooling.resolve(source.folder, mc.hidden_size, config.pooling)
     runner.pool_mode = pool.mode
+    if tp_runner is None and device.type == "cuda" and not config.enforce_eager:
+        runner.graphs = capture_decode_graphs(runner, config.scheduler.max_num_seqs, max_len)
     limits = Limits(mc.vocab_size, max_len, config.scheduler.max_num_seqs, bm.num_blocks,
                     bm.block_size, live)
     return EngineParts(source, mc, runner, proposer, bm, max_len, limits, pool)
@@ -133,3 +139,22 @@ def _backend(config: EngineConfig, kv: KVCache, dtype: torch.dtype,
                          f"{model_dtype}: only the cpu and torch attention backends cast between "
                          "them (--attention-backend cpu)")
     return backend
+
+
+def capture_decode_graphs(runner: ModelRunner, max_batch: int, max_len: int,
+                          capture: bool = True) -> DecodeGraphs | None:
+    """Decode graphs for a runner on the Triton backend (the torch backend's plan is built on the
+    host each step, which a graph cannot replay). capture=False: the same static buffers run
+    eagerly (what the CPU tests use)."""
+    from engine.cuda_graphs import DecodeGraphs
+    from kernels.triton_backend import TritonBackend
+
+    if not isinstance(runner.backend, TritonBackend):
+        return None
+    model = cast("LlamaForCausalLM", runner.model)
+    graphs = DecodeGraphs(model, runner.kv_cache.device, runner.backend, max_batch, max_len,
+                          runner.block_size, capture)
+    if capture:
+        with torch.inference_mode():
+            graphs.capture_all()
+    return graphs

@@ -40,6 +40,10 @@ log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
+# On AMX CPUs oneDNN's packed bfloat16 calls of up to this many rows give each row the same
+# bits, larger calls round a few rows otherwise (tests/kernels/test_quant_gemm.py), so
+# --deterministic cuts them there.
+ONEDNN_SAME_BITS_ROWS = 32
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -60,7 +64,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     """Gives the model's quantized matrices their packed copies and thresholds. -> int4 / int8 ->
     the rows from which that kernel hands over ({} when no copy was made). kind: the CPU kind
     (tests). deterministic: the copies at every row count (one kernel, so a row's arithmetic does
-    not depend on the step's row count; the faster one for batches), one-row calls padded."""
+    not depend on the step's row count; the faster one for batches), one-row calls padded and,
+    on AMX CPUs, larger ones cut into calls of ONEDNN_SAME_BITS_ROWS."""
     modules = switched_modules(model)
     without_copies, int4_handover = attach_tiles(modules, deterministic)
     modules = [m for m in modules if id(m) not in without_copies]
@@ -73,13 +78,15 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     for m in modules:
         m.packed, m.packed_from = PackedLinear(m.dequantized(), None,
                                                pad_one_row=deterministic), NEVER
+    kind = kind or cpu_kind()
     if deterministic:
         for m in modules:
             m.packed_from = 1
+            if kind == "AMX":
+                m.packed_rows = ONEDNN_SAME_BITS_ROWS
         log.info("--deterministic: quantized GEMMs on their packed %s copies at every row count",
                  str(dtype).removeprefix("torch."))
         return {k: 1 for k in {kind_of(m) for m in modules}}
-    kind = kind or cpu_kind()
     table = quantized_packed_from(kind, torch.get_num_threads())
     if table is not None and int4_handover is not None:
         table = {**table, "int4": int4_handover}

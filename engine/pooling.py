@@ -39,9 +39,7 @@ _ST_MODES = {
 _ST_KEPT = ("models.Transformer", "models.Pooling", "models.Normalize")
 
 
-def resolve(
-    folder: Path, hidden_size: int, flag: str, tensor_parallel: bool = False
-) -> PoolingInfo:
+def resolve(folder: Path, hidden_size: int, flag: str) -> PoolingInfo:
     """How this engine pools. flag: --pooling (auto: the checkpoint's sentence-transformers Pooling
     module, else last-token pooling, as vLLM does for decoders). Normalised when the checkpoint's
     pipeline has a Normalize module, or when it has no sentence-transformers files at all."""
@@ -51,13 +49,6 @@ def resolve(
     matryoshka = bool(config.get("is_matryoshka")) or bool(dims)
     if flag == "none":
         return PoolingInfo("", False, hidden_size, refusal="it was started with --pooling none")
-    if tensor_parallel:
-        return PoolingInfo(
-            "",
-            False,
-            hidden_size,
-            refusal="embeddings are not computed under --tensor-parallel-size > 1 yet",
-        )
     mode, normalize, refusal = _sentence_transformers(folder)
     if flag != "auto":
         mode = flag

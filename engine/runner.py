@@ -19,6 +19,7 @@ from engine.step import Drafts, StepOutput, StepPlan
 from kernels.backend import AttentionBackend
 
 if TYPE_CHECKING:
+    from engine.cuda_graphs import DecodeGraphs
     from engine.models.llama import LlamaForCausalLM
     from engine.speculative import Proposer
 
@@ -38,6 +39,8 @@ class ModelRunner:
         self.mark = no_mark  # where a step's phases begin, for a trace (EngineCore.set_tracer)
         # how embedding requests pool (EngineCore sets it: engine/pooling.py)
         self.pool_mode = "last"
+        # decode steps replayed as CUDA graphs (engine/build.py attaches them on CUDA)
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -71,9 +74,7 @@ class ModelRunner:
         self.mark("forward")
         pooled: dict[int, torch.Tensor] = {}
         if pool.rows:
-            model = cast("LlamaForCausalLM", self.model)  # no embeddings under tensor parallelism
-            logits, hidden = batch.forward_hidden(model, self.kv_cache.device, self.backend,
-                                                  self.device, pool.rows)
+            logits, hidden = self._forward_hidden(batch, pool.rows)
             pooled = pool.reduce(hidden)
         else:
             logits = self._forward(batch)  # [rows, V]
@@ -179,7 +180,15 @@ class ModelRunner:
     def _forward(self, batch: Batch) -> torch.Tensor:
         """-> logits [rows, V]: one forward of the model (tensor parallelism runs it on every
         rank)."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         return batch.forward(self.model, self.kv_cache.device, self.backend, self.device)
+
+    def _forward_hidden(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits [rows, V], the final hidden states of `rows`): one forward for sampled and
+        pooled (embedding) rows (tensor parallelism runs it on every rank)."""
+        model = cast("LlamaForCausalLM", self.model)
+        return batch.forward_hidden(model, self.kv_cache.device, self.backend, self.device, rows)
 
 
 def move_blocks(backend: AttentionBackend, kv: KVCache, swap_out: list[tuple[int, int]],

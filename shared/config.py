@@ -164,6 +164,9 @@ class EngineConfig:
     # depend on the traffic where the default's kernel choice would make it (docs/determinism.md);
     # costs the quantized default its int kernels at small batches.
     deterministic: bool = False
+    # On CUDA, decode steps replay captured CUDA graphs (engine/cuda_graphs.py) unless this is set
+    # (vLLM's spelling); every other step, and every step off CUDA, runs eagerly anyway.
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 # Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -26,7 +26,9 @@ from shared.protocol import Error, RequestOutput  # noqa: E402
 if TYPE_CHECKING:
     from engine.models.llama import DecoderLayer, LlamaForCausalLM
 
-TINY = dict(
+T = TypeVar("T")
+
+TINY: dict[str, Any] = dict(  # config keyword arguments of several types
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
     intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
     # std 0.15 (HF's default is 0.02) keeps greedy output varied instead of one repeated token, with
@@ -55,6 +57,20 @@ def request_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput
     rows = list(outs)
     assert all(isinstance(o, RequestOutput) for o in rows), rows
     return [o for o in rows if isinstance(o, RequestOutput)]
+
+
+def present(value: T | None) -> T:
+    """An optional field the test needs (an SDK response's usage or logprobs, an output's vector),
+    asserted to be there: the SDKs type most response fields optional, the server must send them."""
+    assert value is not None
+    return value
+
+
+def error_body(body: object) -> dict[str, Any]:
+    """An SDK error's body (openai's and anthropic's APIStatusError type it object): the JSON object
+    the server answered with."""
+    assert isinstance(body, dict), body
+    return body
 
 
 def causal_lm(model: torch.nn.Module) -> LlamaForCausalLM:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import zmq
@@ -22,7 +24,7 @@ from engine.distributed.comm import CollectiveError, Comm
 from engine.distributed.launch import ProcessWorker, RayWorker, WorkerHandle, node_ip, ray_placement
 from engine.distributed.message import StepInputs, pack, stop_message
 from engine.distributed.rank import RankRunner, RankSpec, load_shard, make_kv, per_rank_cache
-from engine.distributed.shard import Shard, check_divisible, checkpoint_folder
+from engine.distributed.shard import Shard, check_divisible, check_int4, checkpoint_folder
 from engine.distributed.worker import READY
 from engine.load.weights import read_config
 from engine.models.config import ModelConfig
@@ -34,6 +36,7 @@ from shared.model_source import ModelSource
 log = logging.getLogger("conveyor.tp")
 DEATH_GRACE_S = 2.0  # how long a failed collective waits for a dead worker's exit to become visible
 STOP_GRACE_S = 2.0  # how long the survivors of a dead worker get to take STOP before being killed
+R = TypeVar("R")  # what rank 0's part of a step returns
 
 
 class TPRunner(ModelRunner):
@@ -48,10 +51,17 @@ class TPRunner(ModelRunner):
         self._moves = (plan.swap_out, plan.swap_in, plan.copies)
 
     def _forward(self, batch: Batch) -> torch.Tensor:
+        return self._on_every_rank(batch, self.rank0.run)
+
+    def _forward_hidden(self, batch: Batch, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._on_every_rank(batch, lambda s: self.rank0.run_pooling(s, batch, rows))
+
+    def _on_every_rank(self, batch: Batch, run: Callable[[StepInputs], R]) -> R:
+        """The step's inputs to every worker, then rank 0's part of the step."""
         inputs = StepInputs.of(batch, *self._moves)
         self._broadcast(pack(inputs))
         try:
-            return self.rank0.run(inputs)
+            return run(inputs)
         except CollectiveError as e:
             # A killed worker's sockets reset before its exit can be seen: give the exit a moment to
             # show, so the error names the lost rank rather than only the failed collective.
@@ -91,11 +101,8 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     folder = checkpoint_folder(source)
     cfg = read_config(folder, config.dtype, device, config.quantization)
     check_divisible(cfg, n)
-    # A rank's int4 groups would match one engine's only where K/N % 32 == 0, and a GGUF's exact
-    # Q4 groups are not sliced: int8 (or --quantization none) gives TP=1's weights.
     if cfg.quantization == "int4":
-        raise ValueError("--quantization int4 is not sharded: use --quantization int8 or none, or "
-                         "--tensor-parallel-size 1")
+        check_int4(cfg, n, source.gguf_file is not None)
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
     # its block counts are every rank's

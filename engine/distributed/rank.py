@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.batch import Batch
 from engine.distributed.comm import Comm
 from engine.distributed.layers import ROW_PARALLEL, ShardedLlama
 from engine.distributed.message import StepInputs
@@ -81,6 +82,16 @@ class RankRunner:
                                           torch.tensor(s.logits_rows, dtype=torch.int64,
                                                        device=dev))
         return logits
+
+    @torch.inference_mode()
+    def run_pooling(self, s: StepInputs, batch: Batch,
+                    rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's run of a step with embedding rows (s is batch's inputs): the same block moves
+        and collectives as run, which the workers run, in the same order (the layers' all-reduces,
+        then the logits' gather); -> (logits [B, V], the final hidden states of rows [R, E]), the
+        states whole on every rank after the layers' all-reduces."""
+        move_blocks(self.backend, self.kv, s.swap_out, s.swap_in, s.copies)
+        return batch.forward_hidden(self.model, self.kv.device, self.backend, self.device, rows)
 
 
 def load_shard(spec: RankSpec, comm: Comm) -> tuple[ShardedLlama, Shard]:

@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from engine.load.gguf import write_gguf_cache
+from engine.load.quant import GROUP
 from engine.load.safetensors_files import load_order, safetensors_files
 from engine.load.weights import dequantized_folder
 from engine.models.config import ModelConfig
@@ -95,6 +96,24 @@ def check_divisible(cfg: ModelConfig, n: int) -> None:
                   and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
         raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
                          f"sizes that do: {', '.join(map(str, splits))}")
+
+
+def check_int4(cfg: ModelConfig, n: int, gguf: bool) -> None:
+    """Raises ValueError unless every rank's int4 matrices are slices of one engine's. A group is 32
+    columns of a row: a row-parallel rank (o_proj, down_proj) holds whole groups only where its
+    columns split at a multiple of 32 (where the whole matrix's do not, one engine falls back to
+    int8 as every rank does). A GGUF's exact Q4 groups (engine/load/gguf.py) are not sliced: the
+    ranks read its dequantized cache, whose values they would quantize again."""
+    if gguf:
+        raise ValueError("--quantization int4 of a GGUF is not sharded (its Q4 groups are not "
+                         "sliced): use --quantization int8 or none, or --tensor-parallel-size 1")
+    columns = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+    bad = [f"{name} ({k // n} columns a rank)" for name, k in columns.items()
+           if k % GROUP == 0 and k // n % GROUP]
+    if bad:
+        raise ValueError(f"--quantization int4 is not sharded at tensor_parallel_size {n}: a "
+                         f"rank's groups of {GROUP} columns would not be one engine's in "
+                         f"{', '.join(bad)}; use --quantization int8 or none")
 
 
 def checkpoint_folder(source: ModelSource) -> Path:

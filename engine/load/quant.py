@@ -56,6 +56,7 @@ class QuantizedLinear(nn.Module):
         self.packed: PackedLinear | None = None
         self.packed_from = 0
         self.amx_from = NEVER  # rows from which an int4 matrix with AMX codes takes the AMX kernel
+        self.packed_rows = NEVER  # most rows per call of the packed copy
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """x @ W.T (+ residual) on AMX tiles where this matrix runs them at x's rows; else None."""
@@ -82,18 +83,27 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and self.uses_packed(x.shape[0]):
-            y = self.packed.forward(x)
+            y = self.on_packed(x)
         else:
             tiles = self.amx_mm(x)
             y = self.quantized_mm(x) if tiles is None else tiles
         return y if self.bias is None else y + self.bias
+
+    def on_packed(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ h) on the packed copy, packed_rows a call (kernel_choice says why)."""
+        assert self.packed is not None
+        step = self.packed_rows
+        if x.shape[0] <= step:
+            return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
+        return torch.cat([self.on_packed(x[i:i + step], h if h is None else h[i:i + step])
+                          for i in range(0, x.shape[0], step)])
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the
         GEMM."""
         if self.bias is None:
             if self.packed is not None and self.uses_packed(x.shape[0]):
-                return self.packed.add_to(h, x)
+                return self.on_packed(x, h)
             tiles = self.amx_mm(x, h)
             if tiles is not None:
                 return tiles

@@ -14,16 +14,12 @@ using bf = c10::BFloat16;
 // Either gives a row the same bits.
 constexpr int64_t kRowsAsLanes = 8;
 
-// Lane i: the sum of a[i]'s 16 lanes (a transposing reduction: 15 shuffles and adds for 16 keys).
+// Lane i (< 8): a's lanes 2i and 2i + 1 summed; lane 8 + i: b's. Applied as a binary tree to 16 vectors
+// (pairs, then fours, eights, all 16), lane i of the root is the sum of vector i's lanes, neighbours first.
 inline __m512 hadd16(__m512 a, __m512 b) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
   return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-}
-inline __m512 reduce16(__m512* a) {
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] = hadd16(a[2 * i], a[2 * i + 1]);
-  return a[0];
 }
 
 // exp(x) for x <= 0, 16 lanes: the portable path's polynomial; below -87 (masked keys: -inf) exactly 0.
@@ -47,22 +43,6 @@ inline __m512 widen16(const bf* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// 16 keys' scores of one row: key i's dot product over D in lane i (C = D / 32 chunks of 32 dims; keys
-// from n on are not read and score 0).
-template <int C>
-inline __m512 dots16(const __m512bh* qv, const bf* k, int64_t stride, int64_t n) {
-  __m512 a[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) {
-    a[i] = _mm512_setzero_ps();
-    if (i < n)
-#pragma GCC unroll 8
-      for (int c = 0; c < C; ++c)
-        a[i] = _mm512_dpbf16_ps(a[i], qv[c], (__m512bh)_mm512_loadu_si512(k + i * stride + 32 * c));
-  }
-  return reduce16(a);
-}
-
 // Soft-capping, lane by lane: cap * tanh(s / cap).
 inline __m512 cap16(__m512 s, float cap) {
   alignas(64) float t[16];
@@ -81,23 +61,58 @@ inline float sum_tree(const float* t) {
   return a[0] + a[1];
 }
 
-// Scores of one row against BS keys (sr padded to a multiple of 16), scaled, capped, masked to [lo, hi]
-// (offsets in the block; lo may be negative, hi at most BS - 1: the padding must weigh 0).
-template <int C>
-inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr) {
+// 16 keys' scores of R rows of one token (row r's query chunks at qv[r * C ..]), into out[r]: each K chunk
+// loaded once feeds the R rows' dot products. Keys go 4 at a time and each row's lane sums are reduced as
+// they come, node by node of hadd16's tree (pairs of keys, then 4, 8, 16): a row's bits do not depend on R.
+template <int C, int R>
+inline void dots16_rows(const __m512bh* qv, const bf* k, int64_t stride, int64_t n, __m512* out) {
+  __m512 eight[R];  // each row's node of keys 0..7
+  __m512 four[R];   // of keys 0..3 or 8..11
+  for (int q = 0; q < 4; ++q) {
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      for (int r = 0; r < R; ++r) a[r][i] = _mm512_setzero_ps();
+      if (4 * q + i < n)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+          const __m512bh kc = (__m512bh)_mm512_loadu_si512(k + (4 * q + i) * stride + 32 * c);
+          for (int r = 0; r < R; ++r) a[r][i] = _mm512_dpbf16_ps(a[r][i], qv[r * C + c], kc);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 node = hadd16(hadd16(a[r][0], a[r][1]), hadd16(a[r][2], a[r][3]));
+      if (q % 2 == 0) four[r] = node;
+      else if (q == 1) eight[r] = hadd16(four[r], node);
+      else out[r] = hadd16(eight[r], hadd16(four[r], node));
+    }
+  }
+}
+
+// Scores of R rows of one token (row r's query at q[r * q_head]) against BS keys (sr: row r's at
+// sr[r * row], padded to a multiple of 16), scaled, capped, masked to [lo, hi] (offsets in the block; lo
+// may be negative, hi at most BS - 1: the padding must weigh 0).
+template <int C, int R>
+inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t lo, int64_t hi, float* sr,
+                   int64_t row) {
   const int64_t stride = p.Hkv * p.D;
-  __m512bh qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  __m512bh qv[R * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) qv[r * C + c] = (__m512bh)_mm512_loadu_si512(q + r * p.q_head + 32 * c);
   for (int64_t i0 = 0; i0 < p.BS; i0 += 16) {
+    __m512 d[R];
     const int64_t n = p.BS - i0;
-    __m512 s = _mm512_mul_ps(n >= 16 ? dots16<C>(qv, k + i0 * stride, stride, 16)
-                                     : dots16<C>(qv, k + i0 * stride, stride, n), _mm512_set1_ps(p.scale));
-    if (p.cap > 0.f) s = cap16(s, p.cap);
+    if (n >= 16) dots16_rows<C, R>(qv, k + i0 * stride, stride, 16, d);
+    else dots16_rows<C, R>(qv, k + i0 * stride, stride, n, d);
     const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)),
                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const __mmask16 seen = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
                            _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
-    _mm512_storeu_ps(sr + i0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), s));
+    for (int r = 0; r < R; ++r) {
+      __m512 s = _mm512_mul_ps(d[r], _mm512_set1_ps(p.scale));
+      if (p.cap > 0.f) s = cap16(s, p.cap);
+      _mm512_storeu_ps(sr + r * row + i0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), s));
+    }
   }
 }
 
@@ -187,13 +202,19 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
     conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &lo, &hi);
     if (lo > hi) continue;
     const int64_t r0 = j * G, blo = lo / BS, bhi = hi / BS;
-    for (int64_t g = 0; g < G; ++g) {
+    for (int64_t g = 0; g < G; g += 3) {  // 3 rows per K load (SmolLM2's group); a row's bits as alone
       const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
-      float* sg = sr.data() + g * row;
-      for (int64_t b = blo; b <= bhi; ++b)
-        scores<C>(p, q, static_cast<const bf*>(s.k[b]), lo - b * BS, std::min(hi - b * BS, BS - 1), sg + b * n16);
-      alpha[g] = softmax_update(sg + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
+      for (int64_t b = blo; b <= bhi; ++b) {
+        const bf* k = static_cast<const bf*>(s.k[b]);
+        const int64_t klo = lo - b * BS, khi = std::min(hi - b * BS, BS - 1);
+        float* sg = sr.data() + g * row + b * n16;
+        if (G - g >= 3) scores<C, 3>(p, q, k, klo, khi, sg, row);
+        else if (G - g == 2) scores<C, 2>(p, q, k, klo, khi, sg, row);
+        else scores<C, 1>(p, q, k, klo, khi, sg, row);
+      }
     }
+    for (int64_t g = 0; g < G; ++g)
+      alpha[g] = softmax_update(sr.data() + g * row + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
     pv_token(p, s, sr.data(), row, 1, alpha, s.acc + r0 * p.D, lo, hi);
   }
 }
@@ -222,7 +243,7 @@ inline void transpose16(__m512i* r) {
 }
 
 // One key's scores for 16 rows, row j in lane j (qt: the rows' queries transposed, pair of dims c in qt[c]):
-// the same arithmetic as dots16 + reduce16 for each row (lane l of a row's dot holds the pairs 16c + l
+// the same arithmetic as dots16_rows for each row (lane l of a row's dot holds the pairs 16c + l
 // summed over c in order; the 16 lane sums added pairwise, neighbours first).
 template <int C>
 inline __m512 dots_rows(const __m512i* qt, const int32_t* k) {

@@ -4,11 +4,13 @@ beam search; every block free at the end, every worker still in step (it takes S
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.core import EngineCore
 from shared.config import build_config
 from shared.sampling import SamplingParams
 from tests.distributed.workload import BLOCK, assert_all_free, run, workload
+from tests.engine.test_embeddings import PROMPTS, cosine, embed_all, hf_pooled
 
 COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
 
@@ -55,6 +57,28 @@ def test_tp2_equals_tp1_under_preemption(checkpoint, request):
                                   dict(num_blocks=20, num_cpu_blocks=6, preemption_mode="auto"))
     assert stats["num_preemptions_swap"] > 0 and stats["num_preemptions_recompute"] > 0
     assert stats["total_prefix_hits_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["last", "mean"])
+def test_tp2_embeddings_equal_tp1_and_transformers(tiny_llama_dir, mode):
+    """Pooling reads the final hidden states, whole on every rank once the layers' all-reduces are
+    done: rank 0 pools them while the workers run the step's collectives with it. A 150-token input in
+    32-token chunks (mean sums them), decodes in the same steps; the vectors are TP=1's and
+    transformers' last_hidden_state pooled."""
+    options = dict(num_blocks=64, pooling=mode, long_prefill_threshold=32)
+    generate = {"g1": [9, 8, 7], "g2": list(range(20, 60))}
+    reference = embed_all(tp_engine(tiny_llama_dir, 1, **options), PROMPTS, generate)
+    core = tp_engine(tiny_llama_dir, 2, **options)
+    try:
+        got = embed_all(core, PROMPTS, generate)
+    finally:
+        codes = stop(core)
+    for rid, ids in PROMPTS.items():
+        assert torch.allclose(torch.tensor(got[rid]), torch.tensor(reference[rid]), atol=1e-5), rid
+        assert cosine(got[rid], hf_pooled(tiny_llama_dir, ids, mode)) > 0.9999, rid
+    assert_all_free(core)
+    assert codes == [0]
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):

@@ -68,10 +68,12 @@ def llama_with_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_biases_and_int8_weights_tp2_equal_tp1(llama_with_biases: Path, quantization: str) -> None:
     """int8: every rank's codes and scales are the unsplit matrices' (row-parallel ones through the rows'
-    absmax over all ranks), so both sizes multiply by the same weights."""
+    absmax over all ranks), so both sizes multiply by the same weights. int4: a group is 32 columns of a
+    row, and the row-parallel ranks split their columns at 32 (o_proj) and 64 (down_proj), so every
+    rank's groups are the unsplit matrices'."""
     options = dict(POOL, quantization=quantization)
     assert_tp2_equals_tp1(llama_with_biases, workload(), options, options)
 
@@ -103,8 +105,19 @@ def test_speculative_decoding_at_tp2_equals_tp1(tiny_llama_dir: Path, method: st
         assert stats["spec_acceptance_rate"] == 1.0
 
 
-def test_int4_is_refused(tiny_llama_dir: Path) -> None:
-    """A rank's int4 groups equal one engine's only where its columns split at multiples of 32, and a
-    GGUF's exact Q4 groups are not sliced: refused before any worker starts."""
-    with pytest.raises(ValueError, match="--quantization int4 is not sharded"):
-        tp_engine(tiny_llama_dir, 2, quantization="int4")
+def test_int4_whose_groups_a_rank_would_cut_is_refused(tmp_path: Path) -> None:
+    """A rank's int4 groups equal one engine's only where its columns split at multiples of 32: an MLP of
+    96 units (3 groups a row) splits at 48, inside a group. Refused before any worker starts."""
+    folder = save_tiny(tmp_path, T.LlamaConfig, T.LlamaForCausalLM, intermediate_size=96)
+    with pytest.raises(ValueError, match=r"int4 is not sharded at tensor_parallel_size 2: .*down_proj \(48 columns"):
+        tp_engine(folder, 2, quantization="int4")
+
+
+def test_int4_of_a_gguf_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A GGUF's Q4 codes are carried over exactly at TP=1; the ranks read its dequantized cache and would
+    quantize it again, so int4 of a GGUF is refused by name (int8 of it is sharded)."""
+    from tests.engine.test_quantized import write_gguf
+
+    gguf = write_gguf(tiny_llama_dir, tmp_path / "tiny-q4.gguf")
+    with pytest.raises(ValueError, match="int4 of a GGUF is not sharded"):
+        tp_engine(gguf, 2, quantization="int4")

@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 
+from tests.conftest import error_body
+from tests.e2e.sdk import text_of, tool_use_of
 from tests.e2e.servers import Server, tiny_serve
 
 pytestmark = pytest.mark.slow
@@ -91,7 +93,7 @@ def test_create_and_stream_give_the_chat_routes_text(
         ],
         12,
     )
-    assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == want and want
+    assert [b.type for b in msg.content] == ["text"] and text_of(msg.content[0]) == want and want
     assert msg.stop_reason == "max_tokens" and msg.stop_sequence is None and msg.role == "assistant"
     assert msg.usage.output_tokens == 12 and msg.usage.input_tokens > 0 and msg.model == MODEL
     with client.messages.stream(**kw) as stream:
@@ -99,18 +101,18 @@ def test_create_and_stream_give_the_chat_routes_text(
         final = stream.get_final_message()
     assert kinds[:2] == ["message_start", "content_block_start"]  # the SDK's iterator skips pings
     assert kinds[-3:] == ["content_block_stop", "message_delta", "message_stop"]
-    assert final.content[0].text == want and final.stop_reason == "max_tokens"
+    assert text_of(final.content[0]) == want and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 12
 
 
 def test_stop_sequences_end_the_text_and_are_named(client: anthropic.Anthropic) -> None:
     kw: dict[str, Any] = dict(model=MODEL, max_tokens=16, extra_body=GREEDY, messages=ASK)
-    text = client.messages.create(**kw).content[0].text
+    text = text_of(client.messages.create(**kw).content[0])
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert len(stop) == 3
     msg = client.messages.create(**kw, stop_sequences=["zzzz-never", stop])
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
-    assert msg.content[0].text == text[: text.index(stop)]
+    assert text_of(msg.content[0]) == text[: text.index(stop)]
 
 
 def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) -> None:
@@ -124,7 +126,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
         tool_choice=choice,
     )
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
-    use = msg.content[0]
+    use = tool_use_of(msg.content[0])
     assert use.name == "get_weather" and use.id.startswith("toolu_")
     jsonschema.validate(use.input, WEATHER)
     with client.messages.stream(
@@ -141,7 +143,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
             if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
         )
         final = stream.get_final_message()
-    assert json.loads(partial) == final.content[0].input == use.input
+    assert json.loads(partial) == tool_use_of(final.content[0]).input == use.input
     follow = [
         *ASK,
         {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
@@ -176,7 +178,7 @@ def test_tool_use_round_trip(client: anthropic.Anthropic, oai: openai.OpenAI) ->
         8,
         tools=CHAT_TOOLS,
     )
-    assert answer.content[0].text == want and answer.stop_reason == "max_tokens"
+    assert text_of(answer.content[0]) == want and answer.stop_reason == "max_tokens"
 
 
 def test_output_config_format_is_enforced(client: anthropic.Anthropic) -> None:
@@ -188,7 +190,7 @@ def test_output_config_format_is_enforced(client: anthropic.Anthropic) -> None:
         output_config={"format": {"type": "json_schema", "schema": WEATHER}},
     )
     assert msg.stop_reason == "end_turn", msg.content
-    jsonschema.validate(json.loads(msg.content[0].text), WEATHER)
+    jsonschema.validate(json.loads(text_of(msg.content[0])), WEATHER)
 
 
 def test_count_tokens_is_the_prompt_the_model_reads(client: anthropic.Anthropic) -> None:
@@ -225,7 +227,7 @@ def test_errors_are_in_anthropics_shape(server: Server, client: anthropic.Anthro
         client.post(
             "/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, "messages": ASK}
         )
-    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+    assert e.value.status_code == 400 and error_body(e.value.body)["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.post("/v1/messages/nope", cast_to=anthropic.types.Message, body={})
 

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import openai
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.conftest import error_body
 from tests.e2e.servers import Server, is_idle, tiny_serve, wait_engine_idle
 from tests.fakes import smollm2_tokenizer
 
@@ -108,7 +110,8 @@ def test_long_input_chunked_and_truncated(client: openai.OpenAI, reference) -> N
     ids = [(37 * i + 11) % 49000 for i in range(1100)]
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="tiny-chat", input=ids)
-    assert e.value.body["param"] == "input" and "truncate_prompt_tokens" in e.value.body["message"]
+    body = error_body(e.value.body)
+    assert body["param"] == "input" and "truncate_prompt_tokens" in body["message"]
     cut = client.embeddings.create(
         model="tiny-chat",
         input=ids,
@@ -139,7 +142,7 @@ def test_bad_input_is_a_400_naming_the_field(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.embeddings.create(model="tiny-chat", **kwargs)
-    body = e.value.body
+    body = error_body(e.value.body)
     assert body["param"] == param or param in body["message"], body
 
 
@@ -151,7 +154,7 @@ def test_langchain_openai_embeddings(
     (tiktoken_enabled=False)."""
     from langchain_openai import OpenAIEmbeddings
 
-    kw = dict(model="tiny-chat", base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kw: dict[str, Any] = dict(model="tiny-chat", base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     want = [
         d.embedding
         for d in client.embeddings.create(

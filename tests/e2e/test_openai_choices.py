@@ -10,13 +10,15 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from shared.sampling import SamplingParams
+from tests.conftest import present, request_outputs
 from tests.e2e.servers import Server
 from tests.fakes import smollm2_tokenizer
 
 pytestmark = pytest.mark.slow
-CHAT = [{"role": "user", "content": "Write a story."}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a story."}]
 PROMPT = "Once upon a time"
 Reference = Callable[[list[int], SamplingParams], dict[int, tuple[list[int], list[list[Any]] | None]]]
 
@@ -47,14 +49,15 @@ def engine(tiny_chat_model: Path) -> Reference:
     count = iter(range(10**6))
 
     def generate(prompt_ids: list[int], params: SamplingParams) -> dict[int, tuple[list[int], list[list[Any]] | None]]:
-        rid, out = f"ref-{next(count)}", {}
+        rid = f"ref-{next(count)}"
+        out: dict[int, tuple[list[int], list[list[Any]] | None]] = {}
         core.add(rid, prompt_ids, params)
         while core.has_work():
-            for o in core.step():
+            for o in request_outputs(core.step()):
                 ids, lps = out.setdefault(o.index, ([], [] if o.logprobs is not None else None))
                 ids += o.new_token_ids
                 if o.logprobs is not None:
-                    lps += o.logprobs
+                    present(lps).extend(o.logprobs)
         return out
     return generate
 
@@ -80,13 +83,14 @@ def test_n3_seeded_choices_equal_the_engine(client: openai.OpenAI, server: Serve
                                     extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2] and [c.text for c in out.choices] == ref
     assert [c.finish_reason for c in out.choices] == ["length"] * 3
-    assert out.usage.completion_tokens == 24 and out.usage.total_tokens == out.usage.prompt_tokens + 24
+    usage = present(out.usage)
+    assert usage.completion_tokens == 24 and usage.total_tokens == usage.prompt_tokens + 24
 
     ref = texts_of(engine(prompt_ids(server, messages=CHAT), params))
     chat = client.chat.completions.create(model="tiny-chat", messages=CHAT, n=3, temperature=1.0, seed=7,
                                           max_tokens=8, extra_body={"ignore_eos": True})
     assert [c.index for c in chat.choices] == [0, 1, 2] and [c.message.content for c in chat.choices] == ref
-    assert chat.usage.completion_tokens == 24
+    assert present(chat.usage).completion_tokens == 24
 
 
 def test_best_of_returns_the_engines_best(client: openai.OpenAI, server: Server, engine: Reference) -> None:
@@ -95,7 +99,7 @@ def test_best_of_returns_the_engines_best(client: openai.OpenAI, server: Server,
     out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=1, best_of=3, temperature=1.0, seed=3,
                                     max_tokens=6, extra_body={"ignore_eos": True})
     assert [(c.index, c.text) for c in out.choices] == [(0, ref[0])]
-    assert out.usage.completion_tokens == 6  # the returned choice's tokens
+    assert present(out.usage).completion_tokens == 6  # the returned choice's tokens
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -125,14 +129,15 @@ def test_completion_logprobs_equal_the_engine(client: openai.OpenAI, server: Ser
     out = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=8, temperature=0, logprobs=2,
                                     extra_body={"ignore_eos": True})
     choice, tok = out.choices[0], smollm2_tokenizer()
-    lp = choice.logprobs
-    assert lp.tokens == [tok.decode([t]) for t in ref_ids]
-    assert "".join(lp.tokens) == choice.text
-    assert lp.token_logprobs == pytest.approx([row[0] for row in ref_lps], abs=1e-4)
-    assert [len(top) for top in lp.top_logprobs] == [2] * 8  # greedy: the sampled token is the top one
-    for top, row in zip(lp.top_logprobs, ref_lps):
+    lp, ref_rows = present(choice.logprobs), present(ref_lps)
+    tokens, tops = present(lp.tokens), present(lp.top_logprobs)
+    assert tokens == [tok.decode([t]) for t in ref_ids]
+    assert "".join(tokens) == choice.text
+    assert lp.token_logprobs == pytest.approx([row[0] for row in ref_rows], abs=1e-4)
+    assert [len(top) for top in tops] == [2] * 8  # greedy: the sampled token is the top one
+    for top, row in zip(tops, ref_rows):
         assert top == pytest.approx({tok.decode([t]): v for t, v in row[1]}, abs=1e-4)
-    assert lp.text_offset == [sum(len(s) for s in lp.tokens[:i]) for i in range(8)]
+    assert lp.text_offset == [sum(len(s) for s in tokens[:i]) for i in range(8)]
 
 
 def test_chat_logprobs_equal_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:
@@ -140,13 +145,14 @@ def test_chat_logprobs_equal_the_engine(client: openai.OpenAI, server: Server, e
                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
     out = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=8, temperature=0,
                                          logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
-    content, tok = out.choices[0].logprobs.content, smollm2_tokenizer()
+    content, tok = present(present(out.choices[0].logprobs).content), smollm2_tokenizer()
+    ref_rows = present(ref_lps)
     assert [e.token for e in content] == [tok.decode([t]) for t in ref_ids]
     assert "".join(e.token for e in content) == out.choices[0].message.content
-    assert [e.logprob for e in content] == pytest.approx([row[0] for row in ref_lps], abs=1e-4)
+    assert [e.logprob for e in content] == pytest.approx([row[0] for row in ref_rows], abs=1e-4)
     assert all(e.bytes == list(e.token.encode()) and len(e.top_logprobs) == 2 for e in content)
     assert [[a.logprob for a in e.top_logprobs] for e in content] == \
-        [pytest.approx([v for _, v in row[1]], abs=1e-4) for row in ref_lps]
+        [pytest.approx([v for _, v in row[1]], abs=1e-4) for row in ref_rows]
 
 
 def test_beam_search_equals_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:

@@ -10,13 +10,19 @@ SDKs."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.responses import EasyInputMessageParam, ResponseInputParam, ResponseReasoningItem
 
+from tests.conftest import error_body, present
+from tests.e2e.sdk import final_response
 from tests.e2e.servers import Server, tiny_serve
 from tests.fakes import smollm2_tokenizer
 
@@ -33,7 +39,9 @@ TEMPLATE = """\
 
 {% else %}<think>
 {% endif %}{% endif %}"""
-ASK = [{"role": "user", "content": "Why is the sky blue?"}]
+ASK_TEXT = "Why is the sky blue?"
+ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASK_TEXT}]
+CLAUDE_ASK: list[MessageParam] = [{"role": "user", "content": ASK_TEXT}]  # the same turn, for anthropic
 THINK_THEN_ANSWER = (
     r"[a-z ]{4,24}</think>[a-z ]{4,24}"  # forced by the grammar: the tag, not the words
 )
@@ -71,11 +79,10 @@ def reference(tiny_chat_model: Path) -> Any:
     tok = smollm2_tokenizer()
 
     def generate(ids: list[int], regex: str | None, max_tokens: int, schema: Any = None) -> str:
-        extra = {"constraint": Constraint("regex", regex)} if regex else {}
-        extra |= {"constraint": json_schema(schema)} if schema else {}
-        out = llm.generate(
-            [ids], SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra), use_tqdm=False
-        )
+        constraint = Constraint("regex", regex) if regex else None
+        constraint = json_schema(schema) if schema else constraint
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, constraint=constraint)
+        out = llm.generate([ids], params, use_tqdm=False)
         return tok.decode(out[0].token_ids, skip_special_tokens=True)
 
     return generate
@@ -122,7 +129,7 @@ def test_reasoning_and_content_are_split_streamed_and_not(
     extra: dict[str, Any] = {"chat_template_kwargs": kwargs} if kwargs else {}
     if regex:
         extra["structured_outputs"] = {"regex": regex}
-    kw = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0, extra_body=extra)
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0, extra_body=extra)
     msg = client.chat.completions.create(**kw).choices[0].message
     if want == "split":
         thought, answer = full.removeprefix("<think>").split("</think>")
@@ -134,7 +141,7 @@ def test_reasoning_and_content_are_split_streamed_and_not(
 
 
 def test_include_reasoning_false_and_unknown_template_kwargs(client: openai.OpenAI) -> None:
-    kw = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0)
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0)
     msg = client.chat.completions.create(
         **kw,
         extra_body={"include_reasoning": False, "structured_outputs": {"regex": THINK_THEN_ANSWER}},
@@ -147,13 +154,12 @@ def test_include_reasoning_false_and_unknown_template_kwargs(client: openai.Open
         client.chat.completions.create(
             **kw, extra_body={"chat_template_kwargs": {"enable_thinkin": False}}
         )
-    assert e.value.body["param"] == "chat_template_kwargs.enable_thinkin"
+    assert error_body(e.value.body)["param"] == "chat_template_kwargs.enable_thinkin"
 
 
 # Responses' text.format and Messages' output_config.format take a JSON schema: its string pattern
 # forces the tag, so the output `"words</think>words"` splits at it (quotes included).
 SPLIT_SCHEMA = {"type": "string", "pattern": "^[a-z ]{4,24}</think>[a-z ]{4,24}$"}
-ASK_TEXT = ASK[0]["content"]
 RESPONSES_CASES = [
     ({}, None, None, "all reasoning"),  # the prompt opened <think>; cut by max_output_tokens
     (
@@ -205,7 +211,7 @@ def test_responses_reasoning_item_streamed_and_not(
     with client.responses.stream(**kw) as stream:
         events = list(stream)
     # the helper's get_final_response wants response.completed; a cut output ends incomplete
-    final = stream.get_final_response() if r.status == "completed" else events[-1].response
+    final = stream.get_final_response() if r.status == "completed" else final_response(events)
     assert events[-1].type == f"response.{r.status}"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
@@ -217,10 +223,10 @@ def test_responses_reasoning_item_streamed_and_not(
     assert without_ids(final.output) == without_ids(r.output)
 
 
-def transformers_prompt_len(messages: list[dict[str, Any]]) -> int:
+def transformers_prompt_len(messages: Sequence[Mapping[str, Any]]) -> int:
     """The prompt the template renders, by transformers: the reference for what the model reads."""
     tok = smollm2_tokenizer()
-    text = tok.apply_chat_template(messages, chat_template=TEMPLATE, add_generation_prompt=True,
+    text = tok.apply_chat_template([dict(m) for m in messages], chat_template=TEMPLATE, add_generation_prompt=True,
                                    tokenize=False)
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -231,20 +237,25 @@ def test_previous_response_id_and_sent_back_reasoning_items_are_not_assistant_te
     """A response whose output is reasoning continues with an empty assistant turn (this template
     shows no reasoning_content), whether chained by id or by sending its items back."""
     first = client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=8, temperature=0)
-    assert [o.type for o in first.output] == ["reasoning"] and first.output[0].content[0].text
-    again = {"role": "user", "content": "And at night?"}
-    want = transformers_prompt_len([*ASK, {"role": "assistant", "content": ""}, again])
+    reasoning = first.output[0]
+    assert [o.type for o in first.output] == ["reasoning"] and isinstance(reasoning, ResponseReasoningItem)
+    assert present(reasoning.content)[0].text
+    ask: EasyInputMessageParam = {"role": "user", "content": ASK_TEXT}
+    empty: EasyInputMessageParam = {"role": "assistant", "content": ""}
+    again: EasyInputMessageParam = {"role": "user", "content": "And at night?"}
+    want = transformers_prompt_len([ask, empty, again])
     chained = client.responses.create(model=MODEL, input=[again], previous_response_id=first.id,
                                       max_output_tokens=4, temperature=0)
-    item = first.output[0].model_dump(exclude_none=True)
+    # the item as a client sends it back: its JSON, not the SDK's param type
+    item: Any = reasoning.model_dump(exclude_none=True)
     sent_back = client.responses.create(
-        model=MODEL, input=[ASK[0], item, {"role": "assistant", "content": ""}, again],
-        max_output_tokens=4, temperature=0,
+        model=MODEL, input=[ask, item, empty, again], max_output_tokens=4, temperature=0,
     )
-    assert chained.usage.input_tokens == sent_back.usage.input_tokens == want
+    assert present(chained.usage).input_tokens == present(sent_back.usage).input_tokens == want
     with pytest.raises(openai.BadRequestError) as e:  # reasoning must lead to an assistant item
-        client.responses.create(model=MODEL, input=[ASK[0], item, again], max_output_tokens=4)
-    assert e.value.body["param"] == "input[1]"
+        bad: ResponseInputParam = [ask, item, again]
+        client.responses.create(model=MODEL, input=bad, max_output_tokens=4)
+    assert error_body(e.value.body)["param"] == "input[1]"
 
 
 @pytest.mark.parametrize(
@@ -256,11 +267,11 @@ def test_previous_response_id_and_sent_back_reasoning_items_are_not_assistant_te
     ],
 )
 def test_responses_reasoning_options_that_cannot_be_honoured_are_400s(
-    client: openai.OpenAI, reasoning: dict[str, Any], param: str
+    client: openai.OpenAI, reasoning: Any, param: str  # Any: some lie outside the SDK's own type
 ) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=4, reasoning=reasoning)
-    assert e.value.body["param"] == param
+    assert error_body(e.value.body)["param"] == param
 
 
 @pytest.fixture(scope="module")
@@ -290,7 +301,7 @@ def test_messages_thinking_block_streamed_and_not(
 ) -> None:
     thought, answer = expected(reference(prompt_ids(server, kwargs), None, 48, schema), want)
     body = {k: v for k, v in extra.items() if k != "thinking"} | {"temperature": 0}
-    kw: dict[str, Any] = dict(model=MODEL, max_tokens=48, messages=ASK, extra_body=body,
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=48, messages=CLAUDE_ASK, extra_body=body,
                               **({"thinking": extra["thinking"]} if "thinking" in extra else {}))
     msg = claude.messages.create(**kw)
     blocks = [("thinking", thought)] * bool(thought) + [("text", answer)] * bool(answer)
@@ -313,20 +324,21 @@ def test_messages_thinking_block_streamed_and_not(
     ],
 )
 def test_messages_thinking_that_cannot_be_honoured_is_a_400(
-    claude: anthropic.Anthropic, thinking: dict[str, Any], param: str
+    claude: anthropic.Anthropic, thinking: Any, param: str  # Any: some lie outside the SDK's own type
 ) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model=MODEL, max_tokens=4096, messages=ASK, thinking=thinking)
-    assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert param.split(".")[-1] in e.value.body["error"]["message"]
+        claude.messages.create(model=MODEL, max_tokens=4096, messages=CLAUDE_ASK, thinking=thinking)
+    error = error_body(e.value.body)["error"]
+    assert error["type"] == "invalid_request_error"
+    assert param.split(".")[-1] in error["message"]
 
 
 def test_thinking_blocks_sent_back_are_not_assistant_text(claude: anthropic.Anthropic) -> None:
-    turn = {"role": "assistant", "content": [
+    turn: MessageParam = {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "the sun is low", "signature": ""},
         {"type": "text", "text": "Rayleigh."},
     ]}
-    again = {"role": "user", "content": "And at night?"}
-    count = claude.messages.count_tokens(model=MODEL, messages=[*ASK, turn, again])
-    want = transformers_prompt_len([*ASK, {"role": "assistant", "content": "Rayleigh."}, again])
+    again: MessageParam = {"role": "user", "content": "And at night?"}
+    count = claude.messages.count_tokens(model=MODEL, messages=[*CLAUDE_ASK, turn, again])
+    want = transformers_prompt_len([*CLAUDE_ASK, {"role": "assistant", "content": "Rayleigh."}, again])
     assert count.input_tokens == want

@@ -14,9 +14,11 @@ import anthropic
 import openai
 import pytest
 
+from tests.conftest import error_body, present
 from tests.e2e.conftest import TINY_CHAT
+from tests.e2e.sdk import final_response
 from tests.e2e.servers import Server, tiny_serve
-from tests.e2e.test_reasoning import ASK, TEMPLATE, expected, prompt_ids
+from tests.e2e.test_reasoning import ASK, ASK_TEXT, CLAUDE_ASK, TEMPLATE, expected, prompt_ids
 from tests.fakes import smollm2_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -79,7 +81,7 @@ def test_anthropic_budget_tokens_cut_the_thinking_and_the_answer_follows(server:
     thought, answer = expected(text(ids), "split")
     assert thought == text(ids[:1024]) and answer.strip()  # exactly the budget's 1024 tokens, then the answer
     claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
-    kw: dict[str, Any] = dict(model=MODEL, max_tokens=1100, messages=ASK, extra_body={"temperature": 0},
+    kw: dict[str, Any] = dict(model=MODEL, max_tokens=1100, messages=CLAUDE_ASK, extra_body={"temperature": 0},
                               thinking={"type": "enabled", "budget_tokens": 1024})
     msg = claude.messages.create(**kw)
     assert [(b.type, b.thinking if b.type == "thinking" else b.text) for b in msg.content] == [
@@ -123,14 +125,14 @@ def test_chat_usage_counts_reasoning_tokens_streamed_and_not(
 @pytest.mark.parametrize(("extra", "all_reasoning"), [({}, True), ({"reasoning": {"effort": "none"}}, False)])
 def test_responses_usage_counts_reasoning_tokens(client: openai.OpenAI, extra: dict[str, Any],
                                                  all_reasoning: bool) -> None:
-    kw: dict[str, Any] = dict(model=MODEL, input=ASK[0]["content"], max_output_tokens=16, temperature=0, **extra)
-    r = client.responses.create(**kw)
-    assert r.usage.output_tokens == 16
-    assert r.usage.output_tokens_details.reasoning_tokens == (16 if all_reasoning else 0)
+    kw: dict[str, Any] = dict(model=MODEL, input=ASK_TEXT, max_output_tokens=16, temperature=0, **extra)
+    usage = present(client.responses.create(**kw).usage)
+    assert usage.output_tokens == 16
+    assert usage.output_tokens_details.reasoning_tokens == (16 if all_reasoning else 0)
     with client.responses.stream(**kw) as stream:
         events = list(stream)
-    use = events[-1].response.usage  # input_tokens_details differ: the prompt is cached now
-    assert (use.output_tokens, use.output_tokens_details) == (16, r.usage.output_tokens_details)
+    use = present(final_response(events).usage)  # input_tokens_details differ: the prompt is cached now
+    assert (use.output_tokens, use.output_tokens_details) == (16, usage.output_tokens_details)
 
 
 FORMAT = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "string"}}}
@@ -145,14 +147,14 @@ def test_chat_budgets_that_cannot_be_honoured_are_400s(client: openai.OpenAI, ex
                                                        param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=24, extra_body=extra)
-    assert e.value.body["param"] == param
+    assert error_body(e.value.body)["param"] == param
 
 
 def test_messages_budget_with_an_output_format_is_a_400(server: Server) -> None:
     claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=60)
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model=MODEL, max_tokens=1100, messages=ASK,
+        claude.messages.create(model=MODEL, max_tokens=1100, messages=CLAUDE_ASK,
                                thinking={"type": "enabled", "budget_tokens": 1024},
                                extra_body={"output_config": {"format": {"type": "json_schema",
                                                                         "schema": {"type": "string"}}}})
-    assert "budget_tokens" in e.value.body["error"]["message"]
+    assert "budget_tokens" in error_body(e.value.body)["error"]["message"]

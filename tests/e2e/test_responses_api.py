@@ -13,8 +13,19 @@ from typing import Any, Literal
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from openai.types.responses import (
+    ResponseFunctionToolCall,
+    ResponseFunctionToolCallOutputItem,
+    ResponseInputMessageItem,
+    ResponseInputParam,
+    ResponseInputText,
+    ResponseTextConfigParam,
+)
 from pydantic import BaseModel, Field
 
+from tests.conftest import error_body, present
+from tests.e2e.sdk import as_type, extra_field, final_response
 from tests.e2e.servers import Server, tiny_serve
 
 pytestmark = pytest.mark.slow
@@ -64,7 +75,7 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def chat_text(
-    client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int, **kw: Any
+    client: openai.OpenAI, messages: list[ChatCompletionMessageParam], max_tokens: int, **kw: Any
 ) -> str:
     out = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, **kw
@@ -111,11 +122,12 @@ def test_plain_text_equals_the_chat_route_and_streams_the_same(client: openai.Op
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
-    assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == 12
+    final = final_response(events)
+    assert final.output_text == want and present(final.usage).output_tokens == 12
 
 
 def test_function_tool_loop(client: openai.OpenAI) -> None:
-    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask: ResponseInputParam = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.responses.create(
         model=MODEL,
         input=ask,
@@ -126,7 +138,7 @@ def test_function_tool_loop(client: openai.OpenAI) -> None:
         parallel_tool_calls=False,
     )
     assert r.status == "completed" and [o.type for o in r.output] == ["function_call"]
-    call = r.output[0]
+    call = as_type(r.output[0], ResponseFunctionToolCall)
     assert call.name == "get_weather" and call.call_id and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     streamed = list(
@@ -145,7 +157,7 @@ def test_function_tool_loop(client: openai.OpenAI) -> None:
     done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
     assert len(done) == 1 and done[0].arguments == args == call.arguments
     # the result goes back as function_call_output; the model answers with a message
-    follow = [
+    follow: list[Any] = [  # the call goes back as the JSON it came as
         *ask,
         call.model_dump(exclude_none=True),
         {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp": 21}'},
@@ -157,7 +169,7 @@ def test_function_tool_loop(client: openai.OpenAI) -> None:
     want = chat_text(
         client,
         [
-            *ask,
+            {"role": "user", "content": "What is the weather in Paris?"},
             {
                 "role": "assistant",
                 "content": None,
@@ -180,7 +192,9 @@ def test_function_tool_loop(client: openai.OpenAI) -> None:
 
 
 def test_text_format_json_schema(client: openai.OpenAI) -> None:
-    fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
+    fmt: ResponseTextConfigParam = {
+        "format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    }
     r = client.responses.create(
         model=MODEL, input="A person, please.", text=fmt, max_output_tokens=60, temperature=0
     )
@@ -193,7 +207,9 @@ def test_text_format_json_schema(client: openai.OpenAI) -> None:
         max_output_tokens=8,
         temperature=0,
     )
-    assert r.output_text.startswith("{") and r.text.format.type == "json_object"  # cut at 8 tokens
+    fmt_out = present(r.text).format
+    assert fmt_out is not None
+    assert r.output_text.startswith("{") and fmt_out.type == "json_object"  # cut at 8 tokens
 
 
 def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) -> None:
@@ -229,7 +245,7 @@ def test_previous_response_id_continues_the_conversation(client: openai.OpenAI) 
             stream=True,
         )
     )
-    assert streamed[-1].response.output_text == want
+    assert final_response(streamed).output_text == want
 
 
 def test_input_items_list_pages_through_the_input(client: openai.OpenAI) -> None:
@@ -246,24 +262,27 @@ def test_input_items_list_pages_through_the_input(client: openai.OpenAI) -> None
     page = client.responses.input_items.list(r.id)
     assert [i.type for i in page.data] == [
         "function_call_output", "function_call", "message", "message"]  # desc: newest first
-    assert page.has_more is False and page.first_id == page.data[0].id
-    assert page.last_id == page.data[-1].id and page.data[1].id == "fc_given"
+    assert page.has_more is False and extra_field(page, "first_id") == page.data[0].id
+    assert extra_field(page, "last_id") == page.data[-1].id and page.data[1].id == "fc_given"
     assert len({i.id for i in page.data}) == 4
     asc = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # 4 pages of 1
     assert [i.id for i in asc] == [i.id for i in reversed(page.data)]
-    assert asc[0].role == "developer" and asc[0].content[0].text == "Be brief."
-    assert asc[1].content[0].type == "input_text" and asc[3].output == "sunny"
+    developer, user = as_type(asc[0], ResponseInputMessageItem), as_type(asc[1], ResponseInputMessageItem)
+    assert developer.role == "developer" and as_type(developer.content[0], ResponseInputText).text == "Be brief."
+    assert user.content[0].type == "input_text"
+    assert as_type(asc[3], ResponseFunctionToolCallOutputItem).output == "sunny"
     two = client.responses.input_items.list(r.id, order="asc", limit=2, after=asc[0].id)
     assert [i.id for i in two.data] == [asc[1].id, asc[2].id] and two.has_more is True
     one = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
-    [item] = client.responses.input_items.list(one.id).data
-    assert (item.type, item.role, item.content[0].text) == ("message", "user", "Hello")
+    [listed] = client.responses.input_items.list(one.id).data
+    item = as_type(listed, ResponseInputMessageItem)
+    assert (item.type, item.role, as_type(item.content[0], ResponseInputText).text) == ("message", "user", "Hello")
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_items.list(r.id, limit=101)
-    assert e.value.body["param"] == "limit"
+    assert error_body(e.value.body)["param"] == "limit"
     with pytest.raises(openai.NotFoundError) as nf:
         client.responses.input_items.list("resp_gone")
-    assert nf.value.status_code == 404 and "resp_gone" in nf.value.body["message"]
+    assert nf.value.status_code == 404 and "resp_gone" in error_body(nf.value.body)["message"]
 
 
 def test_retrieve_delete_and_unknown_ids(client: openai.OpenAI) -> None:
@@ -280,7 +299,7 @@ def test_retrieve_delete_and_unknown_ids(client: openai.OpenAI) -> None:
             call()
         assert e.value.status_code == 404 and r.id in e.value.message
     unstored = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4, store=False)
-    assert unstored.store is False
+    assert extra_field(unstored, "store") is False
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
 
@@ -345,7 +364,7 @@ def test_unknown_and_unsupported_fields_are_400s_that_name_them(
             **{k: v for k, v in body.items() if k in _SDK},
             extra_body={k: v for k, v in body.items() if k not in _SDK},
         )
-    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+    assert e.value.status_code == 400 and error_body(e.value.body)["param"] == param, e.value.body
     assert param.split(".")[-1].split("[")[0] in e.value.message
 
 
@@ -424,7 +443,7 @@ TERMINAL = ("response.completed", "response.incomplete", "error")
 
 
 async def _until_end(conn: Any) -> list[Any]:
-    events = []
+    events: list[Any] = []
     while not events or events[-1].type not in TERMINAL:
         events.append(await asyncio.wait_for(conn.recv(), 60))
     return events

@@ -3,11 +3,13 @@ with logprobs and max_tokens 0, batched prompts, vLLM's prompt_logprobs; the num
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 import torch
 
+from tests.conftest import present
 from tests.e2e.servers import Server
 from tests.fakes import smollm2_tokenizer
 from tests.reference import hf_folder_model
@@ -65,15 +67,16 @@ def test_echo_scoring_without_generating_equals_transformers(client: openai.Open
     for prompt in (TEXTS, ids):  # a batch of strings, and of token-id lists
         resp = client.completions.create(model="tiny-chat", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
         assert [c.index for c in resp.choices] == [0, 1]
-        assert resp.usage.completion_tokens == 0 and resp.usage.prompt_tokens == sum(map(len, ids))
+        usage = present(resp.usage)
+        assert usage.completion_tokens == 0 and usage.prompt_tokens == sum(map(len, ids))
         for c, p, text in zip(resp.choices, ids, TEXTS):
             assert c.text == text and c.finish_reason == "length"
-            assert len(c.logprobs.tokens) == len(p)
+            assert len(present(present(c.logprobs).tokens)) == len(p)
             check_echo_logprobs(c.logprobs, p, ref(p), k=1)
 
 
 def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, ref) -> None:
-    kw = dict(model="tiny-chat", prompt=TEXTS[1], max_tokens=5, temperature=0, logprobs=3,
+    kw: dict[str, Any] = dict(model="tiny-chat", prompt=TEXTS[1], max_tokens=5, temperature=0, logprobs=3,
               extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0]
     echoed = client.completions.create(**kw, echo=True).choices[0]
@@ -91,7 +94,8 @@ def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, ref) 
 
 
 def test_batched_prompts_generate_one_choice_per_prompt_and_n(client: openai.OpenAI) -> None:
-    kw = dict(model="tiny-chat", max_tokens=4, temperature=0.8, seed=5, n=2, extra_body={"ignore_eos": True})
+    kw: dict[str, Any] = dict(model="tiny-chat", max_tokens=4, temperature=0.8, seed=5, n=2,
+                              extra_body={"ignore_eos": True})
     batch = client.completions.create(prompt=TEXTS, **kw)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     for i, text in enumerate(TEXTS):

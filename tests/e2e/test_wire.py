@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from collections.abc import Set as AbstractSet
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from shared import protocol as P
 from shared.client import AsyncEngineClient
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling import SamplingParams
+from shared.stream import RequestStream
 from shared.wire import generate_keys, load_keys
 from tests.e2e.servers import Server, engine_stats, free_port, is_idle, wait_engine_idle
 
@@ -51,8 +53,8 @@ def ipc_engine(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[tuple[Server, s
         yield server, address
 
 
-async def collect(stream: P.Message | object) -> list[P.RequestOutput]:
-    return [o async for o in stream]  # type: ignore[attr-defined]
+async def collect(stream: RequestStream) -> list[P.RequestOutput]:
+    return [o async for o in stream]
 
 
 async def raw_dealer(ctx: zmq.asyncio.Context, address: str, keys: Path | None = None) -> zmq.asyncio.Socket:
@@ -64,7 +66,7 @@ async def raw_dealer(ctx: zmq.asyncio.Context, address: str, keys: Path | None =
     return sock
 
 
-async def next_event(monitor: zmq.asyncio.Socket, wanted: set[int], timeout: float = 30.0) -> int:
+async def next_event(monitor: zmq.asyncio.Socket, wanted: AbstractSet[int], timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if await monitor.poll(100):

@@ -5,7 +5,9 @@ import pytest
 
 from engine.core import EngineCore
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 
 BS = 16
 
@@ -13,7 +15,7 @@ BS = 16
 def collect(core: EngineCore) -> dict[tuple[str, int], list[int]]:
     out: dict[tuple[str, int], list[int]] = {}
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
             out.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
     return out
 
@@ -26,12 +28,15 @@ def test_n4_on_a_300_token_prompt_holds_the_prompt_blocks_once(tiny_llama_dir):
     core.add("a", prompt, SamplingParams(temperature=0.8, seed=5, n=4, max_tokens=6, ignore_eos=True))
     core.step()  # prefills 299 tokens once, then forks
     assert (core.last_step["step_num_seqs"], core.last_step["step_prefill_tokens"]) == (1, 299)
-    seqs = core.requests["a"].root.group.seqs
+    group = core.requests["a"].root.group
+    assert group is not None  # n=4 forked the root
+    seqs = group.seqs
     assert len(seqs) == 4 and all(s.block_table == seqs[0].block_table for s in seqs)
     table = seqs[0].block_table
     assert len(table) == 19 and 64 - bm.num_free_blocks == 19  # 299 tokens = 18 full blocks + 11
     assert [bm.ref_counts[b] for b in table] == [4] * 19
-    first = core.step()  # each sequence computes token 300 into the shared partial block: 3 copies, 1 in place
+    # each sequence computes token 300 into the shared partial block: 3 copies, 1 in place
+    first = request_outputs(core.step())
     assert (core.last_step["step_num_seqs"], core.last_step["step_prefill_tokens"]) == (4, 4)  # 1 token each
     assert bm.stats["cow_copies"] == 3
     assert [bm.ref_counts[b] for b in table[:18]] == [4] * 18 and bm.ref_counts[table[18]] == 1
@@ -67,15 +72,20 @@ def test_seeded_n_is_reproducible_and_each_sample_is_its_own_stream(tiny_llama_d
     assert runs[0] == runs[1] and len({tuple(v) for v in runs[0].values()}) == 3
 
 
+def logprob_sum(out: RequestOutput) -> float:
+    assert out.logprobs is not None  # the request asked for logprobs
+    return sum(lp for lp, _ in out.logprobs)
+
+
 def test_best_of_returns_the_n_most_likely_at_the_end(tiny_llama_dir):
     core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=128, block_size=BS))
     core.add("b", list(range(3, 25)), SamplingParams(temperature=1.0, seed=2, n=2, best_of=5, max_tokens=8,
                                                       ignore_eos=True, logprobs=0))
-    rows = []
+    rows: list[RequestOutput] = []
     while core.has_work():
-        rows += core.step()
+        rows += request_outputs(core.step())
     assert [(o.index, o.finished) for o in rows] == [(0, False), (1, True)]  # nothing streamed before the end
-    sums = [sum(lp for lp, _ in o.logprobs) for o in rows]
+    sums = [logprob_sum(o) for o in rows]
     group = core.scheduler.running  # all gone
     assert not group
     assert sums[0] >= sums[1] and all(len(o.new_token_ids) == 8 for o in rows)
@@ -117,20 +127,20 @@ def test_a_choice_ended_by_a_stop_string_frees_its_blocks_and_leaves_the_others_
     core.add("r", prompt, params)
     core.add("solo", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     got: dict[tuple[str, int], list[int]] = {}
-    rows = []
+    rows: list[RequestOutput] = []
     for _ in range(6):
-        rows += core.step()
+        rows += request_outputs(core.step())
     free = bm.num_free_blocks
-    stopped = core.stop_choice("r", 1)
+    stopped = request_outputs(core.stop_choice("r", 1))
     assert [(o.request_id, o.index, o.new_token_ids, o.finished, o.finish_reason) for o in stopped] == [
         ("r", 1, [], False, "stop")]
     assert bm.num_free_blocks > free  # its own blocks went back at once
     assert core.stop_choice("r", 1) == [] and core.stop_choice("r", 7) == [] and core.stop_choice("solo", 0) == []
     for _ in range(2):
-        rows += core.step()
-    rows += core.stop_choice("r", 0)  # the root sequence may end first too
+        rows += request_outputs(core.step())
+    rows += request_outputs(core.stop_choice("r", 0))  # the root sequence may end first too
     while core.has_work():
-        rows += core.step()
+        rows += request_outputs(core.step())
     for o in rows:
         got.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
     assert got[("r", 2)] == want[("r", 2)]  # the others are exactly what they would have been
@@ -146,10 +156,11 @@ def test_stopping_the_last_running_choice_ends_the_request(tiny_llama_dir):
     core.add("r", list(range(3, 20)), SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=50, ignore_eos=True))
     for _ in range(3):
         core.step()
-    assert [(o.index, o.finished) for o in core.stop_choice("r", 0)] == [(0, False)]
-    last = core.stop_choice("r", 1)
+    assert [(o.index, o.finished) for o in request_outputs(core.stop_choice("r", 0))] == [(0, False)]
+    last = request_outputs(core.stop_choice("r", 1))
     assert [(o.index, o.finished, o.finish_reason) for o in last] == [(1, True, "stop")]
-    assert "finished" in last[0].events and not core.has_work()
+    events = last[0].events
+    assert events is not None and "finished" in events and not core.has_work()
     assert core.block_manager.num_free_blocks == 64 and core.abort(["r"]) == []
 
 
@@ -166,10 +177,10 @@ def test_a_choice_stopped_while_preempted_frees_every_block(tiny_llama_dir, mode
         queue = core.scheduler.swapped if mode == "swap" else core.scheduler.waiting
         stopped = next((s for s in queue if s.group is not None and s.group.forked), None)
     assert stopped is not None, "the pool must be small enough to preempt a forked sequence"
-    rows = core.stop_choice(stopped.request.request_id, stopped.index)
+    rows = request_outputs(core.stop_choice(stopped.request.request_id, stopped.index))
     assert [(o.index, o.finish_reason) for o in rows] == [(stopped.index, "stop")]
     assert stopped not in core.scheduler.swapped and stopped not in core.scheduler.waiting
     while core.has_work():
-        rows += core.step()
+        rows += request_outputs(core.step())
     assert not core.requests
     assert core.block_manager.num_free_blocks == 14 and core.block_manager.cpu.num_free == 64

@@ -10,7 +10,9 @@ import torch
 from engine.core import EngineCore
 from engine.observe.trace import Tracer
 from shared.config import build_config
+from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
+from tests.conftest import request_outputs
 from tests.reference import hf_folder_model
 from tests.traced import prefill_chunks
 
@@ -40,7 +42,7 @@ def run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
         out[f"r{i}"] = [None, [], 0]
     sent: set[tuple[str, int]] = set()
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
             rec = out[o.request_id]
             if o.prompt_logprobs is not None:  # on each choice's first row, once
                 assert (o.request_id, o.index) not in sent
@@ -97,10 +99,11 @@ def test_chunked_prefill_and_other_requests_in_the_batch(tiny_llama_dir):
     for i, ref in enumerate(reference(tiny_llama_dir, prompts)):
         rid = f"r{i}"
         assert out[rid][1] == plain[rid][1]  # scoring changes no generated token
-        if params[i].prompt_logprobs is None:
+        k = params[i].prompt_logprobs
+        if k is None:
             assert out[rid][0] is None
         else:
-            assert_matches(out[rid][0], prompts[i], ref, params[i].prompt_logprobs)
+            assert_matches(out[rid][0], prompts[i], ref, k)
 
 
 def test_cached_prefix_is_computed_again_for_scoring(tiny_llama_dir):
@@ -145,10 +148,11 @@ def test_preempted_prefills_keep_the_numbers(tiny_llama_dir, mode, cpu_blocks):
 def test_n_greater_than_one_scores_the_prompt_once_and_sends_it_with_each_choice(tiny_llama_dir):
     prompt = prompts_of(4, 1, 30, 30)[0]
     core = EngineCore(small_config(str(tiny_llama_dir)))
-    rows = []
+    rows: list[RequestOutput] = []
     core.add("r0", prompt, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=3, prompt_logprobs=2))
     while core.has_work():
-        rows += [o for o in core.step() if o.prompt_logprobs is not None]
+        rows += [o for o in request_outputs(core.step()) if o.prompt_logprobs is not None]
     assert sorted(o.index for o in rows) == [0, 1, 2]  # each choice's first row carries the same list
-    assert all(o.prompt_logprobs == rows[0].prompt_logprobs for o in rows)
-    assert_matches(rows[0].prompt_logprobs, prompt, reference(tiny_llama_dir, [prompt])[0], k=2)
+    first = rows[0].prompt_logprobs
+    assert first is not None and all(o.prompt_logprobs == first for o in rows)
+    assert_matches(first, prompt, reference(tiny_llama_dir, [prompt])[0], k=2)

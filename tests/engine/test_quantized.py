@@ -6,7 +6,9 @@ converter does). The float reference is transformers' own GGUF loader (dequantiz
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 from engine.core import EngineCore
 from engine.load import amx
+from engine.load.dtype import cpu_kind
 from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
 from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
@@ -22,6 +25,7 @@ from kernels.torch_backend import TorchBackend
 from shared.config import build_config
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
+from tests.conftest import causal_lm, decoder_layers, request_outputs
 from tests.reference import hf_greedy, transformers_gguf_model
 
 # Max |logit difference| from the dequantized float32 model. The Q4_0 projections are carried over bit for
@@ -129,17 +133,17 @@ def test_q4_0_and_q8_0_gguf_loads_small_and_matches_the_dequantized_model(tiny_g
     plain, _ = load_model(source, torch.float32, "cpu", "none")
     for mode in ("int4", "int8"):
         model, cfg = load_model(source, torch.float32, "cpu", mode)
-        layer = model.model.layers[0]
+        layer = decoder_layers(model)[0]
         kind = Int4Linear if mode == "int4" else Int8Linear
         assert cfg.quantization == mode
         assert isinstance(layer.qkv_proj, kind) and isinstance(layer.down_proj, kind)
-        assert isinstance(model.model.embed_tokens, Int8Linear)
+        assert isinstance(causal_lm(model).model.embed_tokens, Int8Linear)
         assert weight_bytes(model) < weight_bytes(plain) / 3
         diff = (logits(model, cfg, ids) - ref).abs().max().item()
         assert diff < TOLERANCE, f"{mode}: max |logit diff| {diff}"
     # int4 from Q4_0 is exact: with the embedding left in float32, only float rounding remains.
     exact, cfg = load_model(source, torch.float32, "cpu", "int4")
-    exact.model.embed_tokens = plain.model.embed_tokens
+    causal_lm(exact).model.embed_tokens = causal_lm(plain).model.embed_tokens
     torch.testing.assert_close(logits(exact, cfg, ids), ref, atol=1e-3, rtol=1e-3)
     # auto: the file's 4-bit codes as int4 under 16-bit activations; dequantized under float32, where the
     # int kernels are slow.
@@ -160,7 +164,7 @@ def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
         core.add(f"r{i}", p, params)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     while core.has_work():
-        for o in core.step():
+        for o in request_outputs(core.step()):
             out[o.request_id] += o.new_token_ids
     ref = hf_greedy(transformers_gguf_model(resolve_model(str(tiny_gguf))), prompts, 10)
     ours = [out[f"r{i}"] for i in range(len(prompts))]
@@ -177,14 +181,15 @@ def test_default_model_served_quantized_answers_the_readme_example():
     from engine.offline import LLM
 
     params = SamplingParams(temperature=0, max_tokens=16)
-    texts = {}
+    texts: dict[str, str | None] = {}  # None: no tokenizer, which this model has
     for quant in ("int4", "none"):
         llm = LLM("SmolLM2-135M-Instruct", quantization=quant, kv_cache_memory="64MiB", num_threads=1)
         texts[llm.core.model_config.quantization] = llm.generate(["The capital of France is"], params,
                                                                  use_tqdm=False)[0].text
         del llm
     print(f"\nint4: {texts['int4']!r}\nfloat32 (dequantized): {texts['none']!r}")
-    assert "Paris" in texts["int4"]
+    int4 = texts["int4"]
+    assert int4 is not None and "Paris" in int4
 
 
 # --- The kernel each quantized GEMM runs, by rows (engine/kernel_choice.py) ---
@@ -251,9 +256,16 @@ def test_the_row_threshold_is_honoured_on_both_sides(kind: str, monkeypatch: pyt
     module.packed, module.packed_from = PackedLinear(module.dequantized(), None), 8
     calls: list[str] = []
     packed_forward, packed_add, int_mm = PackedLinear.forward, PackedLinear.add_to, type(module).quantized_mm
-    monkeypatch.setattr(PackedLinear, "forward", lambda s, x: calls.append("packed") or packed_forward(s, x))
-    monkeypatch.setattr(PackedLinear, "add_to", lambda s, h, x: calls.append("packed") or packed_add(s, h, x))
-    monkeypatch.setattr(type(module), "quantized_mm", lambda s, x: calls.append("int") or int_mm(s, x))
+
+    def counted(name: str, f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: Any) -> torch.Tensor:
+            calls.append(name)
+            return f(*args)
+        return call
+
+    monkeypatch.setattr(PackedLinear, "forward", counted("packed", packed_forward))
+    monkeypatch.setattr(PackedLinear, "add_to", counted("packed", packed_add))
+    monkeypatch.setattr(type(module), "quantized_mm", counted("int", int_mm))
     with torch.inference_mode():
         for rows, want in ((1, "int"), (7, "int"), (8, "packed"), (300, "packed")):
             x = torch.randn(rows, w.shape[1]).bfloat16()
@@ -269,18 +281,20 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
     from engine.load import prepack
 
     source = resolve_model(str(tiny_gguf))
-    table = {kernel_choice.cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}
+    table = {cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}
     monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", table)
     if amx.usable():  # AMX CPUs: int4 takes the tiles from 2 rows and hands over to the copy from 6
         monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS", {torch.get_num_threads(): (2, 6)})
         model, _ = load_model(source, torch.bfloat16, "cpu", "int4")
-        qkv = model.model.layers[0].qkv_proj
-        assert (qkv.amx_from, qkv.packed_from, model.model.embed_tokens.packed_from) == (2, 6, 3)
+        qkv, embed = decoder_layers(model)[0].qkv_proj, causal_lm(model).model.embed_tokens
+        assert isinstance(qkv, Int4Linear) and isinstance(embed, Int8Linear)
+        assert (qkv.amx_from, qkv.packed_from, embed.packed_from) == (2, 6, 3)
     monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS", {})
     model, cfg = load_model(source, torch.bfloat16, "cpu", "int4")
-    layer, embed = model.model.layers[0], model.model.embed_tokens
-    assert cfg.quantization == "int4" and layer.qkv_proj.packed is not None
-    assert layer.qkv_proj.packed_from == 5 and embed.packed_from == 3  # the tied head is the embedding
+    qkv, embed = decoder_layers(model)[0].qkv_proj, causal_lm(model).model.embed_tokens
+    assert isinstance(qkv, Int4Linear) and isinstance(embed, Int8Linear)
+    assert cfg.quantization == "int4" and qkv.packed is not None
+    assert qkv.packed_from == 5 and embed.packed_from == 3  # the tied head is the embedding
     ids = random.Random(3).sample(range(3, 512), 40)
     full = logits(model, cfg, ids)  # 40 rows: the packed copies (the head too)
     for m in kernel_choice.switched_modules(model):
@@ -313,6 +327,10 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
     copied = [m for m in modules if m not in tiled]
     assert copied and all(m.packed is not None and m.packed_from == 1 for m in copied)
     assert all(m.packed.pad_one_row for m in copied if m.packed is not None)
+    from engine.load.dtype import cpu_kind
+
+    cut = kernel_choice.ONEDNN_SAME_BITS_ROWS if cpu_kind() == "AMX" else kernel_choice.NEVER
+    assert all(m.packed_rows == cut for m in copied)
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(monkeypatch) -> None:

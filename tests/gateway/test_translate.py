@@ -8,13 +8,17 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
+from unittest.mock import patch
 
+from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import translate
+from gateway.openai_schema import ParsedRequest
 from gateway.reasoning import Reasoning, split_reasoning
+from gateway.state import CONFIG, GatewayConfig
 from gateway.tools import Tools, parse_calls
 from shared.choices import TextOutput
 
@@ -38,20 +42,19 @@ class _Req:
     reasoning: Reasoning | None = None
 
 
-def _collect(pieces: list[str], interval: int, req: Any = None) -> list[Any]:
+def _collect(pieces: list[str], interval: int, req: _Req | None = None) -> list[Any]:
     async def fake_run(app: Any, req: Any, rid: str) -> AsyncGenerator[TextOutput, None]:
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             yield TextOutput(rid, piece, [0], last, "stop" if last else None, 5, i + 1)
 
     async def run() -> list[Any]:
-        original = translate.run_request
-        translate.run_request = fake_run  # type: ignore[assignment]
-        try:
-            app = {translate.CONFIG: type("C", (), {"stream_interval": interval})()}
-            return [e async for e in translate.events(app, req or _Req(), "r")]  # type: ignore[arg-type]
-        finally:
-            translate.run_request = original
+        app = web.Application()
+        app[CONFIG] = GatewayConfig(stream_interval=interval)
+        # _Req stands in for the ParsedRequest fields events reads (tools, reasoning)
+        parsed = cast(ParsedRequest, req or _Req())
+        with patch.object(translate, "run_request", fake_run):
+            return [e async for e in translate.events(app, parsed, "r")]
 
     return asyncio.run(run())
 

@@ -33,7 +33,9 @@ def test_api_key_on_upgrade_header_or_query() -> None:
                 with pytest.raises(aiohttp.WSServerHandshakeError) as info:
                     await http.ws_connect("/v1/ws")
                 assert info.value.status == 401
-                for kw in ({"headers": {"Authorization": "Bearer sk-ws"}}, {"params": {"api_key": "sk-ws"}}):
+                ways: list[dict[str, Any]] = [{"headers": {"Authorization": "Bearer sk-ws"}},
+                                              {"params": {"api_key": "sk-ws"}}]
+                for kw in ways:
                     ws = await http.ws_connect("/v1/ws", **kw)
                     await ws.send_json({"op": "completions", "id": "a", "body": {"prompt": "hi", "max_tokens": 2}})
                     frames = await frames_until(ws, lambda f: f["event"] == "done")

@@ -186,6 +186,26 @@ def test_a_lone_decode_cut_per_kv_head_gets_its_bits_in_a_batch(isa, dtype, thre
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group,head_dim", [(4, 64), (8, 128), (5, 96)])
+def test_a_query_heads_bits_do_not_depend_on_its_place_in_its_group(isa, group, head_dim, runnable):
+    """The avx512_bf16 path scores a decode token's query heads three at a time per K load (then two, or
+    one): a head's scores must not depend on which heads share its loads. Rolling the heads inside each
+    group moves every head to another place (alone, or second of three), and its output keeps its bits."""
+    native(isa, runnable, torch.bfloat16)
+    gen = torch.Generator().manual_seed(group)
+    length, hkv, bs = 200, 2, 16
+    table = torch.randperm(-(-length // bs), generator=gen).tolist()
+    kc, vc = (torch.randn(len(table), bs, hkv, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(length, hkv * group, head_dim, generator=gen).to(torch.bfloat16)
+    roll = torch.tensor([h * group + (g + 1) % group for h in range(hkv) for g in range(group)])
+    decodes = [(p, p + 1) for p in range(0, length, 9)]
+    for softcap in (0.0, 20.0):
+        out = attend(isa, q, kc, vc, table, decodes, 0, softcap)
+        rolled = attend(isa, q[:, roll], kc, vc, table, decodes, 0, softcap)
+        assert torch.equal(rolled, out[:, roll]), softcap
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("block_size,group,head_dim,window", [(8, 3, 64, 0), (32, 4, 128, 0), (16, 2, 96, 70)])
 def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, group, head_dim, window, runnable):
     """A row's online softmax runs once per 64-position unit (fewer positions where a block is larger), and
@@ -220,14 +240,21 @@ def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, mo
     --deterministic puts prompts on the kernel wherever it runs; CONVEYOR_NATIVE_PROMPTS forces either way."""
     from kernels import get_backend
 
+    def cpu(dtype: torch.dtype, deterministic: bool = False) -> TorchBackend:
+        backend = get_backend("cpu", "cpu", dtype, deterministic)
+        assert isinstance(backend, TorchBackend)  # "cpu" is the torch backend with the native kernel
+        return backend
+
     monkeypatch.delenv("CONVEYOR_NATIVE_PROMPTS", raising=False)
     monkeypatch.delenv("CONVEYOR_ATTENTION_ISA", raising=False)
-    bf16, fp32 = get_backend("cpu", "cpu", torch.bfloat16), get_backend("cpu", "cpu", torch.float32)
+    bf16, fp32 = cpu(torch.bfloat16), cpu(torch.float32)
     assert bf16.native_prompts == ("avx512_bf16" in runnable)
-    assert get_backend("cpu", "cpu", torch.bfloat16, deterministic=True).native_prompts
+    assert cpu(torch.bfloat16, deterministic=True).native_prompts
     assert not fp32.native_prompts
     batch = random_batch([1, 40], [30, 20], block_size=16, num_kv_heads=1, group=2, head_dim=64, seed=9)
-    assert (bf16.plan(batch.layout).native.covers_all is True) == bf16.native_prompts
+    native = bf16.plan(batch.layout).native
+    assert native is not None  # the decode row is the kernel's in any case
+    assert (native.covers_all is True) == bf16.native_prompts
     assert fp32.plan(batch.layout).prefills  # the prompt on SDPA
     monkeypatch.setenv("CONVEYOR_NATIVE_PROMPTS", "1")
-    assert get_backend("cpu", "cpu", torch.float32).native_prompts
+    assert cpu(torch.float32).native_prompts

@@ -10,7 +10,7 @@ import torch
 
 from engine.load import amx
 from engine.load.prepack import PackedLinear
-from engine.load.quant import Int4Linear
+from engine.load.quant import Int4Linear, Int8Linear
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
 # SmolLM2's q/k/v and down projections, small tails
@@ -204,3 +204,22 @@ def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k:
             assert differing > 0, t
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_amx
+def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() -> None:
+    """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's bits of
+    the row alone (padded to two rows) in calls of up to 160 rows, because calls of more than 32 rows are
+    cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
+    from engine import kernel_choice
+
+    m = Int8Linear(torch.randn(4096, 576, generator=torch.Generator().manual_seed(6)) * 0.05, None,
+                   torch.bfloat16)
+    m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=True), 1
+    m.packed_rows = kernel_choice.ONEDNN_SAME_BITS_ROWS
+    x = torch.randn(160, 576, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    h = torch.randn(160, 4096, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    alone = torch.cat([m.forward(x[i:i + 1]) for i in range(160)])
+    for rows in (33, 64, 100, 160):
+        assert torch.equal(m.forward(x[:rows]), alone[:rows]), rows
+    assert torch.equal(m.add_to(h, x), torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))

@@ -167,7 +167,7 @@ def test_text_level_generate_with_stop_string_aborts_engine() -> None:
     async def main() -> None:
         with FakeEngine(tokens=ids, step_interval=0.01) as eng:
             async with AsyncEngineClient(eng.address, tokenizer=tok) as client:
-                out = await client.generate_text("Capital?", SamplingParams(max_tokens=100, stop=["Paris"]))
+                out = await client.generate_text("Capital?", SamplingParams(max_tokens=100, stop=("Paris",)))
                 assert out.text == "The capital of France is " and out.finish_reason == "stop"
                 assert eng.wait_for(lambda: eng.aborted == [out.request_id])
                 chat = await client.generate_text([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=100))
@@ -194,7 +194,7 @@ def test_sync_client_text_calls() -> None:
     with FakeEngine(tokens=tok.encode("Bonjour 你好")) as eng, EngineClient(eng.address, tokenizer=tok) as client:
         parts = list(client.stream_text("Say hi", SamplingParams(max_tokens=20)))
         assert "".join(p.text for p in parts) == "Bonjour 你好" and parts[-1].finish_reason == "stop"
-        assert client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=["你"])).text == "Bonjour "
+        assert client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=("你",))).text == "Bonjour "
 
 
 def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
@@ -227,7 +227,7 @@ def test_text_calls_with_n_choices_stop_strings_and_logprobs() -> None:
     async def main() -> None:
         with FakeEngine(choices=lambda add: choices) as eng:
             async with AsyncEngineClient(eng.address, tokenizer=tok) as client:
-                params = SamplingParams(max_tokens=50, n=2, stop=["Paris"], logprobs=1)
+                params = SamplingParams(max_tokens=50, n=2, stop=("Paris",), logprobs=1)
                 outs = [o async for o in client.stream_text("hi", params)]
                 whole = await client.generate_choices("hi", params)
                 with pytest.raises(InvalidRequest, match="generate_choices"):
@@ -237,10 +237,12 @@ def test_text_calls_with_n_choices_stop_strings_and_logprobs() -> None:
         assert outs[-1].num_output_tokens == len(choices[1]) + 6  # choice 0 counts up to its stop string
         assert [(w.index, w.text, w.finish_reason) for w in whole] == [(0, "The capital of France is ", "stop"),
                                                                        (1, texts[1], "stop")]
-        assert [e.token for e in whole[0].logprobs] == ["The", " capital", " of", " France", " is"]
-        assert [e.token_id for e in whole[1].logprobs] == choices[1]
-        assert [e.logprob for e in whole[1].logprobs] == [fake_logprobs(t, i, 1)[0] for i, t in enumerate(choices[1])]
-        assert all(e.top == [(e.token_id, e.token, e.logprob)] for w in whole for e in w.logprobs)
+        first, second = [w.logprobs for w in whole]
+        assert first is not None and second is not None  # both asked for logprobs
+        assert [e.token for e in first] == ["The", " capital", " of", " France", " is"]
+        assert [e.token_id for e in second] == choices[1]
+        assert [e.logprob for e in second] == [fake_logprobs(t, i, 1)[0] for i, t in enumerate(choices[1])]
+        assert all(e.top == [(e.token_id, e.token, e.logprob)] for w in (first, second) for e in w)
     run(main())
 
 

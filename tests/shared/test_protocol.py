@@ -33,7 +33,7 @@ MESSAGES: list[P.Message] = [
     P.Stats({"num_running": 3.0, "kv_cache_usage": 0.25}),
     P.ResetPrefixCache(),
     P.Outputs([P.RequestOutput("r3", [9], False, "stop", 4, 0, None, [[-0.5, [[9, -0.5], [4, -1.5]]]], 2)]),
-    P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias={5: -1.0}, repetition_penalty=1.2)),
+    P.Add("r4", [1], SamplingParams(n=2, best_of=3, logprobs=2, logit_bias=((5, -1.0),), repetition_penalty=1.2)),
     P.Add("r5", [1, 2], SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)),
     P.Outputs([P.RequestOutput("r5", [9], True, "length", 2, 0, None, None, 0,
                                [None, [-2.5, 3, [[7, -0.25]]]])]),
@@ -50,11 +50,16 @@ MESSAGES: list[P.Message] = [
 
 
 def test_old_readers_ignore_new_output_fields_and_new_readers_default_missing_ones() -> None:
-    row = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
-    out = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row])]).outputs[0]
+    def decode_outputs(rows: list[object]) -> P.Outputs:
+        msg = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps(rows)])
+        assert isinstance(msg, P.Outputs)
+        return msg
+
+    row: list[object] = ["r1", [5], True, "stop", 3, 1, None]  # what a version-1 engine sent before logprobs / index
+    out = decode_outputs([row]).outputs[0]
     assert out.logprobs is None and out.index == 0
     future = [None, 0, None, None, "a future field"]  # logprobs, index, prompt_logprobs, embedding, ...
-    longer = P.decode([P.MsgType.OUTPUTS.value, orjson.dumps([row + future])]).outputs[0]
+    longer = decode_outputs([row + future]).outputs[0]
     assert longer == out
 
 
@@ -156,7 +161,7 @@ def test_bad_sampling_params_keep_request_id(params: dict[str, object], param: s
 
 
 def _random_json(rng: random.Random, depth: int = 0) -> object:
-    choices = [None, True, -1, 0, 2**40, 1.5, "", "r1", [], {}]
+    choices: list[object] = [None, True, -1, 0, 2**40, 1.5, "", "r1", [], {}]
     if depth < 3:
         choices += [[_random_json(rng, depth + 1) for _ in range(rng.randrange(4))]] * 3
         keys = ["request_id", "prompt_token_ids", "params", "gauges", "request_ids", "message", "index", "x"]

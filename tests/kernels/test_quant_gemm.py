@@ -208,9 +208,9 @@ def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k:
 
 @needs_amx
 def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() -> None:
-    """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's bits of
-    the row alone (padded to two rows) in calls of up to 160 rows, because calls of more than 32 rows are
-    cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
+    """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's
+    bits of the row alone (padded to two rows) in calls of up to 160 rows, because calls of more
+    than 32 rows are cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
     from engine import kernel_choice
 
     m = Int8Linear(torch.randn(4096, 576, generator=torch.Generator().manual_seed(6)) * 0.05, None,
@@ -222,4 +222,5 @@ def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() 
     alone = torch.cat([m.forward(x[i:i + 1]) for i in range(160)])
     for rows in (33, 64, 100, 160):
         assert torch.equal(m.forward(x[:rows]), alone[:rows]), rows
-    assert torch.equal(m.add_to(h, x), torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))
+    assert torch.equal(m.add_to(h, x),
+                       torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))

@@ -24,18 +24,20 @@ def machine() -> str:
         pass
     from engine.load.dtype import cpu_has_native_bf16
 
-    # What --dtype auto makes of a 16-bit or quantized model here (float32 checkpoints stay float32).
-    bf16 = "native bfloat16 (auto: bfloat16)" if cpu_has_native_bf16() else "no native bfloat16 (auto: float32)"
+    # What --dtype auto makes of a 16-bit or quantized model here (float32 checkpoints stay so).
+    bf16 = ("native bfloat16 (auto: bfloat16)" if cpu_has_native_bf16()
+            else "no native bfloat16 (auto: float32)")
     return (f"{cpu}, {os.cpu_count()} logical cores, {bf16}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, python {platform.python_version()}")
 
 
 def cpu_features() -> str:
-    """The flags that decide bfloat16 speed here: AVX-512 BF16 (native bfloat16 dot products) and AMX
-    (Intel's matrix tiles). Without either, oneDNN emulates bfloat16 about 100x slower."""
+    """The flags that decide bfloat16 speed here: AVX-512 BF16 (native bfloat16 dot products) and
+    AMX (Intel's matrix tiles). Without either, oneDNN emulates bfloat16 about 100x slower."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next(line.split(":", 1)[1].split() for line in f if line.startswith("flags")))
+            flags = set(next(line.split(":", 1)[1].split() for line in f
+                             if line.startswith("flags")))
     except (OSError, StopIteration):
         return "cpu flags unknown"
     yes = {True: "yes", False: "no"}
@@ -51,7 +53,8 @@ def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float
 
     import torch
 
-    a, b = torch.randn(n_tokens, k, dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
+    a, b = torch.randn(n_tokens, k,
+                       dtype=getattr(torch, dtype)), torch.randn(k, n, dtype=getattr(torch, dtype))
     for _ in range(3):
         a @ b
     reps, t0 = 0, time.perf_counter()
@@ -61,9 +64,9 @@ def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float
     return 2 * n_tokens * k * n * reps / (time.perf_counter() - t0) / 1e9
 
 
-def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
-             seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+             vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
     """Seeded (prompt token ids, output length) pairs; ids avoid the low special-token range."""
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
-            for _ in range(num_requests)]
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))],
+             rng.randint(*output_range)) for _ in range(num_requests)]

@@ -3,8 +3,8 @@
 One layer's store + attention for batches of decodes and speculative-verification queries, timed
 three ways in the same run on the same batch:
 
-  padded, fresh    every sequence padded to the longest context in one call, gathers into new tensors
-                   (the backend before context-length buckets and the gather workspace)
+  padded, fresh    every sequence padded to the longest context in one call, gathers into new
+                   tensors (the backend before context-length buckets and the gather workspace)
   padded, reused   one call, gathers into the reused workspace
   bucketed         the backend as it is: calls split by context length, reused workspace
 
@@ -17,15 +17,16 @@ With --native: the native kernel (kernels/cpu) against gather + SDPA, batches of
 size, in bfloat16 and float32, side by side in one run (what TorchBackend.NATIVE_MAX_CONTEXT once
 guessed at).
 
-With --prompts: bfloat16 prompt attention (fresh prompts of 128..2048 tokens, one 512-token chunk over a
-cached 1024) on the native kernel's best path against SDPA, plus single decodes over contexts 256..4096
-(to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA shape.
+With --prompts: bfloat16 prompt attention (fresh prompts of 128..2048 tokens, one 512-token chunk
+over a cached 1024) on the native kernel's best path against SDPA, plus single decodes over contexts
+256..4096 (to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA
+shape.
 
-With --decode: bfloat16 decode rows straight through the kernel's op (no backend around it), this tree's
-kernel against the one at git revision --against (built beside it under another op namespace), calls
-alternated one by one (each first every other round) in one process, so drift on a shared machine hits
-both alike: 32 decodes over 408 tokens (SmolLM2-135M's served step), the same over a cache 20x larger than
-the batch, one decode over 200..2,000 tokens, 64 decodes over 2,048.
+With --decode: bfloat16 decode rows straight through the kernel's op (no backend around it), this
+tree's kernel against the one at git revision --against (built beside it under another op
+namespace), calls alternated one by one (each first every other round) in one process, so drift on a
+shared machine hits both alike: 32 decodes over 408 tokens (SmolLM2-135M's served step), the same
+over a cache 20x larger than the batch, one decode over 200..2,000 tokens, 64 decodes over 2,048.
 
     python bench/cpu_attention.py [--native | --prompts | --decode [--against REV]] [--threads N]
 """
@@ -45,7 +46,8 @@ from bench.kernels import Case, Shape, attention_traffic, build_batch
 
 # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64; the engine's default block size.
 SMOLLM2 = Shape(num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
-GQA128 = Shape(num_heads=12, num_kv_heads=2, head_dim=128, block_size=16)  # Qwen2.5-1.5B's attention
+# Qwen2.5-1.5B's attention
+GQA128 = Shape(num_heads=12, num_kv_heads=2, head_dim=128, block_size=16)
 
 
 def cases() -> list[Case]:
@@ -69,32 +71,37 @@ def median_ms(fn, runs: int) -> float:
 
 
 def native_cases() -> list[Case]:
-    """Decode batches by size and context: the step's total context is what the old limit looked at."""
+    """Decode batches by size and context: the step's total context is what the old limit looked
+    at."""
     decodes = [Case(f"{b} decodes x L={n}", [1] * b, [n - 1] * b)
-               for b, n in [(1, 128), (1, 4096), (8, 256), (8, 1024), (32, 64), (32, 408), (32, 1024), (64, 2048)]]
+               for b, n in [(1, 128), (1, 4096), (8, 256), (8, 1024), (32, 64), (32, 408),
+                            (32, 1024), (64, 2048)]]
     return decodes + [Case("prompt 128", [128], [0]), Case("prompt 512", [512], [0]),
                       Case("chunk 512 over 1024", [512], [1024]),
                       Case("31 dec L=408 + prompt 256", [1] * 31 + [256], [407] * 31 + [0])]
 
 
 def native_vs_sdpa(runs: int) -> None:
-    """One layer's store + attention: gather + SDPA against the native kernel on each code path this CPU
-    runs (portable, avx2, avx512: float32 math; avx512_bf16: bfloat16 dot products), per dtype and batch;
-    for steps with a prompt, also the native kernel for the decodes with SDPA for the prompt."""
+    """One layer's store + attention: gather + SDPA against the native kernel on each code path this
+    CPU runs (portable, avx2, avx512: float32 math; avx512_bf16: bfloat16 dot products), per dtype
+    and batch; for steps with a prompt, also the native kernel for the decodes with SDPA for the
+    prompt."""
     import torch
 
     import kernels.torch_backend as tb
 
     sdpa, native = tb.TorchBackend("cpu"), tb.TorchBackend("cpu", native=True)
     native.native_prompts = True  # every row through the kernel, on each path
-    old = tb.TorchBackend("cpu", native=True)  # prompts on SDPA: what the backend did before the kernel took them
+    # prompts on SDPA: what the backend did before the kernel took them
+    old = tb.TorchBackend("cpu", native=True)
     old.native_prompts = False
     if not native.native:
         print("native kernel unavailable here: nothing to compare")
         return
     isas = [i for i in torch.ops.conveyor_cpu.attention_isas() if i != "portable"]
     print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
-          f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size}, ms, min of {runs}; x: SDPA / best native")
+          f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size}, ms, min of {runs}; x: SDPA / best "
+          "native")
     print(f"{'case':26s} {'dtype':9s} {'ctx':>7s} {'gather+SDPA':>12s} {'SDPA prompts':>12s}"
           + "".join(f"{i:>12s}" for i in isas)
           + f" {'x':>6s} {'GB/s':>6s}")
@@ -107,7 +114,8 @@ def native_vs_sdpa(runs: int) -> None:
             want = sdpa.forward(q, k, v, kc, vc, base, scale).float()
             ms = [min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)]
             if any(n > tb.SHORT_QUERY for n in case.query_lens):
-                ms.append(min_ms(functools.partial(old.forward, q, k, v, kc, vc, old.plan(layout), scale), runs))
+                ms.append(min_ms(functools.partial(old.forward, q, k, v, kc, vc, old.plan(layout),
+                                                   scale), runs))
             else:
                 ms.append(float("nan"))  # no prompt: the same as the native columns
             for isa in isas:
@@ -115,9 +123,10 @@ def native_vs_sdpa(runs: int) -> None:
                     ms.append(float("nan"))
                     continue
                 native.native_isa = isa
-                torch.testing.assert_close(native.forward(q, k, v, kc, vc, meta, scale).float(), want,
-                                           atol=2e-2, rtol=2e-2)
-                ms.append(min_ms(functools.partial(native.forward, q, k, v, kc, vc, meta, scale), runs))
+                torch.testing.assert_close(native.forward(q, k, v, kc, vc, meta, scale).float(),
+                                           want, atol=2e-2, rtol=2e-2)
+                ms.append(min_ms(functools.partial(native.forward, q, k, v, kc, vc, meta, scale),
+                                 runs))
             best = min(m for m in ms[2:] if m == m)
             nbytes, _ = attention_traffic(case, SMOLLM2, dtype.itemsize)
             ctx = sum(case.context_lens) + sum(case.query_lens)
@@ -127,8 +136,8 @@ def native_vs_sdpa(runs: int) -> None:
 
 
 def prompts_vs_sdpa(runs: int) -> None:
-    """One layer's store + attention in bfloat16: SDPA (the torch backend's prompt path) against the native
-    kernel on the path isa "auto" picks, for prompts; decodes on the native kernel alone."""
+    """One layer's store + attention in bfloat16: SDPA (the torch backend's prompt path) against the
+    native kernel on the path isa "auto" picks, for prompts; decodes on the native kernel alone."""
     import torch
 
     import kernels.torch_backend as tb
@@ -141,22 +150,26 @@ def prompts_vs_sdpa(runs: int) -> None:
     print(f"bfloat16, one layer's store + attention, ms, min of {runs}; x: SDPA / native")
     gen = torch.Generator().manual_seed(0)
     for shape in (SMOLLM2, GQA128):
-        print(f"H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} block={shape.block_size}")
+        print(f"H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} "
+              f"block={shape.block_size}")
         print(f"{'case':26s} {'SDPA':>9s} {'native':>9s} {'x':>6s} {'GFLOP/s':>8s}")
         prompts = [Case(f"prompt {n}", [n], [0]) for n in (128, 512, 1024, 2048)]
         decodes = [Case(f"1 decode x L={n}", [1], [n - 1]) for n in (256, 1024, 4096)]
         for case in prompts + [Case("chunk 512 over 1024", [512], [1024])] + decodes:
-            layout, q, k, v, kc, vc = build_batch(case, shape, torch.bfloat16, torch.device("cpu"), gen)
+            layout, q, k, v, kc, vc = build_batch(case, shape, torch.bfloat16, torch.device("cpu"),
+                                                  gen)
             scale = shape.head_dim ** -0.5
             meta = native.plan(layout)
             run_native = functools.partial(native.forward, q, k, v, kc, vc, meta, scale)
             ms_native = min_ms(run_native, runs)
             _, flops = attention_traffic(case, shape, 2)
             if case.query_lens[0] == 1:
-                print(f"{case.name:26s} {'':>9s} {ms_native:9.3f} {'':>6s} {flops / ms_native / 1e6:8.1f}")
+                print(f"{case.name:26s} {'':>9s} {ms_native:9.3f} {'':>6s} "
+                      f"{flops / ms_native / 1e6:8.1f}")
                 continue
             base = sdpa.plan(layout)
-            torch.testing.assert_close(run_native().float(), sdpa.forward(q, k, v, kc, vc, base, scale).float(),
+            torch.testing.assert_close(run_native().float(),
+                                       sdpa.forward(q, k, v, kc, vc, base, scale).float(),
                                        atol=2e-2, rtol=2e-2)
             ms_sdpa = min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)
             print(f"{case.name:26s} {ms_sdpa:9.3f} {ms_native:9.3f} {ms_sdpa / ms_native:5.2f}x "
@@ -178,14 +191,16 @@ def baseline_op(rev: str):
     root = Path(__file__).resolve().parent.parent
     folder = Path(tempfile.mkdtemp(prefix="attn-base-"))
     key = hashlib.sha256(torch.__version__.encode() + native_cpu._cpu_flags().encode())
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/cpu"], cwd=root, capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/cpu"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout.split()
     for path in ["paged_attention.cpp", *(n for n in listed if n.endswith(".h"))]:
-        text = subprocess.run(["git", "show", f"{rev}:kernels/cpu/{path}"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout
-        (folder / path).write_text(text.replace("TORCH_LIBRARY(conveyor_cpu,", "TORCH_LIBRARY(conveyor_base,"))
+        text = subprocess.run(["git", "show", f"{rev}:kernels/cpu/{path}"], cwd=root,
+                              capture_output=True, text=True, check=True).stdout
+        (folder / path).write_text(text.replace("TORCH_LIBRARY(conveyor_cpu,",
+                                                "TORCH_LIBRARY(conveyor_base,"))
         key.update(text.encode())
-    lib = native_cpu._cache_dir() / f"attention-base-{key.hexdigest()[:16]}.so"  # built once per source
+    # built once per source
+    lib = native_cpu._cache_dir() / f"attention-base-{key.hexdigest()[:16]}.so"
     if not lib.exists():
         cmd = [a for a in native_cpu._command(folder / "base.so") if not a.endswith(".cpp")]
         cmd.insert(cmd.index("-o"), str(folder / "paged_attention.cpp"))
@@ -196,7 +211,8 @@ def baseline_op(rev: str):
 
 
 def decode_rows(rev: str, runs: int) -> None:
-    """Decode rows through the op, this tree against rev, calls alternated (see the module docstring)."""
+    """Decode rows through the op, this tree against rev, calls alternated (see the module
+    docstring)."""
     import torch
 
     import kernels.cpu as native_cpu
@@ -204,32 +220,37 @@ def decode_rows(rev: str, runs: int) -> None:
     assert native_cpu.available(), "the native kernel did not build"
     ops = {rev: baseline_op(rev), "this tree": torch.ops.conveyor_cpu.paged_attention}
     h, hkv, d, bs = SMOLLM2.num_heads, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, SMOLLM2.block_size
-    print(f"bfloat16 decode rows, H={h} Hkv={hkv} D={d} block={bs}, isa auto, ms per call (min and median of "
-          f"{runs}, alternated); GB/s: K/V bytes over the min")
+    print(f"bfloat16 decode rows, H={h} Hkv={hkv} D={d} block={bs}, isa auto, ms per call (min and "
+          f"median of {runs}, alternated); GB/s: K/V bytes over the min")
     print(f"{'case':30s} {rev:>17s} {'this tree':>17s} {'min x':>6s} {'med x':>6s} {'GB/s':>6s}")
     gen = torch.Generator().manual_seed(0)
     for name, b, n, spare in [("32 x 408", 32, 408, 0), ("32 x 408, cache 20x", 32, 408, 20),
-                              ("1 x 200", 1, 200, 0), ("1 x 500", 1, 500, 0), ("1 x 1000", 1, 1000, 0),
-                              ("1 x 2000", 1, 2000, 0), ("64 x 2048", 64, 2048, 0)]:
+                              ("1 x 200", 1, 200, 0), ("1 x 500", 1, 500, 0),
+                              ("1 x 1000", 1, 1000, 0), ("1 x 2000", 1, 2000, 0),
+                              ("64 x 2048", 64, 2048, 0)]:
         need = -(-n // bs)
         blocks = b * need * (1 + spare) + 1
-        tables = torch.randperm(blocks, generator=gen)[:b * need].view(b, need).to(torch.int32).contiguous()
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+        tables = torch.randperm(blocks, generator=gen)[:b * need].view(b, need)
+        tables = tables.to(torch.int32).contiguous()
+        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16)
+                  for _ in range(2))
         q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16)
         outs = {k: torch.empty_like(q) for k in ops}
         seqs = (torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
                 torch.full((b,), n, dtype=torch.int32))
         times: dict[str, list[float]] = {k: [] for k in ops}
         for i in range(runs + 3):
-            for k, op in sorted(ops.items(), reverse=i % 2 == 1):  # each goes first every other round
+            # each goes first every other round
+            for k, op in sorted(ops.items(), reverse=i % 2 == 1):
                 t0 = time.perf_counter()
                 op(outs[k], q, kc, vc, tables, *seqs, d ** -0.5, 256, 0, 0.0, "auto")
                 if i >= 3:
                     times[k].append((time.perf_counter() - t0) * 1e3)
         assert torch.equal(outs[rev], outs["this tree"]), "the two kernels disagree"
         (b_min, b_med), (t_min, t_med) = ((min(t), statistics.median(t)) for t in times.values())
-        print(f"{name:30s} {b_min:8.3f} {b_med:8.3f} {t_min:8.3f} {t_med:8.3f} {b_min / t_min:5.2f}x "
-              f"{b_med / t_med:5.2f}x {b * n * hkv * d * 2 * 2 / t_min / 1e6:6.1f}")
+        print(f"{name:30s} {b_min:8.3f} {b_med:8.3f} {t_min:8.3f} {t_med:8.3f} "
+              f"{b_min / t_min:5.2f}x {b_med / t_med:5.2f}x "
+              f"{b * n * hkv * d * 2 * 2 / t_min / 1e6:6.1f}")
 
 
 def min_ms(fn, runs: int) -> float:
@@ -247,9 +268,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--runs", type=int, default=15)
-    ap.add_argument("--native", action="store_true", help="native kernel vs gather + SDPA, bf16 and fp32")
-    ap.add_argument("--prompts", action="store_true", help="bfloat16 prompts: native kernel vs SDPA")
-    ap.add_argument("--decode", action="store_true", help="bfloat16 decode rows: this kernel vs --against's")
+    ap.add_argument("--native", action="store_true",
+                    help="native kernel vs gather + SDPA, bf16 and fp32")
+    ap.add_argument("--prompts", action="store_true",
+                    help="bfloat16 prompts: native kernel vs SDPA")
+    ap.add_argument("--decode", action="store_true",
+                    help="bfloat16 decode rows: this kernel vs --against's")
     ap.add_argument("--against", default="main", help="the git revision --decode compares with")
     args = ap.parse_args()
     pin_threads(args.threads)
@@ -274,15 +298,17 @@ def main() -> None:
     print(f"copy bandwidth: {copy_bw:.1f} GB/s (read + write)")
     print(f"one layer's store + attention, H={SMOLLM2.num_heads} Hkv={SMOLLM2.num_kv_heads} "
           f"D={SMOLLM2.head_dim} block={SMOLLM2.block_size} float32, median of {args.runs}")
-    print(f"{'case':30s} {'padded, fresh':>14s} {'padded, reused':>15s} {'bucketed':>9s} {'speedup':>8s} "
-          f"{'calls':>6s} {'GB/s':>6s} {'% copy':>7s} {'bf16 cache':>11s} {'vs fp32':>8s}")
+    print(f"{'case':30s} {'padded, fresh':>14s} {'padded, reused':>15s} {'bucketed':>9s} "
+          f"{'speedup':>8s} {'calls':>6s} {'GB/s':>6s} {'% copy':>7s} {'bf16 cache':>11s} "
+          f"{'vs fp32':>8s}")
     gen = torch.Generator().manual_seed(0)
 
     def fresh_gather(k_cache, v_cache, blocks):
         return k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
 
     for case in cases():
-        layout, q, k, v, kc, vc = build_batch(case, SMOLLM2, torch.float32, torch.device("cpu"), gen)
+        layout, q, k, v, kc, vc = build_batch(case, SMOLLM2, torch.float32, torch.device("cpu"),
+                                              gen)
         scale = SMOLLM2.head_dim ** -0.5
         backend = tb.TorchBackend("cpu")
         meta = backend.plan(layout)
@@ -298,13 +324,15 @@ def main() -> None:
         reused = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
         bucketed = median_ms(functools.partial(fwd, meta, scale), args.runs)
         kc16, vc16 = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
-        half = median_ms(functools.partial(backend.forward, q, k, v, kc16, vc16, meta, scale), args.runs)
+        half = median_ms(functools.partial(backend.forward, q, k, v, kc16, vc16, meta, scale),
+                         args.runs)
         backend._gather = fresh_gather  # the gather as it was: a new tensor per call
         fresh = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
         nbytes, _ = attention_traffic(case, SMOLLM2, 4)
         gbs = nbytes / bucketed / 1e6
-        print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms {fresh / bucketed:7.2f}x "
-              f"{len(meta.batched):6d} {gbs:6.1f} {100 * gbs / copy_bw:6.0f}% {half:8.2f} ms {bucketed / half:7.2f}x")
+        print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms "
+              f"{fresh / bucketed:7.2f}x {len(meta.batched):6d} {gbs:6.1f} "
+              f"{100 * gbs / copy_bw:6.0f}% {half:8.2f} ms {bucketed / half:7.2f}x")
 
 
 if __name__ == "__main__":

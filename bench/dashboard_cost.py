@@ -1,11 +1,12 @@
 """What a dashboard viewer (and a trace) costs the engine per step, next to the step itself.
 
-The offline EngineCore (no sockets) holds a decode batch of --num-seqs sequences on the embedded SmolLM2
-and runs --steps decode steps; after each, it does what engine/loop.py does while a viewer is connected:
-Observer.on_step, Observer.due (a snapshot every 0.2 s, a message every 0.1 s, on the wall clock as in
-the server) and the orjson encoding of each message. Those calls are timed one by one and set beside the
-mean step time measured in the same run. Without a viewer the loop only tests `observer.watchers`: its
-cost is timed too. The trace recorder (engine/observe/trace.py) is timed the same way, in a second pass.
+The offline EngineCore (no sockets) holds a decode batch of --num-seqs sequences on the embedded
+SmolLM2 and runs --steps decode steps; after each, it does what engine/loop.py does while a viewer
+is connected: Observer.on_step, Observer.due (a snapshot every 0.2 s, a message every 0.1 s, on the
+wall clock as in the server) and the orjson encoding of each message. Those calls are timed one by
+one and set beside the mean step time measured in the same run. Without a viewer the loop only tests
+`observer.watchers`: its cost is timed too. The trace recorder (engine/observe/trace.py) is timed
+the same way, in a second pass.
 
     python bench/dashboard_cost.py [--num-seqs 64] [--steps 40] [--dtype auto]
 """
@@ -58,12 +59,14 @@ def main() -> None:
     from shared.protocol import Observed, encode
     from shared.sampling import SamplingParams
 
-    core = EngineCore(build_config("SmolLM2-135M-Instruct", dtype=args.dtype, num_threads=args.threads,
-                                   kv_cache_memory="1GiB", max_num_seqs=max(args.num_seqs, 1)))
+    core = EngineCore(build_config("SmolLM2-135M-Instruct", dtype=args.dtype,
+                                   num_threads=args.threads, kv_cache_memory="1GiB",
+                                   max_num_seqs=max(args.num_seqs, 1)))
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 64, ignore_eos=True)
     for i in range(args.num_seqs):
         core.add(f"r{i}", [(7 * i + j) % 30000 + 100 for j in range(args.prompt_len)], params)
-    while core.last_step.get("step_decode_tokens", 0) < args.num_seqs:  # prompts done: every sequence decodes
+    # prompts done: every sequence decodes
+    while core.last_step.get("step_decode_tokens", 0) < args.num_seqs:
         core.step()
 
     observer = Observer(core)
@@ -81,8 +84,10 @@ def main() -> None:
             snapshots += msg.snapshot is not None
         step_s += t1 - t0
         observe_s += time.perf_counter() - t1
-    snapshot_s = min(timeit.repeat(lambda: encode(Observed([], observer.snapshot())), number=5, repeat=5)) / 5
-    check = min(timeit.repeat("o.watchers and 1", globals={"o": Observer(core)}, number=100_000, repeat=5)) / 1e5
+    snapshot_s = min(timeit.repeat(lambda: encode(Observed([], observer.snapshot())), number=5,
+                                   repeat=5)) / 5
+    check = min(timeit.repeat("o.watchers and 1", globals={"o": Observer(core)}, number=100_000,
+                              repeat=5)) / 1e5
 
     tracer = TimedTracer()
     core.set_tracer(tracer)  # type: ignore[arg-type]
@@ -97,18 +102,20 @@ def main() -> None:
     step_ms, observe_us, trace_us = 1e3 * step_s / n, 1e6 * observe_s / n, 1e6 * tracer.seconds / n
     print(f"machine: {machine()}; {cpu_features()}; dtype {core.model_config.dtype}; torch threads "
           f"{torch.get_num_threads()}")
-    print(f"SmolLM2-135M, {args.num_seqs} sequences decoding, {n} steps each pass, {core.block_manager.num_blocks} "
-          f"KV blocks")
+    print(f"SmolLM2-135M, {args.num_seqs} sequences decoding, {n} steps each pass, "
+          f"{core.block_manager.num_blocks} KV blocks")
     print(f"{'':44}{'per step':>14}{'of a step':>12}")
     print(f"{'step (baseline, same run)':44}{step_ms:>11.2f} ms{100.0:>11.1f}%")
-    print(f"{'viewer connected: on_step + due + encode':44}{observe_us:>11.1f} us{observe_us / step_ms / 10:>11.3f}%"
-          f"   ({snapshots} snapshots, {messages} messages)")
-    print(f"{'  of which one snapshot, encoded':44}{snapshot_s * 1e6:>11.1f} us"
-          f"   (at most {1 / SNAPSHOT_INTERVAL:g}/s: {100 * snapshot_s / SNAPSHOT_INTERVAL:.3f}% of wall time at most)")
+    print(f"{'viewer connected: on_step + due + encode':44}{observe_us:>11.1f} "
+          f"us{observe_us / step_ms / 10:>11.3f}%   ({snapshots} snapshots, {messages} messages)")
+    print(f"{'  of which one snapshot, encoded':44}{snapshot_s * 1e6:>11.1f} us   (at most "
+          f"{1 / SNAPSHOT_INTERVAL:g}/s: {100 * snapshot_s / SNAPSHOT_INTERVAL:.3f}% of wall time "
+          "at most)")
     print(f"{'no viewer: the loop tests observer.watchers':44}{check * 1e9:>11.0f} ns"
           f"{check * 1e3 / step_ms * 100:>11.5f}%")
-    print(f"{'trace on: before_execute + end_step + marks':44}{trace_us:>11.1f} us{trace_us / step_ms / 10:>11.3f}%"
-          f"   (steps of that pass: {1e3 * traced_step_s / n:.2f} ms)")
+    print(f"{'trace on: before_execute + end_step + marks':44}{trace_us:>11.1f} "
+          f"us{trace_us / step_ms / 10:>11.3f}%   (steps of that pass: "
+          f"{1e3 * traced_step_s / n:.2f} ms)")
 
 
 if __name__ == "__main__":

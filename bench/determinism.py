@@ -1,14 +1,16 @@
-"""What invariance costs, and whether one request's text depends on the traffic (docs/determinism.md).
+"""What invariance costs, and whether one request's text depends on the traffic
+(docs/determinism.md).
 
     python bench/determinism.py [--num-requests 64] [--repeats 20] [--modes default,deterministic]
 
-Serves the default model (the default configuration) twice in turn, without and with --deterministic,
-and measures on each, side by side in one run: output tok/s at 32 concurrent streams, single-stream
-inter-token latency, and the number of distinct texts of one greedy request sent --repeats times, each
-time beside a random background load of 0..31 other streams (one text = independent of the traffic).
-Prints the CPU's flags and what each side ran. Progress to stderr, figures to stdout. --modes runs one
-side only, so that a quiet run (every other process stopped) can be cut into pieces of a few minutes; the
-cost ratio is printed only when both sides ran in the same run.
+Serves the default model (the default configuration) twice in turn, without and with
+--deterministic, and measures on each, side by side in one run: output tok/s at 32 concurrent
+streams, single-stream inter-token latency, and the number of distinct texts of one greedy request
+sent --repeats times, each time beside a random background load of 0..31 other streams (one text =
+independent of the traffic). Prints the CPU's flags and what each side ran. Progress to stderr,
+figures to stdout. --modes runs one side only, so that a quiet run (every other process stopped) can
+be cut into pieces of a few minutes; the cost ratio is printed only when both sides ran in the same
+run.
 """
 from __future__ import annotations
 
@@ -33,20 +35,23 @@ MODES = {"default": (), "deterministic": ("--deterministic",)}
 
 
 async def one_text(url: str, prompt: list[int], max_tokens: int) -> str:
-    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    body = {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}
     async with aiohttp.ClientSession() as s, s.post(f"{url}/v1/completions", json=body) as r:
         data = await r.json()
         return str(data["choices"][0]["text"])
 
 
-async def texts_under_load(url: str, prompt: list[int], background: list[dict[str, Any]], repeats: int,
-                           seed: int) -> list[str]:
-    """The target request `repeats` times, each sent at a random moment into a fresh background load."""
+async def texts_under_load(url: str, prompt: list[int], background: list[dict[str, Any]],
+                           repeats: int, seed: int) -> list[str]:
+    """The target request `repeats` times, each sent at a random moment into a fresh background
+    load."""
     rng, out = random.Random(seed), []
     for _ in range(repeats):
         load = rng.sample(background, rng.randint(0, 31))
         task = asyncio.create_task(run_load(url, load, None, 32)) if load else None
-        await asyncio.sleep(rng.uniform(0, 0.3))  # the target joins a step in flight at a random point
+        # the target joins a step in flight at a random point
+        await asyncio.sleep(rng.uniform(0, 0.3))
         out.append(await one_text(url, prompt, 64))
         if task is not None:
             await task
@@ -69,7 +74,8 @@ def bench_mode(mode: str, port: int, served: list[dict[str, Any]], single: list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--port", type=int, default=8766)
@@ -95,10 +101,12 @@ def main() -> None:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     print(f"model: {DEFAULT_MODEL} (the default configuration; --deterministic beside it)")
-    print("\n| mode | ran as | output tok/s, 32 streams | single-stream ITL p50 ms | distinct texts / repeats |")
+    print("\n| mode | ran as | output tok/s, 32 streams | single-stream ITL p50 ms | distinct "
+          "texts / repeats |")
     print("|---|---|---:|---:|---:|")
     for mode, r in rows.items():
-        print(f"| {mode} | {r['ran']} | {r['tok_s']:.1f} | {r['itl50'] * 1e3:.1f} | {r['distinct']} / {args.repeats} |")
+        print(f"| {mode} | {r['ran']} | {r['tok_s']:.1f} | {r['itl50'] * 1e3:.1f} | "
+              f"{r['distinct']} / {args.repeats} |")
     if set(rows) != set(MODES):
         return
     base, det = rows["default"], rows["deterministic"]

@@ -1,24 +1,25 @@
 """The gateway's streaming capacity: `python bench/serving.py gateway` (its flags: --help there).
 
-1. A tiny random Llama with SmolLM2's tokenizer (1 layer, hidden 64, one KV head; its vocabulary is the
-   tokenizer's first 4096 ids, ordinary BPE tokens, so every id it emits is a real token the gateway
-   detokenizes) serves N requests of max_tokens each, greedy, so that the engine is not the bottleneck:
+1. A tiny random Llama with SmolLM2's tokenizer (1 layer, hidden 64, one KV head; its vocabulary is
+   the tokenizer's first 4096 ids, ordinary BPE tokens, so every id it emits is a real token the
+   gateway detokenizes) serves N requests of max_tokens each, greedy, so that the engine is not the
+   bottleneck:
    a. all N through ONE SDK client (token-level, no gateway): the engine at its own pace;
-   b. the same N as N concurrent SSE clients of one gateway process (rounds alternate a and b, so that a
-      busy machine slows both alike), then of two gateway workers.
-   Tokens/s counts the completion tokens the clients received (their usage events) over the whole run.
-   With --stream-interval 1 a gateway that falls behind the engine sends the tokens that arrived meanwhile
-   in one event, so events/s and tokens per event are printed too.
-   "A step of the engine gets no slower with N streaming clients connected than with 1" is read as: the
-   same engine load (N running sequences, the same prompts and lengths) consumed by one client (a) or by N
-   HTTP clients through the gateway (b). The step time is the engine's own (STATS total_step_seconds over
-   num_steps) while all N requests run; next to it is the engine process's CPU time per step, which tells
-   a step that got slower from one that waited for a core. The engine runs one compute thread, which
-   OpenMP binds to one core; `conveyor serve` keeps its gateway processes off that core when others are
-   left (gateway/launcher.py), and the load generator keeps off it too. On a 2-core machine the gateway
-   and the load generator then share the other core.
-2. Diagnostic, not the measured target: a paced stand-in for the engine offers --target tokens/s, one
-   token per request per step, so the gateway's own CPU per event shows at one token per event.
+   b. the same N as N concurrent SSE clients of one gateway process (rounds alternate a and b, so
+      that a busy machine slows both alike), then of two gateway workers.
+   Tokens/s counts the completion tokens the clients received (their usage events) over the whole
+   run. With --stream-interval 1 a gateway that falls behind the engine sends the tokens that
+   arrived meanwhile in one event, so events/s and tokens per event are printed too.
+   "A step of the engine gets no slower with N streaming clients connected than with 1" is read as:
+   the same engine load (N running sequences, the same prompts and lengths) consumed by one client
+   (a) or by N HTTP clients through the gateway (b). The step time is the engine's own (STATS
+   total_step_seconds over num_steps) while all N requests run; next to it is the engine process's
+   CPU time per step, which tells a step that got slower from one that waited for a core. The engine
+   runs one compute thread, which OpenMP binds to one core; `conveyor serve` keeps its gateway
+   processes off that core when others are left (gateway/launcher.py), and the load generator keeps
+   off it too. On a 2-core machine the gateway and the load generator then share the other core.
+2. Diagnostic, not the measured target: a paced stand-in for the engine offers --target tokens/s,
+   one token per request per step, so the gateway's own CPU per event shows at one token per event.
 """
 from __future__ import annotations
 
@@ -50,8 +51,9 @@ def free_port() -> int:
 
 
 def build_tiny_model(folder: Path) -> Path:
-    """A 1-layer random Llama with SmolLM2's tokenizer; the vocabulary cut to its first 4096 ids (ordinary
-    BPE tokens) and one KV head, so that the LM head and the KV reads of 256 sequences stay small."""
+    """A 1-layer random Llama with SmolLM2's tokenizer; the vocabulary cut to its first 4096 ids
+    (ordinary BPE tokens) and one KV head, so that the LM head and the KV reads of 256 sequences
+    stay small."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,9 +61,10 @@ def build_tiny_model(folder: Path) -> Path:
     from shared.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=2048,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True, initializer_range=0.15)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
+                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=True, initializer_range=0.15)
     LlamaForCausalLM(config).save_pretrained(folder)
     load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(folder)
     return folder
@@ -120,9 +123,11 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-async def engine_while(address: str, engine_pid: int | None, work: asyncio.Future, n: int) -> dict[str, float]:
-    """The engine's figures per step while all n requests run (the same engine load whoever consumes it):
-    step = time inside EngineCore.step, loop = wall time between steps, cpu = engine process CPU time."""
+async def engine_while(address: str, engine_pid: int | None, work: asyncio.Future,
+                       n: int) -> dict[str, float]:
+    """The engine's figures per step while all n requests run (the same engine load whoever consumes
+    it): step = time inside EngineCore.step, loop = wall time between steps, cpu = engine process
+    CPU time."""
     from shared.client import AsyncEngineClient
 
     samples = []
@@ -130,14 +135,15 @@ async def engine_while(address: str, engine_pid: int | None, work: asyncio.Futur
         while not work.done():
             s = await client.get_stats()
             cpu = cpu_seconds([engine_pid]) if engine_pid else NAN
-            samples.append((time.perf_counter(), s["num_steps"], s.get("total_step_seconds", NAN), cpu,
-                            s["num_running"]))
+            samples.append((time.perf_counter(), s["num_steps"], s.get("total_step_seconds", NAN),
+                            cpu, s["num_running"]))
             await asyncio.sleep(0.1)
     full = [x for x in samples if x[4] == n]
     if len(full) < 2 or full[-1][1] == full[0][1]:
         return {"step": NAN, "loop": NAN, "cpu": NAN}
     (t0, n0, s0, c0, _), (t1, n1, s1, c1, _) = full[0], full[-1]
-    return {"step": (s1 - s0) / (n1 - n0), "loop": (t1 - t0) / (n1 - n0), "cpu": (c1 - c0) / (n1 - n0)}
+    return {"step": (s1 - s0) / (n1 - n0), "loop": (t1 - t0) / (n1 - n0),
+            "cpu": (c1 - c0) / (n1 - n0)}
 
 
 async def sdk_run(address: str, engine_pid: int, bodies: list[dict[str, Any]]) -> dict[str, float]:
@@ -148,7 +154,8 @@ async def sdk_run(address: str, engine_pid: int, bodies: list[dict[str, Any]]) -
     async with AsyncEngineClient(address, name="bench-sdk") as client:
         async def one(body: dict[str, Any]) -> int:
             params = SamplingParams(max_tokens=body["max_tokens"], temperature=0, ignore_eos=True)
-            return sum([len(o.new_token_ids) async for o in await client.add(body["prompt"], params)])
+            return sum([len(o.new_token_ids) async
+                        for o in await client.add(body["prompt"], params)])
 
         t0 = time.perf_counter()
         work = asyncio.gather(*[one(b) for b in bodies])
@@ -176,10 +183,11 @@ def measure_sse(server: Server, address: str, engine_pid: int | None, bodies: li
     tokens = sum(r.completion_tokens for r in results if r.ok)
     events = sum(r.events for r in results if r.ok)
     row.update(engine, events_s=events / elapsed, tok_per_event=tokens / max(events, 1),
-               tok_per_cpu_s=tokens / cpu if cpu else NAN, events_per_cpu_s=events / cpu if cpu else NAN)
-    print(f"  {row['events_s']:.0f} events/s, {row['tok_per_event']:.2f} tokens per event; gateway CPU {cpu:.1f} s "
-          f"= {row['tok_per_cpu_s']:.0f} tokens, {row['events_per_cpu_s']:.0f} events per gateway CPU-second; "
-          f"load generator CPU {me:.1f} s", flush=True)
+               tok_per_cpu_s=tokens / cpu if cpu else NAN,
+               events_per_cpu_s=events / cpu if cpu else NAN)
+    print(f"  {row['events_s']:.0f} events/s, {row['tok_per_event']:.2f} tokens per event; gateway "
+          f"CPU {cpu:.1f} s = {row['tok_per_cpu_s']:.0f} tokens, {row['events_per_cpu_s']:.0f} "
+          f"events per gateway CPU-second; load generator CPU {me:.1f} s", flush=True)
     if engine_pid:
         print(f"  engine while all {len(bodies)} run: {fmt_engine(row)}", flush=True)
     return row
@@ -191,8 +199,9 @@ def fmt_engine(row: dict[str, float]) -> str:
 
 
 def fake_engine(address: str, step_interval: float) -> None:
-    """A paced stand-in for the engine (run in its own process): every step_interval each live request
-    gets one token, until its max_tokens. It costs next to nothing, so the gateway alone is measured."""
+    """A paced stand-in for the engine (run in its own process): every step_interval each live
+    request gets one token, until its max_tokens. It costs next to nothing, so the gateway alone is
+    measured."""
     import zmq
 
     from shared import protocol as P
@@ -207,9 +216,11 @@ def fake_engine(address: str, step_interval: float) -> None:
             ident, *frames = sock.recv_multipart()
             msg = P.decode(frames)
             if isinstance(msg, P.Hello):
-                sock.send_multipart([ident, *P.encode(P.Ready(P.PROTOCOL_VERSION, "fake", 4096, [2]))])
+                sock.send_multipart([ident,
+                                     *P.encode(P.Ready(P.PROTOCOL_VERSION, "fake", 4096, [2]))])
             elif isinstance(msg, P.GetStats):
-                sock.send_multipart([ident, *P.encode(P.Stats({"num_running": len(live), "num_steps": steps}))])
+                sock.send_multipart([ident, *P.encode(P.Stats({"num_running": len(live),
+                                                               "num_steps": steps}))])
             elif isinstance(msg, P.Add):
                 live[msg.request_id] = [ident, len(msg.prompt_token_ids), msg.params.max_tokens, 0]
             elif isinstance(msg, P.Abort):
@@ -225,7 +236,8 @@ def fake_engine(address: str, step_interval: float) -> None:
             entry[3] += 1
             done = entry[3] >= entry[2]
             by_client.setdefault(entry[0], []).append(
-                P.RequestOutput(rid, [300 + entry[3] % 3000], done, "length" if done else None, entry[1]))
+                P.RequestOutput(rid, [300 + entry[3] % 3000], done, "length" if done else None,
+                                entry[1]))
             if done:
                 del live[rid]
         for ident, outs in by_client.items():
@@ -241,53 +253,62 @@ def cmd_gateway(args: argparse.Namespace) -> None:
     model = build_tiny_model(tmp / "tiny")
     gc.freeze()  # transformers is loaded here too: full collections would stall the load generator
     rng = random.Random(args.seed)
-    bodies = [{"prompt": [rng.randrange(100, 4096) for _ in range(16)], "max_tokens": args.max_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-              for _ in range(args.clients)]
+    bodies = [{"prompt": [rng.randrange(100, 4096) for _ in range(16)],
+               "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}} for _ in range(args.clients)]
     print(f"machine: {machine()}; engine, gateway and load generator share it")
-    print(f"{args.clients} clients x {args.max_tokens} tokens, greedy, --stream-interval {args.stream_interval}")
+    print(f"{args.clients} clients x {args.max_tokens} tokens, greedy, --stream-interval "
+          f"{args.stream_interval}")
     try:
         rows = tiny_engine_runs(args, model, bodies, env, tmp)
         rows.update(paced_engine_runs(args, model, bodies, env, tmp))
         summary(rows, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        gc.unfreeze()  # let exit collect it (nanobind, under triton, reports what is not collected as leaks)
+        # let exit collect it (nanobind, under triton, reports what is not collected as leaks)
+        gc.unfreeze()
 
 
 def serve_argv(args: argparse.Namespace, port: int, workers: int, *more: str) -> list[str]:
-    return [str(Path(sys.executable).with_name("conveyor")), "serve", "--port", str(port), "--gateway-workers",
-            str(workers), "--stream-interval", str(args.stream_interval), "--max-concurrent-requests",
-            str(2 * args.clients), *more]
+    return [str(Path(sys.executable).with_name("conveyor")), "serve", "--port", str(port),
+            "--gateway-workers", str(workers), "--stream-interval", str(args.stream_interval),
+            "--max-concurrent-requests", str(2 * args.clients), *more]
 
 
-def tiny_engine_runs(args: argparse.Namespace, model: Path, bodies: list[dict[str, Any]], env: dict[str, str],
-                     tmp: Path) -> dict[str, list[dict[str, float]]]:
-    """Rounds of (one SDK client, then N SSE clients through one gateway), then one round of two workers."""
-    print("\n== tiny random model (1 layer, hidden 64, 1 KV head, vocab 4096 of SmolLM2's tokenizer) ==")
+def tiny_engine_runs(args: argparse.Namespace, model: Path, bodies: list[dict[str, Any]],
+                     env: dict[str, str], tmp: Path) -> dict[str, list[dict[str, float]]]:
+    """Rounds of (one SDK client, then N SSE clients through one gateway), then one round of two
+    workers."""
+    print("\n== tiny random model (1 layer, hidden 64, 1 KV head, vocab 4096 of SmolLM2's "
+          "tokenizer) ==")
     rows: dict[str, list[dict[str, float]]] = {}
     all_cpus = os.sched_getaffinity(0)
     for workers in (1, 2):
         port = free_port()
-        server = Server(serve_argv(args, port, workers, "--model", str(model), "--num-threads", "1", "--max-num-seqs",
-                                   str(max(256, args.clients)), "--max-num-batched-tokens", "1024",
-                                   "--kv-cache-memory", "256MiB"), env, f"http://127.0.0.1:{port}",
+        server = Server(serve_argv(args, port, workers, "--model", str(model), "--num-threads", "1",
+                                   "--max-num-seqs", str(max(256, args.clients)),
+                                   "--max-num-batched-tokens", "1024", "--kv-cache-memory",
+                                   "256MiB"), env, f"http://127.0.0.1:{port}",
                         tmp / f"serve-{workers}.log")
         try:
             address = f"ipc:///tmp/conveyor-{server.proc.pid}.sock"
             engine_pid = server.children(b"\0-m\0engine\0")[0]
-            # Like the gateway (gateway/launcher.py), the load generator keeps off the engine's core.
+            # Like the gateway (gateway/launcher.py), the load generator keeps off the engine's
+            # core.
             cpus = keep_off_engine_cpus(engine_pid, [os.getpid()])
             if workers == 1:
-                print(f"engine on CPUs {sorted(all_cpus - cpus) if cpus else 'all'}, gateway and load generator "
-                      f"on {sorted(cpus) if cpus else 'all'}", flush=True)
-            for _ in range(args.rounds if workers == 1 else 1):  # alternate: a busy machine slows both alike
+                print(f"engine on CPUs {sorted(all_cpus - cpus) if cpus else 'all'}, gateway and "
+                      f"load generator on {sorted(cpus) if cpus else 'all'}", flush=True)
+            # alternate: a busy machine slows both alike
+            for _ in range(args.rounds if workers == 1 else 1):
                 if workers == 1:
                     sdk = uvloop.run(sdk_run(address, engine_pid, bodies))
                     rows.setdefault("sdk", []).append(sdk)
-                    print(f"1 SDK client, {len(bodies)} requests {sdk['tok_s']:9.0f} tok/s (no gateway)\n"
-                          f"  engine while all {len(bodies)} run: {fmt_engine(sdk)}", flush=True)
-                row = measure_sse(server, address, engine_pid, bodies, f"{workers} gateway worker(s)")
+                    print(f"1 SDK client, {len(bodies)} requests {sdk['tok_s']:9.0f} tok/s (no "
+                          f"gateway)\n  engine while all {len(bodies)} run: {fmt_engine(sdk)}",
+                          flush=True)
+                row = measure_sse(server, address, engine_pid, bodies,
+                                  f"{workers} gateway worker(s)")
                 rows.setdefault(f"tiny-{workers}", []).append(row)
         finally:
             server.stop()
@@ -296,24 +317,27 @@ def tiny_engine_runs(args: argparse.Namespace, model: Path, bodies: list[dict[st
     return rows
 
 
-def paced_engine_runs(args: argparse.Namespace, model: Path, bodies: list[dict[str, Any]], env: dict[str, str],
-                      tmp: Path) -> dict[str, list[dict[str, float]]]:
+def paced_engine_runs(args: argparse.Namespace, model: Path, bodies: list[dict[str, Any]],
+                      env: dict[str, str], tmp: Path) -> dict[str, list[dict[str, float]]]:
     import multiprocessing
 
     step_ms = args.clients / args.target * 1e3
     print(f"\n== diagnostic: a paced stand-in for the engine offers {args.target} tok/s "
           f"(a token per request every {step_ms:.1f} ms): the gateway alone ==")
     address = f"tcp://127.0.0.1:{free_port()}"
-    fake = multiprocessing.get_context("spawn").Process(target=fake_engine, args=(address, step_ms / 1e3), daemon=True)
+    fake = multiprocessing.get_context("spawn").Process(target=fake_engine,
+                                                        args=(address, step_ms / 1e3), daemon=True)
     fake.start()
     rows = {}
     try:
         for workers in (1, 2):
             port = free_port()
-            server = Server(serve_argv(args, port, workers, "--engine-address", address, "--model", str(model)), env,
-                            f"http://127.0.0.1:{port}", tmp / f"fake-{workers}.log")
+            server = Server(serve_argv(args, port, workers, "--engine-address", address, "--model",
+                                       str(model)), env, f"http://127.0.0.1:{port}",
+                            tmp / f"fake-{workers}.log")
             try:
-                rows[f"fake-{workers}"] = [measure_sse(server, address, None, bodies, f"{workers} gateway worker(s)")]
+                rows[f"fake-{workers}"] = [measure_sse(server, address, None, bodies,
+                                                       f"{workers} gateway worker(s)")]
             finally:
                 server.stop()
     finally:
@@ -332,15 +356,16 @@ def summary(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -
     one, two, sdk, n = rows["tiny-1"], rows["tiny-2"], rows["sdk"], args.clients
     ratios = [f"{b['step'] / a['step']:.2f}" for a, b in zip(runs["sdk"], runs["tiny-1"])]
     print(f"\n== summary (one worker and SDK: the median of {args.rounds} rounds) ==")
-    print(f"one gateway process streams {one['tok_s']:.0f} tok/s to {n} SSE clients (target {args.target}): "
-          f"{one['events_s']:.0f} events/s, {one['tok_per_event']:.2f} tokens per event; "
-          f"{one['tok_per_cpu_s']:.0f} tokens per gateway CPU-second")
+    print(f"one gateway process streams {one['tok_s']:.0f} tok/s to {n} SSE clients (target "
+          f"{args.target}): {one['events_s']:.0f} events/s, {one['tok_per_event']:.2f} tokens per "
+          f"event; {one['tok_per_cpu_s']:.0f} tokens per gateway CPU-second")
     print(f"two gateway workers: {two['tok_s']:.0f} tok/s ({two['tok_s'] / one['tok_s'] - 1:+.0%})")
-    print(f"engine step with {n} requests running: {sdk['step'] * 1e3:.2f} ms with 1 client (SDK) vs "
-          f"{one['step'] * 1e3:.2f} ms with {n} SSE clients through one gateway: {one['step'] / sdk['step']:.2f}x "
-          f"(per round {', '.join(ratios)}); engine CPU per step {sdk['cpu'] * 1e3:.2f} vs {one['cpu'] * 1e3:.2f} ms: "
-          f"{one['cpu'] / sdk['cpu']:.2f}x")
+    print(f"engine step with {n} requests running: {sdk['step'] * 1e3:.2f} ms with 1 client (SDK) "
+          f"vs {one['step'] * 1e3:.2f} ms with {n} SSE clients through one gateway: "
+          f"{one['step'] / sdk['step']:.2f}x (per round {', '.join(ratios)}); engine CPU per step "
+          f"{sdk['cpu'] * 1e3:.2f} vs {one['cpu'] * 1e3:.2f} ms: {one['cpu'] / sdk['cpu']:.2f}x")
     fake = rows["fake-1"]
     print(f"gateway alone, offered {args.target} tok/s one token per event: one process delivered "
-          f"{fake['tok_s']:.0f} tok/s ({fake['tok_per_event']:.2f} tokens per event) at {fake['events_per_cpu_s']:.0f} "
-          f"events per gateway CPU-second; two workers {rows['fake-2']['tok_s']:.0f} tok/s")
+          f"{fake['tok_s']:.0f} tok/s ({fake['tok_per_event']:.2f} tokens per event) at "
+          f"{fake['events_per_cpu_s']:.0f} events per gateway CPU-second; two workers "
+          f"{rows['fake-2']['tok_s']:.0f} tok/s")

@@ -1,8 +1,10 @@
-"""xgrammar against llguidance on this model's vocabulary: the measurement that chose the grammar engine.
+"""xgrammar against llguidance on this model's vocabulary: the measurement that chose the grammar
+engine.
 
-Per library: preparing the tokenizer (once per process), compiling a typical JSON schema, and filling the
-next-token bitmasks of 32 matchers per step along a 37-token output; then applying a [32, V] bitmask to
-the logits three ways. llguidance is not a dependency: `pip install llguidance==1.9.1` to run this.
+Per library: preparing the tokenizer (once per process), compiling a typical JSON schema, and
+filling the next-token bitmasks of 32 matchers per step along a 37-token output; then applying a
+[32, V] bitmask to the logits three ways. llguidance is not a dependency: `pip install
+llguidance==1.9.1` to run this.
 
     python bench/grammar_engines.py
 """
@@ -23,7 +25,8 @@ SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
     "tags": {"type": "array", "items": {"type": "string"}}, "kind": {"enum": ["a", "b", "c"]}},
     "required": ["name", "age", "tags", "kind"], "additionalProperties": False}
-TEXT = '{"name": "Bob the builder of very long names", "age": 42, "tags": ["x y z", "hello world"], "kind": "a"}'
+TEXT = ('{"name": "Bob the builder of very long names", "age": 42, '
+        '"tags": ["x y z", "hello world"], "kind": "a"}')
 B = 32
 
 
@@ -59,7 +62,8 @@ def main() -> None:
             m.fill_next_token_bitmask(bitmask, i)
         fill += time.perf_counter() - t
         assert all(m.accept_token(token) for m in matchers)
-    print(f"xgrammar:   tokenizer {ms(prep)}, compile {ms(comp)}, fill {ms(fill / len(ids))} per step")
+    print(f"xgrammar:   tokenizer {ms(prep)}, compile {ms(comp)}, fill {ms(fill / len(ids))} per "
+          "step")
 
     import llguidance
     import llguidance.hf
@@ -80,16 +84,21 @@ def main() -> None:
             lt.fill_next_token_bitmask(m, lbits, i)
         fill += time.perf_counter() - t
         assert all(m.consume_token(token) for m in lms)
-    print(f"llguidance: tokenizer {ms(prep)}, compile+matcher {ms(comp)}, fill {ms(fill / len(ids))} per step")
+    print(f"llguidance: tokenizer {ms(prep)}, compile+matcher {ms(comp)}, fill "
+          f"{ms(fill / len(ids))} per step")
 
     logits = torch.randn(B, vocab)
-    random_bits = torch.randint(-2**31, 2**31 - 1, bitmask.shape, dtype=torch.int32)  # the worst case for branches
+    # the worst case for branches
+    random_bits = torch.randint(-2**31, 2**31 - 1, bitmask.shape, dtype=torch.int32)
 
     def ours() -> None:
-        bits = np.unpackbits(random_bits.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
-        logits.add_(torch.from_numpy(((bits.astype(np.int32) - 1) & np.int32(-8388608)).view(np.float32)))
+        bits = np.unpackbits(random_bits.numpy().view(np.uint8), axis=-1,
+                             bitorder="little")[:, :vocab]
+        masked = (bits.astype(np.int32) - 1) & np.int32(-8388608)
+        logits.add_(torch.from_numpy(masked.view(np.float32)))
 
-    ways = (("xgrammar apply_token_bitmask_inplace", lambda: xgr.apply_token_bitmask_inplace(logits, random_bits)),
+    ways = (("xgrammar apply_token_bitmask_inplace",
+             lambda: xgr.apply_token_bitmask_inplace(logits, random_bits)),
             ("llguidance.torch apply_token_bitmask_inplace",
              lambda: lt.apply_token_bitmask_inplace(logits, random_bits)),
             ("engine/structured.py (unpack, add -inf)", ours))

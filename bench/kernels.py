@@ -7,9 +7,9 @@ the time. The yardstick is this device's own copy bandwidth, measured first with
 a 1 GiB tensor (and a pinned host<->device copy for the swap cases). Prefill cases also report
 TFLOP/s, since long prompts are bound by arithmetic rather than memory.
 
-    python bench/kernels.py                 # on a CUDA machine
-    python bench/kernels.py --smoke         # tiny shapes on CPU under TRITON_INTERPRET=1 (checks the
-                                            # script runs; its timings mean nothing)
+    python bench/kernels.py             # on a CUDA machine
+    python bench/kernels.py --smoke     # tiny shapes on CPU under TRITON_INTERPRET=1 (checks the
+                                        # script runs; its timings mean nothing)
 
 On a machine without a GPU it says so and exits with status 0.
 """
@@ -44,7 +44,8 @@ class Case:
 
 def attention_cases(smoke: bool) -> list[Case]:
     if smoke:
-        return [Case("decode b=4 L=40", [1] * 4, [39] * 4), Case("prefill 2x24 ctx 8", [24, 24], [8, 8])]
+        return [Case("decode b=4 L=40", [1] * 4, [39] * 4),
+                Case("prefill 2x24 ctx 8", [24, 24], [8, 8])]
     return [
         Case("decode b=1 L=32k", [1], [32767]),
         Case("decode b=8 L=8k", [1] * 8, [8191] * 8),
@@ -53,7 +54,8 @@ def attention_cases(smoke: bool) -> list[Case]:
         Case("decode b=64 mixed L 100..4k", [1] * 64, [100 + 62 * i for i in range(64)]),
         Case("prefill 4x2k", [2048] * 4, [0] * 4),
         Case("chunked prefill 4x512 ctx 4k", [512] * 4, [4096] * 4),
-        Case("mixed: 128 decodes L=1k + 512 chunk ctx 2k", [1] * 128 + [512], [1023] * 128 + [2048]),
+        Case("mixed: 128 decodes L=1k + 512 chunk ctx 2k", [1] * 128 + [512],
+             [1023] * 128 + [2048]),
     ]
 
 
@@ -111,7 +113,8 @@ def build_batch(case: Case, shape: Shape, dtype, device, gen):
         tables.append(table)
         slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
     t = sum(case.query_lens)
-    layout = BatchLayout(case.query_lens, case.context_lens, tables, bs, torch.tensor(slots, dtype=torch.int64))
+    layout = BatchLayout(case.query_lens, case.context_lens, tables, bs,
+                         torch.tensor(slots, dtype=torch.int64))
     shp = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
     kc = torch.randn(shp, dtype=dtype, device=device)
     vc = torch.randn(shp, dtype=dtype, device=device)
@@ -133,21 +136,23 @@ def attention_traffic(case: Case, shape: Shape, itemsize: int) -> tuple[int, flo
     return cached_reads + new_kv + q_and_o, flops
 
 
-def bench_attention(cases: list[Case], shape: Shape, dtype, device, time_ms, copy_bw: float) -> None:
+def bench_attention(cases: list[Case], shape: Shape, dtype, device, time_ms,
+                    copy_bw: float) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(0)
-    print(f"\nattention per layer (store K/V + attention), H={shape.num_heads} Hkv={shape.num_kv_heads} "
-          f"D={shape.head_dim} block={shape.block_size} {dtype}")
-    print(f"{'case':44s} {'plan ms':>8s} {'triton ms':>10s} {'torch ms':>9s} {'speedup':>8s} {'GB/s':>8s} "
-          f"{'% copy':>7s} {'TFLOP/s':>8s} {'rel err':>8s}")
+    print(f"\nattention per layer (store K/V + attention), H={shape.num_heads} "
+          f"Hkv={shape.num_kv_heads} D={shape.head_dim} block={shape.block_size} {dtype}")
+    print(f"{'case':44s} {'plan ms':>8s} {'triton ms':>10s} {'torch ms':>9s} {'speedup':>8s} "
+          f"{'GB/s':>8s} {'% copy':>7s} {'TFLOP/s':>8s} {'rel err':>8s}")
     for case in cases:
         bench_attention_case(case, shape, dtype, device, time_ms, copy_bw, gen)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def bench_attention_case(case: Case, shape: Shape, dtype, device, time_ms, copy_bw: float, gen) -> None:
+def bench_attention_case(case: Case, shape: Shape, dtype, device, time_ms, copy_bw: float,
+                         gen) -> None:
     """One row of the attention table: plan once, then time forward on both backends."""
     import torch
 
@@ -171,8 +176,8 @@ def bench_attention_case(case: Case, shape: Shape, dtype, device, time_ms, copy_
     ms_tri = time_ms(lambda: tri.forward(q, k, v, kc, vc, tri_meta, scale))
     nbytes, flops = attention_traffic(case, shape, q.element_size())
     gbs = nbytes / ms_tri / 1e6
-    print(f"{case.name:44s} {plan_ms:8.2f} {ms_tri:10.3f} {ms_ref:9.3f} {ms_ref / ms_tri:7.2f}x {gbs:8.0f} "
-          f"{100 * gbs / copy_bw:6.0f}% {flops / ms_tri / 1e9:8.1f} {err:8.1e}")
+    print(f"{case.name:44s} {plan_ms:8.2f} {ms_tri:10.3f} {ms_ref:9.3f} {ms_ref / ms_tri:7.2f}x "
+          f"{gbs:8.0f} {100 * gbs / copy_bw:6.0f}% {flops / ms_tri / 1e9:8.1f} {err:8.1e}")
 
 
 def bench_store(shape: Shape, dtype, device, time_ms, copy_bw: float, smoke: bool) -> None:
@@ -182,7 +187,8 @@ def bench_store(shape: Shape, dtype, device, time_ms, copy_bw: float, smoke: boo
 
     t = 64 if smoke else 16384
     num_blocks = 2 * t // shape.block_size
-    kc = torch.zeros(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+    kc = torch.zeros(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype,
+                     device=device)
     vc = torch.zeros_like(kc)
     k = torch.randn(t, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
@@ -195,8 +201,9 @@ def bench_store(shape: Shape, dtype, device, time_ms, copy_bw: float, smoke: boo
 
     ms_ref = time_ms(torch_store)
     gbs = 4 * k.numel() * k.element_size() / ms_tri / 1e6
-    print(f"\nstore K/V, {t} tokens to scattered slots: triton {ms_tri:.3f} ms, torch index_copy {ms_ref:.3f} ms "
-          f"({ms_ref / ms_tri:.2f}x), {gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% of copy")
+    print(f"\nstore K/V, {t} tokens to scattered slots: triton {ms_tri:.3f} ms, torch index_copy "
+          f"{ms_ref:.3f} ms ({ms_ref / ms_tri:.2f}x), {gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% "
+          "of copy")
 
 
 def kv_pool(shape: Shape, layers: int, num_blocks: int, dtype, device, pin: bool = False):
@@ -206,7 +213,8 @@ def kv_pool(shape: Shape, layers: int, num_blocks: int, dtype, device, pin: bool
                        dtype=dtype, device=device, pin_memory=pin).normal_()
 
 
-def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: float | None, smoke: bool) -> None:
+def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: float | None,
+                 smoke: bool) -> None:
     import torch
 
     from kernels.torch_backend import TorchBackend
@@ -217,12 +225,14 @@ def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: 
     kv = kv_pool(shape, layers, pool_blocks, dtype, device)
     perm = torch.randperm(pool_blocks)
     src, dst = perm[:n].to(device), perm[n: 2 * n].to(device)
-    block_bytes = layers * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim * kv.element_size()
+    block_bytes = (layers * 2 * shape.block_size * shape.num_kv_heads * shape.head_dim
+                   * kv.element_size())
     ms_tri = time_ms(lambda: tri.copy_blocks(kv, src, dst))
     ms_ref = time_ms(lambda: ref.copy_blocks(kv, src, dst))
     gbs = 2 * n * block_bytes / ms_tri / 1e6
-    print(f"\ncopy_blocks, {n} blocks x {layers} layers: triton {ms_tri:.3f} ms, torch {ms_ref:.3f} ms "
-          f"({ms_ref / ms_tri:.2f}x), {gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% of copy")
+    print(f"\ncopy_blocks, {n} blocks x {layers} layers: triton {ms_tri:.3f} ms, torch "
+          f"{ms_ref:.3f} ms ({ms_ref / ms_tri:.2f}x), {gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% "
+          "of copy")
     if device.type != "cuda":
         return
     host = kv_pool(shape, layers, pool_blocks, dtype, "cpu", pin=True)
@@ -231,31 +241,37 @@ def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: 
         ms_tri = time_ms(functools.partial(tri.swap_blocks, *args))
         ms_ref = time_ms(functools.partial(ref.swap_blocks, *args))
         gbs = n * block_bytes / ms_tri / 1e6
-        print(f"{name}, {n} blocks x {layers} layers: triton {ms_tri:.3f} ms, torch {ms_ref:.3f} ms "
-              f"({ms_ref / ms_tri:.2f}x), {gbs:.1f} GB/s = {100 * gbs / link_bw:.0f}% of a pinned bulk copy")
+        print(f"{name}, {n} blocks x {layers} layers: triton {ms_tri:.3f} ms, torch {ms_ref:.3f} "
+              f"ms ({ms_ref / ms_tri:.2f}x), {gbs:.1f} GB/s = {100 * gbs / link_bw:.0f}% of a "
+              "pinned bulk copy")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on CPU under TRITON_INTERPRET=1")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
 
     if not args.smoke and not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA GPU on this machine, so there is nothing to time: the Triton kernels "
-              "run on a GPU (on CPU only under the interpreter, which the tests use). Run it on a GPU machine.")
+        print("bench/kernels.py: no CUDA GPU on this machine, so there is nothing to time: the "
+              "Triton kernels run on a GPU (on CPU only under the interpreter, which the tests "
+              "use). Run it on a GPU machine.")
         return 0
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = getattr(torch, args.dtype) if not args.smoke else torch.float32
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter smoke run)"
+    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else "CPU (interpreter smoke run)")
     time_ms = timer(device, args.smoke)
     copy_bw, link_bw = copy_bandwidth(device, time_ms, args.smoke)
     print(f"device: {name}, torch {torch.__version__}")
-    print(f"measured copy bandwidth: {copy_bw:.0f} GB/s (read + write of a {'1 GiB' if not args.smoke else '16 MiB'} "
-          f"tensor)" + (f"; pinned host<->device: {link_bw:.1f} GB/s" if link_bw else ""))
+    print(f"measured copy bandwidth: {copy_bw:.0f} GB/s (read + write of a "
+          f"{'1 GiB' if not args.smoke else '16 MiB'} tensor)" + ("; pinned host<->device: "
+                                                                  f"{link_bw:.1f} GB/s" if link_bw
+                                                                  else ""))
     shape = Shape(num_heads=4, num_kv_heads=2, head_dim=64) if args.smoke else Shape()
     bench_attention(attention_cases(args.smoke), shape, dtype, device, time_ms, copy_bw)
     bench_store(shape, dtype, device, time_ms, copy_bw, args.smoke)

@@ -6,8 +6,9 @@ with the same pinned threads. Output
 tokens/s counts only the tokens each request asked for. Also prints the arithmetic ceiling: the
 workload's model FLOPs at the measured GEMM speed of this machine.
 
-    python bench/offline_throughput.py [--num-requests 64] [--batch-size 64] [--threads 2] [--dtype bfloat16]
-                                       [--kv-cache-dtype bfloat16] [--skip-baseline]
+    python bench/offline_throughput.py [--num-requests 64] [--batch-size 64] [--threads 2]
+                                       [--dtype bfloat16] [--kv-cache-dtype bfloat16]
+                                       [--skip-baseline]
 
 --kv-cache-dtype adds a second Conveyor run in this one with K/V stored in that dtype (the model in
 --dtype), its time set against the first.
@@ -28,8 +29,8 @@ def run_conveyor(reqs, args, kv_cache_dtype: str = "auto") -> float:
     from shared.sampling import SamplingParams
 
     llm = LLM(args.model, num_threads=args.threads, max_num_seqs=args.batch_size,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB", dtype=args.dtype,
-              kv_cache_dtype=kv_cache_dtype)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB",
+              dtype=args.dtype, kv_cache_dtype=kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     t0 = time.perf_counter()
@@ -58,13 +59,14 @@ def run_transformers(reqs, args) -> float:
         width = max(len(p) for p, _ in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.int64)
         mask = torch.zeros_like(ids)
-        for row, (p, _) in enumerate(batch):  # left padding, as generate expects for decoder-only models
+        # left padding, as generate expects for decoder-only models
+        for row, (p, _) in enumerate(batch):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         n = max(n for _, n in batch)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
     return time.perf_counter() - t0
 
 
@@ -81,7 +83,8 @@ def model_flops(reqs, layers=30, hidden=576, inter=1536, kv=192, vocab=49152) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=64,
@@ -89,8 +92,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="weights, activations and KV cache of both sides (bfloat16 uses AMX/AVX512-BF16 where the "
-                         "CPU has it)")
+                    help="weights, activations and KV cache of both sides (bfloat16 uses "
+                         "AMX/AVX512-BF16 where the CPU has it)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="also run Conveyor with K/V stored in this dtype")
     ap.add_argument("--skip-baseline", action="store_true")
@@ -102,11 +105,13 @@ def main() -> None:
     reqs = workload(args.num_requests, (32, 512), (8, 256), vocab=49152)
     out_tokens = sum(n for _, n in reqs)
     print(f"machine: {machine()}")
-    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {out_tokens} output tokens")
+    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+          f"{out_tokens} output tokens")
     gflops = gemm_gflops(dtype=args.dtype)
     ceiling = model_flops(reqs) / (gflops * 1e9)
     conveyor = run_conveyor(reqs, args)
-    kv_run = None if args.kv_cache_dtype == "auto" else run_conveyor(reqs, args, args.kv_cache_dtype)
+    kv_run = (None if args.kv_cache_dtype == "auto"
+              else run_conveyor(reqs, args, args.kv_cache_dtype))
     baseline = None if args.skip_baseline else run_transformers(reqs, args)
     print(f"\n{'':28s}{'seconds':>10s}{'output tok/s':>14s}{'vs baseline':>13s}")
     row = f"{baseline:10.1f}{out_tokens / baseline:14.1f}{1.0:12.2f}x" if baseline else "   skipped"
@@ -115,7 +120,8 @@ def main() -> None:
     print(f"{'conveyor':28s}{conveyor:10.1f}{out_tokens / conveyor:14.1f}{ratio}")
     if kv_run is not None:
         ratio = f"{baseline / kv_run:12.2f}x" if baseline else f"{'':13s}"
-        print(f"{'conveyor, kv ' + args.kv_cache_dtype:28s}{kv_run:10.1f}{out_tokens / kv_run:14.1f}{ratio}"
+        print(f"{'conveyor, kv ' + args.kv_cache_dtype:28s}{kv_run:10.1f}"
+              f"{out_tokens / kv_run:14.1f}{ratio}"
               f"   ({conveyor / kv_run:.2f}x the speed of conveyor)")
     ratio = f"{baseline / ceiling:12.2f}x" if baseline else ""
     print(f"{'arithmetic ceiling':28s}{ceiling:10.1f}{out_tokens / ceiling:14.1f}{ratio}"

@@ -53,7 +53,8 @@ def ttft(core, rid: str, prompt: list[int]) -> float:
 def shared_system_prompt(model: str, vocab: int, num_requests: int) -> tuple[float, float]:
     rng = random.Random(0)
     system = [rng.randrange(100, vocab) for _ in range(SYSTEM_LEN)]
-    users = [[rng.randrange(100, vocab) for _ in range(rng.randint(10, 40))] for _ in range(num_requests)]
+    users = [[rng.randrange(100, vocab) for _ in range(rng.randint(10, 40))]
+             for _ in range(num_requests)]
     out = []
     for caching in (False, True):
         core = make_core(model, enable_prefix_caching=caching, kv_cache_memory="512MiB")
@@ -69,11 +70,13 @@ def n8_memory(model: str, vocab: int) -> tuple[int, int]:
     prompt = [random.Random(1).randrange(100, vocab) for _ in range(SYSTEM_LEN)]
     held = []
     for n, copies in ((8, 1), (1, 8)):
-        # All eight prefill in one step and decode side by side (no long-prompt cap), as n=8's samples do.
-        core = make_core(model, enable_prefix_caching=False, kv_cache_memory="512MiB", max_num_batched_tokens=8192,
-                         max_long_prefills=8)
+        # All eight prefill in one step and decode side by side (no long-prompt cap), as n=8's
+        # samples do.
+        core = make_core(model, enable_prefix_caching=False, kv_cache_memory="512MiB",
+                         max_num_batched_tokens=8192, max_long_prefills=8)
         for i in range(copies):
-            core.add(f"r{i}", prompt, SamplingParams(temperature=0.8, seed=i, n=n, max_tokens=4, ignore_eos=True))
+            core.add(f"r{i}", prompt, SamplingParams(temperature=0.8, seed=i, n=n, max_tokens=4,
+                                                     ignore_eos=True))
         peak = 0
         while core.has_work():
             core.step()
@@ -84,15 +87,15 @@ def n8_memory(model: str, vocab: int) -> tuple[int, int]:
 
 def throughput(model: str, vocab: int, rounds: int = 4) -> tuple[float, float, float, float]:
     """-> (tok/s off, tok/s on, bookkeeping ms/step off, on): best of rounds, run alternately; the
-    scheduler's own time (schedule + update, where all prefix-cache work happens) is timed apart, as it
-    is what caching adds and is not drowned by noise in the model's time on a shared machine."""
+    scheduler's own time (schedule + update, where all prefix-cache work happens) is timed apart, as
+    it is what caching adds and is not drowned by noise in the model's time on a shared machine."""
     from shared.sampling import SamplingParams
 
     reqs = workload(24, (64, 256), (16, 48), vocab, seed=3)
     best = {True: 0.0, False: 0.0}
     book = {True: float("inf"), False: float("inf")}
-    cores = {c: make_core(model, enable_prefix_caching=c, kv_cache_memory="512MiB", max_num_batched_tokens=512)
-             for c in (False, True)}
+    cores = {c: make_core(model, enable_prefix_caching=c, kv_cache_memory="512MiB",
+                          max_num_batched_tokens=512) for c in (False, True)}
     for r in range(rounds):
         for caching in (False, True) if r % 2 == 0 else (True, False):  # alternate to cancel drift
             core = cores[caching]
@@ -104,7 +107,8 @@ def throughput(model: str, vocab: int, rounds: int = 4) -> tuple[float, float, f
             steps0 = core.num_steps
             t0 = time.perf_counter()
             for i, (prompt, n) in enumerate(reqs):
-                core.add(f"{r}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                core.add(f"{r}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True))
             tokens = 0
             while core.has_work():
                 tokens += sum(len(o.new_token_ids) for o in core.step())
@@ -140,7 +144,8 @@ def cpu_tier(model: str, vocab: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=8)
@@ -152,17 +157,18 @@ def main() -> None:
     vocab = make_core(args.model, num_blocks=8).model_config.vocab_size
     print(f"# {machine()}\n# model {args.model}")
     off, on = shared_system_prompt(args.model, vocab, args.requests)
-    print(f"TTFT, {SYSTEM_LEN}-token shared system prompt: no cache {off * 1e3:.1f} ms, cache {on * 1e3:.1f} ms, "
-          f"{off / on:.1f}x lower")
+    print(f"TTFT, {SYSTEM_LEN}-token shared system prompt: no cache {off * 1e3:.1f} ms, cache "
+          f"{on * 1e3:.1f} ms, {off / on:.1f}x lower")
     n8, sep = n8_memory(args.model, vocab)
     print(f"KV blocks, {SYSTEM_LEN}-token prompt: n=8 holds {n8}, 8 separate requests {sep} "
           f"({1 - n8 / sep:.0%} saved)")
     t_off, t_on, b_off, b_on = throughput(args.model, vocab)
     print(f"throughput, no shared prefixes: cache off {t_off:.1f} tok/s, on {t_on:.1f} tok/s "
-          f"({(t_on / t_off - 1) * 100:+.1f}%); scheduler bookkeeping {b_off:.3f} vs {b_on:.3f} ms/step")
+          f"({(t_on / t_off - 1) * 100:+.1f}%); scheduler bookkeeping {b_off:.3f} vs {b_on:.3f} "
+          "ms/step")
     recompute, swapped = cpu_tier(args.model, vocab)
-    print(f"TTFT of an evicted {SYSTEM_LEN}-token prefix: recomputed {recompute * 1e3:.1f} ms, from the CPU tier "
-          f"{swapped * 1e3:.1f} ms ({recompute / swapped:.1f}x lower)")
+    print(f"TTFT of an evicted {SYSTEM_LEN}-token prefix: recomputed {recompute * 1e3:.1f} ms, "
+          f"from the CPU tier {swapped * 1e3:.1f} ms ({recompute / swapped:.1f}x lower)")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def replay(core, reqs, rate: float, seed: int = 0) -> dict[str, float]:
         now = time.perf_counter() - start
         while nxt < len(reqs) and arrivals[nxt] <= now:
             prompt, n = reqs[nxt]
-            core.add(f"r{nxt}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            core.add(f"r{nxt}", prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                       ignore_eos=True))
             token_times[f"r{nxt}"] = []
             nxt += 1
         if not core.has_work():
@@ -54,8 +55,8 @@ def replay(core, reqs, rate: float, seed: int = 0) -> dict[str, float]:
     elapsed = time.perf_counter() - start
     ttft = [ts[0] - arrivals[int(rid[1:])] for rid, ts in token_times.items()]
     itl = [b - a for ts in token_times.values() for a, b in zip(ts, ts[1:])]
-    return {"tok/s": sum(len(ts) for ts in token_times.values()) / elapsed,
-            "ttft50": pct(ttft, 50), "ttft99": pct(ttft, 99), "itl50": pct(itl, 50), "itl99": pct(itl, 99)}
+    return {"tok/s": sum(len(ts) for ts in token_times.values()) / elapsed, "ttft50": pct(ttft, 50),
+            "ttft99": pct(ttft, 99), "itl50": pct(itl, 50), "itl99": pct(itl, 99)}
 
 
 class Timed:
@@ -98,7 +99,8 @@ def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
@@ -112,21 +114,25 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     reqs = workload(args.num_requests, (32, 384), (16, 128), vocab=49152, seed=3)
-    print(f"workload: {len(reqs)} requests, Poisson {args.rate}/s, prompts 32..384, outputs 16..128 tokens, greedy")
-    print(f"\n{'policy':15s}{'out tok/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}{'ITL p50':>9s}{'ITL p99':>9s}"
+    print(f"workload: {len(reqs)} requests, Poisson {args.rate}/s, prompts 32..384, outputs "
+          "16..128 tokens, greedy")
+    print(f"\n{'policy':15s}{'out tok/s':>10s}{'TTFT p50':>10s}{'TTFT p99':>10s}"
+          f"{'ITL p50':>9s}{'ITL p99':>9s}"
           "   (seconds)")
     core = None
     for policy in [] if args.overhead_only else PREFILL_POLICIES:
         core = EngineCore(build_config(args.model, prefill_policy=policy, num_threads=args.threads,
-                                       max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=256,
-                                       kv_cache_memory="3GiB"))
+                                       max_num_batched_tokens=args.max_num_batched_tokens,
+                                       max_num_seqs=256, kv_cache_memory="3GiB"))
         r = replay(core, reqs, args.rate)
         print(f"{policy:15s}{r['tok/s']:10.1f}{r['ttft50']:10.2f}{r['ttft99']:10.2f}{r['itl50']:9.3f}{r['itl99']:9.3f}",
               flush=True)
     if core is None:
-        core = EngineCore(build_config(args.model, num_threads=args.threads, max_num_seqs=256, kv_cache_memory="3GiB",
+        core = EngineCore(build_config(args.model, num_threads=args.threads, max_num_seqs=256,
+                                       kv_cache_memory="3GiB",
                                        max_num_batched_tokens=args.max_num_batched_tokens))
-    print(f"\n{'running seqs':>12s}{'step ms':>10s}{'forward ms':>12s}{'sample ms':>11s}{'outside model':>15s}")
+    print(f"\n{'running seqs':>12s}{'step ms':>10s}{'forward ms':>12s}{'sample ms':>11s}"
+          f"{'outside model':>15s}")
     for n in (64, 256):
         step, fwd, smp, share = overhead(core, n)
         print(f"{n:12d}{step:10.1f}{fwd:12.1f}{smp:11.2f}{share:14.1%}", flush=True)

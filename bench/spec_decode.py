@@ -1,5 +1,6 @@
 """Speculative decoding against plain decoding, in one run, on input-grounded prompts (edit, fix or
-summarise a given text or code: the output copies long runs of the input, which prompt lookup finds).
+summarise a given text or code: the output copies long runs of the input, which prompt lookup
+finds).
 
 For each of 1 stream (the requests one after another) and 8 streams (all at once, twice) it prints
 output tokens/s without and with speculation, the ratio, the acceptance rate and the mean accepted
@@ -37,19 +38,24 @@ def oldest_user(users):
 '''
 
 TEXT = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Several "
-        "shop owners said the lanes had reduced parking and hurt their business, while cyclists said "
-        "the lanes had made the street much safer. The council agreed to collect traffic data for "
-        "three more months before deciding whether to keep the lanes, move them, or remove them.")
+        "shop owners said the lanes had reduced parking and hurt their business, while cyclists "
+        "said the lanes had made the street much safer. The council agreed to collect traffic data "
+        "for three more months before deciding whether to keep the lanes, move them, or remove "
+        "them.")
 
 TASKS = [
-    f"Rename the function load_users to read_users everywhere in this code. Reply with the full code only.\n\n{CODE}",
+    "Rename the function load_users to read_users everywhere in this code. Reply with the full "
+    f"code only.\n\n{CODE}",
     f"Add a docstring to each function in this code. Reply with the full code only.\n\n{CODE}",
-    f"Rewrite this code to use the variable name person instead of user. Reply with the full code only.\n\n{CODE}",
+    "Rewrite this code to use the variable name person instead of user. Reply with the full code "
+    f"only.\n\n{CODE}",
     f"Copy this text and replace 'Main Street' with 'Oak Avenue':\n\n{TEXT}",
     f"Summarise this text in two sentences, reusing its own words:\n\n{TEXT}",
-    f"Fix the indentation of this code and reply with the full code only.\n\n{CODE.replace('    ', '  ')}",
+    "Fix the indentation of this code and reply with the full code "
+    f"only.\n\n{CODE.replace('    ', '  ')}",
     f"Repeat the following text exactly, then say DONE:\n\n{TEXT}",
-    f"Convert this code's comments and names to snake_case where they are not. Reply with the code.\n\n{CODE}",
+    "Convert this code's comments and names to snake_case where they are not. Reply with the "
+    f"code.\n\n{CODE}",
 ]
 
 
@@ -61,14 +67,17 @@ def run(core, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, li
     outs = {f"s{i}": [] for i in range(len(prompts))}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        core.add(f"s{i}", prompt, params)  # ids are reused across runs: the engine forgets finished requests
+        # ids are reused across runs: the engine forgets finished requests
+        core.add(f"s{i}", prompt, params)
     while core.has_work():
         for o in core.step():
             outs[o.request_id] += o.new_token_ids
-    return time.perf_counter() - t0, sum(map(len, outs.values())), [outs[f"s{i}"] for i in range(len(prompts))]
+    return time.perf_counter() - t0, sum(map(len, outs.values())), [outs[f"s{i}"]
+                                                                    for i in range(len(prompts))]
 
 
-def compare(plain, spec, groups: list[list[list[int]]], max_tokens: int) -> tuple[float, float, float, bool]:
+def compare(plain, spec, groups: list[list[list[int]]],
+            max_tokens: int) -> tuple[float, float, float, bool]:
     """Each group of prompts runs plain, then speculative, alternating, so both see the same machine
     (other load on a shared machine hits both sides alike).
     -> (plain tok/s, spec tok/s, plain steps / spec steps, identical)."""
@@ -89,7 +98,8 @@ def compare(plain, spec, groups: list[list[list[int]]], max_tokens: int) -> tupl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--speculative", default="ngram", help="ngram or draft:<model>")
     ap.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
@@ -103,31 +113,35 @@ def main() -> None:
     from shared.config import build_config
     from shared.tokenizer import apply_chat_template, load_tokenizer
 
-    common = dict(kv_cache_memory="512MiB", max_num_batched_tokens=2048, enable_prefix_caching=False)
+    common = dict(kv_cache_memory="512MiB", max_num_batched_tokens=2048,
+                  enable_prefix_caching=False)
     plain = EngineCore(build_config(args.model, **common))
     spec = EngineCore(build_config(args.model, speculative=args.speculative,
-                                   num_speculative_tokens=args.num_speculative_tokens, ngram_min=args.ngram_min,
-                                   **common))
+                                   num_speculative_tokens=args.num_speculative_tokens,
+                                   ngram_min=args.ngram_min, **common))
     tok = load_tokenizer(plain.source)
     prompts = [apply_chat_template(tok, [{"role": "user", "content": t}]) for t in TASKS]
     print(f"machine: {machine()}")
-    print(f"model: {args.model}; {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens; greedy, up to {args.max_tokens} output tokens; speculative={args.speculative}, "
+    print(f"model: {args.model}; {len(prompts)} prompts of "
+          f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens; greedy, up to "
+          f"{args.max_tokens} output tokens; speculative={args.speculative}, "
           f"k={args.num_speculative_tokens}, ngram_min={args.ngram_min}")
     for core in (plain, spec):  # warm up allocators and thread pools
         run(core, prompts[:1], 8)
 
-    # "fewer steps": plain steps / speculative steps, the gain a step of equal cost would give (exact,
-    # whatever the machine's load); the tok/s ratio is what it gives here, verification steps included.
-    print(f"{'streams':>8} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'fewer steps':>12} {'accept':>7} "
-          f"{'mean len':>9} identical")
+    # "fewer steps": plain steps / speculative steps, the gain a step of equal cost would give
+    # (exact, whatever the machine's load); the tok/s ratio is what it gives here, verification
+    # steps included.
+    print(f"{'streams':>8} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} {'fewer steps':>12} "
+          f"{'accept':>7} {'mean len':>9} identical")
     for streams, groups in ((1, [[p] for p in prompts]), (8, [prompts, prompts])):
         before = dict(spec.scheduler.spec_stats)
         base_tps, spec_tps, step_ratio, identical = compare(plain, spec, groups, args.max_tokens)
         st = {k: v - before[k] for k, v in spec.scheduler.spec_stats.items()}
         accept = st["spec_accepted_tokens"] / max(st["spec_draft_tokens"], 1)
         mean_len = 1 + st["spec_accepted_tokens"] / max(st["spec_verifications"], 1)
-        print(f"{streams:>8} {base_tps:>12.1f} {spec_tps:>11.1f} {spec_tps / base_tps:>5.2f}x {step_ratio:>11.2f}x "
+        print(f"{streams:>8} {base_tps:>12.1f} {spec_tps:>11.1f} {spec_tps / base_tps:>5.2f}x "
+              f"{step_ratio:>11.2f}x "
               f"{accept:>7.1%} "
               f"{mean_len:>9.2f} {'yes' if identical else 'NO'}", flush=True)
 

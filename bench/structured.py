@@ -1,9 +1,11 @@
-"""The cost of structured output: 64 sequences decoding, of which 0, 16 or 64 are JSON-schema constrained.
+"""The cost of structured output: 64 sequences decoding, of which 0, 16 or 64 are JSON-schema
+constrained.
 
-One process, one engine (SmolLM2-135M-Instruct by default), the three runs side by side: mean decode step
-time and output tok/s while all 64 run, and the share of the step spent filling and applying the masks.
-Then grammar compile times: the one-time tokenizer preparation, a cold compile of a typical schema, a
-cached one; and the longest step taken while 16 fresh schemas compile in the worker (no step waits).
+One process, one engine (SmolLM2-135M-Instruct by default), the three runs side by side: mean decode
+step time and output tok/s while all 64 run, and the share of the step spent filling and applying
+the masks. Then grammar compile times: the one-time tokenizer preparation, a cold compile of a
+typical schema, a cached one; and the longest step taken while 16 fresh schemas compile in the
+worker (no step waits).
 
     python bench/structured.py [--threads 2] [--dtype float32] [--steps 12] [--rounds 3]
 """
@@ -35,7 +37,8 @@ def fresh_schema(i: int) -> dict:
 
 
 def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[float, float]:
-    """-> (seconds of each decode step with every sequence running, seconds of each in apply_masks)."""
+    """-> (seconds of each decode step with every sequence running, seconds of each in
+    apply_masks)."""
     import engine.sampler as sampler_module
     from shared.constraints import json_schema
     from shared.sampling import SamplingParams
@@ -52,12 +55,15 @@ def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[flo
     sampler_module.apply_masks = timed
     constraint = json_schema(SCHEMA)
     for i in range(batch):
-        prompt = tok.apply_chat_template([{"role": "user", "content": f"List people number {i} as JSON."}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompt = tok.apply_chat_template([{"role": "user",
+                                           "content": f"List people number {i} as JSON."}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
         p = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=i >= num_constrained,
                            constraint=constraint if i < num_constrained else None)
         core.add(f"r{num_constrained}-{i}", prompt, p)
-    while len(core.scheduler.running) < batch or any(s.num_output_tokens == 0 for s in core.scheduler.running):
+    while len(core.scheduler.running) < batch or any(s.num_output_tokens == 0
+                                                     for s in core.scheduler.running):
         core.step()  # prefill (and the grammar compile) outside the measurement
     times, masks = [], []
     for _ in range(steps):
@@ -94,14 +100,15 @@ def compile_times(llm) -> dict[str, float]:
 
 
 def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
-    """-> (median step seconds of 64 free sequences before, longest step while 16 fresh schemas compile in
-    the worker, steps taken meanwhile)."""
+    """-> (median step seconds of 64 free sequences before, longest step while 16 fresh schemas
+    compile in the worker, steps taken meanwhile)."""
     from shared.constraints import json_schema
     from shared.sampling import SamplingParams
 
     core = llm.core
     for i in range(batch):
-        core.add(f"free-{i}", [1, 2, 3 + i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        core.add(f"free-{i}", [1, 2, 3 + i],
+                 SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     while any(s.num_output_tokens == 0 for s in core.scheduler.running) or core.scheduler.waiting:
         core.step()
     before = []
@@ -110,7 +117,8 @@ def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
         core.step()
         before.append(time.perf_counter() - t0)
     for i in range(16):
-        core.add(f"c-{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4, constraint=json_schema(
+        core.add(f"c-{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=4,
+                                                     constraint=json_schema(
             fresh_schema(100 + i))))
     times = []
     while core.grammars.waiting:
@@ -122,7 +130,8 @@ def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
@@ -133,13 +142,14 @@ def main() -> None:
     pin_threads(args.threads)
     from engine.offline import LLM
 
-    llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, kv_cache_memory="768MiB", swap_space="64MiB",
-              max_num_seqs=args.batch, enable_prefix_caching=False)
-    print(f"# {machine()}\n# {cpu_features()}\n# {args.model}, {args.dtype}, {args.batch} sequences decoding")
+    llm = LLM(args.model, num_threads=args.threads, dtype=args.dtype, kv_cache_memory="768MiB",
+              swap_space="64MiB", max_num_seqs=args.batch, enable_prefix_caching=False)
+    print(f"# {machine()}\n# {cpu_features()}\n# {args.model}, {args.dtype}, {args.batch} "
+          "sequences decoding")
     print(json.dumps({k: f"{v * 1e3:.2f} ms" for k, v in compile_times(llm).items()}))
     decode_steps(llm, 0, args.batch, 4)  # warm-up: shapes, allocator
-    # Rounds interleave the three runs, so that a change in the machine's load hits all of them alike;
-    # medians over every step of every round.
+    # Rounds interleave the three runs, so that a change in the machine's load hits all of them
+    # alike; medians over every step of every round.
     sizes = (0, args.batch // 4, args.batch)
     steps: dict[int, list[float]] = {k: [] for k in sizes}
     masks: dict[int, list[float]] = {k: [] for k in sizes}
@@ -153,10 +163,11 @@ def main() -> None:
           f"(medians of {len(steps[0])} steps)")
     for k in sizes:
         step, mask = median(steps[k]), median(masks[k])
-        print(f"{k:>11} {step * 1e3:8.1f} {args.batch / step:7.0f} {100 * (step / base - 1):+6.1f}% {mask * 1e3:8.2f}")
+        print(f"{k:>11} {step * 1e3:8.1f} {args.batch / step:7.0f} "
+              f"{100 * (step / base - 1):+6.1f}% {mask * 1e3:8.2f}")
     typical, worst, n = steps_during_compiles(llm, args.batch)
-    print(f"64 free sequences: median step {typical * 1e3:.1f} ms before; while 16 fresh schemas compiled "
-          f"({n} steps) the longest step took {worst * 1e3:.1f} ms")
+    print(f"64 free sequences: median step {typical * 1e3:.1f} ms before; while 16 fresh schemas "
+          f"compiled ({n} steps) the longest step took {worst * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

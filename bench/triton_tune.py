@@ -1,18 +1,20 @@
-"""Sweep the Triton prefill kernel's launch choices on this GPU, to fill kernels/triton/prefill.py's PREFILL_TUNED.
+"""Sweep the Triton prefill kernel's launch choices on this GPU, to fill kernels/triton/prefill.py's
+PREFILL_TUNED.
 
 Per shape it times the current (fallback) configuration, SDPA's flash kernel on a contiguous causal
-copy of the same Q/K/V (the yardstick), and a small grid of PrefillKnobs (tile rows BLOCK_M = BLOCK_Q *
-padded GQA group, keys per iteration BLOCK_N, num_warps, num_stages). Each config's output is checked
-against the current config's (max abs diff); a wrong one, or one that fails to compile or launch, is
-reported and rejected. Times are CUDA-event medians after warm-up (compile excluded, L2 flushed before
-each rep). Rows print as they finish, and --max-seconds shares the time between the shapes and stops
-early, so a lent GPU with a hard budget still gets every shape's best-so-far. Triton's default num_stages
-is 3 on CUDA, so the grid's row equal to the current config but for s=3 is the same kernel: the gap
-between it and "current" is the run-to-run noise (up to ~15% on the small SmolLM2 shape on an H100).
+copy of the same Q/K/V (the yardstick), and a small grid of PrefillKnobs (tile rows BLOCK_M =
+BLOCK_Q * padded GQA group, keys per iteration BLOCK_N, num_warps, num_stages). Each config's output
+is checked against the current config's (max abs diff); a wrong one, or one that fails to compile or
+launch, is reported and rejected. Times are CUDA-event medians after warm-up (compile excluded, L2
+flushed before each rep). Rows print as they finish, and --max-seconds shares the time between the
+shapes and stops early, so a lent GPU with a hard budget still gets every shape's best-so-far.
+Triton's default num_stages is 3 on CUDA, so the grid's row equal to the current config but for s=3
+is the same kernel: the gap between it and "current" is the run-to-run noise (up to ~15% on the
+small SmolLM2 shape on an H100).
 
-    python bench/triton_tune.py --quick --max-seconds 120   # bench/gpu_check.sh runs this
-    python bench/triton_tune.py                             # the full grid (about 150 s on an H100)
-    python bench/triton_tune.py --smoke                     # tiny, 2 configs, CPU under TRITON_INTERPRET=1
+    python bench/triton_tune.py --quick --max-seconds 120  # bench/gpu_check.sh runs this
+    python bench/triton_tune.py                   # the full grid (about 150 s on an H100)
+    python bench/triton_tune.py --smoke           # tiny, 2 configs, CPU under TRITON_INTERPRET=1
 
 On a machine without a GPU (and without --smoke) it says so and exits with status 0.
 """
@@ -72,7 +74,8 @@ def cases(mode: str) -> list[Case]:
 
 def grid(mode: str, head_dim: int) -> list[Any]:
     """PrefillKnobs to try after the current config; num_stages outermost so a cut-short run has
-    tried every tile shape at 2-3 stages first. BLOCK_N is capped so K and V tiles stay <= 32 KiB."""
+    tried every tile shape at 2-3 stages first. BLOCK_N is capped so K and V tiles stay <= 32
+    KiB."""
     from kernels.triton.prefill import PrefillKnobs
 
     if mode == "smoke":
@@ -82,12 +85,13 @@ def grid(mode: str, head_dim: int) -> list[Any]:
     warps = (4, 8)
     stages = (2, 3, 1, 4) if mode == "full" else (2, 3)
     return [PrefillKnobs(block_m=m, block_n=n, num_warps=w, num_stages=s)
-            for s, m, n, w in itertools.product(stages, block_ms, block_ns, warps) if n * head_dim <= 128 * 128]
+            for s, m, n, w in itertools.product(stages, block_ms, block_ns, warps)
+            if n * head_dim <= 128 * 128]
 
 
 def build(shape: Shape, case: Case, dtype: Any, device: Any, gen: Any) -> dict:
-    """Contiguous Q/K/V, the same K/V scattered into a paged cache (blocks in a scrambled order), and
-    the prefill launcher's int32 metadata."""
+    """Contiguous Q/K/V, the same K/V scattered into a paged cache (blocks in a scrambled order),
+    and the prefill launcher's int32 metadata."""
     import torch
 
     bs, b, hkv, d = shape.block_size, case.batch, shape.num_kv_heads, shape.head_dim
@@ -107,12 +111,14 @@ def build(shape: Shape, case: Case, dtype: Any, device: Any, gen: Any) -> dict:
         cache[tables.view(-1).long().to(device)] = padded
     i32 = dict(dtype=torch.int32, device=device)
     return dict(q=q, k=k, v=v, kc=kc, vc=vc, tables=tables.to(device),
-                q_start=torch.arange(b, **i32) * case.q_len, q_lens=torch.full((b,), case.q_len, **i32),
+                q_start=torch.arange(b, **i32) * case.q_len,
+                q_lens=torch.full((b,), case.q_len, **i32),
                 ctx_lens=torch.full((b,), case.ctx, **i32))
 
 
 def run_prefill(shape: Shape, case: Case, data: dict, knobs: Any) -> Callable[[], Any]:
-    """A closure that launches the prefill kernel with knobs (the tile list built for its BLOCK_Q)."""
+    """A closure that launches the prefill kernel with knobs (the tile list built for its
+    BLOCK_Q)."""
     import torch
 
     from kernels.triton import prefill_attention, prefill_block_q, prefill_tiles
@@ -125,8 +131,9 @@ def run_prefill(shape: Shape, case: Case, data: dict, knobs: Any) -> Callable[[]
     out = torch.empty_like(q)
 
     def fn() -> Any:
-        prefill_attention(out, q, data["kc"], data["vc"], tile_seq, tile_start, data["q_start"], data["q_lens"],
-                          data["ctx_lens"], data["tables"], shape.head_dim ** -0.5, knobs)
+        prefill_attention(out, q, data["kc"], data["vc"], tile_seq, tile_start, data["q_start"],
+                          data["q_lens"], data["ctx_lens"], data["tables"], shape.head_dim ** -0.5,
+                          knobs)
         return out
 
     return fn
@@ -141,7 +148,8 @@ def run_sdpa(shape: Shape, case: Case, data: dict, flash: bool) -> Callable[[], 
 
     group = shape.num_heads // shape.num_kv_heads
     q = data["q"].transpose(1, 2).contiguous()
-    k, v = (data[x].repeat_interleave(group, dim=2).transpose(1, 2).contiguous() for x in ("k", "v"))
+    k, v = (data[x].repeat_interleave(group, dim=2).transpose(1, 2).contiguous()
+            for x in ("k", "v"))
     mask = causal_lower_right(case.q_len, case.ctx + case.q_len) if case.ctx else None
 
     def fn() -> Any:
@@ -154,8 +162,9 @@ def run_sdpa(shape: Shape, case: Case, data: dict, flash: bool) -> Callable[[], 
 
 
 def timer(device: Any, reps: int) -> Callable[[Callable[[], Any]], float]:
-    """Median ms of fn over reps, after 2 warm-up calls. GPU: CUDA events, L2 flushed before each rep
-    (as triton's do_bench does), so K/V comes from memory as it would in a model's layer loop."""
+    """Median ms of fn over reps, after 2 warm-up calls. GPU: CUDA events, L2 flushed before each
+    rep (as triton's do_bench does), so K/V comes from memory as it would in a model's layer
+    loop."""
     import torch
 
     if device.type != "cuda":
@@ -192,12 +201,14 @@ def flops(shape: Shape, case: Case) -> float:
 def knobs_label(knobs: Any, shape: Shape, dtype: Any) -> str:
     from kernels.triton.prefill import prefill_config
 
-    cfg = prefill_config(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size, dtype, False, knobs)
-    return (f"M={cfg['BLOCK_Q'] * cfg['GROUP_PAD']:<3d} (Q={cfg['BLOCK_Q']:<2d}) N={cfg['BLOCK_N']:<3d} "
-            f"w={cfg['num_warps']} s={cfg.get('num_stages', '-')}")
+    cfg = prefill_config(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
+                         dtype, False, knobs)
+    return (f"M={cfg['BLOCK_Q'] * cfg['GROUP_PAD']:<3d} (Q={cfg['BLOCK_Q']:<2d}) "
+            f"N={cfg['BLOCK_N']:<3d} w={cfg['num_warps']} s={cfg.get('num_stages', '-')}")
 
 
-def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callable, deadline: float) -> None:
+def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callable,
+               deadline: float) -> None:
     """One table: every case's SDPA and current time, then each config's time on every case."""
     import torch
 
@@ -205,9 +216,11 @@ def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callab
 
     gen = torch.Generator().manual_seed(0)
     tol = {torch.float32: 1e-3, torch.float16: 1e-2}.get(dtype, 3e-2)  # a few output ulps
-    current = prefill_knobs(device_arch(device), shape.head_dim, dtype, shape.num_heads // shape.num_kv_heads)
-    print(f"\n== {shape.name} (H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} block "
-          f"{shape.block_size}) {str(dtype)[6:]}; current: {knobs_label(current, shape, dtype)}", flush=True)
+    current = prefill_knobs(device_arch(device), shape.head_dim, dtype,
+                            shape.num_heads // shape.num_kv_heads)
+    print(f"\n== {shape.name} (H={shape.num_heads} Hkv={shape.num_kv_heads} D={shape.head_dim} "
+          f"block {shape.block_size}) {str(dtype)[6:]}; current: "
+          f"{knobs_label(current, shape, dtype)}", flush=True)
     rows = []
     for case in cases(mode):
         data = build(shape, case, dtype, device, gen)
@@ -224,12 +237,13 @@ def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callab
             sdpa_ms, sdpa_err = float("nan"), float("nan")
         cur_ms = time_ms(cur_fn)
         fl = flops(shape, case)
-        print(f"  {case.name:14s} current {cur_ms:7.3f} ms {fl / cur_ms / 1e9:6.1f} TFLOP/s | {sdpa_name} "
-              f"{sdpa_ms:7.3f} ms {fl / sdpa_ms / 1e9:6.1f} TFLOP/s | current/SDPA speed {sdpa_ms / cur_ms:.2f}x, "
-              f"max |diff| {sdpa_err:.1e}", flush=True)
+        print(f"  {case.name:14s} current {cur_ms:7.3f} ms {fl / cur_ms / 1e9:6.1f} TFLOP/s | "
+              f"{sdpa_name} {sdpa_ms:7.3f} ms {fl / sdpa_ms / 1e9:6.1f} TFLOP/s | current/SDPA "
+              f"speed {sdpa_ms / cur_ms:.2f}x, max |diff| {sdpa_err:.1e}", flush=True)
         rows.append((case, data, ref, cur_ms, sdpa_ms))
-    print(f"  {'config':30s} " + " ".join(f"{c.name + ' ms':>17s} {'TFLOP/s':>7s} {'vs cur':>6s} {'vs SDPA':>7s}"
-                                         for c, *_ in rows) + "  max|diff|  compile s")
+    print(f"  {'config':30s} " + " ".join(f"{c.name + ' ms':>17s} {'TFLOP/s':>7s} {'vs cur':>6s} "
+                                          f"{'vs SDPA':>7s}"
+                                          for c, *_ in rows) + "  max|diff|  compile s")
     results = []
     for knobs in grid(mode, shape.head_dim):
         if knobs == current:
@@ -237,7 +251,8 @@ def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callab
         if time.monotonic() > deadline:
             print("  -- time share used up: the rest of this grid is skipped", flush=True)
             break
-        line, times, worst, t0, compile_s = f"  {knobs_label(knobs, shape, dtype):30s}", [], 0.0, time.monotonic(), 0.0
+        line = f"  {knobs_label(knobs, shape, dtype):30s}"
+        times, worst, t0, compile_s = [], 0.0, time.monotonic(), 0.0
         try:
             for i, (case, data, ref, cur_ms, sdpa_ms) in enumerate(rows):
                 fn = run_prefill(shape, case, data, knobs)
@@ -251,22 +266,28 @@ def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callab
                 times.append(ms)
                 line += (f" {ms:17.3f} {flops(shape, case) / ms / 1e9:7.1f} {cur_ms / ms:5.2f}x "
                          f"{sdpa_ms / ms:6.2f}x")
-        except Exception as e:  # a config that fails to compile, launch or match is rejected, not fatal
+        # a config that fails to compile, launch or match is rejected, not fatal
+        except Exception as e:
             msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             print(f"{line}  REJECTED ({type(e).__name__}: {msg[:100]})", flush=True)
             continue
         print(f"{line}  {worst:9.1e}  {compile_s:6.1f}", flush=True)
         results.append((statistics.geometric_mean([t / r[3] for t, r in zip(times, rows)]), knobs))
-    for rank, (rel, knobs) in enumerate(sorted(results, key=lambda r: r[0])[:3]):  # runs differ by ~10%: not just 1
-        print(f"  {'best' if rank == 0 else 'next'}: {knobs_label(knobs, shape, dtype)}  {1 / rel:.2f}x the current "
-              f"config (geometric mean over the cases); for PREFILL_TUNED: {knobs}", flush=True)
+    # runs differ by ~10%: not just 1
+    for rank, (rel, knobs) in enumerate(sorted(results, key=lambda r: r[0])[:3]):
+        print(f"  {'best' if rank == 0 else 'next'}: {knobs_label(knobs, shape, dtype)}  "
+              f"{1 / rel:.2f}x the current config (geometric mean over the cases); for "
+              f"PREFILL_TUNED: {knobs}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 shapes x 2 cases x 16 configs (gpu_check.sh)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shape, 2 configs, CPU under TRITON_INTERPRET=1")
-    parser.add_argument("--max-seconds", type=float, default=150.0, help="stop early and print what there is")
+    parser.add_argument("--quick", action="store_true",
+                        help="3 shapes x 2 cases x 16 configs (gpu_check.sh)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shape, 2 configs, CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--max-seconds", type=float, default=150.0,
+                        help="stop early and print what there is")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--reps", type=int, default=10, help="timed runs per measurement (median)")
     args = parser.parse_args()
@@ -277,8 +298,9 @@ def main() -> int:
     import torch
 
     if not smoke and not torch.cuda.is_available():
-        print("bench/triton_tune.py: no CUDA GPU on this machine, so there is nothing to tune. Run it on a GPU "
-              "machine (or with --smoke: tiny shapes under the Triton interpreter, timings meaningless).")
+        print("bench/triton_tune.py: no CUDA GPU on this machine, so there is nothing to tune. Run "
+              "it on a GPU machine (or with --smoke: tiny shapes under the Triton interpreter, "
+              "timings meaningless).")
         return 0
     import triton
 
@@ -296,7 +318,8 @@ def main() -> int:
     for i, shape in enumerate(todo):
         left = args.max_seconds - (time.monotonic() - started)
         if left <= 0:
-            print(f"\n-- --max-seconds reached: {', '.join(s.name for s in todo[i:])} not tuned", flush=True)
+            print(f"\n-- --max-seconds reached: {', '.join(s.name for s in todo[i:])} not tuned",
+                  flush=True)
             break
         tune_shape(shape, mode, dtype, device, time_ms, time.monotonic() + left / (len(todo) - i))
         if device.type == "cuda":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.block_pool import blocks_for
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams
 
@@ -66,7 +67,7 @@ class Limits:
             # Beams step together, so all of them must fit the pool at once, even unshared (after a
             # preemption by recompute each beam holds its own copy of the prompt).
             length = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
-            blocks = -(-length // self.block_size)
+            blocks = blocks_for(length, self.block_size)
             # sliding windows: a beam holds its window's blocks at most
             if self.max_seq_blocks is not None:
                 blocks = min(blocks, self.max_seq_blocks)

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from engine import window as sliding
-from engine.block_pool import BlockPool
+from engine.block_pool import BlockPool, blocks_for
 from engine.prefix_cache import PrefixHit, longest_prefix
 from engine.prompt_logprobs import bypasses_cache
 from engine.sequence import Sequence
@@ -84,7 +84,7 @@ class BlockManager:
         return moves
 
     def blocks_for(self, num_tokens: int) -> int:
-        return sliding.blocks_for(num_tokens, self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ------------------------------------------------------- sliding window
     def releasable(self, num_computed: int) -> int:

@@ -1,7 +1,8 @@
 """One pool of KV blocks (the device's, or the CPU swap pool): who holds each block (reference
 counts), which are free and in what order they are evicted, and the hash -> block map of cached
-ones. Pure Python, no tensors. Only engine/block_manager.py uses it: the manager decides which
-blocks a sequence holds; the pool keeps count.
+ones. Pure Python, no tensors. Only engine/block_manager.py uses the pool: the manager decides
+which blocks a sequence holds; the pool keeps count. `blocks_for` is the engine's one block count
+of a token count (the manager, engine/window.py and engine/admission.py use it).
 
 A freed block keeps its hash and stays reusable in the free list, which is in eviction order (least
 recently freed first): a later request with the same prefix takes it back instead of recomputing it.
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The blocks that hold num_tokens tokens: the last one may be partial."""
+    return -(-num_tokens // block_size)
 
 
 class BlockPool:

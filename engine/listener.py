@@ -23,8 +23,8 @@ def listen(ctx: zmq.Context[zmq.Socket[bytes]], address: str, keys: Keys | None,
     sock = ctx.socket(zmq.ROUTER)
     bound(sock, max_message_size)
     # A full queue raises (EAGAIN, the loop sends without blocking) and a client that is gone raises
-    # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: EngineLoop._send deals with
-    # both.
+    # (EHOSTUNREACH), instead of ZeroMQ dropping the message in silence: engine/outbox.py deals
+    # with both.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
     auth = None

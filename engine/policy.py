@@ -1,6 +1,7 @@
 """What the scheduler's configuration decides, as functions of the queues: whether new requests are
-admitted this step, how many tokens a sequence computes now, the order of a queue, and whom to
-preempt. They decide and return; the scheduler (engine/scheduler.py) applies.
+admitted this step, how many tokens a sequence computes now and the order of a queue (whom to
+preempt: engine/preemption.py). They decide and return; the scheduler (engine/scheduler.py)
+applies.
 
 Admission (`admit`) decides, for the next waiting sequence in order, whether it starts now and with
 how many tokens, given the budget left, the long prefills running and the free blocks; it asks the
@@ -10,11 +11,6 @@ The prefill policy changes only the order of service and how prompts may be cut:
   chunked        prompts are cut to fit the budget left after decodes (Sarathi-Serve).
   prefill_first  while prompts wait, a step serves only prompts; decodes pause (vLLM V0, TGI).
   mixed          a prompt joins a step only whole, next to the decodes (Orca).
-Preemption takes the lowest priority, then the least computed work (cheapest to redo), then the
-latest arrival, and never a sequence that was just resumed and has not advanced since (no
-preempt/resume ping-pong). `swap` copies its blocks to the CPU pool; `recompute` frees them and
-prefills prompt + generated tokens again; `auto` swaps while the CPU pool has room. Outputs are
-identical either way.
 """
 from __future__ import annotations
 
@@ -123,13 +119,6 @@ def remaining(seq: Sequence, cached: int = 0) -> int:
     """Tokens seq may compute now (one short of its prompt while its request has not forked)."""
     computed = max(cached, seq.num_computed_tokens)
     return seq.num_tokens - computed - groups.holds_last_prompt_token(seq)
-
-
-def victim(candidates: list[Sequence]) -> Sequence:
-    """The sequence to preempt among candidates (running, not yet served this step)."""
-    settled = [s for s in candidates if not s.just_resumed] or candidates
-    return max(settled, key=lambda s: (s.request.priority, -s.num_computed_tokens,
-                                       s.request.arrival_time))
 
 
 def place(queue: list[Sequence], seq: Sequence) -> int:

@@ -81,7 +81,7 @@ class RequestTable(Mapping[str, LiveRequest]):
 
 class RoutedOutputs(list[RequestOutput | Error]):
     """What one engine call gives its requests' clients, with the client of each request in it: a
-    request that ended in the call has left the table, so whoever routes outputs (EngineLoop) reads
+    request that ended in the call has left the table, so whoever routes outputs (Outbox) reads
     its client here, by value."""
 
     def __init__(self) -> None:

@@ -8,18 +8,19 @@ Order of service: running requests (in admission order, each the rest of its gap
 decode, a chunk for a prompt), then swapped-out requests (they come back before anyone new),
 then waiting requests by (priority, arrival), each from the longest cached prefix of its tokens.
 When a request cannot get blocks, a running request not yet served this step is preempted
-(swapped out or recomputed later).
+(swapped out or recomputed later: engine/preemption.py decides whom and how).
 
 Modules that decide and return, for the scheduler to apply: engine/policy.py (prefill policies,
-admission, chunks, victims), engine/groups.py (forks, beams as one unit), engine/speculative/
-(drafts, verification, counters), engine/thinking.py (reasoning budgets).
+admission, chunks), engine/preemption.py (victims, swap or recompute), engine/groups.py (forks,
+beams as one unit), engine/speculative/ (drafts, verification, counters), engine/thinking.py
+(reasoning budgets).
 """
 from __future__ import annotations
 
 import logging
 import time
 
-from engine import groups, policy
+from engine import groups, policy, preemption
 from engine.block_manager import BlockManager
 from engine.scheduler_update import SchedulerUpdate
 from engine.sequence import Sequence, SequenceStatus
@@ -118,18 +119,17 @@ class Scheduler(SchedulerUpdate):
                     self.bm.allocate(s, num_tokens)
                 return True
             candidates = [s for s in self.running[first_candidate:] if id(s) not in planned]
-            victims = groups.unit_of(policy.victim(candidates))
-            self._preempt(victims, plan)
-            if unit[0] in victims:
+            decision = preemption.choose(candidates, self.config.preemption_mode, self.bm)
+            self._preempt(decision, plan)
+            if unit[0] in decision.seqs:
                 return False
         return True  # its slots are there and its own already: most decode steps
 
-    def _preempt(self, seqs: list[Sequence], plan: StepPlan) -> None:
-        """seqs (one sequence, or a request's beams) leave the batch together, swapped or to
-        recompute."""
-        swap = self.config.preemption_mode != "recompute" and self.bm.can_swap_out(seqs)
-        # swap while the CPU has room
-        mode, queue = ("swap", self.swapped) if swap else ("recompute", self.waiting)
+    def _preempt(self, decision: preemption.Preemption, plan: StepPlan) -> None:
+        """Apply a preemption: its sequences leave the batch together, swapped or to recompute."""
+        seqs, mode = decision.seqs, decision.mode
+        swap = mode == "swap"
+        queue = self.swapped if swap else self.waiting
         if swap:
             self.bm.do_swap_out(seqs)
         for seq in seqs:

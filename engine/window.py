@@ -14,9 +14,7 @@ nothing is released.
 """
 from __future__ import annotations
 
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+from engine.block_pool import blocks_for
 
 
 def releasable(window: int | None, block_size: int, num_computed: int) -> int:

@@ -19,7 +19,8 @@ async def main(url: str, api_key: str | None) -> None:
         await ws.send_json({"op": "chat.completions", "id": "a", "body": chat})
         await ws.send_json({"op": "completions", "id": "b",
                             "body": {"prompt": "A very long story:", "max_tokens": 500}})
-        await ws.send_json({"op": "completions", "id": "c", "body": {"prompt": "1, 2, 3,", "max_tokens": 16}})
+        await ws.send_json({"op": "completions", "id": "c",
+                            "body": {"prompt": "1, 2, 3,", "max_tokens": 16}})
         open_ids = set(texts)
         while open_ids:
             frame = await ws.receive_json()

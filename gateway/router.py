@@ -268,12 +268,12 @@ class Router:
         if not any(r.live for r in self.replicas if r.client is not lost):
             return
         moved = lost.hand_over()
-        for rec, stream in moved:
-            target = self.route(rec.add.prompt_token_ids)
-            if not target.client.adopt(rec, stream):
-                stream.put(EngineDead(f"the engine at {lost.address} was lost and request "
-                                      f"{rec.add.request_id!r} could not move to "
-                                      f"{target.address}: retry it"))
+        for rec in moved:
+            target = self.route(rec.prompt_token_ids)
+            if not target.client.adopt(rec):
+                rec.stream.put(EngineDead(f"the engine at {lost.address} was lost and request "
+                                          f"{rec.request_id!r} could not move to "
+                                          f"{target.address}: retry it"))
         if moved:
             log.warning("replica %s lost: %d request(s) resumed on the live replicas", lost.address,
                         len(moved))

@@ -248,7 +248,7 @@ class Choices:
             c.finish_reason = reason
             self.num_ended += 1
         result = self._output(index, out, text, ids, entries, reason)
-        result.stop_string = c.detok.stop_reason
+        result.stop_string = c.detok.stop_string
         return result
 
     def _output(self, index: int, out: RequestOutput, text: str, ids: list[int],

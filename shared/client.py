@@ -19,9 +19,15 @@ from shared import protocol as P
 from shared.choices import Choices, TextOutput, TokenStrings, join_outputs
 from shared.connection import EngineConnection
 from shared.detokenizer import Decoder, FastDecoder
-from shared.embedding import CANNOT_POOL, EmbeddingOutput, PoolingInfo, PoolingParams, truncate_tokens
+from shared.embedding import (
+    CANNOT_POOL,
+    EmbeddingOutput,
+    PoolingInfo,
+    PoolingParams,
+    truncate_tokens,
+)
 from shared.errors import ConveyorError, InvalidRequest
-from shared.resume import InFlight
+from shared.requests import LiveRequest
 from shared.sampling import SamplingParams, check_priority
 from shared.stream import RequestStream
 from shared.tokenizer import Prompt, encode_prompt, is_token_ids
@@ -62,20 +68,20 @@ class AsyncEngineClient(EngineConnection):
         """Requests wait for a lost engine to come back."""
         return bool(self._requests.held)
 
-    def hand_over(self) -> list[tuple[InFlight, RequestStream]]:
+    def hand_over(self) -> list[LiveRequest]:
         """The requests held for this client's lost engine, removed from it for another to adopt."""
         self._cancel_resume_timer()
         return self._requests.take_held()
 
-    def adopt(self, rec: InFlight, stream: RequestStream) -> bool:
+    def adopt(self, rec: LiveRequest) -> bool:
         """Continue another client's held request on this client's engine (prompt +
         delivered tokens, as a resume), on the caller's same stream. -> False when this
         client cannot take it now."""
-        if not self.connected or rec.add.request_id in self._requests:
+        if not self.connected or rec.request_id in self._requests:
             return False
-        again = self._requests.adopt(rec, stream)
+        again = self._requests.adopt(rec)
         if again is not None:  # None: all tokens delivered, only the final row was lost
-            stream.owner = self
+            rec.stream.owner = self
             self._spawn(self._send_all([again]))
         return True
 

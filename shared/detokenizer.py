@@ -57,7 +57,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text held back because it may be the start of a stop string
         self.stopped = False  # a stop string was hit; later tokens are ignored
-        self.stop_reason: str | None = None  # the stop string that hit
+        self.stop_string: str | None = None  # the stop string that hit (not a finish reason)
 
     def step(self, new_token_ids: Sequence[int], final: bool = False) -> str:
         """Add one delta of ids; return the text that is now safe to show. `final=True` flushes
@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
         buf = self._held + text
         hit = min(((i, s) for s in self._stop if (i := buf.find(s)) >= 0), default=None)
         if hit is not None:
-            self.stopped, self.stop_reason, self._held = True, hit[1], ""
+            self.stopped, self.stop_string, self._held = True, hit[1], ""
             return buf[: hit[0]]
         keep = 0 if final else _stop_prefix_len(buf, self._stop)
         self._held = buf[len(buf) - keep :] if keep else ""

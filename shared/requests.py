@@ -27,6 +27,15 @@ class LiveRequest:
     flight: InFlight  # its ADD and what was delivered: what resubmitting it takes
     held: bool = False  # the engine was lost: its rows are dropped until it is resubmitted
 
+    @property
+    def request_id(self) -> str:
+        return self.flight.add.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt as first sent (not with the delivered tokens): what a router routes by."""
+        return self.flight.add.prompt_token_ids
+
 
 class RequestTable:
     """rid -> LiveRequest. The connection's reader, its lost-engine path and the client's calls
@@ -112,17 +121,18 @@ class RequestTable:
         for rid in self.held:
             self.end(rid, err)
 
-    def take_held(self) -> list[tuple[InFlight, RequestStream]]:
+    def take_held(self) -> list[LiveRequest]:
         """The held requests, removed from this table for another client to adopt
         (their streams go on)."""
-        return [(rec.flight, rec.stream) for rec in map(self._live.pop, self.held)]
+        return list(map(self._live.pop, self.held))
 
-    def adopt(self, flight: InFlight, stream: RequestStream) -> P.Add | None:
+    def adopt(self, rec: LiveRequest) -> P.Add | None:
         """Continue another client's held request here. -> the ADD to send, or None when it had
         nothing left to generate (its stream got its final row)."""
-        again = flight.resubmit()
+        again = rec.flight.resubmit()
         if isinstance(again, P.RequestOutput):
-            stream.put(again)
+            rec.stream.put(again)
             return None
-        self._live[again.request_id] = LiveRequest(stream, flight)
+        rec.held = False
+        self._live[again.request_id] = rec
         return again

@@ -14,13 +14,14 @@ PROMPT = [5, 6, 7, 8]
 
 @pytest.fixture(scope="module")
 def core(tiny_llama_dir) -> EngineCore:
-    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=8, max_num_seqs=8))
+    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=8,
+                                   max_num_seqs=8))
 
 
 @pytest.mark.parametrize("prompt,params,param", [
-    # The first case of issue #14: an id past the vocabulary once stopped the engine inside the sampler.
+    # The first case of issue #14: an id past the vocabulary once stopped the engine in the sampler.
     (PROMPT, SamplingParams(min_tokens=1, stop_token_ids=(100_000,)), "stop_token_ids"),
-    # logit_bias in its wire form, a {"id": bias} dict that __post_init__ turns into the declared pairs
+    # logit_bias in its wire form, a {"id": bias} dict that __post_init__ makes the declared pairs
     (PROMPT, SamplingParams(logit_bias={"512": 1.0}), "logit_bias"),  # type: ignore[arg-type]
     ([5, 512], SamplingParams(), "prompt"),
     ([], SamplingParams(), "prompt"),
@@ -41,10 +42,11 @@ def test_the_door_refuses_what_can_never_run_and_names_the_field(core, prompt, p
 
 def test_the_limits_themselves_are_accepted_and_run(core):
     top = core.model_config.vocab_size - 1
-    core.add("edge", PROMPT + [top], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(top,),
-                                                    logit_bias={str(top): -1.0},  # type: ignore[arg-type]
-                                                    min_tokens=1))
-    core.add("beams", PROMPT, SamplingParams(use_beam_search=True, beam_width=4, max_tokens=60, ignore_eos=True))
+    edge = SamplingParams(temperature=0, max_tokens=3, stop_token_ids=(top,), min_tokens=1,
+                          logit_bias={str(top): -1.0})  # type: ignore[arg-type]
+    core.add("edge", PROMPT + [top], edge)
+    core.add("beams", PROMPT, SamplingParams(use_beam_search=True, beam_width=4, max_tokens=60,
+                                             ignore_eos=True))
     core.add("n8", PROMPT, SamplingParams(temperature=1.0, n=8, max_tokens=3))
     finished = set()
     while core.has_work():
@@ -53,7 +55,8 @@ def test_the_limits_themselves_are_accepted_and_run(core):
 
 
 def test_prompt_logprobs_too_large_for_one_message_are_refused(core, monkeypatch):
-    """One request's prompt logprobs travel in one OUTPUTS message: their size is capped at the door."""
+    """One request's prompt logprobs travel in one OUTPUTS message: their size is capped at the
+    door."""
     monkeypatch.setattr("engine.admission.MAX_PROMPT_LOGPROB_PAIRS", 3 * len(PROMPT))
     with pytest.raises(InvalidRequest) as err:
         core.add("r", PROMPT, SamplingParams(prompt_logprobs=3))

@@ -1,4 +1,5 @@
-"""BlockManager on fake requests: exact block ids, ref counts, eviction order, copy-on-write, prefix hits."""
+"""BlockManager on fake requests: exact block ids, ref counts, eviction order, copy-on-write, prefix
+hits."""
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
@@ -24,7 +25,8 @@ def compute(bm: BlockManager, req: Sequence, n: int) -> None:
 
 
 def start(bm: BlockManager, req: Sequence) -> int:
-    """Admit req on its cached prefix and compute the rest, as the scheduler would. -> cached tokens."""
+    """Admit req on its cached prefix and compute the rest, as the scheduler would. -> cached
+    tokens."""
     hit = bm.lookup(req)
     assert bm.can_allocate_hit(hit, req.num_tokens)
     cached = bm.allocate_hit(req, hit, req.num_tokens)
@@ -38,14 +40,17 @@ def test_hash_chain_shares_full_blocks_only_and_never_the_last_token():
     bm = BlockManager(10, BS, enable_prefix_caching=True)
     a = make_request("a", list(range(100, 110)))  # 2 full blocks + 2 tokens
     assert start(bm, a) == 0
-    assert a.block_table == [0, 1, 2] and bm.device.cached == {a.block_hashes[0]: 0, a.block_hashes[1]: 1}
+    assert a.block_table == [0, 1, 2] and bm.device.cached == {a.block_hashes[0]: 0,
+                                                               a.block_hashes[1]: 1}
     b = make_request("b", list(range(100, 108)) + [7, 7, 7])  # same 2 full blocks, other tail
     assert start(bm, b) == 8
     assert b.block_table == [0, 1, 3]
     assert bm.ref_counts[:4] == [2, 2, 1, 1]
-    c = make_request("c", list(range(100, 108)))  # exactly 2 blocks: the last token must be computed
+    # exactly 2 blocks: the last token must be computed
+    c = make_request("c", list(range(100, 108)))
     assert start(bm, c) == 4 and c.block_table == [0, 4]
-    d = make_request("d", [1] + list(range(101, 108)))  # differs in block 0: block 1's hash differs too
+    # differs in block 0: block 1's hash differs too
+    d = make_request("d", [1] + list(range(101, 108)))
     assert start(bm, d) == 0
 
 
@@ -102,7 +107,8 @@ def test_evicted_hashed_block_moves_to_cpu_tier_and_a_hit_there_is_swapped_back_
     start(bm, a)
     bm.free(a)
     bm.begin_step()
-    x = make_request("x", list(range(300, 309)))  # evicts all three: only the two hashed ones are saved
+    # evicts all three: only the two hashed ones are saved
+    x = make_request("x", list(range(300, 309)))
     start(bm, x)
     # Free order was [2, 1, 0]: 2 held no hash; 1 and 0 did and go to CPU blocks 0 and 1.
     assert bm.take_moves().swap_out == [(1, 0), (0, 1)]

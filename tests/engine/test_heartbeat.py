@@ -1,6 +1,7 @@
 """Heartbeats go on while a step runs: a step longer than a client's silence timeout is an engine at
-work, not a lost one. The real EngineLoop and the real SDK client over a real socket; the engine's core
-is a stand-in whose first step lasts until the loop's heartbeat thread has beaten for three timeouts."""
+work, not a lost one. The real EngineLoop and the real SDK client over a real socket; the engine's
+core is a stand-in whose first step lasts until the loop's heartbeat thread has beaten for three
+timeouts."""
 from __future__ import annotations
 
 import asyncio
@@ -22,12 +23,13 @@ INTERVAL, TIMEOUT = 0.05, 0.5
 
 
 class SlowFirstStep:
-    """What EngineLoop needs of EngineCore. Every request finishes in one step; the first step waits for
-    ceil(3 * TIMEOUT / INTERVAL) heartbeats, i.e. three of the client's silence timeouts."""
+    """What EngineLoop needs of EngineCore. Every request finishes in one step; the first step waits
+    for ceil(3 * TIMEOUT / INTERVAL) heartbeats, i.e. three of the client's silence timeouts."""
 
     max_model_len = 64
     source = SimpleNamespace(name="slow-first-step")
-    pooling = PoolingInfo("", False, 0, refusal="a stand-in engine pools nothing")  # READY announces it
+    # READY announces it
+    pooling = PoolingInfo("", False, 0, refusal="a stand-in engine pools nothing")
 
     def __init__(self) -> None:
         self.adds: list[str] = []
@@ -90,6 +92,7 @@ def test_a_step_longer_than_the_silence_timeout_is_not_a_lost_engine(tmp_path: P
     finally:
         core.stop = True
         thread.join(30)
-    assert loop.heartbeats.sent >= math.ceil(3 * TIMEOUT / INTERVAL)  # the step really outlasted the timeout
+    # the step really outlasted the timeout
+    assert loop.heartbeats.sent >= math.ceil(3 * TIMEOUT / INTERVAL)
     assert core.adds == ["long"]  # never declared lost, so never aborted and resubmitted
     assert tokens == [7, 8] and not thread.is_alive()

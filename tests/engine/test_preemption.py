@@ -21,8 +21,8 @@ def workload(seed: int = 0):
     for i in range(NUM_REQUESTS):
         prompt = [rng.randrange(3, 512) for _ in range(rng.randint(8, 60))]
         if i % 2:  # seeded sampling must survive preemption too
-            params = SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i, max_tokens=rng.randint(4, 24),
-                                    ignore_eos=True)
+            params = SamplingParams(temperature=0.9, top_p=0.95, seed=1000 + i,
+                                    max_tokens=rng.randint(4, 24), ignore_eos=True)
         else:
             params = SamplingParams(temperature=0, max_tokens=rng.randint(4, 24), ignore_eos=True)
         reqs.append((prompt, params))
@@ -30,8 +30,8 @@ def workload(seed: int = 0):
 
 
 def run(folder, reqs, **options):
-    core = EngineCore(build_config(str(folder), block_size=BLOCK, max_num_batched_tokens=256, max_num_seqs=128,
-                                   **options))
+    core = EngineCore(build_config(str(folder), block_size=BLOCK, max_num_batched_tokens=256,
+                                   max_num_seqs=128, **options))
     for i, (prompt, params) in enumerate(reqs):
         core.add(f"r{i}", prompt, params)
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(reqs))}
@@ -58,8 +58,8 @@ def test_outputs_identical_under_memory_pressure(tiny_llama_dir, reference, mode
     reqs, expected = reference
     total_tokens = sum(len(p) + s.max_tokens for p, s in reqs)
     num_blocks = total_tokens // 10 // BLOCK  # the pool holds about 10% of all tokens
-    core, out, finished = run(tiny_llama_dir, reqs, num_blocks=num_blocks, num_cpu_blocks=cpu_blocks,
-                              preemption_mode=mode)
+    core, out, finished = run(tiny_llama_dir, reqs, num_blocks=num_blocks,
+                              num_cpu_blocks=cpu_blocks, preemption_mode=mode)
     assert finished == set(expected)
     assert out == expected
     stats = core.stats()
@@ -77,9 +77,10 @@ def test_outputs_identical_under_memory_pressure(tiny_llama_dir, reference, mode
 
 
 def test_swapped_request_resumes_into_other_blocks(tiny_llama_dir):
-    """A swapped request comes back into whatever device blocks are free, not necessarily its old ones."""
-    core = EngineCore(build_config(str(tiny_llama_dir), block_size=BLOCK, num_blocks=12, num_cpu_blocks=64,
-                                   preemption_mode="swap"))
+    """A swapped request comes back into whatever device blocks are free, not necessarily its old
+    ones."""
+    core = EngineCore(build_config(str(tiny_llama_dir), block_size=BLOCK, num_blocks=12,
+                                   num_cpu_blocks=64, preemption_mode="swap"))
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i in range(3):
         core.add(f"r{i}", list(range(3 + i, 20 + i)), params)
@@ -90,4 +91,5 @@ def test_swapped_request_resumes_into_other_blocks(tiny_llama_dir):
             if not live.root.swapped and live.root.block_table:
                 tables[rid].add(tuple(live.root.block_table[:3]))
     assert core.stats()["num_preemptions_swap"] > 0
-    assert any(len(t) > 1 for t in tables.values()), "some request must have resumed into different blocks"
+    assert any(len(t) > 1 for t in tables.values()), \
+        "some request must have resumed into different blocks"

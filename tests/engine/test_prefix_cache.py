@@ -41,8 +41,8 @@ def test_second_request_with_same_512_token_prefix_computes_only_its_suffix(tiny
     a, b = prefix + [11, 12, 13], prefix + [21, 22, 23, 24, 25]
     outs = {}
     for caching in (True, False):
-        core = EngineCore(build_config(str(tiny_1k_dir), num_blocks=128, block_size=16, max_num_batched_tokens=1024,
-                                       enable_prefix_caching=caching))
+        core = EngineCore(build_config(str(tiny_1k_dir), num_blocks=128, block_size=16,
+                                       max_num_batched_tokens=1024, enable_prefix_caching=caching))
         first = run(core, [("a", a, GREEDY)])
         before = core.stats()["total_prefill_tokens"]
         second = run(core, [("b", b, GREEDY)])
@@ -59,14 +59,15 @@ def test_eviction_under_memory_pressure_keeps_outputs_and_frees_everything(tiny_
     reqs = []
     for i in range(40):
         prompt = systems[i % 4] + [rng.randrange(3, 512) for _ in range(rng.randint(1, 30))]
-        params = (SamplingParams(temperature=0, max_tokens=rng.randint(2, 16), ignore_eos=True) if i % 3 else
-                  SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(2, 16), ignore_eos=True))
+        params = (SamplingParams(temperature=0, max_tokens=rng.randint(2, 16), ignore_eos=True)
+                  if i % 3 else SamplingParams(temperature=0.8, seed=i,
+                                               max_tokens=rng.randint(2, 16), ignore_eos=True))
         reqs.append((f"r{i}", prompt, params))
     ref = run(EngineCore(build_config(str(tiny_llama_dir), num_blocks=512, block_size=8,
                                       enable_prefix_caching=False)), reqs)
     for cpu_blocks in (0, 64):
-        core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=40, block_size=8, num_cpu_blocks=cpu_blocks,
-                                       max_num_seqs=8))
+        core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=40, block_size=8,
+                                       num_cpu_blocks=cpu_blocks, max_num_seqs=8))
         got = run(core, reqs)
         assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in ref.items()}
         stats = core.stats()
@@ -81,10 +82,12 @@ def test_eviction_under_memory_pressure_keeps_outputs_and_frees_everything(tiny_
 
 
 def test_a_prefix_evicted_to_the_cpu_tier_is_swapped_back_in_not_recomputed(tiny_llama_dir):
-    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=12, block_size=8, num_cpu_blocks=32))
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=12, block_size=8,
+                                   num_cpu_blocks=32))
     prompt = list(range(3, 60))  # 57 tokens: 7 full blocks
     first = run(core, [("a", prompt, GREEDY)])
-    run(core, [("flood", list(range(100, 180)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))])
+    run(core, [("flood", list(range(100, 180)), SamplingParams(temperature=0, max_tokens=4,
+                                                               ignore_eos=True))])
     assert core.block_manager.stats["evicted_to_cpu"] >= 7
     before = core.stats()["total_prefill_tokens"]
     again = run(core, [("a2", prompt, GREEDY)])
@@ -110,4 +113,5 @@ def test_no_prefix_caching_flag():
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert config_from_args(p.parse_args([])).cache.enable_prefix_caching is True
-    assert config_from_args(p.parse_args(["--no-prefix-caching"])).cache.enable_prefix_caching is False
+    off = config_from_args(p.parse_args(["--no-prefix-caching"]))
+    assert off.cache.enable_prefix_caching is False

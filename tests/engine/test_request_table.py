@@ -1,7 +1,7 @@
-"""Every way a request ends leaves nothing behind: after each, the engine's RequestTable, its scheduler's
-queues and its block manager are empty (every block free, every reference count zero). A real EngineCore
-on a tiny random checkpoint, and a real EngineLoop with ZeroMQ clients for the endings only a loop has
-(a client aborts, a client goes away)."""
+"""Every way a request ends leaves nothing behind: after each, the engine's RequestTable, its
+scheduler's queues and its block manager are empty (every block free, every reference count zero). A
+real EngineCore on a tiny random checkpoint, and a real EngineLoop with ZeroMQ clients for the
+endings only a loop has (a client aborts, a client goes away)."""
 from __future__ import annotations
 
 import logging
@@ -26,10 +26,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
 SHAPES = {  # one request of each shape the engine tracks differently
     "plain": ([5, 6, 7, 8, 9], GREEDY),
-    "sampled-n2": ([10, 11, 12], SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12, ignore_eos=True)),
-    "best-of": ([13, 14, 15, 16], SamplingParams(temperature=0.8, seed=4, n=1, best_of=3, max_tokens=8,
+    "sampled-n2": ([10, 11, 12], SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=12,
+                                                ignore_eos=True)),
+    "best-of": ([13, 14, 15, 16], SamplingParams(temperature=0.8, seed=4, n=1, best_of=3,
+                                                 max_tokens=8,
                                                  ignore_eos=True)),
-    "beams": ([17, 18, 19], SamplingParams(max_tokens=8, use_beam_search=True, beam_width=3, n=2, ignore_eos=True)),
+    "beams": ([17, 18, 19], SamplingParams(max_tokens=8, use_beam_search=True, beam_width=3, n=2,
+                                           ignore_eos=True)),
 }
 
 
@@ -58,17 +61,20 @@ def drain(core: EngineCore) -> list[RequestOutput | Error]:
 @pytest.fixture
 def make_core(tiny_llama_dir: Path) -> Callable[..., EngineCore]:
     def make(**options: object) -> EngineCore:
-        return EngineCore(build_config(str(tiny_llama_dir), **({"num_blocks": 64, "block_size": 8} | options)))
+        return EngineCore(build_config(str(tiny_llama_dir),
+                                       **({"num_blocks": 64, "block_size": 8} | options)))
     return make
 
 
 def test_finished_requests_leave_nothing(make_core: Callable[..., EngineCore]) -> None:
     more = {f"more{i}": ([20 + i] * 30, GREEDY) for i in range(6)}
-    for mode in ("swap", "recompute"):  # too few blocks for all at once: some are preempted on the way
+    # too few blocks for all at once: some are preempted on the way
+    for mode in ("swap", "recompute"):
         core = make_core(num_blocks=24, num_cpu_blocks=64, preemption_mode=mode)
         add_all(core, SHAPES | more)
         outs = drain(core)
-        assert {o.request_id for o in outs if isinstance(o, RequestOutput) and o.finished} == {*SHAPES, *more}
+        assert {o.request_id for o in outs if isinstance(o, RequestOutput)
+                and o.finished} == {*SHAPES, *more}
         assert core.stats()[f"num_preemptions_{mode}"] > 0
         assert_nothing_left(core)
 
@@ -88,16 +94,18 @@ def test_aborted_requests_leave_nothing_at_any_step(make_core: Callable[..., Eng
 
 def test_a_stopped_choice_then_an_abort_leave_nothing(make_core: Callable[..., EngineCore]) -> None:
     core = make_core()
-    core.add("n3", [5, 6, 7], SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=40, ignore_eos=True))
+    core.add("n3", [5, 6, 7], SamplingParams(temperature=0.8, seed=1, n=3, max_tokens=40,
+                                             ignore_eos=True))
     for _ in range(3):
         core.step()
-    assert [o.finish_reason if isinstance(o, RequestOutput) else o for o in core.stop_choice("n3", 1)] == ["stop"]
+    assert [o.finish_reason if isinstance(o, RequestOutput) else o
+            for o in core.stop_choice("n3", 1)] == ["stop"]
     core.abort(["n3"])
     assert_nothing_left(core)
 
 
-def test_a_request_whose_step_handling_raises_leaves_nothing(make_core: Callable[..., EngineCore],
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_request_whose_step_handling_raises_leaves_nothing(
+        make_core: Callable[..., EngineCore], monkeypatch: pytest.MonkeyPatch) -> None:
     core = make_core()
     append = Scheduler._append
 
@@ -113,8 +121,8 @@ def test_a_request_whose_step_handling_raises_leaves_nothing(make_core: Callable
     assert_nothing_left(core)
 
 
-def test_a_failed_forward_and_the_loops_last_net_leave_nothing(make_core: Callable[..., EngineCore],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_forward_and_the_loops_last_net_leave_nothing(
+        make_core: Callable[..., EngineCore], monkeypatch: pytest.MonkeyPatch) -> None:
     core = make_core()
     add_all(core, SHAPES)
     core.step()
@@ -156,20 +164,24 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint
 
 
 @pytest.mark.slow
-def test_grammar_compile_failures_and_aborts_while_compiling_leave_nothing(tiny_chat_dir: Path) -> None:
+def test_grammar_compile_failures_and_aborts_while_compiling_leave_nothing(
+        tiny_chat_dir: Path) -> None:
     core = EngineCore(build_config(str(tiny_chat_dir), num_blocks=64, block_size=8))
     try:
         bad = SamplingParams(max_tokens=4, constraint=Constraint("regex", "a(b"))
-        good = SamplingParams(temperature=0, max_tokens=6, constraint=Constraint("regex", "(ab|cd){2,4}x"))
+        good = SamplingParams(temperature=0, max_tokens=6,
+                              constraint=Constraint("regex", "(ab|cd){2,4}x"))
         core.add("bad", [1, 5, 7], bad)
         core.add("good", [1, 5, 7], good)
-        core.add("aborted", [1, 5, 8], SamplingParams(max_tokens=4, constraint=Constraint("regex", "[0-9]{3,9}y")))
+        core.add("aborted", [1, 5, 8],
+                 SamplingParams(max_tokens=4, constraint=Constraint("regex", "[0-9]{3,9}y")))
         assert core.requests.num_compiling == 3
         assert [o.request_id for o in core.abort(["aborted"])] == ["aborted"]  # while it compiles
         outs = drain(core)
         errors = [(o.request_id, o.status) for o in outs if isinstance(o, Error)]
         assert errors == [("bad", 400)]
-        assert any(o.request_id == "good" and o.finished for o in outs if isinstance(o, RequestOutput))
+        assert any(o.request_id == "good" and o.finished for o in outs
+                   if isinstance(o, RequestOutput))
         assert_nothing_left(core)
     finally:
         core.close()
@@ -190,14 +202,17 @@ class Client:
     def send(self, msg: Add | Abort) -> None:
         self.sock.send_multipart(encode(msg))
 
-    def wait_for(self, done: Callable[[dict[str, list[RequestOutput | Error]]], bool], timeout: float = 60) -> None:
+    def wait_for(self, done: Callable[[dict[str, list[RequestOutput | Error]]], bool],
+                 timeout: float = 60) -> None:
         """Read outputs until done(outputs so far), or fail at the deadline."""
         deadline = time.monotonic() + timeout
         while not done(self.outputs):
             assert time.monotonic() < deadline, f"timed out; got {self.outputs}"
             if self.sock.poll(100):
                 msg = decode(self.sock.recv_multipart())
-                for out in msg.outputs if isinstance(msg, Outputs) else [msg] if isinstance(msg, Error) else []:
+                outs = (msg.outputs if isinstance(msg, Outputs)
+                        else [msg] if isinstance(msg, Error) else [])
+                for out in outs:
                     assert out.request_id is not None
                     self.outputs.setdefault(out.request_id, []).append(out)
 
@@ -233,7 +248,8 @@ def serving(make_core: Callable[..., EngineCore], tmp_path: Path, monkeypatch: p
 
 
 def test_client_aborts_and_a_client_that_goes_leave_nothing(
-        serving: tuple[EngineLoop, zmq.Context[zmq.Socket[bytes]]], caplog: pytest.LogCaptureFixture) -> None:
+        serving: tuple[EngineLoop, zmq.Context[zmq.Socket[bytes]]],
+        caplog: pytest.LogCaptureFixture) -> None:
     loop, ctx = serving
     core = loop.core
     a, b = Client(ctx, loop.address, b"client-a"), Client(ctx, loop.address, b"client-b")
@@ -249,7 +265,8 @@ def test_client_aborts_and_a_client_that_goes_leave_nothing(
     assert not ended("a2")(a.outputs)
     b.wait_for(ended("b2"))
     with caplog.at_level(logging.WARNING, logger="conveyor.loop"):
-        a.sock.close(linger=0)  # client a goes: the loop finds out on its next send, and aborts a2, a3
+        # client a goes: the loop finds out on its next send, and aborts a2, a3
+        a.sock.close(linger=0)
         b.send(Abort(["b1"]))
         b.wait_for(ended("b1"))
         deadline = time.monotonic() + 60

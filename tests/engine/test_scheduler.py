@@ -16,9 +16,11 @@ from shared.sampling import SamplingParams
 EOS = 2
 
 
-def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0, arrival: float = 0.0) -> Sequence:
+def make_request(rid: str, prompt_len: int, max_tokens: int = 8, priority: int = 0,
+                 arrival: float = 0.0) -> Sequence:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Sequence(Request(rid, list(range(10, 10 + prompt_len)), params, priority, arrival, (EOS,)))
+    return Sequence(Request(rid, list(range(10, 10 + prompt_len)), params, priority, arrival,
+                            (EOS,)))
 
 
 def run_step(s: Scheduler, token: int = 7):
@@ -34,7 +36,8 @@ def make_scheduler(num_blocks=64, block_size=4, **cfg) -> Scheduler:
 @pytest.mark.parametrize("policy", ["chunked", "prefill_first", "mixed"])
 def test_budget_and_seq_cap_hold_every_step(policy):
     rng = random.Random(0)
-    s = make_scheduler(num_blocks=200, block_size=4, max_num_batched_tokens=32, max_num_seqs=5, prefill_policy=policy)
+    s = make_scheduler(num_blocks=200, block_size=4, max_num_batched_tokens=32, max_num_seqs=5,
+                       prefill_policy=policy)
     for i in range(20):
         s.add(make_request(f"r{i}", rng.randint(1, 70), max_tokens=rng.randint(1, 12), arrival=i))
     steps = 0
@@ -54,7 +57,8 @@ def test_chunked_prefill_of_2000_tokens_never_starves_running_decodes():
     run_step(s)  # the three chats are prefilled and decoding
     s.add(make_request("doc", 2000, arrival=10))
     chunks = []
-    while any(r.request.request_id == "doc" and r.num_computed_tokens < 2000 for r in s.running + s.waiting):
+    while any(r.request.request_id == "doc" and r.num_computed_tokens < 2000
+              for r in s.running + s.waiting):
         plan = run_step(s)
         ids = dict(zip((r.request.request_id for r in plan.seqs), plan.num_new_tokens))
         assert all(ids[f"chat{i}"] == 1 for i in range(3))  # every decode gets its token every step
@@ -100,7 +104,8 @@ def test_preemption_frees_blocks_and_request_resumes_to_completion():
     while s.has_work():
         preempted += [r.request.request_id for r in run_step(s).preempted]
     assert preempted and preempted[0] == "r2"  # the latest arrival goes first
-    assert all(r.status == SequenceStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
+    assert all(r.status == SequenceStatus.FINISHED_LENGTH and r.num_output_tokens == 6
+               for r in reqs)
     assert s.bm.num_free_blocks == 6 and s.bm.ref_counts == [0] * 6
 
 
@@ -139,23 +144,29 @@ def test_waiting_served_ratio_holds_admissions_until_enough_wait():
 
 
 def test_long_prompt_cap_lets_short_prompts_overtake():
-    s = make_scheduler(num_blocks=512, max_num_batched_tokens=64, max_long_prefills=1, long_prefill_threshold=32)
+    s = make_scheduler(num_blocks=512, max_num_batched_tokens=64, max_long_prefills=1,
+                       long_prefill_threshold=32)
     s.add(make_request("long1", 400, arrival=0))
     s.add(make_request("long2", 400, arrival=1))
     s.add(make_request("short", 10, arrival=2))
     plan = run_step(s)
     # long1's chunk is capped while others wait; long2 may not prefill beside it; short overtakes.
-    assert dict(zip((r.request.request_id for r in plan.seqs), plan.num_new_tokens)) == {"long1": 32, "short": 10}
+    assert dict(zip((r.request.request_id for r in plan.seqs),
+                    plan.num_new_tokens)) == {"long1": 32, "short": 10}
     s2 = make_scheduler(num_blocks=512, max_num_batched_tokens=64, long_prefill_threshold=32)
     s2.add(make_request("alone", 400))
-    assert run_step(s2).num_new_tokens == [64]  # with nobody waiting, a long prompt uses the whole budget
+    # with nobody waiting, a long prompt uses the whole budget
+    assert run_step(s2).num_new_tokens == [64]
 
 
 def test_a_prompt_is_long_only_past_half_the_step_budget_by_default():
     """The default threshold: half the budget, at least 256. With a 2,048-token budget a burst of
-    512-token prompts prefills whole, four to a step; with 512, the 256 cap and one-at-a-time hold."""
-    assert [SchedulerConfig(max_num_batched_tokens=b).long_prompt_tokens for b in (64, 512, 2048)] == [256, 256, 1024]
-    assert SchedulerConfig(max_num_batched_tokens=2048, long_prefill_threshold=100).long_prompt_tokens == 100
+    512-token prompts prefills whole, four to a step; with 512, the 256 cap and one-at-a-time
+    hold."""
+    assert [SchedulerConfig(max_num_batched_tokens=b).long_prompt_tokens
+            for b in (64, 512, 2048)] == [256, 256, 1024]
+    assert SchedulerConfig(max_num_batched_tokens=2048,
+                           long_prefill_threshold=100).long_prompt_tokens == 100
     big = make_scheduler(num_blocks=1024, max_num_batched_tokens=2048)
     for i in range(5):
         big.add(make_request(f"p{i}", 512, arrival=i))
@@ -187,6 +198,7 @@ def test_swapped_requests_resume_before_new_admissions_and_are_not_preempted_aga
         resumed = {r.request.request_id for r in plan.seqs if r.just_resumed}
         assert not resumed & {r.request.request_id for r in plan.preempted}
         s.update(plan, StepOutput([7] * plan.num_sampled))
-    assert swapped_out and checked and s.num_preemptions == {"swap": len(swapped_out), "recompute": 0}
+    assert swapped_out and checked and s.num_preemptions == {"swap": len(swapped_out),
+                                                             "recompute": 0}
     assert all(r.num_output_tokens == 6 for r in reqs)
     assert s.bm.num_free_blocks == 6 and s.bm.cpu.num_free == 16

@@ -1,7 +1,8 @@
-"""Several API keys and --cache-isolation per-key against a fake engine: which keys are let in, by which
-header, and the cache_salt every door (chat, completions, both WebSockets, Responses, Messages) sends
-the engine. The flags' parsing: repeated and multi-value --api-key, CONVEYOR_API_KEY, --api-key-file.
-That the salt really isolates the cache in a real engine: tests/e2e/test_cache_salt.py."""
+"""Several API keys and --cache-isolation per-key against a fake engine: which keys are let in, by
+which header, and the cache_salt every door (chat, completions, both WebSockets, Responses,
+Messages) sends the engine. The flags' parsing: repeated and multi-value --api-key,
+CONVEYOR_API_KEY, --api-key-file. That the salt really isolates the cache in a real engine:
+tests/e2e/test_cache_salt.py."""
 from __future__ import annotations
 
 import argparse
@@ -25,11 +26,13 @@ def test_each_key_is_let_in_by_either_header_and_no_other() -> None:
         with FakeEngine() as eng:
             async with gateway(eng, auth=Auth(KEYS)) as http:
                 body = {"prompt": "hi", "max_tokens": 2}
-                for headers in ({"Authorization": "Bearer sk-alice"}, {"Authorization": "bearer sk-bob"},
-                                {"x-api-key": "sk-bob"}):
-                    assert (await http.post("/v1/completions", json=body, headers=headers)).status == 200
-                for headers in ({}, {"Authorization": "Bearer sk-carol"}, {"Authorization": "Bearer sk-alic"},
-                                {"Authorization": "sk-alice"}, {"Authorization": "Bearer sk-alice sk-bob"},
+                for headers in ({"Authorization": "Bearer sk-alice"},
+                                {"Authorization": "bearer sk-bob"}, {"x-api-key": "sk-bob"}):
+                    assert (await http.post("/v1/completions", json=body,
+                                            headers=headers)).status == 200
+                for headers in ({}, {"Authorization": "Bearer sk-carol"},
+                                {"Authorization": "Bearer sk-alic"}, {"Authorization": "sk-alice"},
+                                {"Authorization": "Bearer sk-alice sk-bob"},
                                 {"x-api-key": "sk-alice2"}):
                     resp = await http.post("/v1/completions", json=body, headers=headers)
                     assert resp.status == 401, headers
@@ -37,12 +40,15 @@ def test_each_key_is_let_in_by_either_header_and_no_other() -> None:
     run(main())
 
 
-async def _salts_of_every_door(http: Any, eng: FakeEngine, headers: dict[str, str]) -> list[str | None]:
+async def _salts_of_every_door(http: Any, eng: FakeEngine,
+                               headers: dict[str, str]) -> list[str | None]:
     """The cache_salt of one request through each door, in this order: chat, completions (a batch of
-    two), chat with its own cache_salt, /v1/ws, /v1/responses, /v1/messages, the Responses WebSocket."""
+    two), chat with its own cache_salt, /v1/ws, /v1/responses, /v1/messages, the Responses
+    WebSocket."""
     before = len(eng.adds())
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
+    for path, body in (("/v1/chat/completions", chat),
+                       ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}),
                        ("/v1/chat/completions", {**chat, "cache_salt": "team-1"}),):
         assert (await http.post(path, json=body, headers=headers)).status == 200, path
     ws = await http.ws_connect("/v1/ws", headers=headers)
@@ -50,7 +56,8 @@ async def _salts_of_every_door(http: Any, eng: FakeEngine, headers: dict[str, st
     while (frame := await asyncio.wait_for(ws.receive_json(), 10))["event"] != "done":
         assert frame["event"] == "chunk", frame
     await ws.close()
-    resp = await http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}, headers=headers)
+    resp = await http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                           headers=headers)
     assert resp.status == 200, await resp.text()
     resp = await http.post("/v1/messages", json={"model": MODEL, **chat}, headers=headers)
     assert resp.status == 200, await resp.text()
@@ -72,8 +79,10 @@ def test_per_key_isolation_salts_every_door_with_the_key_and_never_sends_it() ->
                 again = await _salts_of_every_door(http, eng, ALICE)
         own = 3  # the chat request with its own cache_salt
         for salts in (alice, bob):
-            assert salts[own] is not None and salts[own] != salts[0]  # the request's salt is mixed in
-            assert len({s for i, s in enumerate(salts) if i != own}) == 1  # one tenant salt elsewhere
+            # the request's salt is mixed in
+            assert salts[own] is not None and salts[own] != salts[0]
+            # one tenant salt elsewhere
+            assert len({s for i, s in enumerate(salts) if i != own}) == 1
             assert all(s is not None and "sk-" not in s and "team-1" not in s for s in salts)
         assert alice == again  # one key, one tenant: its requests share their cache
         assert not set(alice) & set(bob)
@@ -95,13 +104,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return build_parser().parse_args(["gateway", "--engine-address", "tcp://e:1", *argv])
 
 
-def test_keys_from_flags_file_and_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_keys_from_flags_file_and_environment(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
     monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
     monkeypatch.delenv("CONVEYOR_API_KEY_FILE", raising=False)
     keys = tmp_path / "keys"
     keys.write_text("# team a\nsk-a\n\n  sk-b  \nsk-a\n")
     assert auth_of(parse(["--api-key", "k1", "k2", "--api-key", "k3"])).keys == ("k1", "k2", "k3")
-    assert auth_of(parse(["--api-key-file", str(keys), "--api-key", "k1"])).keys == ("k1", "sk-a", "sk-b")
+    assert auth_of(parse(["--api-key-file", str(keys), "--api-key",
+                          "k1"])).keys == ("k1", "sk-a", "sk-b")
     assert auth_of(parse([])).keys == ()
     monkeypatch.setenv("CONVEYOR_API_KEY", "e1\ne2\n")
     assert auth_of(parse([])).keys == ("e1", "e2")

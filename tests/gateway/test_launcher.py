@@ -1,4 +1,5 @@
-"""The engine child process: READY, clean stop, no orphans; and `conveyor gateway` as a real process."""
+"""The engine child process: READY, clean stop, no orphans; and `conveyor gateway` as a real
+process."""
 from __future__ import annotations
 
 import asyncio
@@ -19,12 +20,14 @@ from tests.fakes import FakeEngine, cache_root, smollm2_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 # A stand-in for `python -m engine`: the fake engine on the given address until SIGTERM.
-FAKE_ENGINE = (f"import signal, sys, threading; sys.path.insert(0, {str(ROOT)!r}); from tests.fakes import FakeEngine; "
-               "e = FakeEngine(address=sys.argv[sys.argv.index('--address') + 1]).__enter__(); "
+FAKE_ENGINE = (f"import signal, sys, threading; sys.path.insert(0, {str(ROOT)!r}); from "
+               "tests.fakes import FakeEngine; e = "
+               "FakeEngine(address=sys.argv[sys.argv.index('--address') + 1]).__enter__(); "
                "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); threading.Event().wait()")
 
 
-def fake_engine_process(tmp_path: Path, code: str = FAKE_ENGINE, stop_timeout: float = 10.0) -> EngineProcess:
+def fake_engine_process(tmp_path: Path, code: str = FAKE_ENGINE,
+                        stop_timeout: float = 10.0) -> EngineProcess:
     proc = EngineProcess(f"ipc://{tmp_path}/engine.sock", [], stop_timeout)
     proc.argv = [sys.executable, "-c", code, "--address", proc.address]
     return proc
@@ -75,7 +78,8 @@ def test_engine_that_dies_while_loading_fails_fast(tmp_path: Path) -> None:
 
 
 def test_engine_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
-    ignore_sigterm = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    ignore_sigterm = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "time.sleep(60)")
     engine = fake_engine_process(tmp_path, ignore_sigterm, stop_timeout=0.5)
     engine.start()
     time.sleep(0.3)
@@ -87,8 +91,10 @@ def test_engine_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
 def test_engine_dies_with_a_killed_parent(tmp_path: Path) -> None:
     """SIGKILL gives the gateway no chance to clean up; the kernel still takes the engine down."""
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from gateway.launcher import EngineProcess, keep_off_engine_cpus; "
-         "p = EngineProcess('ipc://x', []); p.argv = [sys.executable, '-c', 'import time; time.sleep(60)']; "
+        [sys.executable, "-c",
+         "import sys, time; from gateway.launcher import EngineProcess, keep_off_engine_cpus; "
+         "p = EngineProcess('ipc://x', []); p.argv = [sys.executable, '-c', 'import time; "
+         "time.sleep(60)']; "
          "p.start(); print(p.proc.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, cwd=ROOT)
     assert parent.stdout is not None
@@ -103,8 +109,8 @@ def test_gateway_command_serves_and_stops_on_sigterm() -> None:
     smollm2_tokenizer()  # parse the GGUF here once, so the subprocess finds the tokenizer cached
     env = {**os.environ, "CONVEYOR_CACHE": str(cache_root())}
     with FakeEngine() as eng:
-        proc = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--engine-address", eng.address,
-                                 "--port", str(_free_port())], cwd=ROOT, env=env,
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "gateway", "--engine-address",
+                                 eng.address, "--port", str(_free_port())], cwd=ROOT, env=env,
                                 stderr=subprocess.PIPE, text=True)
         try:
             assert proc.stderr is not None
@@ -133,7 +139,8 @@ def test_gateway_processes_move_off_the_cores_the_engine_is_bound_to() -> None:
     sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
     engine, gateway = subprocess.Popen(sleep), subprocess.Popen(sleep)
     try:
-        assert keep_off_engine_cpus(engine.pid, [gateway.pid]) is None  # an engine on every core: nothing moves
+        # an engine on every core: nothing moves
+        assert keep_off_engine_cpus(engine.pid, [gateway.pid]) is None
         assert os.sched_getaffinity(gateway.pid) == set(cpus)
         os.sched_setaffinity(engine.pid, {cpus[0]})  # as OpenMP binds a one-thread engine
         assert keep_off_engine_cpus(engine.pid, [gateway.pid]) == set(cpus[1:])

@@ -1,5 +1,6 @@
-"""The front door's limits against a fake engine: 401, 413, 429 (+ Retry-After) for each cap, 503 for an
-engine that is gone and recovery when it is back, /health vs /ready, and env configuration."""
+"""The front door's limits against a fake engine: 401, 413, 429 (+ Retry-After) for each cap, 503
+for an engine that is gone and recovery when it is back, /health vs /ready, and env
+configuration."""
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,8 @@ def test_api_key_guards_everything_but_probes() -> None:
     async def main() -> None:
         with FakeEngine() as eng:
             async with gateway(eng, auth=Auth(("sk-test",))) as http:
-                for method, path in [("post", "/v1/completions"), ("get", "/v1/models"), ("post", "/tokenize")]:
+                for method, path in [("post", "/v1/completions"), ("get", "/v1/models"),
+                                     ("post", "/tokenize")]:
                     resp = await getattr(http, method)(path, json={"prompt": "hi"})
                     assert resp.status == 401, path
                     err = (await resp.json())["error"]
@@ -58,7 +60,8 @@ def test_body_too_large_is_413() -> None:
     (Limits(max_waiting_requests=1), {"prompt": "hi"}, "--max-waiting-requests"),
     (Limits(max_queued_prompt_tokens=10), {"prompt": "hi " * 20}, "--max-queued-prompt-tokens"),
 ], ids=["concurrent", "waiting", "prompt-tokens"])
-def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second: dict[str, Any], reason: str) -> None:
+def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second: dict[str, Any],
+                                                          reason: str) -> None:
     async def main() -> None:
         # The first request holds its place: for the waiting caps the fake engine never starts it.
         waiting_cap = limits.max_concurrent_requests > 1
@@ -66,7 +69,8 @@ def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second
             if waiting_cap:
                 eng._step = lambda: None  # type: ignore[method-assign]  # a queue that never moves: requests stay waiting
             async with gateway(eng, limits=limits) as http:
-                first = asyncio.ensure_future(http.post("/v1/completions", json={**LONG_STREAM, "prompt": "hi hi"}))
+                first = asyncio.ensure_future(http.post("/v1/completions",
+                                                        json={**LONG_STREAM, "prompt": "hi hi"}))
                 assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.adds()) == 1)
                 resp = await http.post("/v1/completions", json=second)
                 assert resp.status == 429
@@ -81,8 +85,8 @@ def test_caps_answer_429_with_retry_after_before_queueing(limits: Limits, second
 
 
 def test_refusal_carries_its_cap_and_wait_as_fields() -> None:
-    """Overloaded names the cap that refused (the metrics label) and the seconds for Retry-After; nothing
-    of a refused request is counted in."""
+    """Overloaded names the cap that refused (the metrics label) and the seconds for Retry-After;
+    nothing of a refused request is counted in."""
     adm = Admission(Limits(max_concurrent_requests=2, max_queued_prompt_tokens=10))
     adm.admit("a", 5)
     with pytest.raises(Overloaded) as e:
@@ -123,7 +127,8 @@ def test_engine_gone_is_503_then_gateway_reconnects() -> None:
 
 
 def test_open_stream_ends_with_error_event_when_engine_dies() -> None:
-    """...and does not come back within resume_timeout (a restarted engine resumes it: test_resume.py)."""
+    """...and does not come back within resume_timeout (a restarted engine resumes it:
+    test_resume.py)."""
     async def main() -> None:
         eng = slow_engine().__enter__()
         async with gateway(eng, resume_timeout=0.5) as http:
@@ -149,17 +154,19 @@ def test_flags_come_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.max_waiting_requests == 9
 
 
-def test_a_body_cut_short_by_the_client_is_no_server_error(caplog: pytest.LogCaptureFixture) -> None:
-    """A client that sends half its body and hangs up (the disconnect storm's race) leaves no ERROR or
-    traceback in the log, and the server goes on answering."""
+def test_a_body_cut_short_by_the_client_is_no_server_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sends half its body and hangs up (the disconnect storm's race) leaves no ERROR
+    or traceback in the log, and the server goes on answering."""
     async def main() -> None:
         with FakeEngine() as eng:
             async with gateway(eng) as http:
                 host, port = http.server.host, http.server.port
                 for _ in range(5):
                     reader, writer = await asyncio.open_connection(host, port)
-                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                                 b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi")
+                    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                 b"application/json\r\n" b"Content-Length: "
+                                                         b"1000\r\n\r\n{\"prompt\": \"hi")
                     await writer.drain()
                     writer.close()
                     await writer.wait_closed()

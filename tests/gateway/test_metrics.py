@@ -1,5 +1,6 @@
-"""Metrics bookkeeping without servers: local histograms equal prometheus' own, engine STATS mapping,
-engine timestamps preferred over the gateway's clock; and the SDK's fast decoder equals decode()."""
+"""Metrics bookkeeping without servers: local histograms equal prometheus' own, engine STATS
+mapping, engine timestamps preferred over the gateway's clock; and the SDK's fast decoder equals
+decode()."""
 from __future__ import annotations
 
 import random
@@ -19,7 +20,8 @@ def test_local_histogram_flushes_exactly_what_observe_would() -> None:
     b = Histogram("h", "h", buckets=ITL_BUCKETS, registry=batched)
     local = _LocalHistogram(b, ITL_BUCKETS)
     rng = random.Random(0)
-    values = [rng.choice(ITL_BUCKETS) for _ in range(200)] + [rng.uniform(0, 3) for _ in range(300)] + [0.0, 99.0]
+    values = [rng.choice(ITL_BUCKETS)
+              for _ in range(200)] + [rng.uniform(0, 3) for _ in range(300)] + [0.0, 99.0]
     for i, v in enumerate(values):
         a.observe(v)
         local.observe(v)
@@ -39,21 +41,28 @@ def test_engine_stats_and_engine_timestamps() -> None:
     events = {"queued": 100.0, "scheduled": 100.5, "first_token": 101.0, "finished": 104.0}
     m.on_output(RequestOutput("r", [8], True, "length", 10, 4, events))
     m.finish("r", "length", 10, 4)
-    m.on_output(RequestOutput("r", [9], True, "length", 10, 0))  # late rows of a finished request: ignored
-    stats = {"num_running": 2, "num_waiting": 3, "num_swapped": 1, "kv_usage": 0.25, "num_preemptions_swap": 2,
-             "num_preemptions_recompute": 3, "total_prefix_queries_tokens": 40, "total_prefix_hits_tokens": 10,
-             "num_steps": 7}
+    # late rows of a finished request: ignored
+    m.on_output(RequestOutput("r", [9], True, "length", 10, 0))
+    stats = {"num_running": 2, "num_waiting": 3, "num_swapped": 1, "kv_usage": 0.25,
+             "num_preemptions_swap": 2, "num_preemptions_recompute": 3,
+             "total_prefix_queries_tokens": 40, "total_prefix_hits_tokens": 10, "num_steps": 7}
     got = parse(m.render(stats).decode())
     assert got["conveyor_requests_total{finish_reason=length}"] == 1
-    assert got["conveyor_generation_tokens_total"] == 4 and got["conveyor_prompt_tokens_total"] == 10
-    assert got["conveyor_prefix_cache_hits_total"] == 4 and got["conveyor_prefix_cache_queries_total"] == 10
-    assert got["conveyor_time_to_first_token_seconds_sum"] == 1.0  # first_token - queued, the engine's clock
+    assert got["conveyor_generation_tokens_total"] == 4
+    assert got["conveyor_prompt_tokens_total"] == 10
+    assert got["conveyor_prefix_cache_hits_total"] == 4
+    assert got["conveyor_prefix_cache_queries_total"] == 10
+    # first_token - queued, the engine's clock
+    assert got["conveyor_time_to_first_token_seconds_sum"] == 1.0
     assert got["conveyor_request_queue_time_seconds_sum"] == 0.5
     assert got["conveyor_e2e_request_latency_seconds_sum"] == 4.0
-    assert got["conveyor_inter_token_latency_seconds_count"] == 3 and got["conveyor_latency_source_engine"] == 1
+    assert got["conveyor_inter_token_latency_seconds_count"] == 3
+    assert got["conveyor_latency_source_engine"] == 1
     assert (got["conveyor_num_requests_running"], got["conveyor_num_requests_waiting"],
-            got["conveyor_num_requests_swapped"], got["conveyor_kv_cache_usage_ratio"]) == (2, 3, 1, 0.25)
-    assert got["conveyor_num_preemptions_total"] == 5 and got["conveyor_prefix_cache_hit_rate"] == 0.25
+            got["conveyor_num_requests_swapped"],
+            got["conveyor_kv_cache_usage_ratio"]) == (2, 3, 1, 0.25)
+    assert got["conveyor_num_preemptions_total"] == 5
+    assert got["conveyor_prefix_cache_hit_rate"] == 0.25
     assert got["conveyor_engine_num_steps"] == 7 and got["conveyor_engine_up"] == 1
     assert parse(m.render(None).decode())["conveyor_engine_up"] == 0
 

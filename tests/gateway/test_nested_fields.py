@@ -12,9 +12,11 @@ from tests.gateway.test_fields import CHAT, COMPLETIONS, post, refused
 from tests.gateway.test_routes import gateway, run
 
 HI = {"role": "user", "content": "hi"}
-TOOL: dict[str, Any] = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+TOOL: dict[str, Any] = {"type": "function",
+                        "function": {"name": "f", "parameters": {"type": "object"}}}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-FORMAT: dict[str, Any] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+FORMAT: dict[str, Any] = {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "object"}}}
 
 
 def _chat(**extra: Any) -> dict[str, Any]:

@@ -1,6 +1,6 @@
-"""The stored responses' LRU bound and tenant scoping, in one process's memory and in the SQLite file that
-`serve --gateway-workers N` shares: what one connection stores another finds, touches and evicts, and
-writers in separate processes neither fail nor overrun the bound."""
+"""The stored responses' LRU bound and tenant scoping, in one process's memory and in the SQLite
+file that `serve --gateway-workers N` shares: what one connection stores another finds, touches and
+evicts, and writers in separate processes neither fail nor overrun the bound."""
 from __future__ import annotations
 
 import subprocess
@@ -14,8 +14,8 @@ from gateway.responses_store import NotFound, ResponseStore, Stored
 
 def stored(n: int) -> Stored:
     """A response whose every part says which it is (and survives the JSON round trip)."""
-    return Stored({"id": f"r{n}", "output": [{"text": "é" * n}]}, [{"role": "user", "content": str(n)}],
-                  [{"id": f"msg_{n}", "type": "message"}])
+    return Stored({"id": f"r{n}", "output": [{"text": "é" * n}]},
+                  [{"role": "user", "content": str(n)}], [{"id": f"msg_{n}", "type": "message"}])
 
 
 def ids(store: ResponseStore, candidates: range, owner: str | None = None) -> list[str]:
@@ -65,12 +65,14 @@ def test_size_zero_stores_nothing() -> None:
 
 
 def test_connections_to_one_file_share_entries_and_recency(tmp_path: Path) -> None:
-    """Two gateway workers: one stores, the other finds; a find on either moves the entry up for both."""
+    """Two gateway workers: one stores, the other finds; a find on either moves the entry up for
+    both."""
     path = str(tmp_path / "responses.sqlite")
     a, b = ResponseStore(2, path), ResponseStore(2, path)
     a.put("r0", stored(0))
     b.put("r1", stored(1))
-    assert a.get("r1") == stored(1) and b.get("r0") == stored(0)  # r0 touched by b: r1 is the oldest
+    # r0 touched by b: r1 is the oldest
+    assert a.get("r1") == stored(1) and b.get("r0") == stored(0)
     a.put("r2", stored(2))
     assert ids(b, range(3)) == ["r0", "r2"]
     b.delete("r2")
@@ -91,12 +93,12 @@ for n in range(300):
 
 
 def test_writers_in_separate_processes_keep_the_bound(tmp_path: Path) -> None:
-    """Three gateway workers storing at once: each write waits its turn (none fails), and the bound holds.
-    Which entries survive depends on the interleaving: exact LRU order is the tests above."""
+    """Three gateway workers storing at once: each write waits its turn (none fails), and the bound
+    holds. Which entries survive depends on the interleaving: exact LRU order is the tests above."""
     path = str(tmp_path / "responses.sqlite")
     ResponseStore(50, path).close()  # as gateway/topology.py does before the workers start
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, name], cwd=Path(__file__).parents[2])
-             for name in ("a", "b", "c")]
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, name],
+                              cwd=Path(__file__).parents[2]) for name in ("a", "b", "c")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     store = ResponseStore(50, path)
     assert len(store) == 50  # no writer failed on a locked database, and none overran the bound

@@ -74,4 +74,5 @@ def test_dead_replica_leaves_the_ring() -> None:
 def test_round_robin_ignores_prefixes() -> None:
     r = Router([FakeClient(f"tcp://replica-{i}:5555") for i in range(2)],  # type: ignore[misc]
                RouterConfig(policy="round_robin"))
-    assert [r.route(list(range(64))).address for _ in range(4)] == [x.address for x in r.replicas] * 2
+    assert [r.route(list(range(64))).address
+            for _ in range(4)] == [x.address for x in r.replicas] * 2

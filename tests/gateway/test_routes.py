@@ -1,4 +1,5 @@
-"""The gateway against a fake engine: OpenAI shapes, SSE framing, errors, and disconnect -> ABORT."""
+"""The gateway against a fake engine: OpenAI shapes, SSE framing, errors, and disconnect ->
+ABORT."""
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,8 @@ async def gateway(eng: FakeEngine, cancel: bool = True, socket_factory: Any = ge
     client = AsyncEngineClient(eng.address, tokenizer=smollm2_tokenizer(), ready_timeout=3,
                                resume_timeout=resume_timeout)
     app = build_app(GatewayConfig(**config), client)
-    async with TestClient((TestServer if cancel else NoCancelServer)(app, socket_factory=socket_factory)) as http:
+    async with TestClient((TestServer if cancel
+                           else NoCancelServer)(app, socket_factory=socket_factory)) as http:
         yield http
 
 
@@ -56,10 +58,12 @@ def test_models_health_tokenize_detokenize() -> None:
         with FakeEngine(max_model_len=321) as eng:
             async with gateway(eng) as http:
                 models = await (await http.get("/v1/models")).json()
-                assert models["data"][0]["id"] == MODEL and models["data"][0]["max_model_len"] == 321
+                assert models["data"][0]["id"] == MODEL
+                assert models["data"][0]["max_model_len"] == 321
                 assert (await http.get("/health")).status == 200
                 tok = await (await http.post("/tokenize", json={"prompt": "Hello 你好"})).json()
-                assert tok["tokens"] == smollm2_tokenizer().encode("Hello 你好") and tok["count"] == len(tok["tokens"])
+                assert tok["tokens"] == smollm2_tokenizer().encode("Hello 你好")
+                assert tok["count"] == len(tok["tokens"])
                 text = await (await http.post("/detokenize", json={"tokens": tok["tokens"]})).json()
                 assert text == {"prompt": "Hello 你好"}
                 messages = [{"role": "user", "content": "hi"}]
@@ -75,7 +79,8 @@ def test_completion_non_streaming_has_usage() -> None:
         with FakeEngine(tokens=answer_ids(), tokens_per_step=3) as eng:
             async with gateway(eng) as http:
                 resp = await http.post("/v1/completions",
-                                       json={"model": MODEL, "prompt": "Capital of France?", "max_tokens": 50})
+                                       json={"model": MODEL, "prompt": "Capital of France?",
+                                             "max_tokens": 50})
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
         assert body["object"] == "text_completion" and body["choices"][0]["text"] == ANSWER
@@ -90,13 +95,16 @@ def test_completion_streaming_sse_framing() -> None:
     async def main() -> None:
         with FakeEngine(tokens=answer_ids()) as eng:
             async with gateway(eng) as http:
-                resp = await http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 5, "stream": True})
-                assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+                resp = await http.post("/v1/completions",
+                                       json={"prompt": [1, 2, 3], "max_tokens": 5, "stream": True})
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
                 events = sse_events(await resp.read())
         assert events[-1] == b"[DONE]"
         chunks = [orjson.loads(e) for e in events[:-1]]
         assert all(c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks)
-        assert "".join(c["choices"][0]["text"] for c in chunks) == smollm2_tokenizer().decode(answer_ids()[:5])
+        assert "".join(c["choices"][0]["text"]
+                       for c in chunks) == smollm2_tokenizer().decode(answer_ids()[:5])
         assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
     run(main())
@@ -109,12 +117,14 @@ def test_chat_streaming_role_first_and_usage_last() -> None:
                 parts = [{"type": "text", "text": "Capital?"}]
                 body = {"model": MODEL, "messages": [{"role": "user", "content": parts}],
                         "stream": True, "stream_options": {"include_usage": True}}
-                events = sse_events(await (await http.post("/v1/chat/completions", json=body)).read())
+                resp = await http.post("/v1/chat/completions", json=body)
+                events = sse_events(await resp.read())
         chunks = [orjson.loads(e) for e in events[:-1]]
         assert events[-1] == b"[DONE]" and chunks[0]["choices"][0]["delta"]["role"] == "assistant"
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == ANSWER
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(answer_ids())
+        assert chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == len(answer_ids())
     run(main())
 
 
@@ -122,12 +132,15 @@ def test_chat_non_streaming_and_stop_string_aborts() -> None:
     async def main() -> None:
         with FakeEngine(tokens=answer_ids() * 5, step_interval=0.005) as eng:
             async with gateway(eng) as http:
-                body = {"messages": [{"role": "user", "content": "Capital?"}], "stop": "Paris", "max_tokens": 100}
+                body = {"messages": [{"role": "user", "content": "Capital?"}], "stop": "Paris",
+                        "max_tokens": 100}
                 resp = await (await http.post("/v1/chat/completions", json=body)).json()
                 assert resp["object"] == "chat.completion"
-                assert resp["choices"][0]["message"] == {"role": "assistant", "content": " The capital of France is "}
+                assert resp["choices"][0]["message"] == {"role": "assistant",
+                                                         "content": " The capital of France is "}
                 assert resp["choices"][0]["finish_reason"] == "stop"
-                assert eng.wait_for(lambda: len(eng.aborted) == 1)  # the engine stops generating too
+                # the engine stops generating too
+                assert eng.wait_for(lambda: len(eng.aborted) == 1)
     run(main())
 
 
@@ -139,18 +152,23 @@ LONG_PROMPT = "word " * 80
     ("/v1/completions", b"[1, 2]", None, "JSON object"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, "model", "does not exist"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, "max_tokens", "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens",
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+     "max_tokens",
      "in [1, "),
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, "temperature", "temperature"),
-    ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 10}, "prompt", "maximum context length is 64"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages", "maximum context"),
+    ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 10}, "prompt",
+     "maximum context length is 64"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]}, "messages",
+     "maximum context"),
     ("/v1/completions", {"prompt": "hi", "echo": "yes"}, "echo", "true or false"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "echo=true"),
     ("/v1/completions", {"prompt": []}, "prompt", "non-empty"),
     ("/v1/completions", {"prompt": ["hi", [1, 10**9]]}, "prompt", "prompt[1]: token ids"),
     ("/v1/completions", {"prompt": ["hi", []]}, "prompt", "prompt[1]"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "stream"),
-    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+     "stream"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs",
+     "prompt_logprobs"),
     ("/v1/completions", {"prompt": [1, 10**9]}, "prompt", "token ids"),
     ("/v1/chat/completions", {"messages": []}, "messages", "non-empty"),
 ])
@@ -174,16 +192,19 @@ def test_engine_error_becomes_400(stream: bool) -> None:
         with FakeEngine(reject=lambda add: "the engine says no") as eng:
             async with gateway(eng) as http:
                 resp = await http.post("/v1/completions", json={"prompt": "hi", "stream": stream})
-                assert resp.status == 400 and "the engine says no" in (await resp.json())["error"]["message"]
+                assert resp.status == 400
+                assert "the engine says no" in (await resp.json())["error"]["message"]
     run(main())
 
 
 @pytest.mark.parametrize("cancel", [True, False], ids=["handler-cancelled", "write-fails"])
 def test_client_disconnect_aborts_in_engine(cancel: bool) -> None:
     async def main() -> None:
-        with FakeEngine(tokens=list(range(300, 2300)), step_interval=0.01, max_model_len=4096) as eng:
+        with FakeEngine(tokens=list(range(300, 2300)), step_interval=0.01,
+                        max_model_len=4096) as eng:
             async with gateway(eng, cancel=cancel) as http:
-                resp = await http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1000, "stream": True})
+                resp = await http.post("/v1/completions",
+                                       json={"prompt": "hi", "max_tokens": 1000, "stream": True})
                 assert (await resp.content.readline()).startswith(b"data: ")
                 resp.close()  # the client goes away mid-stream
                 assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.aborted) == 1, 5)

@@ -1,4 +1,5 @@
-"""Streaming under load against a fake engine: --stream-interval, and merged deltas for a slow reader."""
+"""Streaming under load against a fake engine: --stream-interval, and merged deltas for a slow
+reader."""
 from __future__ import annotations
 
 import asyncio
@@ -12,43 +13,52 @@ from tests.gateway.test_routes import gateway, run, sse_events
 
 
 def test_stream_interval_sends_first_token_at_once_then_every_n() -> None:
-    ids = smollm2_tokenizer().encode(" one two three four five six seven eight nine ten eleven twelve thirteen")
+    ids = smollm2_tokenizer().encode(" one two three four five six seven eight nine ten eleven "
+                                     "twelve thirteen")
     assert len(ids) == 13
 
     async def main() -> None:
         with FakeEngine(tokens=ids) as eng:
             async with gateway(eng, stream_interval=4) as http:
-                resp = await http.post("/v1/completions", json={"prompt": "count", "max_tokens": 50, "stream": True})
+                resp = await http.post("/v1/completions",
+                                       json={"prompt": "count", "max_tokens": 50, "stream": True})
                 events = sse_events(await resp.read())
         chunks = [orjson.loads(e) for e in events[:-1]]
         texts = [c["choices"][0]["text"] for c in chunks]
-        # Unloaded this is [" one", " two three four five", " six seven eight nine", " ten eleven twelve
-        # thirteen"]; a busy gateway may merge deltas that piled up, so events can only get larger.
-        assert "".join(texts) == " one two three four five six seven eight nine ten eleven twelve thirteen"
+        # Unloaded this is [" one", " two three four five", " six seven eight nine", " ten eleven
+        # twelve thirteen"]; a busy gateway may merge deltas that piled up, so events only grow.
+        assert "".join(texts) == (" one two three four five six seven eight nine ten eleven twelve"
+                                  " thirteen")
         assert texts[0].startswith(" one") and len(texts) <= 4
-        assert all(len(t.split()) >= 4 for t in texts[1:-1]), texts  # only the last may hold fewer than N
+        # only the last may hold fewer than N
+        assert all(len(t.split()) >= 4 for t in texts[1:-1]), texts
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     run(main())
 
 
 def test_slow_reader_gets_merged_events_not_a_growing_queue() -> None:
-    """A client that stops reading: the gateway's writes block, the engine goes on, and when the client
-    reads again the deltas that piled up arrive merged into few events with all of the text."""
+    """A client that stops reading: the gateway's writes block, the engine goes on, and when the
+    client reads again the deltas that piled up arrive merged into few events with all of the
+    text."""
     tok = smollm2_tokenizer()
-    # Enough tokens that the socket buffers (which absorb the first hundred or so events) are a small part.
+    # Enough tokens that the socket buffers (which absorb the first hundred or so events) are a
+    # small part.
     ids = tok.encode(" lorem ipsum dolor sit amet" * 800)[:4000]
 
     async def main() -> None:
         with FakeEngine(tokens=ids, step_interval=0.0005, max_model_len=8192) as eng:
             async with gateway(eng, socket_factory=_small_send_buffer) as http:
                 sock = socket.socket()
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader with almost no buffer
+                # a reader with almost no buffer
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 sock.connect(("127.0.0.1", http.port))
                 body = orjson.dumps({"prompt": "go", "max_tokens": len(ids), "stream": True})
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                             b"application/json\r\n" b"Connection: close\r\nContent-Length: "
+                                                     b"%d\r\n\r\n%s" % (len(body), body))
                 await asyncio.sleep(0.5)
-                assert await asyncio.to_thread(eng.wait_for, lambda: not eng._live, 20)  # engine done
+                # engine done
+                assert await asyncio.to_thread(eng.wait_for, lambda: not eng._live, 20)
                 raw = await asyncio.to_thread(_read_all, sock)
         head, _, body_raw = raw.partition(b"\r\n\r\n")
         assert b"200 OK" in head
@@ -57,13 +67,15 @@ def test_slow_reader_gets_merged_events_not_a_growing_queue() -> None:
         chunks = [orjson.loads(e) for e in events[:-1]]
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == tok.decode(ids) and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert len(chunks) < len(ids) // 2, f"{len(chunks)} events for {len(ids)} tokens: nothing was merged"
+        assert len(chunks) < len(ids) // 2, \
+            f"{len(chunks)} events for {len(ids)} tokens: nothing was merged"
     run(main())
 
 
 def _small_send_buffer(host: str, port: int, family: socket.AddressFamily) -> socket.socket:
-    """The gateway's listening socket with a fixed small send buffer, which its connections inherit: left to
-    autotune, the kernel took in 2,000 to 2,400 of the 4,000 events before a write blocked, in 2 of 3 runs."""
+    """The gateway's listening socket with a fixed small send buffer, which its connections inherit:
+    left to autotune, the kernel took in 2,000 to 2,400 of the 4,000 events before a write blocked,
+    in 2 of 3 runs."""
     sock = get_port_socket(host, port, family)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     return sock
@@ -90,9 +102,9 @@ def _dechunk(body: bytes) -> bytes:
 
 
 def test_the_one_loop_sends_a_choices_first_output_and_first_text_at_once_then_every_n() -> None:
-    """gateway/choice_stream.py, which chat, completions, Responses and Messages all render: per choice,
-    its first output (the role chunk) and its first text go out at once, then every N of its tokens, and
-    its last; each choice counts its own tokens."""
+    """gateway/choice_stream.py, which chat, completions, Responses and Messages all render: per
+    choice, its first output (the role chunk) and its first text go out at once, then every N of
+    its tokens, and its last; each choice counts its own tokens."""
     from collections.abc import AsyncGenerator
 
     from gateway.choice_stream import ChoiceStream
@@ -105,7 +117,8 @@ def test_the_one_loop_sends_a_choices_first_output_and_first_text_at_once_then_e
     async def outputs() -> AsyncGenerator[TextOutput, None]:
         for k, (index, text) in enumerate(script):
             last = k == len(script) - 1 or all(i != index for i, _ in script[k + 1:])
-            yield TextOutput("r", text, [k], k == len(script) - 1, "stop" if last else None, 3, k + 1, index=index)
+            finish = "stop" if last else None
+            yield TextOutput("r", text, [k], k == len(script) - 1, finish, 3, k + 1, index=index)
 
     async def main() -> list[tuple[int, bool, str, str | None]]:
         req = ParsedRequest([1], SamplingParams(n=2), True, False)

@@ -1,5 +1,5 @@
-"""The engine supervisor against real child processes (a fake engine): restart after SIGKILL, the client
-greeted again, and a crash loop that ends in giving up."""
+"""The engine supervisor against real child processes (a fake engine): restart after SIGKILL, the
+client greeted again, and a crash loop that ends in giving up."""
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +19,9 @@ FAST = RestartPolicy(max_restarts=2, window=60.0, backoff=0.05, max_backoff=0.1,
 
 
 @contextlib.asynccontextmanager
-async def supervised(engine: EngineProcess) -> AsyncIterator[tuple[AsyncEngineClient, EngineSupervisor,
-                                                                    asyncio.Event, asyncio.Task[None]]]:
+async def supervised(engine: EngineProcess) -> AsyncIterator[tuple[AsyncEngineClient,
+                                                                   EngineSupervisor, asyncio.Event,
+                                                                   asyncio.Task[None]]]:
     """A started engine, a client that saw it ready, and a supervisor watching it (FAST policy)."""
     engine.start()
     async with AsyncEngineClient(engine.address) as client:
@@ -47,12 +48,14 @@ def test_a_killed_engine_is_restarted_and_the_client_reconnects(tmp_path: Path) 
 
     async def main() -> None:
         async with supervised(engine) as (client, sup, stop, task):
-            for n in (1, 2, 3):  # more kills than max_restarts: each engine served, so no streak builds...
+            # more kills than max_restarts: each engine served, so no streak builds...
+            for n in (1, 2, 3):
                 assert engine.proc is not None
                 old = engine.proc.pid
                 os.kill(old, signal.SIGKILL)
                 await until(lambda: not client.connected)
-                await until(lambda old=old: client.connected and engine.proc is not None and engine.proc.pid != old)
+                await until(lambda old=old: client.connected and engine.proc is not None
+                            and engine.proc.pid != old)
                 assert sup.restarts == n and not stop.is_set()
                 sup._ready_at -= FAST.window  # ...as if it had served a full window
             task.cancel()
@@ -67,7 +70,8 @@ def test_an_engine_that_cannot_start_again_is_given_up_on(tmp_path: Path) -> Non
 
     async def main() -> None:
         async with supervised(engine) as (_, sup, stop, task):
-            engine.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]  # e.g. its model is gone now
+            # e.g. its model is gone now
+            engine.argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
             assert engine.proc is not None
             os.kill(engine.proc.pid, signal.SIGKILL)
             await asyncio.wait_for(stop.wait(), 60)

@@ -29,7 +29,8 @@ class PagedBatch:
 
     def clean_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches with NaN -> 0, for the oracle."""
-        return torch.nan_to_num(self.k_cache.clone(), nan=0.0), torch.nan_to_num(self.v_cache.clone(), nan=0.0)
+        return (torch.nan_to_num(self.k_cache.clone(), nan=0.0),
+                torch.nan_to_num(self.v_cache.clone(), nan=0.0))
 
     def stored_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the poisoned caches must look like after the new K/V are stored: exactly that."""

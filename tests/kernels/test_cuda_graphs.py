@@ -92,7 +92,8 @@ def test_static_buffers_give_the_eager_tokens(tiny_llama_dir: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="needs a CUDA device and the real Triton compiler (TRITON_INTERPRET unset)")
+                    reason="needs a CUDA device and the real Triton compiler "
+                           "(TRITON_INTERPRET unset)")
 def test_captured_graphs_give_the_eager_tokens_on_cuda(tiny_llama_dir: Path) -> None:
     """The engine's own captured graphs (on by default on CUDA) against --enforce-eager."""
     _same(_generate(str(tiny_llama_dir), "cuda", "off"),

@@ -1,5 +1,5 @@
-"""The whole engine on the Triton backend (interpreted on CPU) gives the same greedy tokens as on the
-PyTorch backend: the kernels agree inside a real model, over real block tables from the block
+"""The whole engine on the Triton backend (interpreted on CPU) gives the same greedy tokens as on
+the PyTorch backend: the kernels agree inside a real model, over real block tables from the block
 manager, across prefill, chunked prefill and decode steps.
 """
 from __future__ import annotations
@@ -58,7 +58,8 @@ def _case_engine_greedy(model_dir: str) -> None:
 
 @pytest.mark.slow
 def test_greedy_tokens_match_torch_backend(tiny_llama_dir: Path) -> None:
-    """LLM(attention_backend="triton") and LLM(attention_backend="torch"): identical greedy tokens."""
+    """LLM(attention_backend="triton") and LLM(attention_backend="torch"): identical greedy
+    tokens."""
     if importlib.util.find_spec("engine.offline") is None:
         pytest.skip("engine.offline does not exist yet")
     run_isolated(_case_engine_greedy, model_dir=str(tiny_llama_dir), timeout=600)

@@ -1,5 +1,6 @@
 """The native RMSNorm and RoPE (kernels/cpu/layer_ops.cpp) against PyTorch's F.rms_norm and the
-complex-multiply RoPE the model uses without them, and each row's result independent of the others."""
+complex-multiply RoPE the model uses without them, and each row's result independent of the
+others."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ import torch.nn.functional as F
 from engine.models.rope import apply_rope, rotation
 from kernels import cpu
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="the native CPU kernels did not build here")
+pytestmark = pytest.mark.skipif(not cpu.available(),
+                                reason="the native CPU kernels did not build here")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -34,8 +36,9 @@ def test_rms_norm_equals_torch(dtype: torch.dtype, rows: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rope_equals_complex_multiply(dtype: torch.dtype) -> None:
-    """In place on a strided q/k view of a fused QKV buffer, as the model calls it; the same values as the
-    PyTorch path within float32 rounding (bfloat16: the same bits but for rare last-bit ties)."""
+    """In place on a strided q/k view of a fused QKV buffer, as the model calls it; the same values
+    as the PyTorch path within float32 rounding (bfloat16: the same bits but for rare last-bit
+    ties)."""
     gen = torch.Generator().manual_seed(0)
     t, h, hkv, d = 9, 6, 2, 64
     table = torch.randn(50, d // 2, 2, generator=gen)
@@ -62,7 +65,8 @@ def test_rope_refuses_a_position_outside_the_table() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_result_does_not_depend_on_the_other_rows(dtype: torch.dtype) -> None:
-    """Batch invariance (docs/determinism.md): row i alone and inside 64 rows gives the same bits."""
+    """Batch invariance (docs/determinism.md): row i alone and inside 64 rows gives the same
+    bits."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 576, generator=gen).to(dtype)
     w = torch.randn(576, generator=gen).to(dtype)

@@ -1,7 +1,8 @@
-"""The AMX int4 GEMM (kernels/cpu/quant_gemm.cpp) against a dequantize-then-matmul reference, each row's
-bits independent of the rows beside it, its rows path (a few rows on AVX-512) bitwise equal to its tiles,
-and where oneDNN's packed bfloat16 copies give the tiles' bits. Skipped where the CPU has no AMX tiles (the
-engine makes the codes only there); every machine runs the packing checks, which need no kernel."""
+"""The AMX int4 GEMM (kernels/cpu/quant_gemm.cpp) against a dequantize-then-matmul reference, each
+row's bits independent of the rows beside it, its rows path (a few rows on AVX-512) bitwise equal to
+its tiles, and where oneDNN's packed bfloat16 copies give the tiles' bits. Skipped where the CPU has
+no AMX tiles (the engine makes the codes only there); every machine runs the packing checks, which
+need no kernel."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,8 @@ from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear, Int8Linear
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
-SHAPES = [(960, 576), (576, 1536), (48, 64), (16, 32)]  # SmolLM2's q/k/v and down projections, small tails
+# SmolLM2's q/k/v and down projections, small tails
+SHAPES = [(960, 576), (576, 1536), (48, 64), (16, 32)]
 
 
 def module(n: int, k: int, seed: int = 0) -> Int4Linear:
@@ -21,7 +23,8 @@ def module(n: int, k: int, seed: int = 0) -> Int4Linear:
 
 
 def test_packing_puts_each_code_where_the_tile_reads_it() -> None:
-    """Element e of tile row r is column e // 2 at k = 2r + e % 2; byte j holds elements j and 16 + j."""
+    """Element e of tile row r is column e // 2 at k = 2r + e % 2; byte j holds elements j and 16 +
+    j."""
     n, k = 32, 64
     q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1))
     scale, zero = torch.rand(n, k // 32), torch.rand(n, k // 32)
@@ -31,15 +34,17 @@ def test_packing_puts_each_code_where_the_tile_reads_it() -> None:
         byte = codes[nb, kb, 16 * r + e % 16]
         code = (byte >> 4) if e >= 16 else (byte & 15)
         assert code == q[16 * nb + e // 2, 32 * kb + 2 * r + e % 2]
-    assert sz[1, 0, 0, 5] == scale[21, 0].to(torch.bfloat16) and sz[0, 1, 1, 3] == zero[3, 1].to(torch.bfloat16)
+    assert sz[1, 0, 0, 5] == scale[21, 0].to(torch.bfloat16)
+    assert sz[0, 1, 1, 3] == zero[3, 1].to(torch.bfloat16)
 
 
 @needs_amx
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
-    """Within the output's bfloat16 rounding of the float32 product with torch's own dequantized matrix
-    (the weights are the same bfloat16 values; only the sum's order and the last rounding differ)."""
+    """Within the output's bfloat16 rounding of the float32 product with torch's own dequantized
+    matrix (the weights are the same bfloat16 values; only the sum's order and the last rounding
+    differ)."""
     m = module(n, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = x.float() @ m.dequantized().float().t()
@@ -72,8 +77,8 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it() -> None:
 
 @needs_amx
 def test_the_module_takes_the_tiles_in_their_row_range() -> None:
-    """forward and add_to run the AMX kernel from amx_from rows and hand over to the packed copy from
-    packed_from: each range gives that kernel's own bits."""
+    """forward and add_to run the AMX kernel from amx_from rows and hand over to the packed copy
+    from packed_from: each range gives that kernel's own bits."""
     m = module(576, 576)
     m.packed, m.packed_from = PackedLinear(m.dequantized(), None), 64
     m.amx_from = 8
@@ -105,8 +110,8 @@ def tiles(m: Int4Linear, x: torch.Tensor, residual: torch.Tensor | None = None) 
 @pytest.mark.parametrize("n,k", SHAPES + [(80, 96)])
 @pytest.mark.parametrize("rows", range(1, 9))
 def test_the_rows_path_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
-    """Within the same tolerance as the tiles (bfloat16 output rounding; the sum's order differs from the
-    reference's), with and without the residual."""
+    """Within the same tolerance as the tiles (bfloat16 output rounding; the sum's order differs
+    from the reference's), with and without the residual."""
     m = module(n, k, seed=rows)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = x.float() @ m.dequantized().float().t()
@@ -114,17 +119,17 @@ def test_the_rows_path_equals_dequantize_then_matmul(n: int, k: int, rows: int) 
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
     residual = torch.randn(rows, n).to(torch.bfloat16)
-    torch.testing.assert_close(rows_path(m, x, residual).float(), want + residual.float(), rtol=2**-7,
-                               atol=2e-3 * (want + residual.float()).abs().max().item())
+    torch.testing.assert_close(rows_path(m, x, residual).float(), want + residual.float(),
+                               rtol=2**-7, atol=2e-3 * (want + residual.float()).abs().max().item())
 
 
 @needs_amx
 @pytest.mark.parametrize("rows", [1, 3, 7, 32, 300])
 def test_the_rows_path_gives_each_row_the_tiles_bits(rows: int) -> None:
-    """Each row through the rows path (8 rows a call) has the bits of the same row inside one tiles call of
-    `rows` rows: plain activations, activations over 2^-60..2^60 (large cancellations), and ones with
-    denormal and near-denormal values, where the kernel takes its MXCSR-switched way; that way is also
-    forced on plain activations. With and without the residual, at 1 and 2 threads."""
+    """Each row through the rows path (8 rows a call) has the bits of the same row inside one tiles
+    call of `rows` rows: plain activations, activations over 2^-60..2^60 (large cancellations), and
+    ones with denormal and near-denormal values, where the kernel takes its MXCSR-switched way; that
+    way is also forced on plain activations. With and without the residual, at 1 and 2 threads."""
     m = module(576, 1536, seed=5)
     gen = torch.Generator().manual_seed(rows)
     plain = torch.randn(rows, 1536, generator=gen)
@@ -137,7 +142,8 @@ def test_the_rows_path_gives_each_row_the_tiles_bits(rows: int) -> None:
             torch.set_num_threads(t)
             for x in (plain, wide, tiny):
                 xb = x.to(torch.bfloat16)
-                assert torch.equal(rows_path(m, xb).view(torch.int16), tiles(m, xb).view(torch.int16)), t
+                assert torch.equal(rows_path(m, xb).view(torch.int16),
+                                   tiles(m, xb).view(torch.int16)), t
                 assert torch.equal(rows_path(m, xb, residual).view(torch.int16),
                                    tiles(m, xb, residual).view(torch.int16)), t
             xb = plain.to(torch.bfloat16)
@@ -149,8 +155,8 @@ def test_the_rows_path_gives_each_row_the_tiles_bits(rows: int) -> None:
 
 @needs_amx
 def test_the_module_takes_the_rows_path_for_a_few_rows() -> None:
-    """tile_mm (what forward and add_to call) goes to the rows path up to ROWS_PATH_MAX rows: the tiles'
-    bits either way."""
+    """tile_mm (what forward and add_to call) goes to the rows path up to ROWS_PATH_MAX rows: the
+    tiles' bits either way."""
     m = module(576, 576)
     x = torch.randn(amx.ROWS_PATH_MAX + 1, 576).to(torch.bfloat16)
     for r in (1, amx.ROWS_PATH_MAX, amx.ROWS_PATH_MAX + 1):
@@ -159,13 +165,13 @@ def test_the_module_takes_the_rows_path_for_a_few_rows() -> None:
 
 @needs_amx
 def test_the_rows_path_refuses_what_it_does_not_take() -> None:
-    """More than ROWS_PATH_LIMIT rows, and x whose K does not match the codes (K is a multiple of 32 and N
-    of 16 by construction: amx.fits)."""
+    """More than ROWS_PATH_LIMIT rows, and x whose K does not match the codes (K is a multiple of 32
+    and N of 16 by construction: amx.fits)."""
     m = module(48, 64)
     assert m.tile_codes is not None and m.tile_scale_zero is not None
     with pytest.raises(RuntimeError, match="at most"):
-        amx.int4_mm_rows(torch.zeros(amx.ROWS_PATH_LIMIT + 1, 64, dtype=torch.bfloat16), m.tile_codes,
-                         m.tile_scale_zero, m.tile_min_exponent)
+        amx.int4_mm_rows(torch.zeros(amx.ROWS_PATH_LIMIT + 1, 64, dtype=torch.bfloat16),
+                         m.tile_codes, m.tile_scale_zero, m.tile_min_exponent)
     with pytest.raises(RuntimeError, match="codes do not match"):
         amx.int4_mm_rows(torch.zeros(1, 48, dtype=torch.bfloat16), m.tile_codes, m.tile_scale_zero,
                          m.tile_min_exponent)
@@ -175,13 +181,14 @@ def test_the_rows_path_refuses_what_it_does_not_take() -> None:
 @needs_amx
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
 def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k: int) -> None:
-    """Issue #30 asks whether the default's handover from the tiles to oneDNN's packed bfloat16 copies (from
-    96 rows) keeps a row's bits: both multiply the same bfloat16 weights on TDPBF16PS, so it depends on how
-    oneDNN blocks the call. Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and 2 threads): up to 32 rows
-    every row has the tiles' bits; in calls of 33 to 512 rows a few rows differ, from the tiles and from the
-    same row in a small call. So a row-count invariant quantized default needs the tiles at prompt chunks
-    too, and the unquantized bfloat16 default is not row-count invariant on AMX either (docs/determinism.md).
-    If this fails after a torch or oneDNN upgrade, the answer changed: measure again."""
+    """Issue #30 asks whether the default's handover from the tiles to oneDNN's packed bfloat16
+    copies (from 96 rows) keeps a row's bits: both multiply the same bfloat16 weights on TDPBF16PS,
+    so it depends on how oneDNN blocks the call. Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and
+    2 threads): up to 32 rows every row has the tiles' bits; in calls of 33 to 512 rows a few rows
+    differ, from the tiles and from the same row in a small call. So a row-count invariant quantized
+    default needs the tiles at prompt chunks too, and the unquantized bfloat16 default is not
+    row-count invariant on AMX either (docs/determinism.md). If this fails after a torch or oneDNN
+    upgrade, the answer changed: measure again."""
     m = module(n, k, seed=2)
     packed = PackedLinear(m.dequantized(), None)
     x = torch.randn(512, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -201,9 +208,9 @@ def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k:
 
 @needs_amx
 def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() -> None:
-    """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's bits of
-    the row alone (padded to two rows) in calls of up to 160 rows, because calls of more than 32 rows are
-    cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
+    """--deterministic on AMX CPUs: a matrix on its packed copy (the tied int8 head) has each row's
+    bits of the row alone (padded to two rows) in calls of up to 160 rows, because calls of more
+    than 32 rows are cut (oneDNN rounds a few rows of a larger call otherwise: the test above)."""
     from engine.load.prepack import ONEDNN_SAME_BITS_ROWS
 
     m = Int8Linear(torch.randn(4096, 576, generator=torch.Generator().manual_seed(6)) * 0.05, None,
@@ -215,4 +222,5 @@ def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() 
     alone = torch.cat([m.forward(x[i:i + 1]) for i in range(160)])
     for rows in (33, 64, 100, 160):
         assert torch.equal(m.forward(x[:rows]), alone[:rows]), rows
-    assert torch.equal(m.add_to(h, x), torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))
+    assert torch.equal(m.add_to(h, x),
+                       torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))

@@ -21,9 +21,10 @@ SHAPE_IDS = [f"d{d}-g{g}-bs{bs}" for d, g, bs in SHAPES]
 
 
 def first_fast(cases: list[tuple]) -> list:
-    """A sweep under the Triton interpreter takes seconds a case: its first case runs in make check, the
-    rest are marked slow (make test runs them all)."""
-    return [case if i == 0 else pytest.param(*case, marks=pytest.mark.slow) for i, case in enumerate(cases)]
+    """A sweep under the Triton interpreter takes seconds a case: its first case runs in make check,
+    the rest are marked slow (make test runs them all)."""
+    return [case if i == 0 else pytest.param(*case, marks=pytest.mark.slow)
+            for i, case in enumerate(cases)]
 FP32_TOL = 1e-3
 
 
@@ -31,7 +32,8 @@ def _oracle(batch) -> torch.Tensor:
     """TorchBackend on the same layout, through its public methods, on the un-poisoned caches."""
     torch_backend = TorchBackend("cpu")
     kc, vc = batch.clean_caches()
-    return torch_backend.forward(batch.q, batch.k, batch.v, kc, vc, torch_backend.plan(batch.layout), batch.scale)
+    return torch_backend.forward(batch.q, batch.k, batch.v, kc, vc,
+                                 torch_backend.plan(batch.layout), batch.scale)
 
 
 def _case_decode_kernel(head_dim: int, group: int, block_size: int) -> None:
@@ -57,14 +59,16 @@ def _case_decode_kernel(head_dim: int, group: int, block_size: int) -> None:
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
     args = (batch.q, kc, vc, rows.to(torch.int32), seq_lens_t, tables, batch.scale, max(seq_lens))
     bn = decode_block_n(head_dim)
-    for partition in (None, bn, 2 * bn):  # no split; many splits (with idle ones for short rows); a few
+    # no split; many splits (with idle ones for short rows); a few
+    for partition in (None, bn, 2 * bn):
         out = torch.full_like(batch.q, float("nan"))
         decode_attention(out, *args, partition=partition)
         err = rel_err(out[rows], ref[rows])
         assert err < FP32_TOL, f"partition={partition}: relative error {err}"
         others = torch.ones(out.shape[0], dtype=torch.bool)
         others[rows] = False
-        assert torch.isnan(out[others]).all(), f"partition={partition}: wrote a row that is not a decode row"
+        assert torch.isnan(out[others]).all(), \
+            f"partition={partition}: wrote a row that is not a decode row"
 
 
 @pytest.mark.parametrize("head_dim,group,block_size", first_fast(SHAPES), ids=SHAPE_IDS)
@@ -97,8 +101,8 @@ def _case_prefill_kernel(head_dim: int, group: int, block_size: int) -> None:
     out = torch.full_like(batch.q, float("nan"))
     i32 = torch.int32
     prefill_attention(out, batch.q, kc, vc, tile_seq, tile_start, starts[pre].to(i32),
-                      torch.tensor([q_lens[i] for i in pre], dtype=i32), torch.tensor([ctx[i] for i in pre], dtype=i32),
-                      tables, batch.scale)
+                      torch.tensor([q_lens[i] for i in pre], dtype=i32),
+                      torch.tensor([ctx[i] for i in pre], dtype=i32), tables, batch.scale)
     decode_row = int(starts[2])
     mine = torch.ones(out.shape[0], dtype=torch.bool)
     mine[decode_row] = False
@@ -113,7 +117,8 @@ def test_prefill_kernel(head_dim: int, group: int, block_size: int) -> None:
     run_isolated(_case_prefill_kernel, head_dim=head_dim, group=group, block_size=block_size)
 
 
-def _case_backend(head_dim: int, group: int, block_size: int, dtype: str, split: bool, seed: int) -> None:
+def _case_backend(head_dim: int, group: int, block_size: int, dtype: str, split: bool,
+                  seed: int) -> None:
     from kernels.triton import decode_block_n
     from kernels.triton_backend import TritonBackend
 
@@ -127,18 +132,20 @@ def _case_backend(head_dim: int, group: int, block_size: int, dtype: str, split:
 
     q_lens = [1, 1, draw(2, 3 * bs), 1, draw(2, 40)]
     ctx = [0, draw(bs, 5 * bs), 0, bs - 1, draw(1, 3 * bs)]
-    batch = random_batch(q_lens, ctx, block_size=bs, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dt,
-                         seed=seed)
+    batch = random_batch(q_lens, ctx, block_size=bs, num_kv_heads=2, group=group, head_dim=head_dim,
+                         dtype=dt, seed=seed)
     if dt == torch.float32:
         ref = _oracle(batch)
     else:  # the oracle in fp32 on the same (bf16-rounded) inputs
         up = PagedBatch(batch.layout, batch.q.float(), batch.k.float(), batch.v.float(),
                         batch.k_cache.float(), batch.v_cache.float())
         ref = _oracle(up)
-    triton_backend = TritonBackend("cpu", **(dict(min_partition=16, target_programs=64) if split else {}))
+    triton_backend = TritonBackend("cpu",
+                                   **(dict(min_partition=16, target_programs=64) if split else {}))
     meta = triton_backend.plan(batch.layout)
     if split:
-        partition = triton_backend._decode_partition(meta.num_decodes, 2, meta.decode_max_len, decode_block_n(head_dim))
+        partition = triton_backend._decode_partition(meta.num_decodes, 2, meta.decode_max_len,
+                                                     decode_block_n(head_dim))
         assert partition is not None, "the split-K path was not taken"
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     out = torch.full_like(batch.q, float("nan"))
@@ -168,17 +175,21 @@ BACKEND_CASES = [
 
 
 @pytest.mark.parametrize("head_dim,group,block_size,dtype,split", first_fast(BACKEND_CASES),
-                         ids=[f"d{d}-g{g}-bs{b}-{t}-{'split' if s else 'nosplit'}" for d, g, b, t, s in BACKEND_CASES])
-def test_backend_forward_matches_torch(head_dim: int, group: int, block_size: int, dtype: str, split: bool) -> None:
-    """TritonBackend and TorchBackend, same BatchLayout, public plan/forward: same output, same cache."""
-    run_isolated(_case_backend, head_dim=head_dim, group=group, block_size=block_size, dtype=dtype, split=split,
-                 seed=head_dim + 10 * group + block_size + split)
+                         ids=[f"d{d}-g{g}-bs{b}-{t}-{'split' if s else 'nosplit'}"
+                              for d, g, b, t, s in BACKEND_CASES])
+def test_backend_forward_matches_torch(head_dim: int, group: int, block_size: int, dtype: str,
+                                       split: bool) -> None:
+    """TritonBackend and TorchBackend, same BatchLayout, public plan/forward: same output, same
+    cache."""
+    run_isolated(_case_backend, head_dim=head_dim, group=group, block_size=block_size, dtype=dtype,
+                 split=split, seed=head_dim + 10 * group + block_size + split)
 
 
 def _case_backend_edges() -> None:
     from kernels.triton_backend import TritonBackend
 
-    for q_lens, ctx in [([1], [0]), ([1, 1, 1], [0, 0, 0]), ([5], [0]), ([1], [31]), ([3, 1], [0, 64])]:
+    for q_lens, ctx in [([1], [0]), ([1, 1, 1], [0, 0, 0]), ([5], [0]), ([1], [31]),
+                        ([3, 1], [0, 64])]:
         batch = random_batch(q_lens, ctx, block_size=16, num_kv_heads=1, group=4, head_dim=64,
                              seed=len(q_lens) + sum(ctx))
         ref = _oracle(batch)
@@ -198,9 +209,11 @@ def test_backend_edge_batches() -> None:
 def _case_backend_strided_qkv() -> None:
     from kernels.triton_backend import TritonBackend
 
-    batch = random_batch([1, 9], [20, 4], block_size=16, num_kv_heads=2, group=4, head_dim=64, seed=7)
+    batch = random_batch([1, 9], [20, 4], block_size=16, num_kv_heads=2, group=4, head_dim=64,
+                         seed=7)
     t, h, d = batch.q.shape
-    # q, k, v as views of one fused projection output [T, (H + 2*Hkv) * D], as a model produces them.
+    # q, k, v as views of one fused projection output [T, (H + 2*Hkv) * D], as a model produces
+    # them.
     qkv = torch.cat([batch.q.flatten(1), batch.k.flatten(1), batch.v.flatten(1)], dim=1)
     q = qkv[:, : h * d].view(t, h, d)
     k = qkv[:, h * d: (h + 2) * d].view(t, 2, d)
@@ -208,12 +221,14 @@ def _case_backend_strided_qkv() -> None:
     assert not q.is_contiguous()
     ref = _oracle(batch)
     tb = TritonBackend("cpu")
-    out = tb.forward(q, k, v, batch.k_cache.clone(), batch.v_cache.clone(), tb.plan(batch.layout), batch.scale)
+    out = tb.forward(q, k, v, batch.k_cache.clone(), batch.v_cache.clone(), tb.plan(batch.layout),
+                     batch.scale)
     assert rel_err(out, ref) < FP32_TOL
 
 
 def test_backend_strided_qkv() -> None:
-    """q/k/v that are views of a fused QKV output (row stride != H*D) are read through their strides."""
+    """q/k/v that are views of a fused QKV output (row stride != H*D) are read through their
+    strides."""
     run_isolated(_case_backend_strided_qkv)
 
 

@@ -42,14 +42,18 @@ def _case_store(dtype: str, head_dim: int, block_size: int, num_kv_heads: int) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,block_size,num_kv_heads", [(64, 16, 1), (128, 32, 4), (80, 16, 3)])
+@pytest.mark.parametrize("head_dim,block_size,num_kv_heads",
+                         [(64, 16, 1), (128, 32, 4), (80, 16, 3)])
 def test_store_kv(dtype: str, head_dim: int, block_size: int, num_kv_heads: int) -> None:
     """Every new token lands in its slot and nowhere else; slot -1 is skipped; padded head dims."""
-    run_isolated(_case_store, dtype=dtype, head_dim=head_dim, block_size=block_size, num_kv_heads=num_kv_heads)
+    run_isolated(_case_store, dtype=dtype, head_dim=head_dim, block_size=block_size,
+                 num_kv_heads=num_kv_heads)
 
 
-def _pool(gen: torch.Generator, dt: torch.dtype, num_blocks: int, block_size: int = 16) -> torch.Tensor:
-    return torch.randn(3, 2, num_blocks, block_size, 2, 64, generator=gen).to(dt)  # [layers, 2, blocks, bs, Hkv, D]
+def _pool(gen: torch.Generator, dt: torch.dtype, num_blocks: int,
+          block_size: int = 16) -> torch.Tensor:
+    # [layers, 2, blocks, bs, Hkv, D]
+    return torch.randn(3, 2, num_blocks, block_size, 2, 64, generator=gen).to(dt)
 
 
 def _case_copy_blocks(dtype: str) -> None:
@@ -87,7 +91,8 @@ def _case_swap(dtype: str) -> None:
 
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(2)
-    device_pool, host_pool = _pool(gen, dt, 10), torch.full((3, 2, 7, 16, 2, 64), float("nan"), dtype=dt)
+    device_pool, host_pool = _pool(gen, dt, 10), torch.full((3, 2, 7, 16, 2, 64), float("nan"),
+                                                            dtype=dt)
     src = torch.randperm(10, generator=gen)[:5]
     dst = torch.randperm(7, generator=gen)[:5]
     # Through the backend (both pools on the CPU here: the same-device kernel path).

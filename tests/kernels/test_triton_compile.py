@@ -20,7 +20,8 @@ TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def _compile(fn, config: Mapping[str, object], pointer_types: dict[str, str], cc: int = 90):
-    """Compile fn for cc with config's constexprs, num_warps and num_stages; integers are i32, qk_scale fp32."""
+    """Compile fn for cc with config's constexprs, num_warps and num_stages; integers are i32,
+    qk_scale fp32."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,7 +38,8 @@ def _compile(fn, config: Mapping[str, object], pointer_types: dict[str, str], cc
             signature[name] = pointer_types[name]
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
-    return triton.compile(ASTSource(fn, signature, config), target=GPUTarget("cuda", cc, 32), options=options)
+    return triton.compile(ASTSource(fn, signature, config), target=GPUTarget("cuda", cc, 32),
+                          options=options)
 
 
 def _spills(kernel) -> str | None:
@@ -47,18 +49,19 @@ def _spills(kernel) -> str | None:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(kernel.asm["ptx"])
         f.flush()
-        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o",
+                              "/dev/null"], capture_output=True, text=True, check=True).stderr
     lines = [line.strip() for line in log.splitlines() if "spill" in line]
     assert lines, f"no ptxas -v report:\n{log}"
-    return None if all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in lines) else " ".join(lines)
+    return None if all(" 0 bytes spill stores, 0 bytes spill loads" in line
+                       for line in lines) else " ".join(lines)
 
 
 def _case_attention_kernels() -> None:
     from kernels.triton import decode, prefill
 
-    dtypes = {torch.bfloat16: [(64, 1), (64, 8), (128, 1), (128, 4), (128, 8)], torch.float16: [(128, 4)],
-              torch.float32: [(128, 4)]}
+    dtypes = {torch.bfloat16: [(64, 1), (64, 8), (128, 1), (128, 4), (128, 8)],
+              torch.float16: [(128, 4)], torch.float32: [(128, 4)]}
     problems = []
     for dtype, shapes in dtypes.items():
         t = "*" + TRITON_TYPES[dtype]
@@ -66,18 +69,23 @@ def _case_attention_kernels() -> None:
             num_kv_heads = 8
             h = group * num_kv_heads
             d_cfg = decode.decode_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False)
-            d_ptrs = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, part_out_ptr="*fp32", part_lse_ptr="*fp32",
-                          q_rows_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32")
+            d_ptrs = dict(q_ptr=t, k_cache_ptr=t, v_cache_ptr=t, out_ptr=t, part_out_ptr="*fp32",
+                          part_lse_ptr="*fp32", q_rows_ptr="*i32", seq_lens_ptr="*i32",
+                          block_tables_ptr="*i32")
             knobs = prefill.prefill_knobs("sm90", head_dim, dtype, group)  # as launched there
-            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False, knobs=knobs)
-            p_ptrs = dict(q_ptr=t, out_ptr=t, k_cache_ptr=t, v_cache_ptr=t, tile_seq_ptr="*i32", tile_start_ptr="*i32",
-                          q_start_ptr="*i32", q_lens_ptr="*i32", ctx_lens_ptr="*i32", block_tables_ptr="*i32")
+            p_cfg = prefill.prefill_config(h, num_kv_heads, head_dim, 16, dtype, interpret=False,
+                                           knobs=knobs)
+            p_ptrs = dict(q_ptr=t, out_ptr=t, k_cache_ptr=t, v_cache_ptr=t, tile_seq_ptr="*i32",
+                          tile_start_ptr="*i32", q_start_ptr="*i32", q_lens_ptr="*i32",
+                          ctx_lens_ptr="*i32", block_tables_ptr="*i32")
             for name, fn, cfg, ptrs in [("decode", decode._decode_partition_kernel, d_cfg, d_ptrs),
                                         ("prefill", prefill._prefill_kernel, p_cfg, p_ptrs)]:
                 spill = _spills(_compile(fn, cfg, ptrs))
                 if spill:
-                    problems.append(f"{name} {TRITON_TYPES[dtype]} d={head_dim} group={group}: {spill}")
-        r_ptrs = dict(out_ptr=t, part_out_ptr="*fp32", part_lse_ptr="*fp32", q_rows_ptr="*i32", seq_lens_ptr="*i32")
+                    problems.append(f"{name} {TRITON_TYPES[dtype]} d={head_dim} group={group}: "
+                                    f"{spill}")
+        r_ptrs = dict(out_ptr=t, part_out_ptr="*fp32", part_lse_ptr="*fp32", q_rows_ptr="*i32",
+                      seq_lens_ptr="*i32")
         reduce = _compile(decode._decode_reduce_kernel, decode.reduce_config(128, 16), r_ptrs)
         assert _spills(reduce) is None
     assert not problems, "register spills:\n" + "\n".join(problems)

@@ -33,9 +33,10 @@ CASES = [(d, g, bs, dt) for d in (64, 128) for g in (1, 4, 8) for bs in (16, 32)
 
 def _to(batch: PagedBatch, device: str) -> PagedBatch:
     layout = batch.layout
-    moved = BatchLayout(layout.query_lens, layout.context_lens, layout.block_tables, layout.block_size,
-                        layout.slot_mapping.to(device))
-    return PagedBatch(moved, *(t.to(device) for t in (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache)))
+    moved = BatchLayout(layout.query_lens, layout.context_lens, layout.block_tables,
+                        layout.block_size, layout.slot_mapping.to(device))
+    return PagedBatch(moved, *(t.to(device) for t in (batch.q, batch.k, batch.v, batch.k_cache,
+                                                      batch.v_cache)))
 
 
 def _oracle(batch: PagedBatch) -> torch.Tensor:
@@ -43,22 +44,26 @@ def _oracle(batch: PagedBatch) -> torch.Tensor:
     up = PagedBatch(batch.layout, batch.q.float(), batch.k.float(), batch.v.float(),
                     *(torch.nan_to_num(c.float(), nan=0.0) for c in (batch.k_cache, batch.v_cache)))
     backend = TorchBackend("cpu")
-    return backend.forward(up.q, up.k, up.v, up.k_cache, up.v_cache, backend.plan(up.layout), up.scale)
+    return backend.forward(up.q, up.k, up.v, up.k_cache, up.v_cache, backend.plan(up.layout),
+                           up.scale)
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["nosplit", "split"])
 @pytest.mark.parametrize("head_dim,group,block_size,dtype", CASES,
                          ids=[f"d{d}-g{g}-bs{b}-{t}" for d, g, b, t in CASES])
-def test_backend_forward_on_cuda(head_dim: int, group: int, block_size: int, dtype: str, split: bool) -> None:
-    """Output within tolerance of the fp32 oracle; caches after the store equal the expected ones bit
-    for bit; the second layer's call on the same plan gives the same output."""
+def test_backend_forward_on_cuda(head_dim: int, group: int, block_size: int, dtype: str,
+                                 split: bool) -> None:
+    """Output within tolerance of the fp32 oracle; caches after the store equal the expected ones
+    bit for bit; the second layer's call on the same plan gives the same output."""
     from kernels.triton_backend import TritonBackend
 
     dt = getattr(torch, dtype)
-    backend = TritonBackend("cuda", **(dict(min_partition=16, target_programs=256) if split else {}))
+    backend = TritonBackend("cuda",
+                            **(dict(min_partition=16, target_programs=256) if split else {}))
     for i, (q_lens, ctx) in enumerate(STEPS):
         host = random_batch(q_lens, ctx, block_size=block_size, num_kv_heads=2, group=group,
-                            head_dim=head_dim, dtype=dt, seed=100 * i + head_dim + group + block_size)
+                            head_dim=head_dim, dtype=dt,
+                            seed=100 * i + head_dim + group + block_size)
         ref = _oracle(host)
         batch = _to(host, "cuda")
         meta = backend.plan(batch.layout)
@@ -82,7 +87,8 @@ def test_cache_ops_on_cuda(dtype: str) -> None:
 
     dt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(3)
-    pool = torch.randn(7, 2, 12, 16, 2, 64, generator=gen).to(dt)  # [layers, K/V, blocks, bs, Hkv, D]
+    # [layers, K/V, blocks, bs, Hkv, D]
+    pool = torch.randn(7, 2, 12, 16, 2, 64, generator=gen).to(dt)
     src, dst = torch.tensor([0, 3, 3, 5]), torch.tensor([1, 4, 6, 7])
     want = pool.clone()
     TorchBackend("cpu").copy_blocks(want, src, dst)
@@ -100,8 +106,8 @@ def test_cache_ops_on_cuda(dtype: str) -> None:
 
 @pytest.mark.slow
 def test_engine_on_cuda_matches_across_backends(tiny_llama_dir) -> None:
-    """The whole engine on the GPU, float32: the Triton backend gives the torch backend's greedy tokens
-    through prefill, chunked prefill (a 16-token budget), prefix-cache hits and decode."""
+    """The whole engine on the GPU, float32: the Triton backend gives the torch backend's greedy
+    tokens through prefill, chunked prefill (a 16-token budget), prefix-cache hits and decode."""
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
@@ -110,8 +116,8 @@ def test_engine_on_cuda_matches_across_backends(tiny_llama_dir) -> None:
     params = SamplingParams(temperature=0, max_tokens=12)
     tokens = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=str(tiny_llama_dir), device="cuda", dtype="float32", attention_backend=backend,
-                  max_num_batched_tokens=16, kv_cache_memory="64MiB")
+        llm = LLM(model=str(tiny_llama_dir), device="cuda", dtype="float32",
+                  attention_backend=backend, max_num_batched_tokens=16, kv_cache_memory="64MiB")
         tokens[backend] = [list(o.token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
     assert all(len(t) == 12 for t in tokens["torch"])
     assert tokens["triton"] == tokens["torch"]
@@ -119,16 +125,18 @@ def test_engine_on_cuda_matches_across_backends(tiny_llama_dir) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_torch_backend_on_cuda(dtype: str) -> None:
-    """The PyTorch backend on the GPU (the Triton kernels' yardstick in bench/kernels.py) agrees with itself
-    on the CPU, chunks over a cached prefix included: their masks take another form there."""
+    """The PyTorch backend on the GPU (the Triton kernels' yardstick in bench/kernels.py) agrees
+    with itself on the CPU, chunks over a cached prefix included: their masks take another form
+    there."""
     dt = getattr(torch, dtype)
     backend = TorchBackend("cuda")
     for i, (q_lens, ctx) in enumerate(STEPS):
-        host = random_batch(q_lens, ctx, block_size=16, num_kv_heads=8, group=4, head_dim=128, dtype=dt,
-                            seed=7 + i)
+        host = random_batch(q_lens, ctx, block_size=16, num_kv_heads=8, group=4, head_dim=128,
+                            dtype=dt, seed=7 + i)
         ref = _oracle(host)
         batch = _to(host, "cuda")
         k_cache, v_cache = (torch.nan_to_num(c, nan=0.0) for c in (batch.k_cache, batch.v_cache))
-        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache, backend.plan(batch.layout), batch.scale)
+        out = backend.forward(batch.q, batch.k, batch.v, k_cache, v_cache,
+                              backend.plan(batch.layout), batch.scale)
         err = rel_err(out.cpu().float(), ref)
         assert err < (1e-3 if dt == torch.float32 else 2e-2), f"step {i}: relative error {err}"

@@ -1,4 +1,5 @@
-"""Run kernel test bodies in a separate worker process, so that a crash fails one test, not the suite.
+"""Run kernel test bodies in a separate worker process, so that a crash fails one test, not the
+suite.
 
 Under TRITON_INTERPRET=1 an out-of-bounds unmasked load segfaults the whole Python process. Each
 test hands its body (a module-level function and keyword arguments) to a long-lived spawned
@@ -63,7 +64,8 @@ def _drop(interpret: bool) -> None:
     proc.join()
 
 
-def run_isolated(fn: Callable[..., None], *, interpret: bool = True, timeout: float = 300, **kwargs: Any) -> None:
+def run_isolated(fn: Callable[..., None], *, interpret: bool = True, timeout: float = 300,
+                 **kwargs: Any) -> None:
     """Run fn(**kwargs) in the worker; raise its failure (or skip) here. fn must be a module-level
     function of an importable module (it travels by name), kwargs must pickle."""
     proc, conn = _worker(interpret)
@@ -75,13 +77,16 @@ def run_isolated(fn: Callable[..., None], *, interpret: bool = True, timeout: fl
         outcome = "died"
     if outcome is None:
         _drop(interpret)
-        pytest.fail(f"{fn.__name__} did not finish within {timeout} s; the worker was killed", pytrace=False)
+        pytest.fail(f"{fn.__name__} did not finish within {timeout} s; the worker was killed",
+                    pytrace=False)
     if outcome == "died":
         proc.join(10)
         code = proc.exitcode
         _drop(interpret)
-        why = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        pytest.fail(f"{fn.__name__} crashed the worker process ({why}; an out-of-bounds load?)", pytrace=False)
+        why = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exit code {code}")
+        pytest.fail(f"{fn.__name__} crashed the worker process ({why}; an out-of-bounds load?)",
+                    pytrace=False)
     kind, text = outcome
     if kind == "skip":
         pytest.skip(text)

@@ -8,8 +8,9 @@ from tests.fakes import fake_logprobs, smollm2_tokenizer
 
 
 def test_a_row_without_tokens_flushes_held_text_with_its_logprobs() -> None:
-    """An abort ends a choice with a row of no new tokens. With logprobs on, the text still held back (here
-    the start of a possible stop string) goes out as text, its tokens' entries with it."""
+    """An abort ends a choice with a row of no new tokens. With logprobs on, the text still held
+    back (here the start of a possible stop string) goes out as text, its tokens' entries with
+    it."""
     tok = smollm2_tokenizer()
     ids = tok.encode(" The capital of France")
     params = SamplingParams(max_tokens=50, logprobs=0, stop=(" France is",))
@@ -19,6 +20,7 @@ def test_a_row_without_tokens_flushes_held_text_with_its_logprobs() -> None:
     last = choices.feed(RequestOutput("r", [], True, "abort"))
     assert [o.text for o in first] == [" The capital of"]  # " France" may still become " France is"
     assert [o.text for o in last] == [" France"]
-    assert [e.token for o in first + last for e in o.logprobs or []] == [tok.decode([t]) for t in ids]
+    tokens = [e.token for o in first + last for e in o.logprobs or []]
+    assert tokens == [tok.decode([t]) for t in ids]
     assert [e.token for e in last[0].logprobs or []] == [" France"]
     assert last[0].finished and last[0].finish_reason == "abort" and last[0].token_ids == []

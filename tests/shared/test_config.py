@@ -1,5 +1,6 @@
-"""Each engine option has one home: a flat option reaches the config class that owns it, and no name is
-owned twice (a name in two classes reached only the first, the other silently kept its default)."""
+"""Each engine option has one home: a flat option reaches the config class that owns it, and no name
+is owned twice (a name in two classes reached only the first, the other silently kept its
+default)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ def test_a_name_owned_twice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         max_num_seqs: int = 1
 
     monkeypatch.setattr(C, "CacheConfig", Twice)
-    with pytest.raises(TypeError, match="'max_num_seqs' is owned by both SchedulerConfig and Twice"):
+    with pytest.raises(TypeError,
+                       match="'max_num_seqs' is owned by both SchedulerConfig and Twice"):
         C.check_one_owner()
 
 
@@ -40,7 +42,8 @@ def test_bad_max_model_len_is_a_value_error() -> None:
 
 def test_engine_flags_travel_to_the_engine_process_as_given() -> None:
     """`conveyor serve` hands its engine flags to `python -m engine`: switches travel as bare flags
-    (`--deterministic True` was once refused there), values as flag and value, and both parse back."""
+    (`--deterministic True` was once refused there), values as flag and value, and both parse
+    back."""
     import argparse
 
     from shared.engine_args import add_engine_args, engine_argv
@@ -51,4 +54,5 @@ def test_engine_flags_travel_to_the_engine_process_as_given() -> None:
     argv = engine_argv(parser.parse_args(given))
     assert sorted(argv) == sorted(given)
     back = parser.parse_args(argv)
-    assert back.deterministic is True and back.enable_prefix_caching is False and back.max_model_len == 48
+    assert back.deterministic is True and back.enable_prefix_caching is False
+    assert back.max_model_len == 48

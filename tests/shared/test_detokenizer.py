@@ -1,5 +1,5 @@
-"""IncrementalDetokenizer: the stream equals the full decode, characters are never split, stop strings
-are never emitted, and each step decodes a bounded window."""
+"""IncrementalDetokenizer: the stream equals the full decode, characters are never split, stop
+strings are never emitted, and each step decodes a bounded window."""
 from __future__ import annotations
 
 import functools
@@ -16,7 +16,8 @@ TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
     "你好，世界。今天天气很好，我们去公园散步吧！",
     "Emoji: 😀🎉 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 and skin 👍🏽 done.",
-    "Mixed: café naïve Ωμέγα Привет مرحبا 日本語テキスト ✓ → ∑ 🚀\n\ndef f(x):\n    return x ** 2\n",
+    ("Mixed: café naïve Ωμέγα Привет مرحبا 日本語テキスト ✓ → ∑ 🚀\n\n"
+     "def f(x):\n    return x ** 2\n"),
 ]
 
 
@@ -30,8 +31,10 @@ def byte_fallback_tokenizer() -> Any:
     norm = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     base = Tokenizer(models.BPE())
     base.normalizer = norm
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    base.train_from_iterator(TEXTS[:1] * 10 + ["hello there world, tokenizers are fun"] * 10, trainer)
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    base.train_from_iterator(TEXTS[:1] * 10 + ["hello there world, tokenizers are fun"] * 10,
+                             trainer)
     model = json.loads(base.to_str())["model"]
     vocab = dict(model["vocab"])
     for b in range(256):
@@ -39,10 +42,11 @@ def byte_fallback_tokenizer() -> Any:
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = norm
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                 unk_token="<unk>")
     hf.clean_up_tokenization_spaces = False
     return hf
 
@@ -95,8 +99,8 @@ def test_stream_equals_full_decode_on_random_ids() -> None:
 
 
 def test_byte_fallback_random_ids_with_valid_utf8() -> None:
-    """Byte fallback: random tokens mixed with whole characters spelled as <0xXX> tokens. (Invalid byte
-    runs are out of scope: the full decode turns a whole run into U+FFFD after the fact.)"""
+    """Byte fallback: random tokens mixed with whole characters spelled as <0xXX> tokens. (Invalid
+    byte runs are out of scope: the full decode turns a whole run into U+FFFD after the fact.)"""
     tok, rng = byte_fallback_tokenizer(), random.Random(2)
     byte_id = {b: tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
     normal = [i for i in range(len(tok)) if not tok.convert_ids_to_tokens(i).startswith("<0x")]
@@ -104,7 +108,8 @@ def test_byte_fallback_random_ids_with_valid_utf8() -> None:
     for _ in range(300):
         ids: list[int] = []
         while len(ids) < rng.randint(1, 40):
-            ids += [rng.choice(normal)] if rng.random() < 0.5 else [byte_id[b] for b in rng.choice(chars).encode()]
+            ids += ([rng.choice(normal)] if rng.random() < 0.5
+                    else [byte_id[b] for b in rng.choice(chars).encode()])
         deltas, _ = stream(tok, ids, rng)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=True), ids
 
@@ -128,16 +133,19 @@ def test_per_step_work_is_bounded(name: str) -> None:
     ("你好，世界。今天天气很好", ("世界",), "你好，"),
     ("你好，世界。今天天气很好", ("界。今",), "你好，世"),
     ("Emoji 😀🎉 party", ("🎉",), "Emoji 😀"),
-    ("Help is here, Hello there", ("Hello",), "Help is here, "),  # "Hel" held, then released as "Help"
+    # "Hel" held, then released as "Help"
+    ("Help is here, Hello there", ("Hello",), "Help is here, "),
 ])
-def test_stop_string_split_across_tokens(name: str, text: str, stop: tuple[str, ...], expected: str) -> None:
+def test_stop_string_split_across_tokens(name: str, text: str, stop: tuple[str, ...],
+                                         expected: str) -> None:
     tok = TOKENIZERS[name]()
     ids = tok.encode(text, add_special_tokens=False)
     for seed in range(5):
         deltas, detok = stream(tok, ids, random.Random(seed), stop)
         assert "".join(deltas) == expected
-        assert detok.stopped and detok.stop_reason in stop
-        assert detok.step(tok.encode(" more", add_special_tokens=False)) == ""  # nothing after a stop
+        assert detok.stopped and detok.stop_string in stop
+        # nothing after a stop
+        assert detok.step(tok.encode(" more", add_special_tokens=False)) == ""
 
 
 @pytest.mark.parametrize("name", TOKENIZERS)

@@ -1,6 +1,6 @@
-"""Requests that outlive their engine (shared/resume.py through the client): resubmitted as prompt + the
-tokens delivered, with the budget left, under the same id; the stream goes on with nothing lost or
-repeated. Against fake engines, so that every ADD the new engine receives can be checked."""
+"""Requests that outlive their engine (shared/resume.py through the client): resubmitted as prompt +
+the tokens delivered, with the budget left, under the same id; the stream goes on with nothing lost
+or repeated. Against fake engines, so that every ADD the new engine receives can be checked."""
 from __future__ import annotations
 
 import asyncio
@@ -23,8 +23,8 @@ def run(coro: Any) -> Any:
 
 
 def continuing(add: P.Add) -> list[int]:
-    """The fake model: token i of a sequence is 1000 + i, wherever the prompt ends; so a resumed request
-    continues the very sequence it would have produced."""
+    """The fake model: token i of a sequence is 1000 + i, wherever the prompt ends; so a resumed
+    request continues the very sequence it would have produced."""
     start = len(add.prompt_token_ids) - len(PROMPT)
     return [1000 + i for i in range(start, start + add.params.max_tokens)]
 
@@ -55,15 +55,17 @@ def test_a_request_resumes_on_a_restarted_engine_with_nothing_lost_or_repeated()
         assert (add.params.max_tokens, add.params.min_tokens) == (60 - d, 40 - d)
         assert (add.params.seed, add.params.temperature) == (7, 0.8)
         assert outs[-1].finished and outs[-1].finish_reason == "length"
-        assert all(o.num_prompt_tokens in (0, len(PROMPT)) for o in outs)  # never the resubmitted prompt
+        # never the resubmitted prompt
+        assert all(o.num_prompt_tokens in (0, len(PROMPT)) for o in outs)
         assert outs[-1].num_prompt_tokens == len(PROMPT)
         assert outs[-1].events is not None and outs[-1].events["resumed"] == 1
     run(main())
 
 
 def test_a_silent_engine_that_answers_again_drops_the_old_run_first() -> None:
-    """The heartbeat's case: engine_lost() while the connection stays up. The held request is aborted on
-    that engine before HELLO, so no row of the old run is delivered after the resubmission's."""
+    """The heartbeat's case: engine_lost() while the connection stays up. The held request is
+    aborted on that engine before HELLO, so no row of the old run is delivered after the
+    resubmission's."""
     async def main() -> None:
         with FakeEngine(script=continuing, step_interval=0.01) as eng:
             async with AsyncEngineClient(eng.address, resume_timeout=10) as client:
@@ -90,32 +92,37 @@ def test_requests_that_cannot_resume_exactly_fail_at_once(params: SamplingParams
     async def main() -> None:
         eng = FakeEngine(tokens=list(range(1000)), step_interval=0.01).__enter__()
         async with AsyncEngineClient(eng.address, resume_timeout=60) as client:
-            stream = await client.add(PROMPT, SamplingParams(**{**params.to_dict(), "max_tokens": 500}))
+            stream = await client.add(PROMPT,
+                                      SamplingParams(**{**params.to_dict(), "max_tokens": 500}))
             await stream.__anext__()
             eng.stop()
-            with pytest.raises(EngineDead, match="cannot be resumed"):  # long before the resume timeout
+            # long before the resume timeout
+            with pytest.raises(EngineDead, match="cannot be resumed"):
                 async for _ in stream:
                     pass
     run(main())
 
 
 # logit_bias in its wire form, which SamplingParams.__post_init__ turns into the declared pairs
-@pytest.mark.parametrize("params", [SamplingParams(repetition_penalty=1.3, logit_bias={3: 2.0},  # type: ignore[arg-type]
-                                                   logprobs=2),
-                                    SamplingParams(temperature=0), SamplingParams(best_of=1, n=1)])
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=1.3, logprobs=2,
+                   logit_bias={3: 2.0}),  # type: ignore[arg-type]
+    SamplingParams(temperature=0), SamplingParams(best_of=1, n=1)])
 def test_resumable_params(params: SamplingParams) -> None:
     assert resume_refusal(params) is None
 
 
 def test_prompt_logprobs_are_neither_sent_twice_nor_lost_on_resume() -> None:
-    """They ride on a request's first row: delivered, the resubmission does not ask for them again (its
-    prompt holds output tokens, which are no prompt to score); lost before any row, it asks again."""
+    """They ride on a request's first row: delivered, the resubmission does not ask for them again
+    (its prompt holds output tokens, which are no prompt to score); lost before any row, it asks
+    again."""
     from shared.resume import InFlight
 
     add = P.Add("r1", PROMPT, SamplingParams(max_tokens=8, prompt_logprobs=2))
     early = InFlight(add, resume_refusal(add.params))
     again = early.resubmit()
-    assert isinstance(again, P.Add) and again.prompt_token_ids == PROMPT and again.params.prompt_logprobs == 2
+    assert isinstance(again, P.Add) and again.prompt_token_ids == PROMPT
+    assert again.params.prompt_logprobs == 2
     late = InFlight(add, resume_refusal(add.params))
     late.note(P.RequestOutput("r1", [1000], prompt_logprobs=[None, [-1.0, 1, []], [-2.0, 4, []]]))
     late.note(P.RequestOutput("r1", [1001]))
@@ -125,8 +132,9 @@ def test_prompt_logprobs_are_neither_sent_twice_nor_lost_on_resume() -> None:
 
 
 def test_every_ending_leaves_the_client_table_and_reaches_its_stream() -> None:
-    """shared/requests.py: a refusal to resume, a held request's late row, a resume with nothing left to
-    generate and the resume timeout each end through the one table; nothing is left in it after."""
+    """shared/requests.py: a refusal to resume, a held request's late row, a resume with nothing
+    left to generate and the resume timeout each end through the one table; nothing is left in it
+    after."""
     from shared.requests import RequestTable
 
     async def go() -> None:

@@ -112,7 +112,8 @@ def test_the_one_loop_sends_a_choices_first_output_and_first_text_at_once_then_e
     from shared.choices import TextOutput
     from shared.sampling import SamplingParams
 
-    script = [(0, ""), (1, ""), (0, "a"), (0, "b"), (1, "x"), (0, "c"), (0, "d"), (1, "y"), (0, "e")]
+    script = [(0, ""), (1, ""), (0, "a"), (0, "b"), (1, "x"), (0, "c"), (0, "d"), (1, "y"),
+              (0, "e")]
 
     async def outputs() -> AsyncGenerator[TextOutput, None]:
         for k, (index, text) in enumerate(script):

@@ -16,12 +16,15 @@ computed, plus attention over each context) at the GEMM speed measured here in t
     python bench/step_profile.py [--configs auto:auto,bfloat16:none | --dtype D --quantization Q]
                                  [--num-seqs 1,32] [--context 64,700] [--prompt-chunk N]
                                  [--steps 10] [--attention-backend auto|cpu|torch] [--native-max-context auto|none|N]
+                                 [--ops]
 
 --configs: dtype:quantization pairs, profiled one after the other in this run; the default, auto:auto, is
 what `conveyor serve` runs (--dtype auto --quantization auto). A summary of every (configuration, batch)
 pair closes the run, side by side.
 --prompt-chunk N: a mixed step instead, the decodes plus one new N-token prompt whole in every measured step
 (a request of one output token added before each step), as served steps carry prompt chunks.
+
+--ops: the elementwise row split by op (calls and ms a step), to see which of the layer's small ops a change moved.
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention backend from outside.
 """
@@ -135,8 +138,10 @@ def timed_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, float
             "plan": plan.total / steps * 1e3}
 
 
-def profiled_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, float]:
-    """ms per step of each row of ROWS (inside the forward), from the ops Python called directly."""
+def profiled_steps(core: Any, steps: int, prompt_chunk: int = 0,
+                   ops: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """ms per step of each row of ROWS (inside the forward), from the ops Python called directly; ops, when
+    given, gets the elementwise row's ops: name -> [calls, ms] per step."""
     from torch.profiler import ProfilerActivity, profile
 
     runner = core.runner
@@ -161,7 +166,12 @@ def profiled_steps(core: Any, steps: int, prompt_chunk: int = 0) -> dict[str, fl
         parent = ev.cpu_parent.name if ev.cpu_parent is not None else ""
         if parent not in (MODEL, ATTENTION):
             continue  # not called from Python directly: its time is in its caller's
-        split[_row(ev.name, parent)] += ev.cpu_time_total
+        row = _row(ev.name, parent)
+        split[row] += ev.cpu_time_total
+        if ops is not None and row == ROWS[5]:
+            calls_ms = ops.setdefault(ev.name, [0.0, 0.0])
+            calls_ms[0] += 1 / steps
+            calls_ms[1] += ev.cpu_time_total / steps / 1e3
     split[ROWS[-1]] = forward - sum(split.values())
     return {k: v / steps / 1e3 for k, v in split.items()}  # us total -> ms per step
 
@@ -218,6 +228,13 @@ def print_split(timed: dict[str, float], prof: dict[str, float], scale: float) -
     print(f"| **step** | **{timed['step']:.2f}** | 100% |")
 
 
+def print_ops(ops: dict[str, list[float]], scale: float) -> None:
+    """The elementwise row by op, largest first (scaled as the rows), so a fused op shows in its own line."""
+    print("\n| elementwise op | calls a step | ms a step |\n|---|---:|---:|")
+    for name, (calls, ms) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {calls:.0f} | {ms * scale:.2f} |")
+
+
 def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_seqs: int) -> dict[str, Any]:
     """Profiles one configuration at one batch. -> its summary figures (the closing table's row)."""
     import torch
@@ -245,7 +262,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
     fill(core, num_seqs, args.context, args.steps)
     contexts = [live.root.num_tokens for live in core.requests.values()]
     timed = timed_steps(core, args.steps, args.prompt_chunk)
-    prof = profiled_steps(core, args.steps, args.prompt_chunk)
+    ops: dict[str, list[float]] = {}
+    prof = profiled_steps(core, args.steps, args.prompt_chunk, ops)
     # the profiled pass moved the contexts: time once more, take the mean
     again = timed_steps(core, args.steps, args.prompt_chunk)
     timed = {k: (timed[k] + again[k]) / 2 for k in timed}
@@ -270,6 +288,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str, num_
           f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
     print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; rows scaled by "
           f"{scale:.2f})", flush=True)
+    if args.ops:
+        print_ops(ops, scale)
     core.abort(list(core.requests))
     return {"config": f"{dtype}, {quantization}", "seqs": num_seqs, "step": timed["step"], "gemm": gemm_ms,
             "forward": timed["forward"]}
@@ -295,6 +315,7 @@ def main() -> None:
                     help="N > 0: a mixed step, every measured step also prefills a new N-token prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--attention-backend", default="auto", help="auto | cpu | torch (the native kernel's baseline)")
+    ap.add_argument("--ops", action="store_true", help="also list the elementwise row's ops, largest first")
     ap.add_argument("--no-prepack", action="store_true", help="projections as plain nn.Linear (the baseline)")
     ap.add_argument("--native-max-context", default="auto",
                     help="auto | none | N: the most context tokens a step's decodes may attend for the native kernel "

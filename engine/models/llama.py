@@ -68,6 +68,17 @@ def rms(x: torch.Tensor, norm: nn.RMSNorm, native: bool = False) -> torch.Tensor
     return F.rms_norm(x, x.shape[-1:], norm.weight, norm.eps)
 
 
+def mlp_act(gate_up: torch.Tensor, gelu: bool, native: bool = False) -> torch.Tensor:
+    """[T, 2I] (gate | up, the fused GEMM's output) -> act(gate) * up [T, I]. native: SiLU x up
+    in one pass of kernels/cpu/layer_ops.cpp (F.silu's values; two ATen ops and two passes
+    otherwise)."""
+    if native and not gelu:
+        out: torch.Tensor = torch.ops.conveyor_cpu.silu_and_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=1)  # [T, I] each, views of one [T, 2I]
+    return (F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)).mul_(up)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
@@ -79,7 +90,7 @@ class DecoderLayer(nn.Module):
         self.softcap = cfg.attn_softcap
         self.local_rope = self.window is not None and cfg.local_rope_theta is not None
         self.gelu = cfg.hidden_act == "gelu_tanh"
-        # norms and RoPE through the native CPU ops (LlamaForCausalLM.use_native_ops)
+        # norms, RoPE and SiLU x up through the native CPU ops (LlamaForCausalLM.use_native_ops)
         self.native = False
         eps, hidden = cfg.rms_norm_eps, cfg.hidden_size
         qkv_size = self.qk_size + cfg.num_kv_heads * cfg.head_dim
@@ -133,8 +144,7 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             moe_out: torch.Tensor = self.moe(x)
             return h + moe_out
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=1)  # [T, I] each, views of one [T, 2I]
-        act = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)).mul_(up)  # [T, I]
+        act = mlp_act(linear(x, self.gate_up_proj), self.gelu, native)  # [T, 2I] -> [T, I]
         if self.post_feedforward_layernorm is None:
             return add_linear(h, act, self.down_proj)  # h + down_proj(act): [T, E]
         return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm, native)
@@ -216,8 +226,8 @@ class LlamaForCausalLM(nn.Module):
         return rms(h, self.model.norm, self.model.native_ops)
 
     def use_native_ops(self) -> None:
-        """Norms and RoPE through kernels/cpu/layer_ops.cpp: for a CPU model in float32 or bfloat16
-        whose native library is loaded (engine/load/weights.py decides)."""
+        """Norms, RoPE and SiLU x up through kernels/cpu/layer_ops.cpp: for a CPU model in
+        float32 or bfloat16 whose native library is loaded (engine/load/weights.py decides)."""
         self.model.native_ops = True
         for layer in self.model.layers:
             if isinstance(layer, DecoderLayer):

@@ -2,21 +2,76 @@
 //
 // At decode sizes a layer's RMSNorm was ten ATen calls (cast, pow, mean, add, rsqrt, mul, cast, mul, ...)
 // and RoPE six (cast, complex views, multiply, cast back): each call costs microseconds of dispatch on a
-// vector of a few hundred numbers, which made norms and RoPE a fifth of a one-token step. Each op here
-// computes a row from that row alone, in a fixed order (no dependence on the number of rows or threads),
-// and rounds where PyTorch's own composite rounds, so results match F.rms_norm and the complex-multiply
-// RoPE to within float rounding.
+// vector of a few hundred numbers, which made norms and RoPE a fifth of a one-token step. SiLU(gate) x up
+// was two ops and two passes over the gate_up GEMM's output. Each op here computes a row from that row
+// alone, in a fixed order (no dependence on the number of rows or threads), and rounds where PyTorch's own
+// ops round.
+//
+// The arithmetic is ATen's own vector type (at::vec::Vectorized, the one torch's CPU kernels use, with
+// Sleef's exp), compiled here for the widest vectors this CPU has. Every element, the ragged end of a row
+// included, goes through the same vector code (a partial load pads with zeros), so an element's bits do
+// not depend on where it sits in a row; SiLU x up then has F.silu's bits wherever torch's kernel also
+// vectorizes the element. Work is split over threads only where a task gets kGrainElems elements: a
+// parallel region costs more than a decode step's norm.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
 
-constexpr int64_t kGrainRows = 16;  // rows per task: a one-token step runs inline, a prompt chunk in parallel
+using Vec = at::vec::Vectorized<float>;
+using BF16 = c10::BFloat16;
+constexpr int64_t W = Vec::size();
+constexpr int64_t kGrainElems = 32768;  // elements a thread's task must have before a row range is split
+
+int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+
+// Two vectors at a time (2W elements: one bfloat16 vector) widened to float; lanes past n are zero. store2
+// writes back n, rounded as torch rounds.
+struct Pair {
+  Vec a, b;
+};
+Pair load2(const float* p, int64_t n) {
+  return {Vec::loadu(p, std::min(n, W)), Vec::loadu(p + W, std::clamp<int64_t>(n - W, 0, W))};
+}
+Pair load2(const BF16* p, int64_t n) {
+  auto [a, b] = at::vec::convert_to_float<BF16>(at::vec::Vectorized<BF16>::loadu(p, std::min(n, 2 * W)));
+  return {a, b};
+}
+void store2(float* p, const Pair& v, int64_t n) {
+  v.a.store(p, std::min(n, W));
+  v.b.store(p + W, std::clamp<int64_t>(n - W, 0, W));
+}
+void store2(BF16* p, const Pair& v, int64_t n) {
+  at::vec::convert_from_float<BF16>(v.a, v.b).store(p, std::min(n, 2 * W));
+}
+// exp for SiLU: Sleef's (1 ulp, F.silu's) in float32; in bfloat16 ATen's 20-ulp polynomial (the one its
+// softmax uses, inlined instead of a library call), whose error is a thousandth of the bfloat16 rounding
+// that follows (the same bits as F.silu but for rare last-bit ties; tests/kernels/test_fused_layer_ops.py).
+Vec silu_exp(const Vec& v, const float*) { return v.exp(); }
+Vec silu_exp(const Vec& v, const BF16*) { return v.exp_u20(); }
+// v as it reads back after a store in T: what the next op of a PyTorch chain sees.
+Pair rounded(const Pair& v, const float*) { return v; }
+Pair rounded(const Pair& v, const BF16*) {
+  auto [a, b] = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(v.a, v.b));
+  return {a, b};
+}
 
 template <typename T>
 void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
@@ -24,18 +79,25 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double 
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, x.size(0), grain_rows(D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = xp + r * xs;
+      Vec acc(0.f);  // lane l sums elements l, l + W, ...; the lanes then in order
+      for (int64_t i = 0; i < D; i += 2 * W) {
+        const Pair v = load2(row + i, D - i);
+        acc = at::vec::fmadd(v.b, v.b, at::vec::fmadd(v.a, v.a, acc));
+      }
+      __at_align__ float lanes[W];
+      acc.store(lanes);
       float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < D; ++i) ss += static_cast<float>(row[i]) * static_cast<float>(row[i]);
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t l = 0; l < W; ++l) ss += lanes[l];
+      const Vec inv(1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps)));
       T* o = op + r * D;
       // As torch's own kernel: x * inv * weight in float32, rounded once to the input's dtype.
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i)
-        o[i] = static_cast<T>(static_cast<float>(row[i]) * inv * static_cast<float>(wp[i]));
+      for (int64_t i = 0; i < D; i += 2 * W) {
+        const Pair v = load2(row + i, D - i), g = load2(wp + i, D - i);
+        store2(o + i, {v.a * inv * g.a, v.b * inv * g.b}, D - i);
+      }
     }
   });
 }
@@ -49,30 +111,65 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (x.scalar_type() == at::kFloat)
     rms_rows<float>(x, weight, out, eps);
   else if (x.scalar_type() == at::kBFloat16)
-    rms_rows<c10::BFloat16>(x, weight, out, eps);
+    rms_rows<BF16>(x, weight, out, eps);
   else
     TORCH_CHECK(false, "rms_norm: float32 or bfloat16, not ", x.scalar_type());
   return out;
 }
 
 template <typename T>
+void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
+  const int64_t I = out.size(1), xs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const Vec one(1.f);
+  at::parallel_for(0, x.size(0), grain_rows(I), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T *gate = xp + r * xs, *up = gate + I;
+      T* o = op + r * I;
+      for (int64_t i = 0; i < I; i += 2 * W) {
+        const Pair g = load2(gate + i, I - i), u = load2(up + i, I - i);
+        // F.silu's vector formula, rounded to T as its output is, then mul_(up)
+        const Pair s = rounded({g.a / (one + silu_exp(g.a.neg(), o)), g.b / (one + silu_exp(g.b.neg(), o))}, o);
+        store2(o + i, {s.a * u.a, s.b * u.b}, I - i);
+      }
+    }
+  });
+}
+
+// x [T, 2I] (gate | up, rows may be strided, each row contiguous) -> new [T, I]: silu(gate) * up, the
+// values of F.silu(gate).mul_(up) in one pass over the fused gate_up GEMM's output.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x [T, 2I] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_rows<float>(x, out);
+  else if (x.scalar_type() == at::kBFloat16)
+    silu_mul_rows<BF16>(x, out);
+  else
+    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16, not ", x.scalar_type());
+  return out;
+}
+
+template <typename T>
 void rope_rows(at::Tensor& x, const at::Tensor& table, const at::Tensor& positions) {
-  const int64_t N = x.size(1), half = x.size(2) / 2, st = x.stride(0), sn = x.stride(1);
+  const int64_t N = x.size(1), D = x.size(2), st = x.stride(0), sn = x.stride(1);
   const int64_t tstride = table.stride(0);
   T* xp = x.data_ptr<T>();
   const float* tp = table.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
-  at::parallel_for(0, x.size(0), kGrainRows, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, x.size(0), grain_rows(N * D), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* cs = tp + pos[t] * tstride;  // [D/2, 2]: cos, sin
-      for (int64_t n = 0; n < N; ++n) {
-        T* v = xp + t * st + n * sn;
-#pragma omp simd
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = static_cast<float>(v[2 * j]), b = static_cast<float>(v[2 * j + 1]);
-          const float c = cs[2 * j], s = cs[2 * j + 1];
-          v[2 * j] = static_cast<T>(a * c - b * s);
-          v[2 * j + 1] = static_cast<T>(a * s + b * c);
+      for (int64_t h = 0; h < N; ++h) {
+        T* v = xp + t * st + h * sn;
+        for (int64_t j = 0; j < D; j += 2 * W) {  // W pairs at a time: evens a, odds b
+          const Pair x2 = load2(v + j, D - j), cs2 = load2(cs + j, D - j);
+          auto [a, b] = at::vec::deinterleave2(x2.a, x2.b);
+          auto [c, s] = at::vec::deinterleave2(cs2.a, cs2.b);
+          auto [lo, hi] = at::vec::interleave2(a * c - b * s, a * s + b * c);
+          store2(v + j, {lo, hi}, D - j);
         }
       }
     }
@@ -93,7 +190,7 @@ void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
   if (x.scalar_type() == at::kFloat)
     rope_rows<float>(x, table, positions);
   else if (x.scalar_type() == at::kBFloat16)
-    rope_rows<c10::BFloat16>(x, table, positions);
+    rope_rows<BF16>(x, table, positions);
   else
     TORCH_CHECK(false, "rope_: float32 or bfloat16, not ", x.scalar_type());
 }
@@ -103,6 +200,8 @@ void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.def("rope_(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
 }

@@ -9,15 +9,16 @@ import pytest
 
 from tests.fakes import smollm2_tokenizer
 
-# SmolLM2's tokenizer (vocab 49152, chat template, <|im_end|> = 2) over a tiny random Llama: real text
-# in and out of a real engine, a step in milliseconds.
-TINY_CHAT = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                 tie_word_embeddings=True)
+# SmolLM2's tokenizer (vocab 49152, chat template, <|im_end|> = 2) over a tiny random Llama: real
+# text in and out of a real engine, a step in milliseconds.
+TINY_CHAT = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
-def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, make_tiny_checkpoint: Callable[..., Path]) -> Path:
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory,
+                    make_tiny_checkpoint: Callable[..., Path]) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("models") / "tiny-chat"
@@ -51,7 +52,8 @@ async def stream_completion(session, url: str, prompt: str, max_tokens: int) -> 
     """Greedy SSE completion -> its text; asserts the stream ends with [DONE]."""
     import orjson
 
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
         raw = await resp.read()

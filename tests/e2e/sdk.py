@@ -36,7 +36,8 @@ def extra_field(model: BaseModel, name: str) -> Any:
 def final_response(events: Sequence[ResponseStreamEvent]) -> Response:
     """The response a stream's last event carries: completed, incomplete (cut) or failed."""
     last = events[-1]
-    assert isinstance(last, ResponseCompletedEvent | ResponseIncompleteEvent | ResponseFailedEvent), last.type
+    ending = ResponseCompletedEvent | ResponseIncompleteEvent | ResponseFailedEvent
+    assert isinstance(last, ending), last.type
     return last.response
 
 

@@ -67,11 +67,13 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 class Server:
     """`conveyor <argv...> --port P` as a subprocess; `with Server(...) as s:` waits for /health."""
 
-    def __init__(self, argv: list[str], *, port: int | None = None, env: dict[str, str] | None = None,
-                 log_path: Path | None = None, ready_timeout: float = 180.0, exact_argv: bool = False,
+    def __init__(self, argv: list[str], *, port: int | None = None,
+                 env: dict[str, str] | None = None, log_path: Path | None = None,
+                 ready_timeout: float = 180.0, exact_argv: bool = False,
                  health_path: str | None = "/ready") -> None:
-        """argv: the arguments of `conveyor`, to which `--port` is added; exact_argv: the whole command line
-        as given (port included). health_path None: a process without HTTP (an engine), ready at once."""
+        """argv: the arguments of `conveyor`, to which `--port` is added; exact_argv: the whole
+        command line as given (port included). health_path None: a process without HTTP (an engine),
+        ready at once."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = list(argv) if exact_argv else [CONVEYOR, *argv, "--port", str(self.port)]
@@ -102,7 +104,8 @@ class Server:
 
     @property
     def engine_address(self) -> str:
-        """Where `conveyor serve` binds the engine it starts (gateway/launcher.py default_address)."""
+        """Where `conveyor serve` binds the engine it starts (gateway/launcher.py
+        default_address)."""
         return f"ipc:///tmp/conveyor-{self.pid}.sock"
 
     def start(self) -> None:
@@ -113,14 +116,17 @@ class Server:
             log.close()  # type: ignore[union-attr]
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path and self.log_path.exists() else ""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode} before it was healthy:\n{self.log()}")
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was "
+                                   f"healthy:\n{self.log()}")
             self.remember_descendants()
             if self.health_path is None:
                 return
@@ -133,7 +139,8 @@ class Server:
         raise TimeoutError(f"server not healthy after {timeout:g}s:\n{self.log()}")
 
     def remember_descendants(self) -> set[int]:
-        """Descendant pids seen so far; teardown checks each of them is gone, not only the gateway."""
+        """Descendant pids seen so far; teardown checks each of them is gone, not only
+        the gateway."""
         todo = [self.pid]
         while todo:
             for c in children(todo.pop()):
@@ -143,8 +150,9 @@ class Server:
         return set(self._descendants)
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM, as a user's Ctrl-C or `docker stop` would; SIGKILL the group if that fails. Returns the
-        gateway's exit code (None when it had to be killed) and raises if any process outlived it."""
+        """SIGTERM, as a user's Ctrl-C or `docker stop` would; SIGKILL the group if that fails.
+        Returns the gateway's exit code (None when it had to be killed) and raises if any process
+        outlived it."""
         if self.proc is None:
             return None
         self.remember_descendants()
@@ -167,7 +175,8 @@ class Server:
         return code
 
 
-def get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def get_json(url: str, timeout: float = 10.0,
+             headers: dict[str, str] | None = None) -> tuple[int, Any]:
     req = urllib.request.Request(url, headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -179,17 +188,19 @@ def get_json(url: str, timeout: float = 10.0, headers: dict[str, str] | None = N
 async def engine_stats(address: str, curve_keys: str | Path | None = None) -> dict[str, float]:
     from shared.client import AsyncEngineClient
 
-    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120, curve_keys=curve_keys) as client:
+    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120,
+                                 curve_keys=curve_keys) as client:
         return await client.get_stats()
 
 
 async def wait_engine_idle(address: str, timeout: float = 20.0,
                            curve_keys: str | Path | None = None) -> dict[str, float]:
-    """Polls the engine until it holds no request and every KV block is free; returns the last stats.
-    curve_keys: the client key folder, for an engine started with --curve-keys."""
+    """Polls the engine until it holds no request and every KV block is free; returns the last
+    stats. curve_keys: the client key folder, for an engine started with --curve-keys."""
     from shared.client import AsyncEngineClient
 
-    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120, curve_keys=curve_keys) as client:
+    async with AsyncEngineClient(address, name="e2e-test", ready_timeout=120,
+                                 curve_keys=curve_keys) as client:
         deadline = time.monotonic() + timeout
         while True:
             stats = await client.get_stats()
@@ -199,13 +210,16 @@ async def wait_engine_idle(address: str, timeout: float = 20.0,
 
 
 def is_idle(stats: dict[str, float]) -> bool:
-    """No request in the engine, every device block free, and every CPU (swap) block free where there are."""
-    return (stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats.get("num_swapped", 0) == 0
-            and stats["num_free_blocks"] == stats["num_blocks"]
+    """No request in the engine, every device block free, and every CPU (swap) block free
+    where there are."""
+    return (stats["num_running"] == 0 and stats["num_waiting"] == 0
+            and stats.get("num_swapped", 0) == 0 and stats["num_free_blocks"] == stats["num_blocks"]
             and stats.get("num_free_cpu_blocks", 0) == stats.get("num_cpu_blocks", 0))
 
 
 def tiny_serve(model: Path, *flags: str, kv_cache: str = "64MiB") -> list[str]:
-    """`conveyor serve` arguments for a tiny checkpoint as the e2e tests start it: one compute thread (the
-    test and other servers share the cores) and a small KV pool; flags: what the test is about."""
-    return ["serve", "--model", str(model), "--num-threads", "1", "--kv-cache-memory", kv_cache, *flags]
+    """`conveyor serve` arguments for a tiny checkpoint as the e2e tests start it: one compute
+    thread (the test and other servers share the cores) and a small KV pool; flags: what the
+    test is about."""
+    return ["serve", "--model", str(model), "--num-threads", "1", "--kv-cache-memory", kv_cache,
+            *flags]

@@ -51,7 +51,8 @@ ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("anthropic") / "server.log"
     with Server(
-        tiny_serve(tiny_chat_model, "--dtype", "float32", "--tool-call-parser", "hermes", "--api-key", KEY),
+        tiny_serve(tiny_chat_model, "--dtype", "float32", "--tool-call-parser", "hermes",
+                   "--api-key", KEY),
         log_path=log,
     ) as srv:
         yield srv
@@ -227,7 +228,8 @@ def test_errors_are_in_anthropics_shape(server: Server, client: anthropic.Anthro
         client.post(
             "/v1/messages", cast_to=anthropic.types.Message, body={"model": MODEL, "messages": ASK}
         )
-    assert e.value.status_code == 400 and error_body(e.value.body)["error"]["type"] == "invalid_request_error"
+    assert e.value.status_code == 400
+    assert error_body(e.value.body)["error"]["type"] == "invalid_request_error"
     with pytest.raises(anthropic.NotFoundError):
         client.post("/v1/messages/nope", cast_to=anthropic.types.Message, body={})
 

@@ -156,8 +156,8 @@ def test_langchain_tool_loop_streamed(server: Server) -> None:
 
 
 def test_openai_agents_sdk_on_chat_completions(server: Server) -> None:
-    """The Agents SDK's chat-completions model: a forced tool call, its result sent back, an
-    answer."""
+    """The Agents SDK's chat-completions model: a forced tool call, its result sent
+    back, an answer."""
     from agents import (
         Agent,
         ModelSettings,

@@ -1,6 +1,7 @@
-"""`conveyor serve --data-parallel-size 2`: two single-thread engines behind one gateway. A shared long
-prefix lands on one replica (the second request hits its cache), unrelated prompts spread over both,
-an abort and an n > 1 request reach the replica that holds them, and greedy output equals one engine's."""
+"""`conveyor serve --data-parallel-size 2`: two single-thread engines behind one gateway. A shared
+long prefix lands on one replica (the second request hits its cache), unrelated prompts spread
+over both, an abort and an n > 1 request reach the replica that holds them, and greedy output
+equals one engine's."""
 from __future__ import annotations
 
 import asyncio
@@ -15,15 +16,17 @@ from tests.e2e.conftest import stream_completion
 from tests.e2e.servers import Server, children, cmdline, engine_stats, wait_engine_idle
 
 pytestmark = pytest.mark.slow
-PREFIX = ("You are a careful assistant. Answer in one short sentence, cite nothing, and never repeat the "
-          "question back. The user's documents follow, each on its own line, numbered from one. ") * 2
+PREFIX = ("You are a careful assistant. Answer in one short sentence, cite nothing, and never "
+          "repeat the question back. The user's documents follow, each on its own line, numbered "
+          "from one. ") * 2
 
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("dp") / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--data-parallel-size", "2", "--dtype", "float32",
-                 "--kv-cache-memory", "32MiB", "--log-level", "info"], log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--data-parallel-size", "2", "--dtype",
+                 "float32", "--kv-cache-memory", "32MiB", "--log-level", "info"],
+                log_path=log) as srv:
         yield srv
 
 
@@ -70,15 +73,17 @@ def test_shared_prefix_lands_on_one_replica_and_hits_its_cache(dp_server: Server
     assert sorted(gained.values()) == [0, 2], gained  # both on one replica
 
 
-def test_unrelated_prompts_spread_and_equal_one_engine(dp_server: Server,
-                                                       tiny_offline: Callable[[list[str], int], list[str]]) -> None:
+def test_unrelated_prompts_spread_and_equal_one_engine(
+        dp_server: Server,
+        tiny_offline: Callable[[list[str], int], list[str]]) -> None:
     prompts = [f"Question {i}: what is {i} plus {i * 7}?" for i in range(10)]
     expected = tiny_offline(prompts, 8)
 
     async def main() -> tuple[list[str], dict[str, float], dict[str, float]]:
         async with aiohttp.ClientSession() as session:
             before = await routed(session, dp_server.url)
-            texts = await asyncio.gather(*[stream_completion(session, dp_server.url, p, 8) for p in prompts])
+            texts = await asyncio.gather(*[stream_completion(session, dp_server.url, p, 8)
+                                           for p in prompts])
             return list(texts), before, await routed(session, dp_server.url)
 
     texts, before, after = asyncio.run(asyncio.wait_for(main(), 60))
@@ -87,8 +92,9 @@ def test_unrelated_prompts_spread_and_equal_one_engine(dp_server: Server,
     assert sum(gained) == len(prompts) and min(gained) > 0, gained
 
 
-def test_n_and_abort_reach_the_replica_holding_the_request(dp_server: Server,
-                                                           tiny_offline: Callable[[list[str], int], list[str]]) -> None:
+def test_n_and_abort_reach_the_replica_holding_the_request(
+        dp_server: Server,
+        tiny_offline: Callable[[list[str], int], list[str]]) -> None:
     prompt = "Tell me a long story about a lighthouse keeper"
     expected = tiny_offline([prompt], 6)[0]
 
@@ -103,9 +109,11 @@ def test_n_and_abort_reach_the_replica_holding_the_request(dp_server: Server,
     before = decoded(dp_server)
     out = asyncio.run(asyncio.wait_for(main(), 60))
     assert [c["text"] for c in out["choices"]] == [expected, expected]
-    for address in replicas(dp_server):  # the abort freed the request where it ran: both replicas idle
+    # the abort freed the request where it ran: both replicas idle
+    for address in replicas(dp_server):
         stats = asyncio.run(wait_engine_idle(address, timeout=30))
-        assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], (address, stats)
+        assert stats["num_running"] == 0, (address, stats)
+        assert stats["num_free_blocks"] == stats["num_blocks"], (address, stats)
     assert decoded(dp_server) - before < LONG  # it stopped early: the abort reached its replica
 
 

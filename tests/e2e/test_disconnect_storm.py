@@ -1,7 +1,7 @@
-"""200 clients that go away at random moments under load: while queued, during a chunked prefill, during
-decode, while preempted or swapped out by KV pressure, and so necessarily while the engine is mid-step.
-Afterwards the engine holds no request and every block is free, nothing was logged as an error, and a
-normal request still gets the offline API's exact text."""
+"""200 clients that go away at random moments under load: while queued, during a chunked prefill,
+during decode, while preempted or swapped out by KV pressure, and so necessarily while the engine is
+mid-step. Afterwards the engine holds no request and every block is free, nothing was logged as an
+error, and a normal request still gets the offline API's exact text."""
 from __future__ import annotations
 
 import asyncio
@@ -22,10 +22,12 @@ NUM_CLIENTS = 200
 CONCURRENCY = 24
 
 
-async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Random, outcome: Counter[str]) -> None:
-    prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(60, 260))]  # a few prefill chunks of 64
-    body = {"prompt": prompt, "max_tokens": rng.randint(20, 300), "ignore_eos": True, "temperature": 0.8,
-            "seed": rng.randrange(10**6), "stream": True}
+async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Random,
+                     outcome: Counter[str]) -> None:
+    # a few prefill chunks of 64
+    prompt = [rng.randrange(1000, 40000) for _ in range(rng.randint(60, 260))]
+    body = {"prompt": prompt, "max_tokens": rng.randint(20, 300), "ignore_eos": True,
+            "temperature": 0.8, "seed": rng.randrange(10**6), "stream": True}
     patience = rng.choice([0.0, 0.02, 0.1]) + rng.expovariate(1 / 0.4)  # then the client goes away
     kind = rng.choice(["sse", "sse", "ws-cancel", "ws-close"])
     if rng.random() < 0.1:
@@ -40,7 +42,8 @@ async def one_client(session: aiohttp.ClientSession, url: str, rng: random.Rando
 
 
 async def _sse(session: aiohttp.ClientSession, url: str, body: dict, outcome: Counter[str]) -> None:
-    outcome["sse-before-first-token"] += 1  # undone below once the headers (sent with the first token) arrive
+    # undone below once the headers (sent with the first token) arrive
+    outcome["sse-before-first-token"] += 1
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         outcome["sse-before-first-token"] -= 1
         if resp.status == 429:
@@ -76,14 +79,16 @@ async def _ws(session: aiohttp.ClientSession, url: str, body: dict, patience: fl
                 return
 
 
-def test_200_random_disconnects_leave_engine_clean(tiny_chat_model: Path, tmp_path: Path,
-                                                   tiny_offline: Callable[[list[str], int], list[str]]) -> None:
+def test_200_random_disconnects_leave_engine_clean(
+        tiny_chat_model: Path, tmp_path: Path,
+        tiny_offline: Callable[[list[str], int], list[str]]) -> None:
     expected = tiny_offline(["After the storm"], 24)[0]
     log = tmp_path / "server.log"
-    # 48 blocks of 16 tokens for up to 16 sequences of up to ~560 tokens: preemption (swap or recompute)
-    # is certain; a 64-token step budget cuts every prompt into several prefill chunks.
+    # 48 blocks of 16 tokens for up to 16 sequences of up to ~560 tokens: preemption (swap or
+    # recompute) is certain; a 64-token step budget cuts every prompt into several prefill chunks.
     args = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--num-kv-blocks", "48",
-            "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16", "--log-level", "info"]
+            "--block-size", "16", "--max-num-batched-tokens", "64", "--max-num-seqs", "16",
+            "--log-level", "info"]
     with Server(args, log_path=log) as srv:
         address = srv.engine_address
 
@@ -121,11 +126,13 @@ def test_200_random_disconnects_leave_engine_clean(tiny_chat_model: Path, tmp_pa
         outcome, stats, peak, text = asyncio.run(asyncio.wait_for(main(), 240))
     print(f"outcomes: {dict(outcome)}; peaks: {peak}")
     assert is_idle(stats), stats
-    assert stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+    assert stats["num_running"] == 0
+    assert stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
     assert text == expected  # blocks freed by 200 aborts are reused without a trace
     assert peak["num_preemptions"] > 0 and peak["num_waiting"] > 0, peak  # the moments did happen
     gone = sum(v for k, v in outcome.items() if k.endswith("gone") or k == "ws-cancelled")
     assert gone >= NUM_CLIENTS // 2 and outcome["sse-before-first-token"] > 0, outcome
-    bad = [line for line in log.read_text().splitlines() if "level=ERROR" in line or "Traceback" in line
-           or "unknown request" in line.lower()]
+    bad = [line for line in log.read_text().splitlines() if "level=ERROR" in line
+           or "Traceback" in line or "unknown request" in line.lower()]
     assert not bad, "\n".join(bad[:20])

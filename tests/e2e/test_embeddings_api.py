@@ -154,7 +154,8 @@ def test_langchain_openai_embeddings(
     (tiktoken_enabled=False)."""
     from langchain_openai import OpenAIEmbeddings
 
-    kw: dict[str, Any] = dict(model="tiny-chat", base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    kw: dict[str, Any] = dict(model="tiny-chat", base_url=f"{server.url}/v1", api_key="unused",
+                              max_retries=0)
     want = [
         d.embedding
         for d in client.embeddings.create(

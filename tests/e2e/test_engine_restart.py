@@ -1,7 +1,7 @@
-"""A real `conveyor serve` whose engine is SIGKILLed under load: the supervisor restarts it, /ready goes
-503 and back to 200, and every open stream (SSE and WebSocket, greedy and seeded) carries on to exactly
-the text and usage of an uninterrupted run. Requests that cannot be resumed end with an error event, and
-an engine that cannot start again makes the gateway give up and exit non-zero."""
+"""A real `conveyor serve` whose engine is SIGKILLed under load: the supervisor restarts it, /ready
+goes 503 and back to 200, and every open stream (SSE and WebSocket, greedy and seeded) carries on to
+exactly the text and usage of an uninterrupted run. Requests that cannot be resumed end with an
+error event, and an engine that cannot start again makes the gateway give up and exit non-zero."""
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +20,10 @@ from shared.wire import ZMTP_TIMEOUT_MS
 from tests.e2e.servers import Server, children, cmdline
 
 pytestmark = pytest.mark.slow
-MAX_TOKENS = 400  # a step takes milliseconds: enough that every stream is mid-decode when the engine dies
-BODIES: list[tuple[str, bool, dict[str, Any]]] = [  # (door, chat?, body): greedy and seeded, both doors
+# a step takes milliseconds: enough that every stream is mid-decode when the engine dies
+MAX_TOKENS = 400
+# (door, chat?, body): greedy and seeded, both doors
+BODIES: list[tuple[str, bool, dict[str, Any]]] = [
     ("sse", False, {"prompt": "The quick brown fox", "temperature": 0}),
     ("sse", True, {"messages": [{"role": "user", "content": "Tell me a story"}], "temperature": 0}),
     ("sse", False, {"prompt": "Once upon a time", "temperature": 0.9, "seed": 11, "top_p": 0.95}),
@@ -30,28 +32,29 @@ BODIES: list[tuple[str, bool, dict[str, Any]]] = [  # (door, chat?, body): greed
     ("ws", False, {"prompt": "In the beginning", "temperature": 0, "logprobs": 2}),
     ("ws", True, {"messages": [{"role": "user", "content": "What is 2+2?"}], "temperature": 0}),
     ("ws", False, {"prompt": "Numbers: 1, 2, 3,", "temperature": 0.7, "seed": 3, "top_k": 40}),
-    ("ws", True, {"messages": [{"role": "user", "content": "Write a poem"}], "temperature": 1.2, "seed": 99}),
+    ("ws", True, {"messages": [{"role": "user", "content": "Write a poem"}], "temperature": 1.2,
+                  "seed": 99}),
 ]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("restart") / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
-                 "--log-level", "warning"], log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                 "--kv-cache-memory", "32MiB", "--log-level", "warning"], log_path=log) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def quantized_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """bfloat16 activations and int4 weights, the default model's configuration, with --deterministic:
-    the resubmitted prompt + delivered tokens are one prompt chunk, computed by other kernels at another
-    row count than the decode steps that produced them, unless every row's arithmetic is its own
-    (docs/determinism.md)."""
+    """bfloat16 activations and int4 weights, the default model's configuration, with
+    --deterministic: the resubmitted prompt + delivered tokens are one prompt chunk, computed by
+    other kernels at another row count than the decode steps that produced them, unless every row's
+    arithmetic is its own (docs/determinism.md)."""
     log = tmp_path_factory.mktemp("restart-int4") / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
-                 "--dtype", "bfloat16", "--quantization", "int4", "--deterministic", "--log-level", "warning"],
-                log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                 "--kv-cache-memory", "32MiB", "--dtype", "bfloat16", "--quantization", "int4",
+                 "--deterministic", "--log-level", "warning"], log_path=log) as srv:
         yield srv
 
 
@@ -86,7 +89,8 @@ class Stream:
             self.finish_reason = c.get("finish_reason") or self.finish_reason
 
 
-async def sse(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any], out: Stream) -> None:
+async def sse(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any],
+              out: Stream) -> None:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     async with session.post(url + path, json=body) as resp:
         assert resp.status == 200, await resp.text()
@@ -97,10 +101,11 @@ async def sse(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[s
                 out.chunk(orjson.loads(line[6:]))
 
 
-async def ws(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any], out: Stream) -> None:
+async def ws(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[str, Any],
+             out: Stream) -> None:
     async with session.ws_connect(url + "/v1/ws") as sock:
-        await sock.send_str(orjson.dumps({"op": "chat.completions" if chat else "completions", "id": "x",
-                                          "body": body}).decode())
+        await sock.send_str(orjson.dumps({"op": "chat.completions" if chat else "completions",
+                                          "id": "x", "body": body}).decode())
         async for msg in sock:
             frame = orjson.loads(msg.data)
             if frame["event"] == "chunk":
@@ -115,13 +120,15 @@ async def ws(session: aiohttp.ClientSession, url: str, chat: bool, body: dict[st
 
 async def run_all(url: str, bodies: list[tuple[str, bool, dict[str, Any]]], kill: int | None,
                   freeze: float = 0.0) -> list[Stream]:
-    """Every body at once; with kill set, SIGKILL that pid once every stream is mid-decode (with freeze,
-    SIGSTOP it instead and SIGCONT it that many seconds later)."""
+    """Every body at once; with kill set, SIGKILL that pid once every stream is mid-decode (with
+    freeze, SIGSTOP it instead and SIGCONT it that many seconds later)."""
     streams = [Stream() for _ in bodies]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=200)) as session:
-        tasks = [asyncio.create_task((sse if door == "sse" else ws)(session, url, chat, {
-            **body, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}, s)) for (door, chat, body), s in zip(bodies, streams)]
+        extra = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+                 "stream_options": {"include_usage": True}}
+        tasks = [asyncio.create_task((sse if door == "sse" else ws)(session, url, chat,
+                                                                    {**body, **extra}, s))
+                 for (door, chat, body), s in zip(bodies, streams)]
         if kill is not None:
             while not all(len(s.text) >= 5 for s in streams):
                 assert not any(t.done() for t in tasks), [t.exception() for t in tasks if t.done()]
@@ -129,7 +136,8 @@ async def run_all(url: str, bodies: list[tuple[str, bool, dict[str, Any]]], kill
             assert not any(s.finish_reason for s in streams)  # all mid-decode
             if freeze:
                 os.kill(kill, signal.SIGSTOP)
-                await asyncio.sleep(freeze)  # the fault itself lasts this long: not a wait for a condition
+                # the fault itself lasts this long: not a wait for a condition
+                await asyncio.sleep(freeze)
                 os.kill(kill, signal.SIGCONT)
             else:
                 os.kill(kill, signal.SIGKILL)
@@ -141,7 +149,8 @@ async def poll_ready(url: str, seen: list[int], stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
             try:
-                async with session.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                async with session.get(url + "/ready",
+                                       timeout=aiohttp.ClientTimeout(total=5)) as resp:
                     if not seen or seen[-1] != resp.status:
                         seen.append(resp.status)
             except (aiohttp.ClientError, TimeoutError):
@@ -169,7 +178,8 @@ def check_streams_survive_a_sigkill(server: Server) -> None:
         poller = asyncio.create_task(poll_ready(server.url, seen, stop))
         streams = await run_all(server.url, BODIES, kill=old)
         deadline = time.monotonic() + 120
-        while seen[-1:] != [200] and time.monotonic() < deadline:  # generous: the new engine may still load
+        # generous: the new engine may still load
+        while seen[-1:] != [200] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         stop.set()
         await poller
@@ -187,14 +197,16 @@ def check_streams_survive_a_sigkill(server: Server) -> None:
     assert engine_pid(server) != old
     assert server.log_path is not None
     log = server.log_path.read_text()
-    assert "engine_restart exit=signal=SIGKILL" in log and "resuming 8 request(s)" in log, log[-3000:]
+    assert "engine_restart exit=signal=SIGKILL" in log, log[-3000:]
+    assert "resuming 8 request(s)" in log, log[-3000:]
 
 
 def test_streams_survive_an_engine_frozen_past_the_zeromq_heartbeat(server: Server) -> None:
-    """SIGSTOP for twice ZeroMQ's heartbeat timeout: the gateway's connection is dropped and reconnects
-    under the same routing identity while the frozen engine still holds the dead one (the engine's
-    ROUTER hands the identity over; the client greets again until it hears READY). Every greedy stream
-    ends as an uninterrupted run does, and /ready is 200 again within seconds of the SIGCONT."""
+    """SIGSTOP for twice ZeroMQ's heartbeat timeout: the gateway's connection is dropped and
+    reconnects under the same routing identity while the frozen engine still holds the dead one
+    (the engine's ROUTER hands the identity over; the client greets again until it hears READY).
+    Every greedy stream ends as an uninterrupted run does, and /ready is 200 again within seconds
+    of the SIGCONT."""
     greedy = [b for b in BODIES if b[2]["temperature"] == 0][:4]
     reference = run(run_all(server.url, greedy, kill=None))
     pid = engine_pid(server)
@@ -225,20 +237,23 @@ def test_streams_survive_an_engine_frozen_past_the_zeromq_heartbeat(server: Serv
 
 def test_a_request_that_cannot_resume_gets_an_error_event(server: Server) -> None:
     body = {"prompt": "Two at once", "n": 2, "temperature": 0.8, "seed": 1}
-    streams = run(run_all(server.url, [("sse", False, body), ("ws", False, body)], kill=engine_pid(server)))
+    streams = run(run_all(server.url, [("sse", False, body), ("ws", False, body)],
+                          kill=engine_pid(server)))
     for s in streams:
         assert s.error is not None and "cannot be resumed" in s.error["message"], s.error
         assert s.finish_reason is None
 
 
-def test_an_engine_that_cannot_start_again_makes_the_gateway_give_up(tiny_chat_model: Path, tmp_path: Path) -> None:
+def test_an_engine_that_cannot_start_again_makes_the_gateway_give_up(tiny_chat_model: Path,
+                                                                     tmp_path: Path) -> None:
     model = tmp_path / "model"
     shutil.copytree(tiny_chat_model, model)
     log = tmp_path / "server.log"
-    srv = Server(["serve", "--model", str(model), "--num-threads", "1", "--kv-cache-memory", "16MiB",
-                  "--max-engine-restarts", "2"], log_path=log)
+    srv = Server(["serve", "--model", str(model), "--num-threads", "1", "--kv-cache-memory",
+                  "16MiB", "--max-engine-restarts", "2"], log_path=log)
     with srv:
-        (model / "config.json").rename(model / "config.json.gone")  # every later engine fails to load
+        # every later engine fails to load
+        (model / "config.json").rename(model / "config.json.gone")
         os.kill(engine_pid(srv), signal.SIGKILL)
         deadline = time.monotonic() + 180
         assert srv.proc is not None
@@ -250,9 +265,9 @@ def test_an_engine_that_cannot_start_again_makes_the_gateway_give_up(tiny_chat_m
 
 
 def test_health_tells_the_truth_about_a_frozen_idle_engine(server: Server) -> None:
-    """Nothing in flight, the engine frozen: /health stays 200 (liveness) but says engine_connected false
-    once ZeroMQ's heartbeat drops the connection (no round trip per probe), /ready is 503; after SIGCONT
-    both say so again within seconds."""
+    """Nothing in flight, the engine frozen: /health stays 200 (liveness) but says engine_connected
+    false once ZeroMQ's heartbeat drops the connection (no round trip per probe), /ready is 503;
+    after SIGCONT both say so again within seconds."""
     from tests.e2e.servers import get_json
 
     def wait_for(connected: bool, ready: int) -> None:
@@ -260,10 +275,12 @@ def test_health_tells_the_truth_about_a_frozen_idle_engine(server: Server) -> No
         while time.monotonic() < deadline:
             status, body = get_json(server.url + "/health", timeout=5)
             assert status == 200, body
-            if body["engine_connected"] is connected and get_json(server.url + "/ready", timeout=5)[0] == ready:
+            if body["engine_connected"] is connected and (
+                    get_json(server.url + "/ready", timeout=5)[0] == ready):
                 return
             time.sleep(0.1)
-        raise AssertionError(f"/health engine_connected did not become {connected} (/ready {ready})")
+        raise AssertionError(
+            f"/health engine_connected did not become {connected} (/ready {ready})")
 
     pid = engine_pid(server)
     wait_for(True, 200)

@@ -1,6 +1,6 @@
-"""`conveyor serve --gateway-workers 2`: two gateway processes on one port and one engine; streams equal
-the offline API's output, connections land on both, both enforce the API key, /metrics sums both, and
-SIGTERM stops all three; stored responses are one store for both."""
+"""`conveyor serve --gateway-workers 2`: two gateway processes on one port and one engine; streams
+equal the offline API's output, connections land on both, both enforce the API key, /metrics sums
+both, and SIGTERM stops all three; stored responses are one store for both."""
 from __future__ import annotations
 
 import asyncio
@@ -19,13 +19,15 @@ from tests.e2e.servers import Server, children, cmdline, tiny_serve
 pytestmark = pytest.mark.slow
 
 
-def test_two_workers_share_port_engine_and_metrics(tiny_chat_model: Path, tmp_path: Path,
-                                                    tiny_offline: Callable[[list[str], int], list[str]]) -> None:
+def test_two_workers_share_port_engine_and_metrics(
+        tiny_chat_model: Path, tmp_path: Path,
+        tiny_offline: Callable[[list[str], int], list[str]]) -> None:
     prompts = [f"Worker test {i}:" for i in range(12)]
     expected = tiny_offline(prompts, 12)
     log = tmp_path / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--gateway-workers", "2", "--num-threads", "1",
-                 "--kv-cache-memory", "32MiB", "--log-level", "info", "--api-key", "sk-workers"], log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--gateway-workers", "2",
+                 "--num-threads", "1", "--kv-cache-memory", "32MiB", "--log-level", "info",
+                 "--api-key", "sk-workers"], log_path=log) as srv:
         kids = {pid: cmdline(pid) for pid in children(srv.pid)}
         engines = [p for p, argv in kids.items() if argv[1:3] == ["-m", "engine"]]
         workers = [p for p, argv in kids.items() if argv[1:4] == ["-m", "gateway", "gateway"]]
@@ -33,17 +35,22 @@ def test_two_workers_share_port_engine_and_metrics(tiny_chat_model: Path, tmp_pa
         assert "--reuse-port" in kids[workers[0]] and srv.engine_address in kids[workers[0]]
 
         async def main() -> tuple[list[str], list[dict[str, float]]]:
-            connector = aiohttp.TCPConnector(force_close=True)  # one connection per request: the kernel spreads them
-            auth = {"Authorization": "Bearer sk-workers"}  # --api-key reaches the worker too (by environment)
+            # one connection per request: the kernel spreads them
+            connector = aiohttp.TCPConnector(force_close=True)
+            # --api-key reaches the worker too (by environment)
+            auth = {"Authorization": "Bearer sk-workers"}
             async with aiohttp.ClientSession(connector=connector, headers=auth) as session:
-                # The workers serve first and the parent binds the port last: wait until both answered.
+                # The workers serve first and the parent binds the port last: wait until
+                # both answered.
                 for _ in range(200):
                     if len(set(re.findall(r"pid=(\d+) msg=.*GET /ready", log.read_text()))) == 2:
                         break
                     async with session.get(f"{srv.url}/ready"):
                         await asyncio.sleep(0.02)
-                texts = await asyncio.gather(*[stream_completion(session, srv.url, p, 12) for p in prompts])
-                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as anon:
+                texts = await asyncio.gather(*[stream_completion(session, srv.url, p, 12)
+                                               for p in prompts])
+                fresh = aiohttp.TCPConnector(force_close=True)
+                async with aiohttp.ClientSession(connector=fresh) as anon:
                     for _ in range(4):
                         async with anon.get(f"{srv.url}/v1/models") as resp:
                             assert resp.status == 401
@@ -66,11 +73,11 @@ def test_two_workers_share_port_engine_and_metrics(tiny_chat_model: Path, tmp_pa
 
 
 def test_chained_responses_reach_whichever_worker(tiny_chat_model: Path, tmp_path: Path) -> None:
-    """A conversation chained with previous_response_id through the official openai SDK, one connection per
-    request so that the kernel spreads them over both workers: every turn continues the whole history
-    (its prompt is the template's rendering of every earlier turn, counted by transformers), and GET,
-    input_items and DELETE answer the same whichever worker stored the response. The workers' shared
-    store lives in a folder of the serve's, gone once it stops."""
+    """A conversation chained with previous_response_id through the official openai SDK, one
+    connection per request so that the kernel spreads them over both workers: every turn continues
+    the whole history (its prompt is the template's rendering of every earlier turn, counted by
+    transformers), and GET, input_items and DELETE answer the same whichever worker stored the
+    response. The workers' shared store lives in a folder of the serve's, gone once it stops."""
     import httpx2
     import openai
 
@@ -80,11 +87,13 @@ def test_chained_responses_reach_whichever_worker(tiny_chat_model: Path, tmp_pat
     log = tmp_path / "server.log"
     with Server(tiny_serve(tiny_chat_model, "--gateway-workers", "2", "--log-level", "info",
                            "--dtype", "float32"), log_path=log) as srv:
-        worker = next(p for p in children(srv.pid) if cmdline(p)[1:4] == ["-m", "gateway", "gateway"])
+        worker = next(p for p in children(srv.pid)
+                      if cmdline(p)[1:4] == ["-m", "gateway", "gateway"])
         argv = cmdline(worker)
         store = Path(argv[argv.index("--responses-store-path") + 1])
         assert store.exists()
-        fresh = openai.DefaultHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))  # a connection per call
+        # a connection per call
+        fresh = openai.DefaultHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
         client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60,
                                http_client=fresh)
         history: list[dict[str, str]] = []
@@ -93,13 +102,15 @@ def test_chained_responses_reach_whichever_worker(tiny_chat_model: Path, tmp_pat
         def served_by(route: str) -> set[str]:
             return set(re.findall(rf"pid=(\d+) msg=.*{route}", log.read_text()))
 
-        # Until both workers served some turns (at least 8): a turn served by the one that did not store
-        # the turn before it is then certain. Each process writes its access-log line as it answers.
+        # Until both workers served some turns (at least 8): a turn served by the one that did
+        # not store the turn before it is then certain. Each process writes its access-log line
+        # as it answers.
         while len(chain) < 8 or len(served_by("POST /v1/responses")) < 2:
             assert len(chain) < 40, served_by("POST /v1/responses")
             ask = {"role": "user", "content": f"Turn {len(chain)}: say a word."}
-            r = client.responses.create(model="tiny-chat", input=ask["content"], max_output_tokens=4,
-                                        temperature=0, previous_response_id=chain[-1].id if chain else None)
+            r = client.responses.create(model="tiny-chat", input=ask["content"],
+                                        max_output_tokens=4, temperature=0,
+                                        previous_response_id=chain[-1].id if chain else None)
             history += [ask]
             prompt = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
             assert r.usage is not None
@@ -110,7 +121,8 @@ def test_chained_responses_reach_whichever_worker(tiny_chat_model: Path, tmp_pat
         for r in chain:  # whichever worker answers
             assert client.responses.retrieve(r.id).output_text == r.output_text
             items = client.responses.input_items.list(r.id)
-            assert [i.model_dump()["content"][0]["text"] for i in items.data] == [f"Turn {chain.index(r)}: say a word."]
+            assert [i.model_dump()["content"][0]["text"]
+                    for i in items.data] == [f"Turn {chain.index(r)}: say a word."]
         for r in chain[::2]:
             client.responses.delete(r.id)
         for r in chain:

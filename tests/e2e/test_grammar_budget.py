@@ -1,7 +1,7 @@
-"""Grammar compiles against a real `conveyor serve`: a compile cannot hold the compiler from other clients.
-Four clients each send a distinct JSON schema nested 900 deep (minutes of compiling each) and leave: their
-compiles are killed with their requests, and another client's json_object request is answered within the
-compile budget. A bomb whose client stays gets a 400 naming the budget."""
+"""Grammar compiles against a real `conveyor serve`: a compile cannot hold the compiler from other
+clients. Four clients each send a distinct JSON schema nested 900 deep (minutes of compiling each)
+and leave: their compiles are killed with their requests, and another client's json_object request
+is answered within the compile budget. A bomb whose client stays gets a 400 naming the budget."""
 from __future__ import annotations
 
 import asyncio
@@ -26,11 +26,12 @@ def bomb(tag: str, depth: int = 900) -> dict[str, Any]:
 
 
 def body(response_format: dict[str, Any]) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8, "temperature": 0,
-            "response_format": response_format}
+    return {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
+            "temperature": 0, "response_format": response_format}
 
 
-async def post(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -> tuple[int, Any]:
+async def post(session: aiohttp.ClientSession, url: str,
+               payload: dict[str, Any]) -> tuple[int, Any]:
     async with session.post(url + "/v1/chat/completions", json=payload) as resp:
         return resp.status, await resp.json()
 
@@ -43,16 +44,18 @@ async def waiting_grammars(session: aiohttp.ClientSession, url: str) -> float:
     return -1.0
 
 
-def test_abandoned_grammar_bombs_do_not_hold_the_compiler(tiny_chat_model: Path, tmp_path: Path) -> None:
-    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
-            "--grammar-compile-timeout", str(BUDGET)]
+def test_abandoned_grammar_bombs_do_not_hold_the_compiler(tiny_chat_model: Path,
+                                                          tmp_path: Path) -> None:
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory",
+            "32MiB", "--grammar-compile-timeout", str(BUDGET)]
     with Server(argv, log_path=tmp_path / "server.log") as server:
         async def main() -> None:
             url = server.url
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
                 status, _ = await post(session, url, body({"type": "json_object"}))  # compilers up
                 assert status == 200
-                bombs = [asyncio.create_task(post(session, url, body(bomb(f"bomb {i}")))) for i in range(4)]
+                bombs = [asyncio.create_task(post(session, url, body(bomb(f"bomb {i}"))))
+                         for i in range(4)]
                 deadline = time.monotonic() + 60
                 while await waiting_grammars(session, url) < 4 and time.monotonic() < deadline:
                     await asyncio.sleep(0.05)
@@ -63,7 +66,8 @@ def test_abandoned_grammar_bombs_do_not_hold_the_compiler(tiny_chat_model: Path,
                 status, answer = await post(session, url, body({"type": "json_object"}))
                 waited = time.monotonic() - start
                 assert status == 200, answer
-                assert waited < BUDGET, f"a json_object request waited {waited:.1f}s behind abandoned compiles"
+                assert waited < BUDGET, (
+                    f"a json_object request waited {waited:.1f}s behind abandoned compiles")
                 # A bomb whose client stays: refused when the budget runs out, naming it.
                 start = time.monotonic()
                 status, answer = await post(session, url, body(bomb("stays")))

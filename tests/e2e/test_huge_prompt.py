@@ -1,7 +1,8 @@
-"""A huge prompt must not stall the other streams of a gateway: text longer than the context can hold is
-refused before it is tokenized (--max-prompt-chars, by default max_model_len x the longest token), and
-what is tokenized is tokenized off the event loop. Measured as the longest gap between the events of
-another stream while the huge requests are answered (a correctness bound, not a speed figure)."""
+"""A huge prompt must not stall the other streams of a gateway: text longer than the context can
+hold is refused before it is tokenized (--max-prompt-chars, by default max_model_len x the longest
+token), and what is tokenized is tokenized off the event loop. Measured as the longest gap between
+the events of another stream while the huge requests are answered (a correctness bound, not a
+speed figure)."""
 from __future__ import annotations
 
 import asyncio
@@ -36,11 +37,13 @@ async def refused(session: aiohttp.ClientSession, url: str, path: str, body: dic
 
 
 def test_a_huge_prompt_does_not_stall_another_stream(tiny_chat_model: Path, tmp_path: Path) -> None:
-    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB"]
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory",
+            "32MiB"]
     with Server(argv, log_path=tmp_path / "server.log") as server:
         async def main() -> None:
             huge = "The quick brown fox jumps over the lazy dog. " * (15 * 2**20 // 45)  # 15 MiB
-            long = "The quick brown fox jumps over the lazy dog. " * 1500  # within the limit, past the context
+            # within the limit, past the context
+            long = "The quick brown fox jumps over the lazy dog. " * 1500
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
                 times: list[float] = []
                 other = asyncio.create_task(stream_times(session, server.url, times))
@@ -48,12 +51,16 @@ def test_a_huge_prompt_does_not_stall_another_stream(tiny_chat_model: Path, tmp_
                     assert not other.done(), other
                     await asyncio.sleep(0.01)
                 start = time.monotonic()
-                assert "characters" in await refused(session, server.url, "/v1/completions", {"prompt": huge})
+                assert "characters" in await refused(session, server.url, "/v1/completions",
+                                                     {"prompt": huge})
                 chat = {"messages": [{"role": "user", "content": huge[: 7 * 2**19]}]}  # 3.5 MiB
-                assert "characters" in await refused(session, server.url, "/v1/chat/completions", chat)
-                assert "characters" in await refused(session, server.url, "/tokenize", {"prompt": huge})
+                assert "characters" in await refused(session, server.url, "/v1/chat/completions",
+                                                     chat)
+                assert "characters" in await refused(session, server.url, "/tokenize",
+                                                     {"prompt": huge})
                 message = await refused(session, server.url, "/v1/completions", {"prompt": long})
-                assert "characters" not in message  # tokenized (off the loop), then too long for the context
+                # tokenized (off the loop), then too long for the context
+                assert "characters" not in message
                 end = time.monotonic()
                 await other
             end = min(end, times[-1])  # after its last event the other stream is done, not stalled

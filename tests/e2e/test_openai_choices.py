@@ -1,5 +1,6 @@
-"""n, best_of, logprobs and beam search through the official `openai` package against a real `conveyor serve`
-(tiny random chat model), each compared with the same model's engine run in this process."""
+"""n, best_of, logprobs and beam search through the official `openai` package against a real
+`conveyor serve` (tiny random chat model), each compared with the same model's engine run in
+this process."""
 from __future__ import annotations
 
 import json
@@ -20,14 +21,15 @@ from tests.fakes import smollm2_tokenizer
 pytestmark = pytest.mark.slow
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a story."}]
 PROMPT = "Once upon a time"
-Reference = Callable[[list[int], SamplingParams], dict[int, tuple[list[int], list[list[Any]] | None]]]
+Reference = Callable[[list[int], SamplingParams],
+                     dict[int, tuple[list[int], list[list[Any]] | None]]]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("choices") / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB"],
-                log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                 "--kv-cache-memory", "32MiB"], log_path=log) as srv:
         yield srv
 
 
@@ -38,7 +40,8 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def engine(tiny_chat_model: Path) -> Reference:
-    """The same model in-process: prompt ids + params -> per choice index, (token ids, logprobs rows)."""
+    """The same model in-process: prompt ids + params -> per choice index, (token ids,
+    logprobs rows)."""
     import torch
 
     from engine.core import EngineCore
@@ -48,7 +51,8 @@ def engine(tiny_chat_model: Path) -> Reference:
     core = EngineCore(build_config(str(tiny_chat_model), num_threads=1, kv_cache_memory="16MiB"))
     count = iter(range(10**6))
 
-    def generate(prompt_ids: list[int], params: SamplingParams) -> dict[int, tuple[list[int], list[list[Any]] | None]]:
+    def generate(prompt_ids: list[int], params: SamplingParams
+                 ) -> dict[int, tuple[list[int], list[list[Any]] | None]]:
         rid = f"ref-{next(count)}"
         out: dict[int, tuple[list[int], list[list[Any]] | None]] = {}
         core.add(rid, prompt_ids, params)
@@ -63,7 +67,8 @@ def engine(tiny_chat_model: Path) -> Reference:
 
 
 def prompt_ids(server: Server, **body: Any) -> list[int]:
-    """The server's own tokenization of a prompt or of chat messages (with the generation prompt)."""
+    """The server's own tokenization of a prompt or of chat messages (with the
+    generation prompt)."""
     req = urllib.request.Request(f"{server.url}/tokenize", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as resp:
@@ -75,29 +80,33 @@ def texts_of(ref: dict[int, tuple[list[int], Any]]) -> list[str]:
     return [tok.decode(ref[i][0], skip_special_tokens=True) for i in sorted(ref)]
 
 
-def test_n3_seeded_choices_equal_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:
+def test_n3_seeded_choices_equal_the_engine(client: openai.OpenAI, server: Server,
+                                            engine: Reference) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     ref = texts_of(engine(prompt_ids(server, prompt=PROMPT), params))
     assert len(set(ref)) == 3  # three different samples, so the indices below are really checked
-    out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=3, temperature=1.0, seed=7, max_tokens=8,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=3, temperature=1.0, seed=7,
+                                    max_tokens=8, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1, 2] and [c.text for c in out.choices] == ref
     assert [c.finish_reason for c in out.choices] == ["length"] * 3
     usage = present(out.usage)
     assert usage.completion_tokens == 24 and usage.total_tokens == usage.prompt_tokens + 24
 
     ref = texts_of(engine(prompt_ids(server, messages=CHAT), params))
-    chat = client.chat.completions.create(model="tiny-chat", messages=CHAT, n=3, temperature=1.0, seed=7,
-                                          max_tokens=8, extra_body={"ignore_eos": True})
-    assert [c.index for c in chat.choices] == [0, 1, 2] and [c.message.content for c in chat.choices] == ref
+    chat = client.chat.completions.create(model="tiny-chat", messages=CHAT, n=3, temperature=1.0,
+                                          seed=7, max_tokens=8, extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2] and [c.message.content
+                                                             for c in chat.choices] == ref
     assert present(chat.usage).completion_tokens == 24
 
 
-def test_best_of_returns_the_engines_best(client: openai.OpenAI, server: Server, engine: Reference) -> None:
+def test_best_of_returns_the_engines_best(client: openai.OpenAI, server: Server,
+                                          engine: Reference) -> None:
     params = SamplingParams(n=1, best_of=3, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     ref = texts_of(engine(prompt_ids(server, prompt=PROMPT), params))
-    out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=1, best_of=3, temperature=1.0, seed=3,
-                                    max_tokens=6, extra_body={"ignore_eos": True})
+    out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=1, best_of=3,
+                                    temperature=1.0, seed=3, max_tokens=6,
+                                    extra_body={"ignore_eos": True})
     assert [(c.index, c.text) for c in out.choices] == [(0, ref[0])]
     assert present(out.usage).completion_tokens == 6  # the returned choice's tokens
 
@@ -123,11 +132,14 @@ def test_streamed_n2_equals_the_whole_response(client: openai.OpenAI, chat: bool
     assert usage is not None and usage.completion_tokens == 20 == whole.usage.completion_tokens
 
 
-def test_completion_logprobs_equal_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:
+def test_completion_logprobs_equal_the_engine(client: openai.OpenAI, server: Server,
+                                              engine: Reference) -> None:
     ids = prompt_ids(server, prompt=PROMPT)
-    ref_ids, ref_lps = engine(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
-    out = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=8, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    ref_ids, ref_lps = engine(ids,
+                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                             logprobs=2))[0]
+    out = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=8, temperature=0,
+                                    logprobs=2, extra_body={"ignore_eos": True})
     choice, tok = out.choices[0], smollm2_tokenizer()
     lp, ref_rows = present(choice.logprobs), present(ref_lps)
     tokens, tops = present(lp.tokens), present(lp.top_logprobs)
@@ -140,11 +152,14 @@ def test_completion_logprobs_equal_the_engine(client: openai.OpenAI, server: Ser
     assert lp.text_offset == [sum(len(s) for s in tokens[:i]) for i in range(8)]
 
 
-def test_chat_logprobs_equal_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:
+def test_chat_logprobs_equal_the_engine(client: openai.OpenAI, server: Server,
+                                        engine: Reference) -> None:
     ref_ids, ref_lps = engine(prompt_ids(server, messages=CHAT),
-                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2))[0]
-    out = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=8, temperature=0,
-                                         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+                              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                             logprobs=2))[0]
+    out = client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=8,
+                                         temperature=0, logprobs=True, top_logprobs=2,
+                                         extra_body={"ignore_eos": True})
     content, tok = present(present(out.choices[0].logprobs).content), smollm2_tokenizer()
     ref_rows = present(ref_lps)
     assert [e.token for e in content] == [tok.decode([t]) for t in ref_ids]
@@ -155,17 +170,19 @@ def test_chat_logprobs_equal_the_engine(client: openai.OpenAI, server: Server, e
         [pytest.approx([v for _, v in row[1]], abs=1e-4) for row in ref_rows]
 
 
-def test_beam_search_equals_the_engine(client: openai.OpenAI, server: Server, engine: Reference) -> None:
+def test_beam_search_equals_the_engine(client: openai.OpenAI, server: Server,
+                                       engine: Reference) -> None:
     params = SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True)
     ref = texts_of(engine(prompt_ids(server, prompt=PROMPT), params))
     out = client.completions.create(model="tiny-chat", prompt=PROMPT, n=2, max_tokens=8,
-                                    extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+                                    extra_body={"use_beam_search": True, "beam_width": 3,
+                                                "ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1] and [c.text for c in out.choices] == ref
 
 
 def test_stop_string_applies_to_each_choice(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = dict(model="tiny-chat", prompt=PROMPT, n=2, temperature=1.0, seed=5, max_tokens=16,
-                              extra_body={"ignore_eos": True})
+    kw: dict[str, Any] = dict(model="tiny-chat", prompt=PROMPT, n=2, temperature=1.0, seed=5,
+                              max_tokens=16, extra_body={"ignore_eos": True})
     full = [c.text for c in client.completions.create(**kw).choices]
     stop = full[0][len(full[0]) // 2:len(full[0]) // 2 + 2]
     assert stop.strip(), full
@@ -188,16 +205,21 @@ def test_stop_string_applies_to_each_choice(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("call, param", [
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", n=3, best_of=2), "best_of"),
-    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", best_of=2, stream=True), "best_of"),
-    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, top_logprobs=2), "top_logprobs"),
+    (lambda c: c.completions.create(model="tiny-chat", prompt="hi", best_of=2, stream=True),
+     "best_of"),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, top_logprobs=2),
+     "top_logprobs"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", logprobs=21), "logprobs"),
-    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, logprobs=True, top_logprobs=21),
+    (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, logprobs=True,
+                                         top_logprobs=21),
      "top_logprobs"),
     (lambda c: c.completions.create(model="tiny-chat", prompt="hi", n=0), "n"),
     (lambda c: c.chat.completions.create(model="tiny-chat", messages=CHAT, n=0), "n"),
-], ids=["best_of<n", "stream-best_of>n", "top_logprobs-alone", "logprobs-range", "top_logprobs-range", "n=0",
+], ids=["best_of<n", "stream-best_of>n", "top_logprobs-alone", "logprobs-range",
+        "top_logprobs-range", "n=0",
         "chat-n=0"])
-def test_refusals(client: openai.OpenAI, call: Callable[[openai.OpenAI], object], param: str) -> None:
+def test_refusals(client: openai.OpenAI, call: Callable[[openai.OpenAI], object],
+                  param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         call(client)
     assert info.value.status_code == 400 and info.value.type == "invalid_request_error"

@@ -1,12 +1,12 @@
 """--reasoning-parser against a real `conveyor serve` (float32, greedy): a tiny random chat model
-with a Qwen3/DeepSeek-R1 style chat template whose generation prompt opens `<think>` (so the model's
-continuation is reasoning until it writes `</think>`), and `enable_thinking: false` closing an empty
-block in the prompt, as Qwen3's. A random model does not write `</think>` by itself: a regex
-constraint forces the tag into the output (the tokens around it are the model's); on the Responses
-and Messages doors, which take no regex, a JSON schema whose string pattern holds the tag does. The
-reference is the tokenizer's full decode of the tokens the offline engine generates for the same
-prompt and constraint, split at the tags; through all three doors, with the openai and anthropic
-SDKs."""
+with a Qwen3/DeepSeek-R1 style chat template whose generation prompt opens `<think>` (so the
+model's continuation is reasoning until it writes `</think>`), and `enable_thinking: false` closing
+an empty block in the prompt, as Qwen3's. A random model does not write `</think>` by itself: a
+regex constraint forces the tag into the output (the tokens around it are the model's); on the
+Responses and Messages doors, which take no regex, a JSON schema whose string pattern holds the tag
+does. The reference is the tokenizer's full decode of the tokens the offline engine generates for
+the same prompt and constraint, split at the tags; through all three doors, with the openai and
+anthropic SDKs."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ TEMPLATE = """\
 {% endif %}{% endif %}"""
 ASK_TEXT = "Why is the sky blue?"
 ASK: list[ChatCompletionMessageParam] = [{"role": "user", "content": ASK_TEXT}]
-CLAUDE_ASK: list[MessageParam] = [{"role": "user", "content": ASK_TEXT}]  # the same turn, for anthropic
+# the same turn, for anthropic
+CLAUDE_ASK: list[MessageParam] = [{"role": "user", "content": ASK_TEXT}]
 THINK_THEN_ANSWER = (
     r"[a-z ]{4,24}</think>[a-z ]{4,24}"  # forced by the grammar: the tag, not the words
 )
@@ -52,7 +53,8 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("reasoning")
     (folder / "think.jinja").write_text(TEMPLATE)
     with Server(
-        tiny_serve(tiny_chat_model, "--served-model-name", MODEL, "--chat-template", str(folder / "think.jinja"),
+        tiny_serve(tiny_chat_model, "--served-model-name", MODEL, "--chat-template",
+                   str(folder / "think.jinja"),
                    "--reasoning-parser", "qwen3", "--dtype", "float32"),
         log_path=folder / "server.log",
     ) as srv:
@@ -129,7 +131,8 @@ def test_reasoning_and_content_are_split_streamed_and_not(
     extra: dict[str, Any] = {"chat_template_kwargs": kwargs} if kwargs else {}
     if regex:
         extra["structured_outputs"] = {"regex": regex}
-    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0, extra_body=extra)
+    kw: dict[str, Any] = dict(model=MODEL, messages=ASK, max_tokens=24, temperature=0,
+                              extra_body=extra)
     msg = client.chat.completions.create(**kw).choices[0].message
     if want == "split":
         thought, answer = full.removeprefix("<think>").split("</think>")
@@ -182,7 +185,8 @@ def expected(full: str, want: str) -> tuple[str, str]:
 
 
 def without_ids(items: list[Any]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"} for item in items]
+    return [{k: v for k, v in item.model_dump(exclude_none=True).items() if k != "id"}
+            for item in items]
 
 
 @pytest.mark.parametrize(("extra", "kwargs", "schema", "want"), RESPONSES_CASES)
@@ -215,7 +219,8 @@ def test_responses_reasoning_item_streamed_and_not(
     assert events[-1].type == f"response.{r.status}"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
-    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [thought] * bool(thought)
+    assert [e.text for e in events
+            if e.type == "response.reasoning_text.done"] == [thought] * bool(thought)
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
     done = [e.item.type for e in events if e.type == "response.output_item.done"]
@@ -226,8 +231,8 @@ def test_responses_reasoning_item_streamed_and_not(
 def transformers_prompt_len(messages: Sequence[Mapping[str, Any]]) -> int:
     """The prompt the template renders, by transformers: the reference for what the model reads."""
     tok = smollm2_tokenizer()
-    text = tok.apply_chat_template([dict(m) for m in messages], chat_template=TEMPLATE, add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template([dict(m) for m in messages], chat_template=TEMPLATE,
+                                   add_generation_prompt=True, tokenize=False)
     return len(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -238,7 +243,8 @@ def test_previous_response_id_and_sent_back_reasoning_items_are_not_assistant_te
     shows no reasoning_content), whether chained by id or by sending its items back."""
     first = client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=8, temperature=0)
     reasoning = first.output[0]
-    assert [o.type for o in first.output] == ["reasoning"] and isinstance(reasoning, ResponseReasoningItem)
+    assert [o.type for o in first.output] == ["reasoning"] and isinstance(reasoning,
+                                                                          ResponseReasoningItem)
     assert present(reasoning.content)[0].text
     ask: EasyInputMessageParam = {"role": "user", "content": ASK_TEXT}
     empty: EasyInputMessageParam = {"role": "assistant", "content": ""}
@@ -270,7 +276,8 @@ def test_responses_reasoning_options_that_cannot_be_honoured_are_400s(
     client: openai.OpenAI, reasoning: Any, param: str  # Any: some lie outside the SDK's own type
 ) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=4, reasoning=reasoning)
+        client.responses.create(model=MODEL, input=ASK_TEXT, max_output_tokens=4,
+                                reasoning=reasoning)
     assert error_body(e.value.body)["param"] == param
 
 
@@ -324,7 +331,8 @@ def test_messages_thinking_block_streamed_and_not(
     ],
 )
 def test_messages_thinking_that_cannot_be_honoured_is_a_400(
-    claude: anthropic.Anthropic, thinking: Any, param: str  # Any: some lie outside the SDK's own type
+    # Any: some lie outside the SDK's own type
+    claude: anthropic.Anthropic, thinking: Any, param: str
 ) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=4096, messages=CLAUDE_ASK, thinking=thinking)
@@ -340,5 +348,6 @@ def test_thinking_blocks_sent_back_are_not_assistant_text(claude: anthropic.Anth
     ]}
     again: MessageParam = {"role": "user", "content": "And at night?"}
     count = claude.messages.count_tokens(model=MODEL, messages=[*CLAUDE_ASK, turn, again])
-    want = transformers_prompt_len([*CLAUDE_ASK, {"role": "assistant", "content": "Rayleigh."}, again])
+    want = transformers_prompt_len([*CLAUDE_ASK, {"role": "assistant", "content": "Rayleigh."},
+                                    again])
     assert count.input_tokens == want

@@ -1,7 +1,7 @@
-"""OpenAI's Responses API through the official `openai` SDK against a real `conveyor serve` (tiny
-random chat model, float32, greedy). The reference for every text is the chat-completions route
-given the same conversation: the two doors must build the same request and stream the same
-output."""
+"""OpenAI's Responses API through the official `openai` SDK against a real `conveyor serve`
+(tiny random chat model, float32, greedy). The reference for every text is the chat-completions
+route given the same conversation: the two doors must build the same request and stream the
+same output."""
 
 from __future__ import annotations
 
@@ -267,8 +267,10 @@ def test_input_items_list_pages_through_the_input(client: openai.OpenAI) -> None
     assert len({i.id for i in page.data}) == 4
     asc = list(client.responses.input_items.list(r.id, order="asc", limit=1))  # 4 pages of 1
     assert [i.id for i in asc] == [i.id for i in reversed(page.data)]
-    developer, user = as_type(asc[0], ResponseInputMessageItem), as_type(asc[1], ResponseInputMessageItem)
-    assert developer.role == "developer" and as_type(developer.content[0], ResponseInputText).text == "Be brief."
+    developer, user = as_type(asc[0], ResponseInputMessageItem), as_type(asc[1],
+                                                                         ResponseInputMessageItem)
+    assert developer.role == "developer" and as_type(developer.content[0],
+                                                     ResponseInputText).text == "Be brief."
     assert user.content[0].type == "input_text"
     assert as_type(asc[3], ResponseFunctionToolCallOutputItem).output == "sunny"
     two = client.responses.input_items.list(r.id, order="asc", limit=2, after=asc[0].id)
@@ -276,7 +278,8 @@ def test_input_items_list_pages_through_the_input(client: openai.OpenAI) -> None
     one = client.responses.create(model=MODEL, input="Hello", max_output_tokens=4)
     [listed] = client.responses.input_items.list(one.id).data
     item = as_type(listed, ResponseInputMessageItem)
-    assert (item.type, item.role, as_type(item.content[0], ResponseInputText).text) == ("message", "user", "Hello")
+    assert (item.type, item.role,
+            as_type(item.content[0], ResponseInputText).text) == ("message", "user", "Hello")
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.input_items.list(r.id, limit=101)
     assert error_body(e.value.body)["param"] == "limit"

@@ -1,5 +1,6 @@
-"""Scoring through the official `openai` SDK against a real `conveyor serve` (float32 tiny model): echo
-with logprobs and max_tokens 0, batched prompts, vLLM's prompt_logprobs; the numbers are transformers'."""
+"""Scoring through the official `openai` SDK against a real `conveyor serve` (float32 tiny model):
+echo with logprobs and max_tokens 0, batched prompts, vLLM's prompt_logprobs; the numbers are
+transformers'."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time, in a
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("scoring") / "server.log"
-    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "64MiB",
-                 "--dtype", "float32", "--max-num-batched-tokens", "16"], log_path=log) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                 "--kv-cache-memory", "64MiB", "--dtype", "float32", "--max-num-batched-tokens",
+                 "16"], log_path=log) as srv:
         yield srv  # 16-token chunks: every prompt here is scored over several steps
 
 
@@ -65,7 +67,8 @@ def test_echo_scoring_without_generating_equals_transformers(client: openai.Open
     tok = smollm2_tokenizer()
     ids = [tok.encode(t) for t in TEXTS]
     for prompt in (TEXTS, ids):  # a batch of strings, and of token-id lists
-        resp = client.completions.create(model="tiny-chat", prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+        resp = client.completions.create(model="tiny-chat", prompt=prompt, echo=True, logprobs=1,
+                                         max_tokens=0)
         assert [c.index for c in resp.choices] == [0, 1]
         usage = present(resp.usage)
         assert usage.completion_tokens == 0 and usage.prompt_tokens == sum(map(len, ids))
@@ -76,20 +79,22 @@ def test_echo_scoring_without_generating_equals_transformers(client: openai.Open
 
 
 def test_echo_with_generation_puts_the_prompt_first(client: openai.OpenAI, ref) -> None:
-    kw: dict[str, Any] = dict(model="tiny-chat", prompt=TEXTS[1], max_tokens=5, temperature=0, logprobs=3,
-              extra_body={"ignore_eos": True})
+    kw: dict[str, Any] = dict(model="tiny-chat", prompt=TEXTS[1], max_tokens=5, temperature=0,
+                              logprobs=3, extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0]
     echoed = client.completions.create(**kw, echo=True).choices[0]
     ids = smollm2_tokenizer().encode(TEXTS[1])
     assert echoed.text == TEXTS[1] + plain.text
     assert echoed.logprobs.tokens == echoed.logprobs.tokens[:len(ids)] + plain.logprobs.tokens
     assert echoed.logprobs.token_logprobs[len(ids):] == plain.logprobs.token_logprobs
-    assert echoed.logprobs.text_offset[len(ids)] == sum(len(s) for s in echoed.logprobs.tokens[:len(ids)])
+    assert echoed.logprobs.text_offset[len(ids)] == sum(len(s)
+                                                        for s in echoed.logprobs.tokens[:len(ids)])
     check_echo_logprobs(echoed.logprobs, ids, ref(ids), k=3)
     parts = list(client.completions.create(**kw, echo=True, stream=True))
     assert parts[0].choices[0].text.startswith(TEXTS[1])  # the prompt goes first
     assert "".join(p.choices[0].text for p in parts) == echoed.text
-    streamed = [t for p in parts if p.choices[0].logprobs for t in p.choices[0].logprobs.token_logprobs]
+    streamed = [t for p in parts if p.choices[0].logprobs
+                for t in p.choices[0].logprobs.token_logprobs]
     assert streamed == echoed.logprobs.token_logprobs
 
 
@@ -102,7 +107,8 @@ def test_batched_prompts_generate_one_choice_per_prompt_and_n(client: openai.Ope
         alone = client.completions.create(prompt=text, **kw)
         assert [c.text for c in alone.choices] == [c.text for c in batch.choices[2 * i:2 * i + 2]]
     assert batch.usage.completion_tokens == 16
-    parts = list(client.completions.create(prompt=TEXTS, stream=True, stream_options={"include_usage": True}, **kw))
+    parts = list(client.completions.create(prompt=TEXTS, stream=True,
+                                           stream_options={"include_usage": True}, **kw))
     by_index: dict[int, str] = {}
     for p in parts:
         for c in p.choices:
@@ -113,7 +119,8 @@ def test_batched_prompts_generate_one_choice_per_prompt_and_n(client: openai.Ope
 
 def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref) -> None:
     ids = smollm2_tokenizer().encode(TEXTS[0])
-    resp = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    resp = client.completions.create(model="tiny-chat", prompt=ids, max_tokens=1,
+                                     extra_body={"prompt_logprobs": 2})
     got = resp.model_dump()["choices"][0]["prompt_logprobs"]
     logp = ref(ids)
     assert len(got) == len(ids) and got[0] is None
@@ -125,7 +132,8 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref
         top = logp[j - 1].topk(2).indices.tolist()
         assert all(entry[str(t)]["rank"] == r for r, t in enumerate(top, start=1))
         assert len(entry) <= 3
-    chat = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+    chat = client.chat.completions.create(model="tiny-chat",
+                                          messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=1, extra_body={"prompt_logprobs": 0})
     plist = chat.model_dump()["prompt_logprobs"]
     assert plist[0] is None and all(len(e) == 1 for e in plist[1:])
@@ -135,9 +143,11 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref
     (dict(prompt=[]), "prompt", "non-empty"),
     (dict(prompt=[[1, 2], [3, 10**6]]), "prompt", "prompt[1]"),
     (dict(prompt="hi", max_tokens=0), "max_tokens", "echo=true"),
-    (dict(prompt="hi", echo=True, stream=True, extra_body={"prompt_logprobs": 1}), "prompt_logprobs", "stream"),
+    (dict(prompt="hi", echo=True, stream=True, extra_body={"prompt_logprobs": 1}),
+     "prompt_logprobs", "stream"),
     (dict(prompt="hi", echo=True, logprobs=21), "logprobs", "[0, 20]"),
-], ids=["empty-batch", "token-out-of-vocabulary", "max-tokens-0-without-echo", "prompt-logprobs-stream",
+], ids=["empty-batch", "token-out-of-vocabulary", "max-tokens-0-without-echo",
+        "prompt-logprobs-stream",
         "logprobs-range"])
 def test_bad_scoring_input_is_a_400_naming_the_field(client: openai.OpenAI, kw: dict, param: str,
                                                      needle: str) -> None:

@@ -1,5 +1,6 @@
-"""A real `conveyor serve --speculative ngram`: streams equal the plain engine's output, the per-request
-opt-out works over HTTP, and /metrics reports proposals and acceptances as they happen."""
+"""A real `conveyor serve --speculative ngram`: streams equal the plain engine's output,
+the per-request opt-out works over HTTP, and /metrics reports proposals and acceptances as
+they happen."""
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,9 @@ PROMPTS = ["one two three four one two three four one two three", "a b c a b c a
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: Path):
-    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
-                 "--speculative", "ngram", "--num-speculative-tokens", "3"]) as srv:
+    with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                 "--kv-cache-memory", "32MiB", "--speculative", "ngram", "--num-speculative-tokens",
+                 "3"]) as srv:
         yield srv
 
 
@@ -32,7 +34,8 @@ def test_streams_equal_plain_output_and_metrics_move(server: Server, tiny_offlin
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{server.url}/metrics") as resp:
                 before = parse(await resp.text())
-            texts = await asyncio.gather(*(stream_completion(session, server.url, p, 40) for p in PROMPTS))
+            texts = await asyncio.gather(*(stream_completion(session, server.url, p, 40)
+                                           for p in PROMPTS))
             body = {"prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
                     "speculative": False}
             async with session.post(f"{server.url}/v1/completions", json=body) as resp:

@@ -1,6 +1,6 @@
-"""Connections that never finish a request cannot hold a real `conveyor serve`: 1,000 half-sent headers
-are closed after --header-timeout while /health answers, past --max-connections new ones are closed at
-once, and each is logged."""
+"""Connections that never finish a request cannot hold a real `conveyor serve`: 1,000 half-sent
+headers are closed after --header-timeout while /health answers, past --max-connections new ones are
+closed at once, and each is logged."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +12,8 @@ import pytest
 from tests.e2e.servers import Server, get_json
 
 pytestmark = pytest.mark.slow
-HALF = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"  # no end
+# no end
+HALF = b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
 
 
 async def half_sent(port: int, n: int) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
@@ -21,11 +22,13 @@ async def half_sent(port: int, n: int) -> list[tuple[asyncio.StreamReader, async
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(HALF)
         conns.append((reader, writer))
-    await asyncio.gather(*(w.drain() for _, w in conns), return_exceptions=True)  # past the cap: reset
+    # past the cap: reset
+    await asyncio.gather(*(w.drain() for _, w in conns), return_exceptions=True)
     return conns
 
 
-async def all_closed(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]], timeout: float) -> int:
+async def all_closed(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]],
+                     timeout: float) -> int:
     """How many the server closed (EOF or reset) within timeout."""
     async def closed(reader: asyncio.StreamReader) -> bool:
         try:
@@ -41,10 +44,11 @@ async def all_closed(conns: list[tuple[asyncio.StreamReader, asyncio.StreamWrite
     return sum(results)
 
 
-def test_half_sent_headers_are_closed_while_health_answers(tiny_chat_model: Path, tmp_path: Path) -> None:
+def test_half_sent_headers_are_closed_while_health_answers(tiny_chat_model: Path,
+                                                           tmp_path: Path) -> None:
     log = tmp_path / "server.log"
-    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory", "32MiB",
-            "--header-timeout", "3", "--max-connections", "1100"]
+    argv = ["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory",
+            "32MiB", "--header-timeout", "3", "--max-connections", "1100"]
     with Server(argv, log_path=log) as server:
         async def main() -> None:
             conns = await half_sent(server.port, 1000)

@@ -1,6 +1,7 @@
-"""Mistakes found before the model loads, each a one-line error and a non-zero exit (never a traceback
-after a model load): a --trace-file that cannot be written and a port already in use. And a trace that
-cannot be written at shutdown still lets the engine close (its ipc socket file is removed)."""
+"""Mistakes found before the model loads, each a one-line error and a non-zero exit (never a
+traceback after a model load): a --trace-file that cannot be written and a port already in use.
+And a trace that cannot be written at shutdown still lets the engine close (its ipc socket file
+is removed)."""
 from __future__ import annotations
 
 import asyncio
@@ -30,13 +31,14 @@ def refused(argv: list[str]) -> str:
     return lines[0]
 
 
-def test_an_unwritable_trace_file_is_refused_before_the_model_loads(tiny_llama_dir: Path, tmp_path: Path) -> None:
+def test_an_unwritable_trace_file_is_refused_before_the_model_loads(tiny_llama_dir: Path,
+                                                                    tmp_path: Path) -> None:
     bad = str(tmp_path / "missing" / "trace.json")
     line = refused([CONVEYOR, "serve", "--model", str(tiny_llama_dir), "--port", str(free_port()),
                     "--trace-file", bad, "--log-level", "info"])
     assert "--trace-file" in line and bad in line, line
-    line = refused([sys.executable, "-m", "engine", "--address", f"ipc://{tmp_path}/e.sock", "--model",
-                    str(tiny_llama_dir), "--trace-file", bad])
+    line = refused([sys.executable, "-m", "engine", "--address", f"ipc://{tmp_path}/e.sock",
+                    "--model", str(tiny_llama_dir), "--trace-file", bad])
     assert "--trace-file" in line and bad in line, line
 
 
@@ -55,8 +57,9 @@ def test_a_trace_that_cannot_be_written_at_shutdown_still_closes_the_engine(tiny
     folder = tmp_path / "traces"
     folder.mkdir()
     sock = tmp_path / "engine.sock"
-    argv = [sys.executable, "-m", "engine", "--address", f"ipc://{sock}", "--model", str(tiny_llama_dir),
-            "--num-threads", "1", "--kv-cache-memory", "16MiB", "--trace-file", str(folder / "t.json")]
+    argv = [sys.executable, "-m", "engine", "--address", f"ipc://{sock}", "--model",
+            str(tiny_llama_dir), "--num-threads", "1", "--kv-cache-memory", "16MiB", "--trace-file",
+            str(folder / "t.json")]
     log = tmp_path / "engine.log"
     with Server(argv, exact_argv=True, health_path=None, log_path=log) as server:
         asyncio.run(engine_stats(f"ipc://{sock}"))  # it serves
@@ -76,13 +79,15 @@ def test_ctrl_c_while_the_engine_loads_ends_quietly(tiny_chat_model: Path, tmp_p
     """Ctrl-C (SIGINT to the whole process group) while the engine child loads: exit 130 without an
     unretrieved EngineDead from the abandoned handshake."""
     log = tmp_path / "server.log"
-    server = Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1", "--kv-cache-memory",
-                     "32MiB"], log_path=log)
+    server = Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
+                     "--kv-cache-memory", "32MiB"], log_path=log)
     server.start()
     try:
         deadline = time.monotonic() + 60
         while not any(cmdline(p)[1:3] == ["-m", "engine"] for p in children(server.pid)):
-            assert time.monotonic() < deadline and server.proc is not None and server.proc.poll() is None
+            assert time.monotonic() < deadline
+            assert server.proc is not None
+            assert server.proc.poll() is None
             time.sleep(0.01)
         os.killpg(server.pid, signal.SIGINT)
         assert server.proc is not None

@@ -1,5 +1,5 @@
-"""Ctrl-C on a serving `conveyor serve` stops it quietly: the gateway stops its engine child in order and
-exits only once the engine has, so a --trace-file is complete when the gateway is gone."""
+"""Ctrl-C on a serving `conveyor serve` stops it quietly: the gateway stops its engine child in
+order and exits only once the engine has, so a --trace-file is complete when the gateway is gone."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,8 @@ def test_ctrl_c_stops_gateway_and_engine_quietly_and_writes_the_trace(tiny_chat_
             deadline = time.monotonic() + 120
             while (server.proc.poll() is None or alive(engine)) and time.monotonic() < deadline:
                 time.sleep(0.05)
-                assert server.proc.poll() is None or not alive(engine), "the gateway exited before its engine"
+                assert server.proc.poll() is None or not alive(engine), (
+                    "the gateway exited before its engine")
             assert server.proc.poll() == 0, log.read_text()[-3000:]
             assert not alive(engine)
     finally:
@@ -42,6 +43,7 @@ def test_ctrl_c_stops_gateway_and_engine_quietly_and_writes_the_trace(tiny_chat_
 
 def complete(url: str, prompt: str) -> int:
     body = json.dumps({"prompt": prompt, "max_tokens": 4}).encode()
-    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as resp:
         return int(resp.status)

@@ -1,5 +1,6 @@
-"""The wire's limits against a real engine process over real sockets: CURVE keys, an oversized message, a
-flood of messages, and the heartbeat that notices a frozen engine. Deadlines are generous; nothing is timed."""
+"""The wire's limits against a real engine process over real sockets: CURVE keys, an oversized
+message, a flood of messages, and the heartbeat that notices a frozen engine. Deadlines are
+generous; nothing is timed."""
 from __future__ import annotations
 
 import asyncio
@@ -36,11 +37,13 @@ def run(coro):
 
 
 @contextmanager
-def engine(model: Path, address: str, log: Path, *extra: str, client_keys: Path | None = None) -> Iterator[Server]:
-    """A bare engine process, yielded once it answers a client (it loads its model first: the tests' own
-    clients then keep the SDK's default deadlines). client_keys: for an engine started with --curve-keys."""
-    argv = [sys.executable, "-m", "engine", "--address", address, "--model", str(model), "--num-threads", "1",
-            "--kv-cache-memory", "16MiB", *extra]
+def engine(model: Path, address: str, log: Path, *extra: str,
+           client_keys: Path | None = None) -> Iterator[Server]:
+    """A bare engine process, yielded once it answers a client (it loads its model first: the tests'
+    own clients then keep the SDK's default deadlines). client_keys: for an engine started with
+    --curve-keys."""
+    argv = [sys.executable, "-m", "engine", "--address", address, "--model", str(model),
+            "--num-threads", "1", "--kv-cache-memory", "16MiB", *extra]
     with Server(argv, exact_argv=True, health_path=None, log_path=log) as server:
         run(engine_stats(address, client_keys))
         yield server
@@ -57,16 +60,19 @@ async def collect(stream: RequestStream) -> list[P.RequestOutput]:
     return [o async for o in stream]
 
 
-async def raw_dealer(ctx: zmq.asyncio.Context, address: str, keys: Path | None = None) -> zmq.asyncio.Socket:
+async def raw_dealer(ctx: zmq.asyncio.Context, address: str,
+                     keys: Path | None = None) -> zmq.asyncio.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         k = load_keys(keys, "client")
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = k.secret, k.public, k.engine_public
+        sock.curve_secretkey, sock.curve_publickey = k.secret, k.public
+        sock.curve_serverkey = k.engine_public
     return sock
 
 
-async def next_event(monitor: zmq.asyncio.Socket, wanted: AbstractSet[int], timeout: float = 30.0) -> int:
+async def next_event(monitor: zmq.asyncio.Socket, wanted: AbstractSet[int],
+                     timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if await monitor.poll(100):
@@ -83,22 +89,26 @@ def test_curve_keys_admit_only_the_engines_clients(tiny_llama_dir: Path, tmp_pat
 
     async def main() -> None:
         async with AsyncEngineClient(address, curve_keys=keys[1], ready_timeout=120) as good:
-            outs = await collect(await good.add(prompt, SamplingParams(max_tokens=4, temperature=0.0)))
+            outs = await collect(await good.add(prompt,
+                                                SamplingParams(max_tokens=4, temperature=0.0)))
             assert outs[-1].finished and sum(len(o.new_token_ids) for o in outs) == 4
             before = await good.get_stats()
             assert before["num_cached_device_blocks"] >= 2
 
-            # Raw sockets that ignore the handshake's failure: with no keys and with another engine's keys.
+            # Raw sockets that ignore the handshake's failure: with no keys and with another
+            # engine's keys.
             ctx = zmq.asyncio.Context()
             try:
                 for bad_keys in (None, other[1]):
                     sock = await raw_dealer(ctx, address, bad_keys)
                     monitor = sock.get_monitor_socket()
                     sock.connect(address)
-                    for msg in (P.Hello(), P.Add("intruder", prompt, LONG), P.ResetPrefixCache(), P.GetStats()):
+                    for msg in (P.Hello(), P.Add("intruder", prompt, LONG), P.ResetPrefixCache(),
+                                P.GetStats()):
                         await sock.send_multipart(P.encode(msg))
-                    failed = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
-                              zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_DISCONNECTED}
+                    failed = {zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                              zmq.EVENT_DISCONNECTED}
                     await next_event(monitor, failed)
                     assert not await sock.poll(0), "an unauthenticated client got an answer"
                     sock.disable_monitor()
@@ -106,7 +116,8 @@ def test_curve_keys_admit_only_the_engines_clients(tiny_llama_dir: Path, tmp_pat
             finally:
                 ctx.destroy(linger=0)
 
-            # The SDK without keys, or with the wrong ones: a clear error within its deadline, nothing sent.
+            # The SDK without keys, or with the wrong ones: a clear error within its
+            # deadline, nothing sent.
             for bad_keys in (None, other[1]):
                 bad = AsyncEngineClient(address, curve_keys=bad_keys, ready_timeout=10)
                 start = time.monotonic()
@@ -118,13 +129,15 @@ def test_curve_keys_admit_only_the_engines_clients(tiny_llama_dir: Path, tmp_pat
                         await call
                 await bad.close()
 
-            after = await good.get_stats()  # nothing of theirs reached the engine: no request, no reset
+            # nothing of theirs reached the engine: no request, no reset
+            after = await good.get_stats()
             assert after["total_prefill_tokens"] == before["total_prefill_tokens"]
             assert after["num_cached_device_blocks"] == before["num_cached_device_blocks"]
             assert is_idle(after)
             await good.reset_prefix_cache()  # with the key, everything works: the reset happens
             deadline = time.monotonic() + 30
-            while (await good.get_stats())["num_cached_device_blocks"] and time.monotonic() < deadline:
+            while ((await good.get_stats())["num_cached_device_blocks"]
+                   and time.monotonic() < deadline):
                 await asyncio.sleep(0.05)
             assert (await good.get_stats())["num_cached_device_blocks"] == 0
 
@@ -141,7 +154,8 @@ def test_engine_on_tcp_without_keys_warns_loudly(tiny_llama_dir: Path, tmp_path:
         assert server.log().count("WITHOUT authentication") == 1
 
 
-def test_oversized_message_is_refused_and_the_engine_serves_on(ipc_engine: tuple[Server, str]) -> None:
+def test_oversized_message_is_refused_and_the_engine_serves_on(ipc_engine: tuple[Server,
+                                                                                 str]) -> None:
     server, address = ipc_engine
 
     async def main() -> None:
@@ -151,7 +165,8 @@ def test_oversized_message_is_refused_and_the_engine_serves_on(ipc_engine: tuple
             # The SDK refuses what the engine's socket would refuse, before it goes out.
             with pytest.raises(InvalidRequest, match="bytes on the wire"):
                 await client.add([5] * (limit // 2), SamplingParams())  # ids as JSON: 2 bytes each
-            # A raw client sends it anyway: ZeroMQ drops its connection; the engine never sees the message.
+            # A raw client sends it anyway: ZeroMQ drops its connection; the engine never
+            # sees the message.
             ctx = zmq.asyncio.Context()
             try:
                 sock = await raw_dealer(ctx, address)
@@ -167,7 +182,8 @@ def test_oversized_message_is_refused_and_the_engine_serves_on(ipc_engine: tuple
             finally:
                 ctx.destroy(linger=0)
             # The engine serves on: this client's connection and a new one.
-            outs = await collect(await client.add([5, 6], SamplingParams(max_tokens=3, temperature=0.0)))
+            outs = await collect(await client.add([5, 6],
+                                                  SamplingParams(max_tokens=3, temperature=0.0)))
             assert outs[-1].finished
         stats = await wait_engine_idle(address)
         assert is_idle(stats)
@@ -205,11 +221,13 @@ def test_a_flood_waits_for_later_steps_and_is_all_answered(ipc_engine: tuple[Ser
             finally:
                 ctx.destroy(linger=0)
             rest = await collect(stream)
-        # Every flood message was answered, and steps went on between them: at most MAX_DRAIN_PER_STEP
-        # were taken between two steps, so the answers span at least n // MAX_DRAIN_PER_STEP steps.
+        # Every flood message was answered, and steps went on between them: at most
+        # MAX_DRAIN_PER_STEP were taken between two steps, so the answers span at least n //
+        # MAX_DRAIN_PER_STEP steps.
         assert len(steps) == n and steps == sorted(steps)
         assert len(set(steps)) >= n // MAX_DRAIN_PER_STEP, sorted(set(steps))
-        assert steps[-1] < steps[0] + LONG.max_tokens  # the request was still running during the flood
+        # the request was still running during the flood
+        assert steps[-1] < steps[0] + LONG.max_tokens
         tokens = first.new_token_ids + [t for o in rest for t in o.new_token_ids]
         assert len(tokens) == LONG.max_tokens and rest[-1].finish_reason == "length"
 
@@ -218,13 +236,14 @@ def test_a_flood_waits_for_later_steps_and_is_all_answered(ipc_engine: tuple[Ser
 
 def test_a_frozen_engine_is_noticed_within_the_timeout(ipc_engine: tuple[Server, str]) -> None:
     """Silence past engine_timeout is the engine-lost path: without resume the request fails with
-    EngineDead; with resume (the default) it is held, and once the engine wakes it is resubmitted and
-    ends with exactly the tokens of an uninterrupted run."""
+    EngineDead; with resume (the default) it is held, and once the engine wakes it is resubmitted
+    and ends with exactly the tokens of an uninterrupted run."""
     server, address = ipc_engine
 
     async def main() -> None:
         async with AsyncEngineClient(address, engine_timeout=2.0, resume_timeout=0) as client:
-            reference = [t for o in await collect(await client.add([5, 6, 7], LONG)) for t in o.new_token_ids]
+            reference = [t for o in await collect(await client.add([5, 6, 7], LONG))
+                         for t in o.new_token_ids]
             stream = await client.add([5, 6, 7], LONG)
             await stream.__anext__()
             os.kill(server.pid, signal.SIGSTOP)
@@ -235,11 +254,13 @@ def test_a_frozen_engine_is_noticed_within_the_timeout(ipc_engine: tuple[Server,
                 assert time.monotonic() - start < 30
             finally:
                 os.kill(server.pid, signal.SIGCONT)
-            # It was only frozen: the client greets it again, and the abort sent on silence freed the request.
+            # It was only frozen: the client greets it again, and the abort sent on silence
+            # freed the request.
             deadline = time.monotonic() + 30
             while not client.connected and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            outs = await collect(await client.add([5], SamplingParams(max_tokens=3, temperature=0.0)))
+            outs = await collect(await client.add([5],
+                                                  SamplingParams(max_tokens=3, temperature=0.0)))
             assert outs[-1].finished
         assert is_idle(await wait_engine_idle(address))
         async with AsyncEngineClient(address, engine_timeout=2.0) as client:
@@ -260,8 +281,10 @@ def test_a_frozen_engine_is_noticed_within_the_timeout(ipc_engine: tuple[Server,
     run(main())
 
 
-def test_heartbeats_come_while_a_request_streams_nothing(tiny_llama_dir: Path, tmp_path: Path) -> None:
-    """best_of > n sends nothing until the end: only the engine's heartbeats say it is alive meanwhile."""
+def test_heartbeats_come_while_a_request_streams_nothing(tiny_llama_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """best_of > n sends nothing until the end: only the engine's heartbeats say it is
+    alive meanwhile."""
     address = f"ipc://{tmp_path}/engine.sock"
 
     async def main() -> list[P.Message]:
@@ -275,7 +298,8 @@ def test_heartbeats_come_while_a_request_streams_nothing(tiny_llama_dir: Path, t
             params = SamplingParams(max_tokens=300, n=1, best_of=2, ignore_eos=True, seed=1)
             await sock.send_multipart(P.encode(P.Add("quiet", [5, 6, 7], params)))
             received: list[P.Message] = []
-            while not (received and isinstance(received[-1], P.Outputs) and received[-1].outputs[-1].finished):
+            while not (received and isinstance(received[-1], P.Outputs)
+                       and received[-1].outputs[-1].finished):
                 received.append(P.decode(await sock.recv_multipart()))
             return received
         finally:
@@ -283,15 +307,17 @@ def test_heartbeats_come_while_a_request_streams_nothing(tiny_llama_dir: Path, t
 
     with engine(tiny_llama_dir, address, tmp_path / "engine.log", "--heartbeat-interval", "0.05"):
         received = run(main())
-    assert all(isinstance(m, P.Heartbeat) for m in received[:-1]) and len(received) >= 2, received[:3]
+    assert all(isinstance(m, P.Heartbeat)
+               for m in received[:-1]) and len(received) >= 2, received[:3]
 
 
 def test_a_reconnection_under_a_routing_identity_the_engine_still_holds_is_answered(
         ipc_engine: tuple[Server, str]) -> None:
-    """What a freeze past ZeroMQ's heartbeat leaves behind, made deterministic: the client's dropped
-    connection comes back under the same identity while the engine still holds the old one. The engine
-    hands the identity over to the new connection (ROUTER_HANDOVER): its HELLO is answered, and so are
-    its requests. (Without the handover ZeroMQ ignores the newcomer and the client waits for good.)"""
+    """What a freeze past ZeroMQ's heartbeat leaves behind, made deterministic: the client's
+    dropped connection comes back under the same identity while the engine still holds the old one.
+    The engine hands the identity over to the new connection (ROUTER_HANDOVER): its HELLO is
+    answered, and so are its requests. (Without the handover ZeroMQ ignores the newcomer and the
+    client waits for good.)"""
     _, address = ipc_engine
 
     async def main() -> None:
@@ -321,7 +347,8 @@ def test_a_reconnection_under_a_routing_identity_the_engine_still_holds_is_answe
     run(main())
 
 
-def test_a_hello_with_a_string_protocol_version_is_refused_by_type(ipc_engine: tuple[Server, str]) -> None:
+def test_a_hello_with_a_string_protocol_version_is_refused_by_type(ipc_engine: tuple[Server,
+                                                                                     str]) -> None:
     _, address = ipc_engine
 
     async def main() -> None:
@@ -332,7 +359,8 @@ def test_a_hello_with_a_string_protocol_version_is_refused_by_type(ipc_engine: t
             await sock.send_multipart(P.encode(P.Hello(protocol_version="4")))  # type: ignore[arg-type]
             answer = P.decode(await asyncio.wait_for(sock.recv_multipart(), 30))
             assert isinstance(answer, P.Error) and answer.status == 400
-            assert answer.message == "protocol_version must be an integer, got str '4'", answer.message
+            expected = "protocol_version must be an integer, got str '4'"
+            assert answer.message == expected, answer.message
         finally:
             ctx.destroy(linger=0)
 

@@ -1,10 +1,12 @@
-"""The same request gives the same output whatever the traffic, under --deterministic (docs/determinism.md).
+"""The same request gives the same output whatever the traffic, under --deterministic
+(docs/determinism.md).
 
-One target request runs alone, then inside batches of random other requests (1..32 rows, arriving at
-random steps), with its prompt cached or half cached, chunked at random token budgets, preempted by
-swap and by recompute, and resubmitted as prompt + generated tokens (what a stream resume sends). Its
-tokens and its logprobs must be bitwise the same in every case: a row's arithmetic may depend on that
-row's tokens only. Greedy and seeded sampling, float32 and bfloat16, dequantized and int8/int4 weights.
+One target request runs alone, then inside batches of random other requests (1..32 rows, arriving
+at random steps), with its prompt cached or half cached, chunked at random token budgets, preempted
+by swap and by recompute, and resubmitted as prompt + generated tokens (what a stream resume
+sends). Its tokens and its logprobs must be bitwise the same in every case: a row's arithmetic may
+depend on that row's tokens only. Greedy and seeded sampling, float32 and bfloat16, dequantized and
+int8/int4 weights.
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ BLOCK = 8
 MAX_TOKENS = 20
 CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
 SCENARIOS = ["batch", "cached", "half_cached", "chunked", "swap", "recompute", "resubmit"]
-Job = tuple[str, list[int], SamplingParams, int]  # request id, prompt, params, the step it arrives at
+# request id, prompt, params, the step it arrives at
+Job = tuple[str, list[int], SamplingParams, int]
 Output = tuple[list[int], list[float]]  # tokens, their logprobs
 
 
@@ -46,22 +49,26 @@ def run(folder: Path, jobs: list[Job], **options: object) -> dict[str, Output]:
             out[o.request_id][0].extend(o.new_token_ids)
             out[o.request_id][1].extend(entry[0] for entry in o.logprobs or [])
         step += 1
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks  # every block came back
+    # every block came back
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
     del core
-    gc.collect()  # the next engine's pools are allocated before this one would be collected otherwise
+    # the next engine's pools are allocated before this one would be collected otherwise
+    gc.collect()
     return out
 
 
 def others(rng: random.Random, n: int) -> list[Job]:
     return [(f"o{i}", [rng.randrange(3, 500) for _ in range(rng.randint(1, 90))],
-             SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i, max_tokens=rng.randint(1, 30),
-                            ignore_eos=True), rng.randint(0, 8)) for i in range(n)]
+             SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i,
+                            max_tokens=rng.randint(1, 30), ignore_eos=True), rng.randint(0, 8))
+            for i in range(n)]
 
 
-def target(temperature: float, max_tokens: int = MAX_TOKENS, prompt_len: int = 70) -> tuple[list[int], SamplingParams]:
+def target(temperature: float, max_tokens: int = MAX_TOKENS,
+           prompt_len: int = 70) -> tuple[list[int], SamplingParams]:
     prompt = [random.Random(1).randrange(3, 500) for _ in range(prompt_len)]
-    return prompt, SamplingParams(temperature=temperature, seed=7, max_tokens=max_tokens, ignore_eos=True,
-                                  logprobs=1)
+    return prompt, SamplingParams(temperature=temperature, seed=7, max_tokens=max_tokens,
+                                  ignore_eos=True, logprobs=1)
 
 
 def scenario(folder: Path, name: str, rng: random.Random, temperature: float, reference: Output,
@@ -70,11 +77,12 @@ def scenario(folder: Path, name: str, rng: random.Random, temperature: float, re
     prompt, params = target(temperature)
     warm = SamplingParams(max_tokens=1)
     if name == "batch":
-        return run(folder, [("t", prompt, params, rng.randint(0, 4)), *others(rng, rng.randint(1, 31))],
-                   **base)["t"]
+        return run(folder, [("t", prompt, params, rng.randint(0, 4)),
+                            *others(rng, rng.randint(1, 31))], **base)["t"]
     if name in ("cached", "half_cached"):
         cut = len(prompt) if name == "cached" else rng.randint(BLOCK, len(prompt) - 1)
-        return run(folder, [("w", prompt[:cut] + [9] * 5, warm, 0), ("t", prompt, params, 3)], **base)["t"]
+        return run(folder, [("w", prompt[:cut] + [9] * 5, warm, 0), ("t", prompt, params, 3)],
+                   **base)["t"]
     if name == "chunked":
         budget = rng.randint(5, 64)
         return run(folder, [("t", prompt, params, 0), *others(rng, 6)],
@@ -82,7 +90,8 @@ def scenario(folder: Path, name: str, rng: random.Random, temperature: float, re
     if name in ("swap", "recompute"):
         cpu = 400 if name == "swap" else 0
         return run(folder, [("t", prompt, params, 0), *others(rng, 30)],
-                   **{**base, "num_blocks": 40, "num_cpu_blocks": cpu, "preemption_mode": name})["t"]
+                   **{**base, "num_blocks": 40, "num_cpu_blocks": cpu,
+                      "preemption_mode": name})["t"]
     j = rng.randint(1, MAX_TOKENS - 1)  # resubmit: prompt + the first j tokens, as a resumed stream
     _, rest = target(temperature, MAX_TOKENS - j)
     tail = run(folder, [("t", prompt + reference[0][:j], rest, 0)], **base)["t"]
@@ -103,10 +112,12 @@ def options(dtype: str, quantization: str) -> dict[str, object]:
 
 @pytest.mark.parametrize("dtype,quantization", CONFIGS)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.sampled_from(SCENARIOS), seed=st.integers(0, 2**16))
-def test_one_request_is_invariant_to_the_traffic(tiny_llama_dir: Path, dtype: str, quantization: str,
-                                                 temperature: float, name: str, seed: int) -> None:
+def test_one_request_is_invariant_to_the_traffic(tiny_llama_dir: Path, dtype: str,
+                                                 quantization: str, temperature: float, name: str,
+                                                 seed: int) -> None:
     reference = alone(tiny_llama_dir, dtype, quantization, temperature)
     assert len(reference[0]) == len(reference[1]) == MAX_TOKENS
     got = scenario(tiny_llama_dir, name, random.Random(seed), temperature, reference,
@@ -117,8 +128,9 @@ def test_one_request_is_invariant_to_the_traffic(tiny_llama_dir: Path, dtype: st
 
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_every_scenario_is_covered(tiny_llama_dir: Path, name: str) -> None:
-    """Each kind of traffic once, in bfloat16 with int4 weights (the default model's arithmetic on CPUs
-    with native bfloat16), so no scenario depends on hypothesis drawing it."""
+    """Each kind of traffic once, in bfloat16 with int4 weights (the default model's arithmetic on
+    CPUs with native bfloat16), so no scenario depends on hypothesis drawing it."""
     reference = alone(tiny_llama_dir, "bfloat16", "int4", 0.0)
-    got = scenario(tiny_llama_dir, name, random.Random(5), 0.0, reference, **options("bfloat16", "int4"))
+    got = scenario(tiny_llama_dir, name, random.Random(5), 0.0, reference,
+                   **options("bfloat16", "int4"))
     assert got == reference, name

@@ -1,5 +1,5 @@
-"""--dtype auto: bfloat16 only where the CPU runs it natively and the checkpoint is 16-bit or quantized;
-the engine's model, KV cache and sampling all follow what it resolved to."""
+"""--dtype auto: bfloat16 only where the CPU runs it natively and the checkpoint is 16-bit or
+quantized; the engine's model, KV cache and sampling all follow what it resolved to."""
 from __future__ import annotations
 
 import json
@@ -23,9 +23,11 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 @pytest.mark.parametrize("declared, native, device, expected", [
     (None, True, CPU, torch.float32),  # a config that says nothing is read as float32
-    ("float32", True, CPU, torch.float32),  # a float32 checkpoint stays float32, as with transformers
+    # a float32 checkpoint stays float32, as with transformers
+    ("float32", True, CPU, torch.float32),
     ("bfloat16", True, CPU, torch.bfloat16),
-    ("float16", True, CPU, torch.bfloat16),  # CPUs have no fast float16 GEMM; bfloat16 has float32's range
+    # CPUs have no fast float16 GEMM; bfloat16 has float32's range
+    ("float16", True, CPU, torch.bfloat16),
     ("bfloat16", False, CPU, torch.float32),  # emulated bfloat16 would be ~100x slower
     ("float16", False, CPU, torch.float32),
     ("float16", False, CUDA, torch.float16),
@@ -55,7 +57,8 @@ def test_gguf_precision_comes_from_its_matrices() -> None:
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp_path, monkeypatch, native) -> None:
+def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp_path, monkeypatch,
+                                                             native) -> None:
     folder = tmp_path / "bf16-checkpoint"
     shutil.copytree(tiny_llama_dir, folder)
     config = json.loads((folder / "config.json").read_text())
@@ -75,7 +78,8 @@ def test_engine_builds_model_and_cache_in_the_resolved_dtype(tiny_llama_dir, tmp
     assert len(out) == 6 and all(0 <= t < 512 for t in out)
 
 
-def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list[list[tuple[int, list]]]:
+def _greedy(core: EngineCore, prompts: list[list[int]],
+            max_tokens: int) -> list[list[tuple[int, list]]]:
     """-> per prompt, (token, [its logprob, top-5 [[id, logprob], ...]]) per generated token."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     for i, p in enumerate(prompts):
@@ -89,9 +93,10 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> list
 
 
 def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama_dir) -> None:
-    """--kv-cache-dtype bfloat16: twice the blocks in the same memory, K/V stored in bfloat16 (the swap pool
-    too), the model in float32. Greedy output follows the float32 cache's token for token, with logprobs
-    within bfloat16's rounding, up to a point where float32 itself nearly tied (if any)."""
+    """--kv-cache-dtype bfloat16: twice the blocks in the same memory, K/V stored in bfloat16 (the
+    swap pool too), the model in float32. Greedy output follows the float32 cache's token for
+    token, with logprobs within bfloat16's rounding, up to a point where float32 itself nearly
+    tied (if any)."""
     options = dict(kv_cache_memory="256KiB", swap_space="256KiB", block_size=8)
     plain = EngineCore(build_config(str(tiny_llama_dir), **options))
     half = EngineCore(build_config(str(tiny_llama_dir), kv_cache_dtype="bfloat16", **options))
@@ -102,17 +107,19 @@ def test_bfloat16_kv_cache_under_a_float32_model(tiny_llama_dir) -> None:
     same = 0
     for got, want in zip(_greedy(half, prompts, 24), _greedy(plain, prompts, 24)):
         for (tok, (lp, _)), (ref_tok, (ref_lp, ref_top)) in zip(got, want):
-            if tok != ref_tok:  # a near tie in float32: the token taken is float32's runner-up, by a hair
+            # a near tie in float32: the token taken is float32's runner-up, by a hair
+            if tok != ref_tok:
                 assert ref_top[1][0] == tok and ref_top[0][1] - ref_top[1][1] < 0.05, (ref_top, tok)
                 break
             assert abs(lp - ref_lp) < 0.05
             same += 1
-    # Where the first near tie falls is luck (the native kernel's float32 sums over the bfloat16 cache
-    # meet one at token 7 of one prompt); each divergence above is a near tie, and most tokens agree.
+    # Where the first near tie falls is luck (the native kernel's float32 sums over the
+    # bfloat16 cache meet one at token 7 of one prompt); each divergence above is a near tie,
+    # and most tokens agree.
     assert same >= 0.6 * 6 * 24
 
 
 def test_kv_cache_dtype_other_than_the_model_needs_the_torch_backend(tiny_llama_dir) -> None:
     with pytest.raises(ValueError, match="only the cpu and torch attention backends"):
-        EngineCore(build_config(str(tiny_llama_dir), kv_cache_dtype="bfloat16", attention_backend="triton",
-                                num_blocks=16))
+        EngineCore(build_config(str(tiny_llama_dir), kv_cache_dtype="bfloat16",
+                                attention_backend="triton", num_blocks=16))

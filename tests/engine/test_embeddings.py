@@ -116,14 +116,16 @@ def test_embeddings_equal_transformers_pooled(
         assert len(got[rid]) == ref.numel() == 64
         assert cosine(got[rid], ref) > 0.9999, rid
         assert abs(float(torch.tensor(got[rid]).norm()) - 1.0) < 1e-5
-    assert len(prefill_chunks(tracer)["long"]) >= 5  # the long input really was prefilled in several steps
+    # the long input really was prefilled in several steps
+    assert len(prefill_chunks(tracer)["long"]) >= 5
     assert core.block_manager.num_free_blocks == free  # every block back, cached prefixes included
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_embedding_gives_the_same_vector(mode: str, tiny_llama_dir: Path) -> None:
-    """A pool too small for everything at once: requests are preempted mid-prefill and the mean still
-    equals transformers' (a recompute restarts the sum, a swap keeps it; never counted twice)."""
+    """A pool too small for everything at once: requests are preempted mid-prefill and the
+    mean still equals transformers' (a recompute restarts the sum, a swap keeps it; never
+    counted twice)."""
     core = EngineCore(
         build_config(
             str(tiny_llama_dir),
@@ -138,7 +140,8 @@ def test_preempted_embedding_gives_the_same_vector(mode: str, tiny_llama_dir: Pa
             num_cpu_blocks=64,
         )
     )
-    # Each input nearly fills the pool alone (22 of 24 blocks): the first to grow preempts the others.
+    # Each input nearly fills the pool alone (22 of 24 blocks): the first to grow
+    # preempts the others.
     inputs = {f"e{i}": [(11 * i + 5 * j) % 500 for j in range(170)] for i in range(3)}
     got = embed_all(core, inputs, generate={"g": list(range(100, 160))})
     for rid, ids in inputs.items():
@@ -219,7 +222,8 @@ def test_matryoshka_and_sentence_transformers_config(tiny_llama_dir: Path, tmp_p
         core.add("c", ids, SamplingParams(), pool=PoolingParams())
 
 
-@pytest.mark.slow  # sentence-transformers' own pipeline as the reference: about 20 s on 2 busy cores
+# sentence-transformers' own pipeline as the reference: about 20 s on 2 busy cores
+@pytest.mark.slow
 def test_a_qwen3_embedding_style_checkpoint_equals_sentence_transformers(tmp_path: Path) -> None:
     """Qwen3-Embedding's layout: a Qwen3Model (no LM head, tensor names without 'model.') with
     sentence-transformers' last-token Pooling and Normalize modules. --pooling auto reads them, and

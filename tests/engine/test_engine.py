@@ -1,4 +1,5 @@
-"""The engine against transformers' own generate, and the paging / batching promises of the design."""
+"""The engine against transformers' own generate, and the paging / batching promises of
+the design."""
 from __future__ import annotations
 
 import random
@@ -22,8 +23,10 @@ def random_prompts(n: int, vocab: int, seed: int = 0, lo: int = 1, hi: int = 60)
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-# Qwen2 only in make test: test_families.py compares every family with transformers in make check too.
-@pytest.mark.parametrize("fixture", ["tiny_llama_dir", pytest.param("tiny_qwen2_dir", marks=pytest.mark.slow)])
+# Qwen2 only in make test: test_families.py compares every family with transformers in
+# make check too.
+@pytest.mark.parametrize("fixture",
+                         ["tiny_llama_dir", pytest.param("tiny_qwen2_dir", marks=pytest.mark.slow)])
 def test_greedy_equals_transformers_generate(fixture, request):
     folder = request.getfixturevalue(fixture)
     prompts = random_prompts(8, vocab=512)
@@ -38,14 +41,16 @@ def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
 
     tok = AutoTokenizer.from_pretrained(smollm2_source.folder, gguf_file=smollm2_source.gguf_file)
     texts = ["What is the capital of France?", "Write a haiku about the sea.", "1, 2, 3, 4,",
-             "The quick brown fox", "Explain photosynthesis to a child in three sentences, please. " * 3,
+             "The quick brown fox",
+             "Explain photosynthesis to a child in three sentences, please. " * 3,
              "def fibonacci(n):", "Name three colors.", "Once upon a time in a land far away, " * 8]
     prompts = [tok.encode(t) for t in texts]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    # float32 and no quantization pinned: --dtype auto would serve this 4-bit GGUF in bfloat16 on a CPU with
-    # AMX, and --quantization auto as int4 (tests/engine/test_quantized.py covers that path).
-    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none", kv_cache_memory="256MiB",
-              max_num_batched_tokens=1024)
+    # float32 and no quantization pinned: --dtype auto would serve this 4-bit GGUF in bfloat16
+    # on a CPU with AMX, and --quantization auto as int4 (tests/engine/test_quantized.py
+    # covers that path).
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none",
+              kv_cache_memory="256MiB", max_num_batched_tokens=1024)
     tracer = Tracer()
     llm.core.set_tracer(tracer)
     ours = llm.generate(prompts, params, use_tqdm=False)
@@ -55,7 +60,8 @@ def test_smollm2_gguf_greedy_equals_transformers_generate(smollm2_source):
     assert [o.token_ids for o in ours] == ref
 
 
-@pytest.mark.slow  # two engines over the same prompts; test_block_manager.py pins the free-list order itself
+# two engines over the same prompts; test_block_manager.py pins the free-list order itself
+@pytest.mark.slow
 def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
     prompts = random_prompts(6, vocab=512, seed=1, lo=20, hi=90)
     cfg = build_config(str(tiny_llama_dir), num_blocks=96, block_size=16, max_num_batched_tokens=64)
@@ -82,7 +88,8 @@ def test_scrambled_free_list_gives_identical_outputs(tiny_llama_dir):
     assert results[0][0] == results[1][0]
     long_tables = [t for t in results[1][1].values() if len(t) > 2]
     assert long_tables, "some sequence must span several blocks"
-    assert any(t != list(range(t[0], t[0] + len(t))) for t in long_tables), "blocks must be non-contiguous"
+    assert any(t != list(range(t[0], t[0] + len(t)))
+               for t in long_tables), "blocks must be non-contiguous"
     assert scrambled.block_manager.num_free_blocks == 96
 
 
@@ -92,12 +99,14 @@ def test_request_joins_running_batch_next_step_and_blocks_return(tiny_llama_dir)
     core.add("b", [9, 10, 11], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     for _ in range(3):
         core.step()
-    core.add("late", [12, 13, 14, 15, 16], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    core.add("late", [12, 13, 14, 15, 16],
+             SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outs = request_outputs(core.step())
     last = core.last_step
     # joined at once, prefilled beside two decodes
     assert {o.request_id: len(o.new_token_ids) for o in outs} == {"a": 1, "b": 1, "late": 1}
-    assert (last["step_num_seqs"], last["step_prefill_tokens"], last["step_decode_tokens"]) == (3, 5, 2)
+    assert (last["step_num_seqs"], last["step_prefill_tokens"],
+            last["step_decode_tokens"]) == (3, 5, 2)
     while core.has_work():
         core.step()
     assert core.block_manager.num_free_blocks == 64
@@ -106,8 +115,10 @@ def test_request_joins_running_batch_next_step_and_blocks_return(tiny_llama_dir)
 
 def test_finished_request_frees_blocks_in_the_same_step(tiny_llama_dir):
     core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16))
-    core.add("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    core.add("short", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    core.add("long", list(range(3, 40)),
+             SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    core.add("short", list(range(3, 40)),
+             SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     core.step()
     held = 64 - core.block_manager.num_free_blocks
     outs = request_outputs(core.step())
@@ -117,7 +128,8 @@ def test_finished_request_frees_blocks_in_the_same_step(tiny_llama_dir):
 
 def test_abort_frees_blocks_and_is_idempotent(tiny_llama_dir):
     core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=32, block_size=16))
-    core.add("x", list(range(3, 50)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    core.add("x", list(range(3, 50)),
+             SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     core.step()
     assert core.block_manager.num_free_blocks < 32
     assert [o.finish_reason for o in request_outputs(core.abort(["x"]))] == ["abort"]
@@ -128,7 +140,8 @@ def test_abort_frees_blocks_and_is_idempotent(tiny_llama_dir):
 def test_prompt_that_can_never_fit_is_rejected_and_others_continue(tiny_llama_dir):
     from shared.errors import InvalidRequest
 
-    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=4, block_size=16))  # 64 tokens fit
+    # 64 tokens fit
+    core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=4, block_size=16))
     with pytest.raises(InvalidRequest, match="at most 64 tokens"):
         core.add("huge", list(range(3, 100)), GREEDY)
     core.add("ok", [3, 4, 5], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))

@@ -15,10 +15,14 @@ from shared.protocol import Error, RequestOutput
 from shared.sampling import SamplingParams
 
 GOOD = {
-    "greedy": ([5, 6, 7, 8, 9, 10, 11], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)),
-    "seeded": ([40, 41, 42, 43], SamplingParams(temperature=0.8, seed=7, max_tokens=14, ignore_eos=True)),
-    "logprobs": ([90, 3, 17] * 5, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)),
-    "beams": ([12, 13, 14, 15, 16], SamplingParams(max_tokens=8, use_beam_search=True, beam_width=3, n=2,
+    "greedy": ([5, 6, 7, 8, 9, 10, 11],
+               SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)),
+    "seeded": ([40, 41, 42, 43], SamplingParams(temperature=0.8, seed=7, max_tokens=14,
+                                                ignore_eos=True)),
+    "logprobs": ([90, 3, 17] * 5, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                 logprobs=3)),
+    "beams": ([12, 13, 14, 15, 16],
+              SamplingParams(max_tokens=8, use_beam_search=True, beam_width=3, n=2,
                                                     ignore_eos=True)),
 }
 
@@ -61,7 +65,8 @@ def test_a_request_whose_sampling_raises_fails_alone(make_core, monkeypatch):
         return process(logits, seqs)
 
     monkeypatch.setattr(Sampler, "_process", staticmethod(poisoned))
-    bad = ([20, 21, 22], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3))
+    bad = ([20, 21, 22], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                        repetition_penalty=1.3))
     tokens, errors = run(make_core(), {**GOOD, "bad": bad})
     assert set(errors) == {"bad"} and "poisoned logits processor" in errors["bad"]
     assert tokens == ref  # the others: every token as without the failing request

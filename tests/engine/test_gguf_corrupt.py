@@ -1,6 +1,6 @@
-"""A corrupt or truncated GGUF is refused at load by a real engine process, in one line naming the file
-and the tensor (a corrupt one was served as healthy, answering garbage; a truncated one failed with
-numpy's reshape message)."""
+"""A corrupt or truncated GGUF is refused at load by a real engine process, in one line naming the
+file and the tensor (a corrupt one was served as healthy, answering garbage; a truncated one failed
+with numpy's reshape message)."""
 from __future__ import annotations
 
 import re
@@ -24,15 +24,16 @@ def tiny_gguf(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def engine_refuses(model: Path, tmp_path: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "engine", "--address", f"ipc://{tmp_path}/e.sock", "--model",
-                           str(model), "--num-threads", "1", "--kv-cache-memory", "16MiB"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "engine", "--address", f"ipc://{tmp_path}/e.sock",
+                           "--model", str(model), "--num-threads", "1", "--kv-cache-memory",
+                           "16MiB"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stderr.strip().splitlines()[-1]
 
 
-def test_a_gguf_with_garbage_in_a_tensor_is_refused_naming_it(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_a_gguf_with_garbage_in_a_tensor_is_refused_naming_it(tiny_gguf: Path,
+                                                              tmp_path: Path) -> None:
     bad = tmp_path / "corrupt.gguf"
     shutil.copy(tiny_gguf, bad)
     victim = next(t for t in GGUFReader(bad).tensors if t.name == "blk.0.ffn_down.weight")
@@ -43,14 +44,17 @@ def test_a_gguf_with_garbage_in_a_tensor_is_refused_naming_it(tiny_gguf: Path, t
     assert str(bad) in line and "blk.0.ffn_down.weight" in line and "non-finite" in line, line
 
 
-def test_a_truncated_gguf_names_the_tensor_and_the_bytes_missing(tiny_gguf: Path, tmp_path: Path) -> None:
+def test_a_truncated_gguf_names_the_tensor_and_the_bytes_missing(tiny_gguf: Path,
+                                                                 tmp_path: Path) -> None:
     bad = tmp_path / "truncated.gguf"
     data = tiny_gguf.read_bytes()
     bad.write_bytes(data[: len(data) - 1000])
     names = {t.name for t in GGUFReader(tiny_gguf).tensors}
     line = engine_refuses(bad, tmp_path)
-    found = re.search(r"truncated GGUF: tensor (\S+) needs bytes (\d+)\.\.(\d+) and the file has (\d+): "
-                      r"(\d+) bytes missing", line)
+    found = re.search(r"truncated GGUF: tensor (\S+) needs bytes (\d+)\.\.(\d+) and the file has "
+                      r"(\d+): (\d+) bytes missing", line)
     assert found is not None and str(bad) in line, line
     name, _, end, size, missing = found.groups()
-    assert name in names and int(size) == bad.stat().st_size and int(missing) == int(end) - int(size) > 0
+    assert name in names
+    assert int(size) == bad.stat().st_size
+    assert int(missing) == int(end) - int(size) > 0

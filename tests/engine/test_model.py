@@ -1,4 +1,5 @@
-"""Our Llama/Qwen2 forward over a paged, varlen batch equals transformers' logits at every position."""
+"""Our Llama/Qwen2 forward over a paged, varlen batch equals transformers' logits at
+every position."""
 from __future__ import annotations
 
 import pytest
@@ -23,21 +24,25 @@ def hf_logits(folder, seqs: list[list[int]]) -> list[torch.Tensor]:
 
 
 def scrambled_tables(lens: list[int], seed: int = 0) -> list[list[int]]:
-    """Each sequence gets enough blocks, drawn from a shuffled pool: never contiguous, never in order."""
+    """Each sequence gets enough blocks, drawn from a shuffled pool: never contiguous,
+    never in order."""
     pool = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
     return [[pool.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in lens]
 
 
 class Runner:
-    """Drives the model the way the engine's runner does: one flattened batch per step over one cache."""
+    """Drives the model the way the engine's runner does: one flattened batch per step
+    over one cache."""
 
     def __init__(self, folder, dtype: torch.dtype = torch.float32) -> None:
         self.model, self.cfg = load_model(resolve_model(str(folder)), dtype, "cpu")
         self.backend = TorchBackend("cpu")
         c = self.cfg
-        self.kv = torch.zeros(c.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, c.num_kv_heads, c.head_dim, dtype=dtype)
+        self.kv = torch.zeros(c.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, c.num_kv_heads, c.head_dim,
+                              dtype=dtype)
 
-    def step(self, chunks: list[tuple[list[int], int, int]], tables: list[list[int]], last_only: bool = False):
+    def step(self, chunks: list[tuple[list[int], int, int]], tables: list[list[int]],
+             last_only: bool = False):
         """chunks: (sequence token ids, start, end): compute tokens start..end-1 with start cached.
         -> [rows, V] logits: every new token's, or only each sequence's last."""
         ids: list[int] = []
@@ -47,14 +52,15 @@ class Runner:
         for (seq, start, end), table in zip(chunks, tables):
             ids += seq[start:end]
             pos += range(start, end)
-            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+            slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                      for p in range(start, end)]
             rows.append(len(ids) - 1)
-        layout = BatchLayout([e - s for _, s, e in chunks], [s for _, s, _ in chunks], tables, BLOCK_SIZE,
-                             torch.tensor(slots))
+        layout = BatchLayout([e - s for _, s, e in chunks], [s for _, s, _ in chunks], tables,
+                             BLOCK_SIZE, torch.tensor(slots))
         logits_rows = torch.tensor(rows) if last_only else torch.arange(len(ids))
         with torch.inference_mode():
-            return self.model(torch.tensor(ids), torch.tensor(pos), self.kv, self.backend.plan(layout), self.backend,
-                              logits_rows)
+            return self.model(torch.tensor(ids), torch.tensor(pos), self.kv,
+                              self.backend.plan(layout), self.backend, logits_rows)
 
 
 def random_seqs(lens: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -73,7 +79,8 @@ def test_varlen_prefill_equals_transformers(fixture, request):
     ref = torch.cat(hf_logits(folder, seqs))
     assert ours.dtype == torch.float32 and ours.shape == ref.shape
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-    # The LM head on the last rows only gives the same rows (what the engine asks for when sampling).
+    # The LM head on the last rows only gives the same rows (what the engine asks for
+    # when sampling).
     last = run.step([(s, 0, len(s)) for s in seqs], tables, last_only=True)
     ends = torch.tensor(lens).cumsum(0) - 1
     torch.testing.assert_close(last, ours[ends], atol=1e-5, rtol=1e-5)
@@ -93,7 +100,8 @@ def test_cached_prefix_then_rest_equals_transformers(fixture, request):
     order = [1, 0, 2]  # seq 1: 17 tokens over a cached 20; seqs 0 and 2: one decode token each
     ours = run.step([(seqs[i], prefix[i], lens[i]) for i in order], [tables[i] for i in order])
     ref = hf_logits(folder, seqs)
-    torch.testing.assert_close(ours, torch.cat([ref[i][prefix[i]:] for i in order]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ours, torch.cat([ref[i][prefix[i]:] for i in order]), atol=1e-4,
+                               rtol=1e-4)
 
 
 @pytest.mark.parametrize("rope_scaling", [
@@ -104,7 +112,8 @@ def test_cached_prefix_then_rest_equals_transformers(fixture, request):
 def test_rope_scaling_equals_transformers(rope_scaling, tmp_path, make_tiny_checkpoint):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = make_tiny_checkpoint(tmp_path, LlamaConfig, LlamaForCausalLM, rope_scaling=rope_scaling)
+    folder = make_tiny_checkpoint(tmp_path, LlamaConfig, LlamaForCausalLM,
+                                  rope_scaling=rope_scaling)
     seqs = random_seqs([90], 512, seed=2)
     ours = Runner(folder).step([(seqs[0], 0, 90)], scrambled_tables([90]))
     torch.testing.assert_close(ours, hf_logits(folder, seqs)[0], atol=1e-4, rtol=1e-4)
@@ -115,7 +124,8 @@ def test_bfloat16_close_to_float32(tiny_llama_dir):
     ref = Runner(tiny_llama_dir).step([(seqs[0], 0, 30)], scrambled_tables([30]))
     run = Runner(tiny_llama_dir, torch.bfloat16)
     ours = run.step([(seqs[0], 0, 30)], scrambled_tables([30]))
-    qkv = decoder_layers(run.model)[0].qkv_proj  # packed (a buffer) where oneDNN packs bfloat16, else nn.Linear
+    # packed (a buffer) where oneDNN packs bfloat16, else nn.Linear
+    qkv = decoder_layers(run.model)[0].qkv_proj
     assert {t.dtype for t in (*qkv.buffers(), *qkv.parameters())} == {torch.bfloat16}
     assert ours.dtype == torch.float32
     assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
@@ -126,7 +136,8 @@ def test_tied_embeddings_equal_transformers(tmp_path, make_tiny_checkpoint):
 
     folder = make_tiny_checkpoint(tmp_path, LlamaConfig, LlamaForCausalLM, tie_word_embeddings=True)
     run = Runner(folder)
-    assert not isinstance(run.model.lm_head, torch.nn.Linear)  # tied: no head matrix of its own was loaded
+    # tied: no head matrix of its own was loaded
+    assert not isinstance(run.model.lm_head, torch.nn.Linear)
     seqs = random_seqs([25], 512, seed=4)
     ours = run.step([(seqs[0], 0, 25)], scrambled_tables([25]))
     torch.testing.assert_close(ours, hf_logits(folder, seqs)[0], atol=1e-4, rtol=1e-4)

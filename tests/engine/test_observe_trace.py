@@ -1,5 +1,6 @@
-"""The dashboard's data (engine/observe/dashboard.py) and step traces (engine/observe/trace.py), on an in-process engine
-whose small KV pool forces swaps and whose requests share prefixes and blocks (n=4)."""
+"""The dashboard's data (engine/observe/dashboard.py) and step traces (engine/observe/trace.py),
+on an in-process engine whose small KV pool forces swaps and whose requests share prefixes and
+blocks (n=4)."""
 from __future__ import annotations
 
 import json
@@ -18,18 +19,22 @@ PREFIX = list(range(10, 42))  # 4 blocks of 8, shared by every prompt
 
 
 def make_core(tiny_llama_dir: Path) -> EngineCore:
-    # 24 blocks of 8 for five requests of up to 32 + 8 + 40 tokens (10 blocks each): they cannot all run.
-    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=24, block_size=8, swap_space="64KiB",
-                                   preemption_mode="swap", num_threads=1))
+    # 24 blocks of 8 for five requests of up to 32 + 8 + 40 tokens (10 blocks each): they
+    # cannot all run.
+    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=24, block_size=8,
+                                   swap_space="64KiB", preemption_mode="swap", num_threads=1))
 
 
 def add_workload(core: EngineCore) -> None:
     for i in range(4):
-        core.add(f"r{i}", PREFIX + [100 + i] * 8, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    core.add("n4", PREFIX + [7] * 3, SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=24, ignore_eos=True))
+        core.add(f"r{i}", PREFIX + [100 + i] * 8,
+                 SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    core.add("n4", PREFIX + [7] * 3,
+             SamplingParams(temperature=1.0, seed=5, n=4, max_tokens=24, ignore_eos=True))
 
 
-def run(core: EngineCore, observer: Observer | None = None) -> tuple[dict[tuple[str, int], list[int]], list[dict]]:
+def run(core: EngineCore,
+        observer: Observer | None = None) -> tuple[dict[tuple[str, int], list[int]], list[dict]]:
     """Steps until idle. -> tokens per (request, choice); the snapshots taken after every step."""
     tokens: dict[tuple[str, int], list[int]] = {}
     snapshots = []
@@ -44,7 +49,8 @@ def run(core: EngineCore, observer: Observer | None = None) -> tuple[dict[tuple[
     return tokens, snapshots
 
 
-def test_observing_changes_no_output_and_snapshots_agree_with_the_pools(tiny_llama_dir: Path) -> None:
+def test_observing_changes_no_output_and_snapshots_agree_with_the_pools(
+        tiny_llama_dir: Path) -> None:
     plain = make_core(tiny_llama_dir)
     add_workload(plain)
     expected, _ = run(plain)
@@ -70,7 +76,8 @@ def test_observing_changes_no_output_and_snapshots_agree_with_the_pools(tiny_lla
     assert any(s["counts"]["swapped"] for s in snapshots), "the pool never forced a swap"
     assert any(r[0].startswith("n4#") for s in snapshots for r in s["seqs"])
     assert any(s["shared"] for s in snapshots), "neither the prefix nor n=4 shared a block"
-    assert any(h == FREE_CACHED for h in snapshots[-1]["blocks"])  # finished prompts stay as cached prefixes
+    # finished prompts stay as cached prefixes
+    assert any(h == FREE_CACHED for h in snapshots[-1]["blocks"])
     assert all(h in (FREE_EMPTY, FREE_CACHED) for h in snapshots[-1]["blocks"])
 
 
@@ -112,12 +119,14 @@ def test_trace_has_one_span_per_step_with_its_phases_and_nested_request_lifecycl
     phases = [e for e in events if e["pid"] == STEPS_PID and e["ph"] == "X" and e["name"] in PHASES]
     assert len(phases) == len(PHASES) * len(steps)
     for step in steps:
-        inside = sorted((p for p in phases if step["ts"] <= p["ts"] < step["ts"] + step["dur"]), key=lambda p: p["ts"])
+        inside = sorted((p for p in phases if step["ts"] <= p["ts"] < step["ts"] + step["dur"]),
+                        key=lambda p: p["ts"])
         assert [p["name"] for p in inside] == list(PHASES)
-        assert inside[-1]["ts"] + inside[-1]["dur"] == pytest.approx(step["ts"] + step["dur"], abs=1.0)
+        assert inside[-1]["ts"] + inside[-1]["dur"] == pytest.approx(step["ts"] + step["dur"],
+                                                                     abs=1.0)
 
-    names = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["pid"] == REQUESTS_PID
-             and e["name"] == "thread_name"}
+    names = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"
+             and e["pid"] == REQUESTS_PID and e["name"] == "thread_name"}
     assert set(names) == {"r0", "r1", "r2", "r3", "n4"}
     kinds: set[str] = set()
     for rid, tid in names.items():
@@ -125,7 +134,8 @@ def test_trace_has_one_span_per_step_with_its_phases_and_nested_request_lifecycl
         (whole,) = [e for e in mine if e["name"] == f"request {rid}"]
         children = [e for e in mine if e is not whole and e["ph"] == "X"]
         for child in children:  # nest in time: inside the request's span
-            assert whole["ts"] <= child["ts"] and child["ts"] + child["dur"] <= whole["ts"] + whole["dur"] + 1e-3
+            assert whole["ts"] <= child["ts"]
+            assert child["ts"] + child["dur"] <= whole["ts"] + whole["dur"] + 1e-3
         kinds |= {c["name"] for c in children}
         assert {"queued", "prefill", "decode"} <= {c["name"] for c in children}
         assert [e["name"] for e in mine if e["ph"] == "i"] == ["finished"]

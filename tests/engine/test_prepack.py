@@ -1,6 +1,6 @@
-"""Prepacked projections (engine/load/prepack.py): oneDNN's packed kernel for few rows, MKL on the kept plain
-matrix from plain_from rows on. Both sides of the threshold must give F.linear's numbers, with and without
-a bias, alone and with the residual added inside the GEMM."""
+"""Prepacked projections (engine/load/prepack.py): oneDNN's packed kernel for few rows, MKL on the
+kept plain matrix from plain_from rows on. Both sides of the threshold must give F.linear's numbers,
+with and without a bias, alone and with the residual added inside the GEMM."""
 from __future__ import annotations
 
 from typing import cast
@@ -13,18 +13,22 @@ from torch import nn
 from engine.load import prepack
 from engine.load.prepack import PackedLinear
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN absent from this torch")
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                reason="oneDNN absent from this torch")
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 8, 33])
-def test_packed_linear_equals_f_linear_on_either_side_of_the_threshold(rows: int, with_bias: bool) -> None:
+def test_packed_linear_equals_f_linear_on_either_side_of_the_threshold(rows: int,
+                                                                       with_bias: bool) -> None:
     torch.manual_seed(rows)
     w, b = torch.randn(48, 32), torch.randn(48) if with_bias else None
     x, h = torch.randn(rows, 32), torch.randn(rows, 48)
-    packed = PackedLinear(w, b, plain_from=8)  # rows 1 and 7 on the packed kernel, 8 and 33 on the plain matrix
+    # rows 1 and 7 on the packed kernel, 8 and 33 on the plain matrix
+    packed = PackedLinear(w, b, plain_from=8)
     torch.testing.assert_close(packed(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed.add_to(h.clone(), x), h + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.add_to(h.clone(), x), h + F.linear(x, w, b), rtol=1e-5,
+                               atol=1e-5)
 
 
 class _Layer(nn.Module):
@@ -52,13 +56,15 @@ class _Inner(nn.Module):
         return [cast(_Layer, layer).qkv_proj for layer in self.layers]
 
 
-def test_plain_copies_are_kept_only_while_the_projections_are_small(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plain_copies_are_kept_only_while_the_projections_are_small(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prepack, "PLAIN_FROM_ROWS", {torch.backends.cpu.get_cpu_capability(): 16})
     model = _Model()
     prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
     layer = model.model.projections()[0]
     assert isinstance(layer, PackedLinear) and layer.plain is not None and layer.plain_from == 16
-    monkeypatch.setattr(prepack, "PLAIN_MAX_BYTES", 2 * 48 * 32 * 4 - 1)  # one byte short of both matrices
+    # one byte short of both matrices
+    monkeypatch.setattr(prepack, "PLAIN_MAX_BYTES", 2 * 48 * 32 * 4 - 1)
     model = _Model()
     prepack.prepack_model(model, ("qkv_proj",))  # type: ignore[arg-type]
     assert all(cast(PackedLinear, proj).plain is None for proj in model.model.projections())
@@ -67,13 +73,15 @@ def test_plain_copies_are_kept_only_while_the_projections_are_small(monkeypatch:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_padded_one_row_call_equals_that_row_of_any_larger_call(dtype: torch.dtype) -> None:
-    """--deterministic: oneDNN computes one row of some shapes (K = 1536: SmolLM2's down projection) with
-    another kernel than larger calls, so a decode step alone would round differently from the same row in
-    a batch or a prompt; padded to two rows, a row's bits do not depend on the row count."""
+    """--deterministic: oneDNN computes one row of some shapes (K = 1536: SmolLM2's down
+    projection) with another kernel than larger calls, so a decode step alone would round
+    differently from the same row in a batch or a prompt; padded to two rows, a row's bits do not
+    depend on the row count."""
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN packs bfloat16 only on CPUs with bfloat16 instructions")
     torch.manual_seed(0)
-    w, x, h = torch.randn(96, 1536).to(dtype), torch.randn(40, 1536).to(dtype), torch.randn(40, 96).to(dtype)
+    w, x = torch.randn(96, 1536).to(dtype), torch.randn(40, 1536).to(dtype)
+    h = torch.randn(40, 96).to(dtype)
     packed = PackedLinear(w, None, pad_one_row=True)
     with torch.inference_mode():
         full, full_add = packed(x), packed.add_to(h, x)

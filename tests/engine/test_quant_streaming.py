@@ -1,10 +1,10 @@
-"""Quantized loads stream (engine/load/weights.py): each projection is quantized as its float32 matrix arrives
-and dropped before the next is read, so the float32 model never exists.
+"""Quantized loads stream (engine/load/weights.py): each projection is quantized as its float32
+matrix arrives and dropped before the next is read, so the float32 model never exists.
 
-Two properties: the result is the same codes and scales as quantizing the whole dequantized float32 model
-(engine/load/quant.py's quantize_model, and the int8 / int4 formulas written out here over whole matrices), and
-what is alive during the load is bounded, checked by weak references to every tensor the loader reads,
-never by measuring memory."""
+Two properties: the result is the same codes and scales as quantizing the whole dequantized float32
+model (engine/load/quant.py's quantize_model, and the int8 / int4 formulas written out here over
+whole matrices), and what is alive during the load is bounded, checked by weak references to every
+tensor the loader reads, never by measuring memory."""
 from __future__ import annotations
 
 import weakref
@@ -34,12 +34,14 @@ def tiny_gguf(tiny_llama_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
-    """The quantizers work CHUNK_ROWS rows at a time; at 64 the tiny model's matrices span several chunks."""
+    """The quantizers work CHUNK_ROWS rows at a time; at 64 the tiny model's matrices span
+    several chunks."""
     monkeypatch.setattr(engine.load.quant, "CHUNK_ROWS", 64)
 
 
 def _reference(source, mode: str, dtype: torch.dtype):
-    """The float32 model quantized as a whole, after loading, as the loader did before it streamed."""
+    """The float32 model quantized as a whole, after loading, as the loader did before
+    it streamed."""
     plain, cfg = load_model(source, torch.float32, "cpu", "none", prepack=False)
     assert isinstance(plain, LlamaForCausalLM)  # what load_model builds, as quantize_model expects
     folder = source.folder if source.gguf_file is None else dequantized_folder(source)
@@ -66,19 +68,21 @@ def _int4_by_formula(w: torch.Tensor, groups) -> tuple[torch.Tensor, torch.Tenso
         scale, low = ((hi - lo) / 15).clamp(min=1e-12), lo
     else:
         scale, low = groups
-    q = torch.round((wg - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n, k)
+    q = torch.round((wg - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n,
+                                                                                                k)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scale, low + 8 * scale
 
 
 @pytest.mark.parametrize(("checkpoint", "mode", "dtype"), [
     ("gguf", "int4", torch.bfloat16), ("gguf", "int8", torch.float32),
-    ("qwen2", "int4", torch.float32), ("qwen2", "int8", torch.bfloat16),  # untied LM head, q/k/v biases
+    # untied LM head, q/k/v biases
+    ("qwen2", "int4", torch.float32), ("qwen2", "int8", torch.bfloat16),
     ("phi3", "int4", torch.float32),  # q/k/v and gate/up fused in the checkpoint
     ("gemma2", "int8", torch.bfloat16),  # norms stored as 1 + w
     ("qwen3moe-top2-of-4", "int4", torch.bfloat16),  # experts stay in dtype
 ])
-def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mode, dtype, tiny_gguf, tiny_qwen2_dir,
-                                                                 tmp_path):
+def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mode, dtype, tiny_gguf,
+                                                                 tiny_qwen2_dir, tmp_path):
     if checkpoint in FAMILIES:
         config_cls, model_cls, overrides = FAMILIES[checkpoint]
         path = save_tiny(tmp_path / checkpoint, config_cls, model_cls, **overrides)
@@ -93,7 +97,8 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
     for name, t in theirs.items():
         assert t.dtype == ours[name].dtype and torch.equal(ours[name], t), name
     # The codes and scales, against the formulas applied to each whole dequantized float32 matrix.
-    dense = cfg.num_layers - len(cfg.sparse_layers)  # layers with gate_up and down (not a mixture of experts)
+    # layers with gate_up and down (not a mixture of experts)
+    dense = cfg.num_layers - len(cfg.sparse_layers)
     assert len(targets) == 2 * cfg.num_layers + 2 * dense + 1 + (not cfg.tie_word_embeddings)
     for path in targets:
         module, w = model.get_submodule(path), floats[f"{path}.weight"]
@@ -105,20 +110,23 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
         else:
             assert isinstance(module, Int8Linear)
             q, scale = _int8_by_formula(w)
-            assert torch.equal(module.qweight, q) and torch.equal(module.scales, scale.to(dtype)), path
+            assert torch.equal(module.qweight, q), path
+            assert torch.equal(module.scales, scale.to(dtype)), path
         bias = floats.get(f"{path}.bias")
         assert (module.bias is None) == (bias is None), path
         if bias is not None:
             assert module.bias is not None
             assert torch.equal(module.bias, bias.to(dtype)), path
-    if checkpoint == "gguf" and mode == "int4":  # the file's Q4_0 codes were carried over, not re-derived
-        assert groups and all(isinstance(model.get_submodule(p.removesuffix(".weight")), Int4Linear) for p in groups)
+    # the file's Q4_0 codes were carried over, not re-derived
+    if checkpoint == "gguf" and mode == "int4":
+        assert groups and all(isinstance(model.get_submodule(p.removesuffix(".weight")), Int4Linear)
+                              for p in groups)
 
 
 def _track(monkeypatch, module, name: str) -> list[weakref.ref]:
-    """Wraps the reader module.<name> so every tensor it yields is watched through a weak reference; module is
-    the one whose code looks the name up, or the wrapper is never called. The wrapper is a map, which (like
-    the loader's own stages) keeps no reference to what it passed on."""
+    """Wraps the reader module.<name> so every tensor it yields is watched through a weak reference;
+    module is the one whose code looks the name up, or the wrapper is never called. The wrapper is a
+    map, which (like the loader's own stages) keeps no reference to what it passed on."""
     seen: list[weakref.ref] = []
     reader = getattr(module, name)
 
@@ -132,27 +140,34 @@ def _track(monkeypatch, module, name: str) -> list[weakref.ref]:
 
 
 def _alive(refs: list[weakref.ref]) -> list[torch.Tensor]:
-    return [t for t in (r() for r in refs) if t is not None and t.is_floating_point() and t.dim() == 2]
+    return [t for t in (r() for r in refs) if t is not None and t.is_floating_point()
+            and t.dim() == 2]
 
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_qwen2_dir, monkeypatch, tmp_path):
-    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))  # the GGUF's first load: its cache is written here
-    dequantized = _track(monkeypatch, engine.load.gguf, "_dequantize_gguf")  # looked up by engine.load.gguf._open_gguf
-    read = _track(monkeypatch, engine.load.weights, "read_copies")  # looked up by engine.load.weights.load_model
+def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_qwen2_dir,
+                                                         monkeypatch, tmp_path):
+    # the GGUF's first load: its cache is written here
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    # looked up by engine.load.gguf._open_gguf
+    dequantized = _track(monkeypatch, engine.load.gguf, "_dequantize_gguf")
+    # looked up by engine.load.weights.load_model
+    read = _track(monkeypatch, engine.load.weights, "read_copies")
     quantized: list[str] = []
     most_at_read = 0
 
     def on_quantized(name: str, weight: torch.Tensor) -> None:
-        # Besides the matrix being quantized (or a tensor sharing its storage), no float matrix the
-        # loader read or dequantized is alive: each earlier one, and this one's fused parts, are gone.
+        # Besides the matrix being quantized (or a tensor sharing its storage), no float matrix
+        # the loader read or dequantized is alive: each earlier one, and this one's fused
+        # parts, are gone.
         mine = weight.untyped_storage().data_ptr()
         others = [t for t in _alive(read + dequantized) if t.untyped_storage().data_ptr() != mine]
         assert not others, (name, [tuple(t.shape) for t in others])
         quantized.append(name)
 
     monkeypatch.setattr(engine.load.weights, "_on_quantized", on_quantized)
-    reader = vars(engine.load.weights)["read_copies"]  # the loader's own name for it, as _track wrapped it
+    # the loader's own name for it, as _track wrapped it
+    reader = vars(engine.load.weights)["read_copies"]
 
     def count(item):  # while a fused group fills, its earlier parts wait: q and k while v is read
         nonlocal most_at_read
@@ -172,8 +187,8 @@ def test_quantized_load_holds_one_float_matrix_at_a_time(mode, tiny_gguf, tiny_q
 
 
 def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_path):
-    """The first load dequantizes into the cache folder with only the tensor being written alive, and the
-    file holds exactly what read_gguf (the whole file in memory) returns."""
+    """The first load dequantizes into the cache folder with only the tensor being written alive,
+    and the file holds exactly what read_gguf (the whole file in memory) returns."""
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
     source = resolve_model(str(tiny_gguf))
     reader = engine.load.gguf._dequantize_gguf
@@ -199,4 +214,5 @@ def test_gguf_cache_is_written_one_tensor_at_a_time(tiny_gguf, monkeypatch, tmp_
     for name, t in tensors.items():
         assert torch.equal(written[name], t), name
     written_groups = load_file(folder / "int4_groups.safetensors")
-    assert written_groups.keys() == groups.keys() and all(torch.equal(written_groups[n], g) for n, g in groups.items())
+    assert written_groups.keys() == groups.keys() and all(torch.equal(written_groups[n], g)
+                                                          for n, g in groups.items())

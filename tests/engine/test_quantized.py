@@ -28,20 +28,21 @@ from shared.sampling import SamplingParams
 from tests.conftest import causal_lm, decoder_layers, request_outputs
 from tests.reference import hf_greedy, transformers_gguf_model
 
-# Max |logit difference| from the dequantized float32 model. The Q4_0 projections are carried over bit for
-# bit (float rounding only, about 1e-4); the Q8_0 embedding (also the LM head) is re-quantized to one scale
-# per row: measured 0.08 (int4 projections) and 0.19 (int8 everywhere) on this tiny model, whose logits
-# reach about 10 in magnitude.
+# Max |logit difference| from the dequantized float32 model. The Q4_0 projections are carried over
+# bit for bit (float rounding only, about 1e-4); the Q8_0 embedding (also the LM head) is
+# re-quantized to one scale per row: measured 0.08 (int4 projections) and 0.19 (int8 everywhere) on
+# this tiny model, whose logits reach about 10 in magnitude.
 TOLERANCE = 0.3
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
           "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def write_gguf(folder: Path, path: Path, arch: str = "llama") -> Path:
-    """A GGUF of the HF checkpoint in folder: Q4_0 projections, Q8_0 tied embedding, F32 norms. llama.cpp
-    permutes q/k rows only for "llama"."""
+    """A GGUF of the HF checkpoint in folder: Q4_0 projections, Q8_0 tied embedding, F32 norms.
+    llama.cpp permutes q/k rows only for "llama"."""
     import json
 
     from gguf import GGMLQuantizationType as Q
@@ -67,7 +68,8 @@ def write_gguf(folder: Path, path: Path, arch: str = "llama") -> Path:
     w.add_token_list([f"t{i}" for i in range(c["vocab_size"])])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    heads = {"self_attn.q_proj": c["num_attention_heads"], "self_attn.k_proj": c["num_key_value_heads"]}
+    heads = {"self_attn.q_proj": c["num_attention_heads"],
+             "self_attn.k_proj": c["num_key_value_heads"]}
     for name, t in load_file(folder / "model.safetensors").items():
         if name == "lm_head.weight":
             continue  # tied: the embedding is the head, as in SmolLM2
@@ -78,7 +80,8 @@ def write_gguf(folder: Path, path: Path, arch: str = "llama") -> Path:
                 t = to_interleaved(t, heads[module])  # llama.cpp's q/k row order
             gname = f"blk.{i}.{_LAYER[module]}.weight"
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight"}[name]
         a = t.float().numpy()
         if a.ndim == 1:
             w.add_tensor(gname, a)
@@ -101,8 +104,10 @@ def test_qwen3_gguf_loads_through_llama_cpp_names(tmp_path, make_tiny_checkpoint
     """Qwen3 as llama.cpp writes it (per-head q/k norms, rows not permuted), Q4_0 served as int4."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    # head_dim left at Qwen3's 128: transformers' GGUF loader (the reference) ignores the file's key_length.
-    folder = make_tiny_checkpoint(tmp_path / "hf", Qwen3Config, Qwen3ForCausalLM, tie_word_embeddings=True)
+    # head_dim left at Qwen3's 128: transformers' GGUF loader (the reference) ignores the
+    # file's key_length.
+    folder = make_tiny_checkpoint(tmp_path / "hf", Qwen3Config, Qwen3ForCausalLM,
+                                  tie_word_embeddings=True)
     source = resolve_model(str(write_gguf(folder, tmp_path / "tiny-qwen3.gguf", "qwen3")))
     ids = random.Random(2).sample(range(3, 512), 30)
     with torch.no_grad():
@@ -117,11 +122,13 @@ def test_qwen3_gguf_loads_through_llama_cpp_names(tmp_path, make_tiny_checkpoint
 def logits(model, cfg, ids: list[int]) -> torch.Tensor:
     """Our model's logits at every position of one sequence, through the paged cache."""
     backend = TorchBackend("cpu")
-    kv = torch.zeros(cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim, dtype=getattr(torch, cfg.dtype))
+    kv = torch.zeros(cfg.num_layers, 2, 8, 16, cfg.num_kv_heads, cfg.head_dim,
+                     dtype=getattr(torch, cfg.dtype))
     n = len(ids)
     layout = BatchLayout([n], [0], [list(range(8))], 16, torch.arange(n))
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.arange(n), kv, backend.plan(layout), backend, torch.arange(n))
+        return model(torch.tensor(ids), torch.arange(n), kv, backend.plan(layout), backend,
+                     torch.arange(n))
 
 
 def test_q4_0_and_q8_0_gguf_loads_small_and_matches_the_dequantized_model(tiny_gguf):
@@ -145,8 +152,8 @@ def test_q4_0_and_q8_0_gguf_loads_small_and_matches_the_dequantized_model(tiny_g
     exact, cfg = load_model(source, torch.float32, "cpu", "int4")
     causal_lm(exact).model.embed_tokens = causal_lm(plain).model.embed_tokens
     torch.testing.assert_close(logits(exact, cfg, ids), ref, atol=1e-3, rtol=1e-3)
-    # auto: the file's 4-bit codes as int4 under 16-bit activations; dequantized under float32, where the
-    # int kernels are slow.
+    # auto: the file's 4-bit codes as int4 under 16-bit activations; dequantized under float32,
+    # where the int kernels are slow.
     assert load_model(source, torch.bfloat16, "cpu", "auto")[1].quantization == "int4"
     assert load_model(source, torch.float32, "cpu", "auto")[1].quantization == "none"
 
@@ -156,8 +163,9 @@ def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
     model of the same file, and most agree (re-quantizing the Q8_0 head may flip close calls)."""
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(5, 50))] for _ in range(6)]
-    core = EngineCore(build_config(str(tiny_gguf), dtype="float32", quantization="int4", num_blocks=64,
-                                   block_size=16, max_num_batched_tokens=32, num_threads=1))
+    core = EngineCore(build_config(str(tiny_gguf), dtype="float32", quantization="int4",
+                                   num_blocks=64, block_size=16, max_num_batched_tokens=32,
+                                   num_threads=1))
     assert core.model_config.quantization == "int4"
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -175,17 +183,19 @@ def test_engine_serves_the_quantized_gguf_end_to_end(tiny_gguf):
 
 @pytest.mark.slow
 def test_default_model_served_quantized_answers_the_readme_example():
-    """README's offline example, served as the file's int4 codes and dequantized, both under --dtype auto
-    (bfloat16 where the CPU has it natively, which is also where --quantization auto picks int4). The two
-    greedy texts are printed (pytest -s) for the record, not asserted equal: int4 rounds differently."""
+    """README's offline example, served as the file's int4 codes and dequantized, both under --dtype
+    auto (bfloat16 where the CPU has it natively, which is also where --quantization auto picks
+    int4). The two greedy texts are printed (pytest -s) for the record, not asserted equal: int4
+    rounds differently."""
     from engine.offline import LLM
 
     params = SamplingParams(temperature=0, max_tokens=16)
     texts: dict[str, str | None] = {}  # None: no tokenizer, which this model has
     for quant in ("int4", "none"):
-        llm = LLM("SmolLM2-135M-Instruct", quantization=quant, kv_cache_memory="64MiB", num_threads=1)
-        texts[llm.core.model_config.quantization] = llm.generate(["The capital of France is"], params,
-                                                                 use_tqdm=False)[0].text
+        llm = LLM("SmolLM2-135M-Instruct", quantization=quant, kv_cache_memory="64MiB",
+                  num_threads=1)
+        texts[llm.core.model_config.quantization] = llm.generate(["The capital of France is"],
+                                                                 params, use_tqdm=False)[0].text
         del llm
     print(f"\nint4: {texts['int4']!r}\nfloat32 (dequantized): {texts['none']!r}")
     int4 = texts["int4"]
@@ -194,20 +204,21 @@ def test_default_model_served_quantized_answers_the_readme_example():
 
 # --- The kernel each quantized GEMM runs, by rows (engine/kernel_choice.py) ---
 
-# Max |y - reference| over max |reference|. Activations and outputs are bfloat16 (relative rounding 2^-8 =
-# 0.4%); the packed copy also holds each dequantized weight rounded to bfloat16. Measured on these random
-# matrices: 0.1-0.3% for every kernel and row count; all scales 5% off gives 4.6%, rows or groups out of
-# order over 100%.
+# Max |y - reference| over max |reference|. Activations and outputs are bfloat16 (relative rounding
+# 2^-8 = 0.4%); the packed copy also holds each dequantized weight rounded to bfloat16. Measured on
+# these random matrices: 0.1-0.3% for every kernel and row count; all scales 5% off gives 4.6%, rows
+# or groups out of order over 100%.
 KERNEL_TOLERANCE = 1.5e-2
 ROWS = (1, 7, 32, 300)
 needs_bf16_packing = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="oneDNN cannot pack bfloat16 matrices on this CPU (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
+    reason="oneDNN cannot pack bfloat16 matrices on this CPU (no AVX-512 BW/VL/DQ or "
+           "AVX-NE-CONVERT)")
 
 
 def _int4_layer(n: int = 96, k: int = 128, seed: int = 0) -> tuple[Int4Linear, torch.Tensor]:
-    """An int4 projection from known codes and groups -> (module, its dequantized matrix in float32, from
-    the codes and the bfloat16 scales and zeros the kernel holds: (q - 8) * scale + zero)."""
+    """An int4 projection from known codes and groups -> (module, its dequantized matrix in float32,
+    from the codes and the bfloat16 scales and zeros the kernel holds: (q - 8) * scale + zero)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g).float()
     scale = torch.rand(n, k // 32, generator=g) * 0.02 + 0.001
@@ -233,7 +244,8 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("kernel", ["int", "packed"])
-def test_each_quantized_kernel_equals_dequantize_then_matmul(kind: str, kernel: str, rows: int) -> None:
+def test_each_quantized_kernel_equals_dequantize_then_matmul(kind: str, kernel: str,
+                                                             rows: int) -> None:
     from engine.load.prepack import PackedLinear
 
     module, w = _int4_layer() if kind == "int4" else _int8_layer()
@@ -249,13 +261,15 @@ def test_each_quantized_kernel_equals_dequantize_then_matmul(kind: str, kernel: 
 
 @needs_bf16_packing
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_the_row_threshold_is_honoured_on_both_sides(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_row_threshold_is_honoured_on_both_sides(kind: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.load.prepack import PackedLinear
 
     module, w = _int4_layer() if kind == "int4" else _int8_layer()
     module.packed, module.packed_from = PackedLinear(module.dequantized(), None), 8
     calls: list[str] = []
-    packed_forward, packed_add, int_mm = PackedLinear.forward, PackedLinear.add_to, type(module).quantized_mm
+    packed_forward, packed_add = PackedLinear.forward, PackedLinear.add_to
+    int_mm = type(module).quantized_mm
 
     def counted(name: str, f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def call(*args: Any) -> torch.Tensor:
@@ -276,7 +290,8 @@ def test_the_row_threshold_is_honoured_on_both_sides(kind: str, monkeypatch: pyt
 
 
 @needs_bf16_packing
-def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, monkeypatch) -> None:
+def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf,
+                                                                     monkeypatch) -> None:
     from engine import kernel_choice
     from engine.load import prepack
 
@@ -284,7 +299,8 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
     table = {cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}
     monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", table)
     if amx.usable():  # AMX CPUs: int4 takes the tiles from 2 rows and hands over to the copy from 6
-        monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS", {torch.get_num_threads(): (2, 6)})
+        monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS",
+                            {torch.get_num_threads(): (2, 6)})
         model, _ = load_model(source, torch.bfloat16, "cpu", "int4")
         qkv, embed = decoder_layers(model)[0].qkv_proj, causal_lm(model).model.embed_tokens
         assert isinstance(qkv, Int4Linear) and isinstance(embed, Int8Linear)
@@ -299,8 +315,10 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
     full = logits(model, cfg, ids)  # 40 rows: the packed copies (the head too)
     for m in kernel_choice.switched_modules(model):
         m.packed_from = kernel_choice.NEVER
-    assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE  # the int kernels at every row count
-    monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", {})  # an unmeasured kind: calibrated at load
+    # the int kernels at every row count
+    assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
+    # an unmeasured kind: calibrated at load
+    monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", {})
     model, _ = load_model(source, torch.bfloat16, "cpu", "int4")
     chosen = {m.packed_from for m in kernel_choice.switched_modules(model) if m.packed is not None}
     assert chosen <= set(kernel_choice.CALIBRATION_ROWS)
@@ -314,12 +332,13 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf, 
 
 @needs_bf16_packing
 def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> None:
-    """--deterministic: every quantized matrix on its packed copy from one row (no switch by row count,
-    which would round a row differently in small and large steps), one-row calls padded; on AMX CPUs the
-    int4 matrices on the AMX kernel at every row count instead, with no copy."""
+    """--deterministic: every quantized matrix on its packed copy from one row (no switch by row
+    count, which would round a row differently in small and large steps), one-row calls padded; on
+    AMX CPUs the int4 matrices on the AMX kernel at every row count instead, with no copy."""
     from engine import kernel_choice
 
-    model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4", deterministic=True)
+    model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4",
+                          deterministic=True)
     modules = kernel_choice.switched_modules(model)
     tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
     assert bool(tiled) == amx.usable()
@@ -333,14 +352,16 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
     assert all(m.packed.max_rows == cut for m in copied if m.packed is not None)
 
 
-def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(monkeypatch) -> None:
+def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(
+        monkeypatch) -> None:
     from engine import kernel_choice
 
     rows = [1, 2, 4, 8, 16]
     inf = float("inf")  # no AMX codes
-    times = {"flip": [(1, 1.0, 2.0, inf), (2, 1.0, 0.5, inf), (4, 1.0, 2.0, inf), (8, 2.0, 1.0, inf),
-                      (16, 3.0, 1.0, inf)],
+    times = {"flip": [(1, 1.0, 2.0, inf), (2, 1.0, 0.5, inf), (4, 1.0, 2.0, inf),
+                      (8, 2.0, 1.0, inf), (16, 3.0, 1.0, inf)],
              "never": [(r, 1.0, 2.0, inf) for r in rows]}
     for case, want in (("flip", 8), ("never", kernel_choice.NEVER)):
-        monkeypatch.setattr(kernel_choice, "chain_times", lambda modules, rows, reps, case=case: times[case])
+        monkeypatch.setattr(kernel_choice, "chain_times",
+                            lambda modules, rows, reps, case=case: times[case])
         assert kernel_choice.calibrate([], rows) == want

@@ -26,7 +26,8 @@ EOS = 2
 
 
 def make(prompt: list[int], output: list[int], **params) -> Sequence:
-    seq = Sequence(Request("r", prompt, SamplingParams(temperature=0, max_tokens=32, **params), eos_token_ids=(EOS,)))
+    seq = Sequence(Request("r", prompt, SamplingParams(temperature=0, max_tokens=32, **params),
+                           eos_token_ids=(EOS,)))
     seq.token_ids += output
     return seq
 
@@ -47,7 +48,8 @@ PROMPT, OUTPUT = [5, 6, 7, 5, 9], [9, 10, 10, 11]
 @pytest.mark.parametrize("penalty", [1.3, 0.7])
 def test_repetition_penalty_equals_transformers(logits, penalty):
     req = make(PROMPT, OUTPUT, repetition_penalty=penalty)
-    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]), logits.clone()[None])[0]
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]),
+                                                    logits.clone()[None])[0]
     torch.testing.assert_close(processed(req, logits), ref)
 
 
@@ -60,9 +62,10 @@ def test_presence_and_frequency_penalties_follow_openai(logits):
 
 def test_logit_bias_equals_transformers_sequence_bias(logits):
     bias = {3: 5.0, 17: -100.0, 40: 0.5}
-    req = make(PROMPT, OUTPUT, logit_bias={str(k): v for k, v in bias.items()})  # JSON keys are strings
-    ref = SequenceBiasLogitsProcessor([[[k], v] for k, v in bias.items()])(torch.tensor([PROMPT + OUTPUT]),
-                                                                            logits.clone()[None])[0]
+    # JSON keys are strings
+    req = make(PROMPT, OUTPUT, logit_bias={str(k): v for k, v in bias.items()})
+    hf_bias = SequenceBiasLogitsProcessor([[[k], v] for k, v in bias.items()])
+    ref = hf_bias(torch.tensor([PROMPT + OUTPUT]), logits.clone()[None])[0]
     torch.testing.assert_close(processed(req, logits), ref)
 
 
@@ -76,14 +79,16 @@ def test_min_tokens_equals_transformers(logits, produced):
 
 
 def test_min_tokens_without_a_stop_id_leaves_the_logits_uncopied(logits):
-    """ignore_eos with min_tokens (exact output lengths, as benchmarks ask) masks nothing: the sampler
-    neither copies the [B, V] logits nor changes them, and a row that still masks gets its own copy."""
+    """ignore_eos with min_tokens (exact output lengths, as benchmarks ask) masks nothing: the
+    sampler neither copies the [B, V] logits nor changes them, and a row that still masks gets
+    its own copy."""
     free = make(PROMPT, OUTPUT[:1], min_tokens=3, ignore_eos=True)
     batch = logits.repeat(2, 1)
     assert Sampler._process(batch, [free, free]) is batch
     masked = make(PROMPT, OUTPUT[:1], min_tokens=3)
     out = Sampler._process(batch, [free, masked])
-    assert out is not batch and torch.equal(batch, logits.repeat(2, 1))  # the caller's logits as given
+    # the caller's logits as given
+    assert out is not batch and torch.equal(batch, logits.repeat(2, 1))
     assert torch.equal(out[0], logits) and out[1, EOS] == float("-inf")
 
 
@@ -91,11 +96,13 @@ def test_min_tokens_without_a_stop_id_leaves_the_logits_uncopied(logits):
 def test_min_p_keeps_the_tokens_transformers_keeps(logits, min_p):
     req = Sequence(Request("r", PROMPT + OUTPUT, SamplingParams(temperature=1.0, min_p=min_p)))
     probs = probs_of(logits.clone()[None], [req])[0]
-    # transformers annotates input_ids torch.LongTensor, a type no tensor has; min-p never reads them
+    # transformers annotates input_ids torch.LongTensor, a type no tensor has; min-p
+    # never reads them
     ids = cast(torch.LongTensor, torch.tensor([PROMPT + OUTPUT]))
     ref = MinPLogitsWarper(min_p)(ids, logits.clone()[None])[0]
     assert torch.equal(probs > 0, ref > float("-inf"))
-    torch.testing.assert_close(probs / probs.sum(), ref.softmax(-1))  # the exponential race needs no renormalising
+    # the exponential race needs no renormalising
+    torch.testing.assert_close(probs / probs.sum(), ref.softmax(-1))
 
 
 def test_all_greedy_plain_batch_takes_the_fast_path(logits):
@@ -132,7 +139,8 @@ def test_logprobs_equal_log_softmax_of_the_model_logits(tiny_llama_dir):
             entries += o.logprobs
     model = hf_folder_model(tiny_llama_dir)
     with torch.no_grad():
-        ref = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        ref = logits.float().log_softmax(-1)
     for i, (tok, (lp, top)) in enumerate(zip(tokens, entries)):
         assert abs(lp - ref[i, tok].item()) < 1e-4
         vals, ids = ref[i].topk(5)
@@ -141,18 +149,20 @@ def test_logprobs_equal_log_softmax_of_the_model_logits(tiny_llama_dir):
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(tiny_llama_dir):
-    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, max_tokens=16,
-                            ignore_eos=True, presence_penalty=0.3)
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234,
+                            max_tokens=16, ignore_eos=True, presence_penalty=0.3)
     prompt = list(range(7, 40))
     results = []
     for others in (0, 16):
         core = EngineCore(build_config(str(tiny_llama_dir), num_blocks=256, block_size=8))
         for k in range(others):
             core.add(f"o{k}", list(range(3 + k, 20 + 2 * k)),
-                     SamplingParams(temperature=1.0 if k % 2 else 0.0, max_tokens=10 + k, ignore_eos=True))
+                     SamplingParams(temperature=1.0 if k % 2 else 0.0, max_tokens=10 + k,
+                                    ignore_eos=True))
         core.add("seeded", prompt, params)
         got: list[int] = []
         while core.has_work():
-            got += [t for o in request_outputs(core.step()) if o.request_id == "seeded" for t in o.new_token_ids]
+            got += [t for o in request_outputs(core.step()) if o.request_id == "seeded"
+                    for t in o.new_token_ids]
         results.append(got)
     assert results[0] == results[1] and len(results[0]) == 16

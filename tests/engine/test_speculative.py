@@ -45,15 +45,19 @@ def repetitive_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     prompts = []
     for _ in range(n):
         phrase = [rng.randrange(3, vocab) for _ in range(rng.randint(3, 8))]
-        prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(0, 5))] + phrase * rng.randint(2, 4))
+        prompts.append([rng.randrange(3, vocab)
+                        for _ in range(rng.randint(0, 5))] + phrase * rng.randint(2, 4))
     return prompts
 
 
 # ------------------------------------------------------------------ proposals
 def test_ngram_proposes_what_followed_the_latest_longest_match():
-    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]  # latest of two matches
-    assert propose_ngram([5, 2, 3, 8, 4, 3, 6, 2, 3], 3, 1, 2) == [8, 4, 3]  # "2 3" beats the later "3"
-    assert propose_ngram([5, 2, 3, 8, 4, 3, 6, 2, 3], 3, 1, 1) == [6, 2, 3]  # n = 1 only: the latest "3"
+    # latest of two matches
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2, 1, 3) == [7, 1]
+    # "2 3" beats the later "3"
+    assert propose_ngram([5, 2, 3, 8, 4, 3, 6, 2, 3], 3, 1, 2) == [8, 4, 3]
+    # n = 1 only: the latest "3"
+    assert propose_ngram([5, 2, 3, 8, 4, 3, 6, 2, 3], 3, 1, 1) == [6, 2, 3]
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # no earlier occurrence
     assert propose_ngram([4, 4], 5, 1, 3) == [4]  # capped by the tokens that exist
     # 256 = bytes 00 01 00 00 and 1 = 01 00 00 00: "256, 1" packs bytes that contain 1's bytes at an
@@ -75,7 +79,8 @@ def mixed_workload(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     ]
     reqs = [(p, GREEDY) for p in prompts]
     reqs += [(p, params) for p, params in zip(repetitive_prompts(4, vocab, seed=1), plain_variants)]
-    reqs.append((prompts[0][:5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))  # near max_tokens
+    # near max_tokens
+    reqs.append((prompts[0][:5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
     return reqs
 
 
@@ -84,15 +89,16 @@ def tiny_draft_dir(tmp_path_factory, make_tiny_checkpoint):
     """Another tiny Llama with the same vocabulary: a draft whose guesses are mostly wrong."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), LlamaConfig, LlamaForCausalLM, seed=5,
-                                num_hidden_layers=1)
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-draft"), LlamaConfig,
+                                LlamaForCausalLM, seed=5, num_hidden_layers=1)
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft-self", "draft-other"])
 def test_greedy_output_identical_with_speculation(tiny_llama_dir, tiny_draft_dir, proposer):
     reqs = mixed_workload(vocab=512)
     _, expected = run(tiny_llama_dir, reqs)
-    spec = {"ngram": "ngram", "draft-self": f"draft:{tiny_llama_dir}", "draft-other": f"draft:{tiny_draft_dir}"}
+    spec = {"ngram": "ngram", "draft-self": f"draft:{tiny_llama_dir}",
+            "draft-other": f"draft:{tiny_draft_dir}"}
     core, out = run(tiny_llama_dir, reqs, speculative=spec[proposer], num_speculative_tokens=3)
     assert out == expected
     stats = core.stats()
@@ -105,9 +111,10 @@ def test_greedy_output_identical_with_speculation(tiny_llama_dir, tiny_draft_dir
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_prompt_lookup(tiny_llama_dir):
-    """Prompt lookup verifies by sampling each position with the noise plain decoding uses there, so a
-    seeded request's tokens are the same with and without speculation, alone or in a batch."""
-    reqs = [(p, SamplingParams(temperature=0.3, top_p=0.9, seed=100 + i, max_tokens=32, ignore_eos=True))
+    """Prompt lookup verifies by sampling each position with the noise plain decoding uses there, so
+    a seeded request's tokens are the same with and without speculation, alone or in a batch."""
+    reqs = [(p, SamplingParams(temperature=0.3, top_p=0.9, seed=100 + i, max_tokens=32,
+                               ignore_eos=True))
             for i, p in enumerate(repetitive_prompts(12, 512, seed=4))]
     _, expected = run(tiny_llama_dir, reqs)
     core, out = run(tiny_llama_dir, reqs, speculative="ngram", num_speculative_tokens=3)
@@ -119,14 +126,16 @@ def test_seeded_sampling_gives_the_same_tokens_with_prompt_lookup(tiny_llama_dir
 
 @pytest.mark.parametrize("mode,cpu_blocks", [("swap", 200), ("recompute", 0)])
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_speculating_requests_survive_preemption(tiny_llama_dir, tiny_draft_dir, proposer, mode, cpu_blocks):
+def test_speculating_requests_survive_preemption(tiny_llama_dir, tiny_draft_dir, proposer, mode,
+                                                 cpu_blocks):
     rng = random.Random(3)
     reqs = [(p, SamplingParams(temperature=0, max_tokens=rng.randint(8, 30), ignore_eos=True))
             for p in repetitive_prompts(40, 512, seed=3)]
     _, expected = run(tiny_llama_dir, reqs, num_blocks=1024)
     spec = "ngram" if proposer == "ngram" else f"draft:{tiny_draft_dir}"
-    core, out = run(tiny_llama_dir, reqs, num_blocks=40, num_cpu_blocks=cpu_blocks, preemption_mode=mode,
-                    speculative=spec, num_speculative_tokens=4, max_num_batched_tokens=128)
+    core, out = run(tiny_llama_dir, reqs, num_blocks=40, num_cpu_blocks=cpu_blocks,
+                    preemption_mode=mode, speculative=spec, num_speculative_tokens=4,
+                    max_num_batched_tokens=128)
     assert out == expected
     stats = core.stats()
     assert stats["num_preemptions_" + mode] > 0 and stats["total_spec_verifications"] > 0
@@ -142,7 +151,8 @@ def test_smollm2_greedy_identical_with_ngram(smollm2_source):
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
     texts = [f"Rename the functions to plus and minus:\n{code}\nAnswer:\n",
              "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat"]
-    reqs = [(tok.encode(t), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for t in texts]
+    reqs = [(tok.encode(t), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            for t in texts]
     # float32 pinned (auto is bfloat16 on AMX CPUs): exact equality across batch shapes needs it.
     options = {"kv_cache_memory": "256MiB", "block_size": 16, "dtype": "float32"}
     plain_core, expected = run("SmolLM2-135M-Instruct", reqs, **options)
@@ -158,7 +168,8 @@ VOCAB = 16
 # continuation, which the target often (not always) samples.
 PROMPT = [3, 4, 5, 6, 7, 8, 5, 7, 9, 9, 9, 3, 4, 5, 6, 7]
 NUM_SAMPLES = 3000
-MAX_TOKENS = 5  # the first token comes from the prompt's step; the next ones from verification steps
+# the first token comes from the prompt's step; the next ones from verification steps
+MAX_TOKENS = 5
 CHECKED = (1, 2, 3)  # generated positions whose marginals are tested
 
 
@@ -169,7 +180,8 @@ def small_vocab_dirs(tmp_path_factory, make_tiny_checkpoint):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(vocab_size=VOCAB, initializer_range=0.6, tie_word_embeddings=False)
-    target = make_tiny_checkpoint(tmp_path_factory.mktemp("small-vocab"), LlamaConfig, LlamaForCausalLM, seed=11, **kw)
+    target = make_tiny_checkpoint(tmp_path_factory.mktemp("small-vocab"), LlamaConfig,
+                                  LlamaForCausalLM, seed=11, **kw)
     draft_dir = tmp_path_factory.mktemp("small-vocab-draft")
     model = hf_folder_model(target)
     gen = torch.Generator().manual_seed(0)
@@ -181,8 +193,8 @@ def small_vocab_dirs(tmp_path_factory, make_tiny_checkpoint):
 
 
 def exact_marginals(folder, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    """P(token t | prompt) for t = 1..steps, marginalised over the tokens before it, from transformers'
-    model by enumerating every prefix (VOCAB ** (steps - 1) of them)."""
+    """P(token t | prompt) for t = 1..steps, marginalised over the tokens before it, from
+    transformers' model by enumerating every prefix (VOCAB ** (steps - 1) of them)."""
     model = hf_folder_model(folder)
     prefixes, weights = [list(prompt)], torch.ones(1, dtype=torch.float64)
     marginals = []
@@ -220,14 +232,15 @@ def critical_value(dof: int, z: float = 3.72) -> float:
 def sample(target, **options) -> tuple[list[list[int]], dict[str, float]]:
     params = [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=s)
               for s in range(NUM_SAMPLES)]
-    core, out = run(target, [(PROMPT, p) for p in params], max_num_seqs=256, max_num_batched_tokens=4096,
-                    num_blocks=2048, **options)
+    core, out = run(target, [(PROMPT, p) for p in params], max_num_seqs=256,
+                    max_num_batched_tokens=4096, num_blocks=2048, **options)
     return list(out.values()), core.stats()
 
 
 def max_excess(samples: list[list[int]], marginals: list[torch.Tensor]) -> float:
-    """The largest chi-square statistic over the checked positions, as a multiple of its 0.9999 quantile
-    (so < 1 passes; with three positions a correct sampler fails about 3 times in 10,000)."""
+    """The largest chi-square statistic over the checked positions, as a multiple of its
+    0.9999 quantile (so < 1 passes; with three positions a correct sampler fails about 3 times
+    in 10,000)."""
     worst = 0.0
     for pos in CHECKED:
         stat, dof = chi_square(Counter(s[pos] for s in samples), marginals[pos], len(samples))
@@ -241,7 +254,8 @@ def accept_all(p, drafts, q, req):
 
 
 def resample_from_p(p, drafts, q, req):
-    """Broken: at a rejection, samples from p instead of the residual (p without the rejected draft)."""
+    """Broken: at a rejection, samples from p instead of the residual (p without the
+    rejected draft)."""
     k = len(drafts)
     for i in range(k):
         qx = 1.0 if q is None else float(q[i, drafts[i]])
@@ -255,7 +269,8 @@ def resample_from_p(p, drafts, q, req):
 def test_sampling_distribution_unchanged(small_vocab_dirs, proposer, monkeypatch):
     target, draft = small_vocab_dirs
     marginals = exact_marginals(target, PROMPT, max(CHECKED) + 1)
-    options = {"speculative": "ngram" if proposer == "ngram" else f"draft:{draft}", "num_speculative_tokens": 3}
+    options = {"speculative": "ngram" if proposer == "ngram" else f"draft:{draft}",
+               "num_speculative_tokens": 3}
     samples, stats = sample(target, **options)
     assert stats["total_spec_accepted_tokens"] > 300  # acceptance and rejection both ran many times
     assert stats["total_spec_draft_tokens"] - stats["total_spec_accepted_tokens"] > 300

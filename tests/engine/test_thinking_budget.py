@@ -1,7 +1,7 @@
-"""thinking_token_budget in the engine (engine/thinking.py): after exactly `budget` reasoning tokens the
-end ids are forced, one a step, and the model goes on; tiny random Llama, greedy, stepped in-process. And
-SmolLM2 itself closing its reasoning with `</think>` spelled as its tokenizer writes it in context, which
-ends the budget by the spellings the gateway finds (gateway/reasoning.py)."""
+"""thinking_token_budget in the engine (engine/thinking.py): after exactly `budget` reasoning tokens
+the end ids are forced, one a step, and the model goes on; tiny random Llama, greedy, stepped
+in-process. And SmolLM2 itself closing its reasoning with `</think>` spelled as its tokenizer writes
+it in context, which ends the budget by the spellings the gateway finds (gateway/reasoning.py)."""
 from __future__ import annotations
 
 import itertools
@@ -28,14 +28,16 @@ IDS = itertools.count()
 
 @pytest.fixture(scope="module")
 def core(tiny_llama_dir: Any) -> EngineCore:
-    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16, enable_prefix_caching=False))
+    return EngineCore(build_config(str(tiny_llama_dir), num_blocks=64, block_size=16,
+                                   enable_prefix_caching=False))
 
 
 def run(core: EngineCore, prompt: list[int] = PROMPT, **kw: Any) -> dict[int, list[Any]]:
     """-> per choice index, its output ids; under -1 - index its logprob entries; under -100 the
     prompt logprobs."""
     rid = f"r{next(IDS)}"
-    core.add(rid, prompt, SamplingParams(**({"max_tokens": MAX, "ignore_eos": True, "temperature": 0} | kw)))
+    core.add(rid, prompt, SamplingParams(**({"max_tokens": MAX, "ignore_eos": True,
+                                             "temperature": 0} | kw)))
     out: dict[int, list[Any]] = {}
     while core.has_work():
         for o in request_outputs(core.step()):  # an Error fails the test
@@ -52,7 +54,8 @@ def unused(ref: list[int], k: int) -> list[int]:
     return [t for t in range(100, 200) if t not in ref][:k]
 
 
-def test_the_end_ids_are_forced_exactly_at_the_budget_then_the_model_goes_on(core: EngineCore) -> None:
+def test_the_end_ids_are_forced_exactly_at_the_budget_then_the_model_goes_on(
+        core: EngineCore) -> None:
     ref = run(core)[0]
     end = unused(ref, 3)
     out = run(core, thinking_token_budget=5, reasoning_end_ids=end)[0]
@@ -69,7 +72,8 @@ def test_the_budget_counts_from_the_start_ids_when_the_output_writes_them(core: 
     assert ref.index(start[0]) == 2  # the first time the start ids appear
     out = run(core, thinking_token_budget=3, reasoning_start_ids=start, reasoning_end_ids=end)[0]
     assert out[:7] == ref[:7] and out[7:9] == end  # 4 tokens up to the tag, then 3 reasoning tokens
-    never = run(core, thinking_token_budget=3, reasoning_start_ids=unused(ref, 5)[3:], reasoning_end_ids=end)[0]
+    never = run(core, thinking_token_budget=3, reasoning_start_ids=unused(ref, 5)[3:],
+                reasoning_end_ids=end)[0]
     assert never == ref  # no start ids in the output: no reasoning to cut
 
 
@@ -78,8 +82,10 @@ def test_an_end_tag_begun_or_written_by_the_model_is_not_forced_again(core: Engi
     x, y = unused(ref, 2)
     begun = run(core, thinking_token_budget=5, reasoning_end_ids=[ref[4], x, y])[0]
     assert begun[:7] == [*ref[:5], x, y]  # ref[4] began the tag: only its rest is forced
-    assert run(core, thinking_token_budget=5, reasoning_end_ids=ref[1:3])[0] == ref  # closed at 3: nothing forced
-    assert run(core, thinking_token_budget=0, reasoning_end_ids=[x])[0][:1] == [x]  # no reasoning at all
+    # closed at 3: nothing forced
+    assert run(core, thinking_token_budget=5, reasoning_end_ids=ref[1:3])[0] == ref
+    # no reasoning at all
+    assert run(core, thinking_token_budget=0, reasoning_end_ids=[x])[0][:1] == [x]
 
 
 def test_forced_tokens_report_the_models_own_logprobs(core: EngineCore) -> None:
@@ -98,15 +104,18 @@ def test_each_sampled_sequence_keeps_its_own_budget(core: EngineCore) -> None:
     end = [150, 151]
     out = run(core, thinking_token_budget=6, reasoning_end_ids=end, temperature=1.0, seed=3, n=3)
     assert all(out[i][6:8] == end and len(out[i]) == MAX for i in range(3))
-    assert len({tuple(out[i][:6]) for i in range(3)}) > 1  # three samples, each forced at its own 6th token
+    # three samples, each forced at its own 6th token
+    assert len({tuple(out[i][:6]) for i in range(3)}) > 1
 
 
 @pytest.mark.parametrize(("kw", "param"), [
     ({"thinking_token_budget": 4}, "thinking_token_budget"),  # no end ids to force
     ({"thinking_token_budget": -1, "reasoning_end_ids": [5]}, "thinking_token_budget"),
-    ({"thinking_token_budget": 4, "reasoning_end_ids": [5], "use_beam_search": True, "beam_width": 2,
+    ({"thinking_token_budget": 4, "reasoning_end_ids": [5], "use_beam_search": True,
+      "beam_width": 2,
       "temperature": 0}, "thinking_token_budget"),
-    ({"thinking_token_budget": 4, "reasoning_end_ids": [5], "constraint": Constraint("regex", "a+")},
+    ({"thinking_token_budget": 4, "reasoning_end_ids": [5],
+      "constraint": Constraint("regex", "a+")},
      "thinking_token_budget"),
     ({"reasoning_start_ids": [5]}, "reasoning_start_ids"),
     ({"reasoning_end_ids": ["5"]}, "reasoning_end_ids"),
@@ -120,44 +129,52 @@ def test_a_budget_that_cannot_be_honoured_is_refused(kw: dict[str, Any], param: 
 
 @pytest.mark.parametrize(("kw", "param"), [
     ({"reasoning_end_ids": (10**6,)}, "reasoning_end_ids"),
-    ({"reasoning_end_ids": (5,), "reasoning_end_spellings": ((6,), (7, 10**6))}, "reasoning_end_spellings"),
+    ({"reasoning_end_ids": (5,), "reasoning_end_spellings": ((6,), (7, 10**6))},
+     "reasoning_end_spellings"),
 ])
-def test_end_ids_outside_the_vocabulary_are_refused_by_the_engine(core: EngineCore, kw: dict[str, Any],
+def test_end_ids_outside_the_vocabulary_are_refused_by_the_engine(core: EngineCore,
+                                                                  kw: dict[str, Any],
                                                                   param: str) -> None:
     with pytest.raises(InvalidRequest) as e:
         core.add("bad", PROMPT, SamplingParams(thinking_token_budget=4, **kw))
     assert e.value.param == param and not core.has_work()
 
 
-# Few-shot: SmolLM2 copies the examples' ` </think>`, which its tokenizer writes ` </`, `think`, `>` (after a
-# space), not as `</think>` alone encodes (`</`, `think`, `>`). The prompt opened the block.
-FEW_SHOT = ("Q: 2+2?\n<think> two plus two </think> 4\nQ: 3+3?\n<think> three plus three </think> 6\n"
-            "Q: 4+4?\n<think>")
+# Few-shot: SmolLM2 copies the examples' ` </think>`, which its tokenizer writes ` </`,
+# `think`, `>` (after a space), not as `</think>` alone encodes (`</`, `think`, `>`). The
+# prompt opened the block.
+FEW_SHOT = ("Q: 2+2?\n<think> two plus two </think> 4\nQ: 3+3?\n<think> three plus three </think> "
+            "6\nQ: 4+4?\n<think>")
 
 
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
-    return LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none", kv_cache_memory="64MiB",
-               num_threads=1)
+    return LLM("SmolLM2-135M-Instruct", dtype="float32", quantization="none",
+               kv_cache_memory="64MiB", num_threads=1)
 
 
 @pytest.mark.slow  # loads the real model in float32 (about a minute): out of `make check`
 def test_smollm2_closing_its_reasoning_in_another_spelling_ends_the_budget(smollm2: LLM) -> None:
     tok = smollm2_tokenizer()
-    prompt, end = tok.encode(FEW_SHOT, add_special_tokens=False), encode(tok, CLOSE, add_special_tokens=False)
+    prompt, end = tok.encode(FEW_SHOT, add_special_tokens=False), encode(tok, CLOSE,
+                                                                         add_special_tokens=False)
 
     def generate(**kw: Any) -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw)
         return list(smollm2.generate([prompt], params, use_tqdm=False)[0].token_ids)
 
     free = generate()
-    # The reference is the tokenizer's decode: the reasoning ends at the token whose prefix holds `</think>`.
+    # The reference is the tokenizer's decode: the reasoning ends at the token whose prefix
+    # holds `</think>`.
     closed = next(k for k in range(1, len(free) + 1) if CLOSE in tok.decode(free[:k]))
-    assert closed <= 8 and all(free[i:i + len(end)] != end for i in range(len(free)))  # not the tag's own ids
+    # not the tag's own ids
+    assert closed <= 8 and all(free[i:i + len(end)] != end for i in range(len(free)))
     budget = {"reasoning_end_ids": tuple(end), "reasoning_end_spellings": spellings(tok, CLOSE)}
-    # The model closed it before the budget was spent: nothing is forced (ids alone forced `</think>` at 12).
+    # The model closed it before the budget was spent: nothing is forced (ids alone forced
+    # `</think>` at 12).
     assert generate(thinking_token_budget=12, **budget) == free
-    # Spent inside the model's spelling, after ` </`: the forced end goes on with that spelling, the model's own.
+    # Spent inside the model's spelling, after ` </`: the forced end goes on with that spelling,
+    # the model's own.
     assert generate(thinking_token_budget=closed - 2, **budget) == free
     # Spent before the model began one: the tag's own ids, forced.
     assert generate(thinking_token_budget=2, **budget)[2:2 + len(end)] == end

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random HF checkpoints (no download, seconds to build) and the embedded SmolLM2."""
+"""Shared fixtures: tiny random HF checkpoints (no download, seconds to build) and the
+embedded SmolLM2."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +9,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 # Chosen when @triton.jit runs, so it must be set before any kernel module is imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Set before collection too: some test modules ask at import whether the kernels build (see native_kernels).
+# Set before collection too: some test modules ask at import whether the kernels build (see
+# native_kernels).
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("CONVEYOR_KERNEL_CACHE", os.path.join(_REPO, "build", "kernels"))
 # Tests must never reach the network, whatever a test asks transformers for.
@@ -29,31 +31,36 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 TINY: dict[str, Any] = dict(  # config keyword arguments of several types
-    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=512,
     intermediate_size=128, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    # std 0.15 (HF's default is 0.02) keeps greedy output varied instead of one repeated token, with
-    # top-1/top-2 logit gaps far above float noise, so greedy comparisons are not decided by rounding.
+    # std 0.15 (HF's default is 0.02) keeps greedy output varied instead of one repeated
+    # token, with top-1/top-2 logit gaps far above float noise, so greedy comparisons are not
+    # decided by rounding.
     initializer_range=0.15,
 )
 
 
 def save_tiny(folder: Path, config_cls: type, model_cls: type, seed: int = 0, bias_std: float = 0.0,
               **overrides: object) -> Path:
-    """Writes a tiny random checkpoint (config.json + model.safetensors) and returns its folder.
-    bias_std: HF initialises q/k/v biases to zero; a nonzero draw makes the bias path really tested."""
+    """Writes a tiny random checkpoint (config.json + model.safetensors) and returns its
+    folder. bias_std: HF initialises q/k/v biases to zero; a nonzero draw makes the bias path
+    really tested."""
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**TINY, **overrides})).eval()
     if bias_std:
         with torch.no_grad():
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                             layer.self_attn.v_proj):
                     proj.bias.normal_(0, bias_std)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
 def request_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
-    """An engine step's (or abort's) outputs, asserted to be RequestOutputs: an Error fails the test."""
+    """An engine step's (or abort's) outputs, asserted to be RequestOutputs: an Error
+    fails the test."""
     rows = list(outs)
     assert all(isinstance(o, RequestOutput) for o in rows), rows
     return [o for o in rows if isinstance(o, RequestOutput)]
@@ -74,8 +81,9 @@ def error_body(body: object) -> dict[str, Any]:
 
 
 def causal_lm(model: torch.nn.Module) -> LlamaForCausalLM:
-    """A runner's model as the one graph class every architecture loads into: nn.Module's attribute
-    access types each attribute as Tensor | Module, so tests that reach into layers go through here."""
+    """A runner's model as the one graph class every architecture loads into: nn.Module's
+    attribute access types each attribute as Tensor | Module, so tests that reach into layers go
+    through here."""
     return cast("LlamaForCausalLM", model)
 
 
@@ -85,7 +93,8 @@ def decoder_layers(model: torch.nn.Module) -> list[DecoderLayer]:
 
 @pytest.fixture(scope="session", autouse=True)
 def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Derived files (dequantized weights, tokenizer) go to a per-session folder, never the user's home."""
+    """Derived files (dequantized weights, tokenizer) go to a per-session folder, never the
+    user's home."""
     path = tmp_path_factory.mktemp("conveyor-cache")
     old = os.environ.get("CONVEYOR_CACHE")
     os.environ["CONVEYOR_CACHE"] = str(path)
@@ -98,10 +107,10 @@ def conveyor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session", autouse=True)
 def native_kernels(conveyor_cache: Path) -> bool:
-    """Build the native CPU kernels once, before any test: every engine process the tests start then finds
-    them in the cache instead of compiling them inside some test's deadline. The cache is the checkout's
-    build/kernels (ignored by git), kept between sessions: a build is named by its sources, torch and CPU,
-    so only a change to them compiles again (about 30 s a session saved)."""
+    """Build the native CPU kernels once, before any test: every engine process the tests start then
+    finds them in the cache instead of compiling them inside some test's deadline. The cache is the
+    checkout's build/kernels (ignored by git), kept between sessions: a build is named by its
+    sources, torch and CPU, so only a change to them compiles again (about 30 s a session saved)."""
     from kernels import cpu
 
 
@@ -119,7 +128,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), Qwen2Config, Qwen2ForCausalLM, seed=2, bias_std=0.1)
+    return save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), Qwen2Config, Qwen2ForCausalLM, seed=2,
+                     bias_std=0.1)
 
 
 @pytest.fixture(scope="session")
@@ -135,8 +145,8 @@ def smollm2_source() -> ModelSource:
 
 @pytest.fixture(autouse=True)
 def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):
-    """Issue #14's watchdog, in every test: no scheduler a test builds may ever have had work waiting
-    and nothing it could schedule (conveyor_engine_stalled_steps_total in a server)."""
+    """Issue #14's watchdog, in every test: no scheduler a test builds may ever have had work
+    waiting and nothing it could schedule (conveyor_engine_stalled_steps_total in a server)."""
     from engine.scheduler import Scheduler
 
     made: list[Scheduler] = []
@@ -149,9 +159,11 @@ def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):
     schedule = Scheduler.schedule
 
     def watched_schedule(self: Scheduler) -> object:
-        # A loop like `while core.has_work(): core.step()` would spin for ever on a stalled scheduler: stop it.
+        # A loop like `while core.has_work(): core.step()` would spin for ever on a stalled
+        # scheduler: stop it.
         plan = schedule(self)
-        assert self.num_stalled_steps < 100, f"a scheduler stalled for {self.num_stalled_steps} steps with work waiting"
+        assert self.num_stalled_steps < 100, (
+            f"a scheduler stalled for {self.num_stalled_steps} steps with work waiting")
         return plan
 
     monkeypatch.setattr(Scheduler, "__init__", recording_init)
@@ -163,10 +175,11 @@ def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture(autouse=True)
 def free_dead_engines():
-    """An engine's KV and swap pools (GiBs, written at start) live until the cyclic collector finds the
-    engine, which a suite of few Python objects and many engines seldom runs: dead engines' pools then pile
-    up in the one pytest process until the machine runs out of memory (21 GB was seen). Collect after any
-    test that leaves the process large; reading the size costs microseconds."""
+    """An engine's KV and swap pools (GiBs, written at start) live until the cyclic collector finds
+    the engine, which a suite of few Python objects and many engines seldom runs: dead engines'
+    pools then pile up in the one pytest process until the machine runs out of memory (21 GB was
+    seen). Collect after any test that leaves the process large; reading the size costs
+    microseconds."""
     yield
     with open("/proc/self/statm") as f:
         resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,9 +1,9 @@
 """Data-parallel replicas that die or come and go while serving: a SIGKILLed replica's streams
-resume at once on the live one (text identical to an uninterrupted run, float32 greedy, one usage
-block, no error event) while new requests keep being served, and `--max-engine-restarts 0` leaves
-the gateway serving on the replica that is left. `conveyor gateway` starts with one of its two
-replicas down, admits it when it comes up (it takes traffic), and loses nothing when a replica goes
-away."""
+resume at once on the live one (text identical to an uninterrupted run, float32 greedy, one
+usage block, no error event) while new requests keep being served, and `--max-engine-restarts 0`
+leaves the gateway serving on the replica that is left. `conveyor gateway` starts with one of
+its two replicas down, admits it when it comes up (it takes traffic), and loses nothing when a
+replica goes away."""
 
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def test_gateway_starts_with_a_replica_down_admits_it_later_and_loses_nothing_wh
                 before,
                 after,
             )  # the ring rebalanced
-            # B goes away under four streams: they finish on A, identical; new requests keep being
-            # served.
+            # B goes away under four streams: they finish on A, identical; new requests
+            # keep being served.
             reference, _ = asyncio.run(run(gw.url, None, []))
             lost: list[str] = []
 
@@ -233,8 +233,8 @@ async def _down(url: str, address: str) -> bool:
 
 
 async def dashboard_hello(url: str, replica: int) -> Any:
-    """The dashboard's first message on ?replica=N: which replica it shows, of which (past the
-    end: 400)."""
+    """The dashboard's first message on ?replica=N: which replica it shows, of which (past
+    the end: 400)."""
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{url}/dashboard/ws?replica=2") as resp:
             assert resp.status == 400

@@ -12,7 +12,8 @@ from shared.sampling import SamplingParams
 from tests.distributed.workload import BLOCK, assert_all_free, run, workload
 from tests.engine.test_embeddings import PROMPTS, cosine, embed_all, hf_pooled
 
-COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32, max_num_seqs=16)
+COMMON = dict(dtype="float32", num_threads=1, block_size=BLOCK, max_num_batched_tokens=32,
+              max_num_seqs=16)
 
 
 def tp_engine(folder, tp: int, **options) -> EngineCore:
@@ -20,14 +21,15 @@ def tp_engine(folder, tp: int, **options) -> EngineCore:
 
 
 def stop(core: EngineCore) -> list[int]:
-    """Closes the engine; -> each worker's exit code (0: it took STOP, so it had followed every step)."""
+    """Closes the engine; -> each worker's exit code (0: it took STOP, so it had followed
+    every step)."""
     core.close()
     return [w.proc.returncode for w in core.runner.workers]  # type: ignore[attr-defined]
 
 
 def assert_tp2_equals_tp1(folder, reqs, tp1: dict, tp2: dict) -> dict:
-    """Runs reqs on TP=1 (the reference) and on TP=2 with these options each; asserts the same tokens, every
-    block free, and the worker ended by STOP. -> the TP=2 engine's stats."""
+    """Runs reqs on TP=1 (the reference) and on TP=2 with these options each; asserts the same
+    tokens, every block free, and the worker ended by STOP. -> the TP=2 engine's stats."""
     reference = run(tp_engine(folder, 1, **tp1), reqs)
     core = tp_engine(folder, 2, **tp2)
     try:
@@ -46,7 +48,8 @@ def stop_ray_engine(core: EngineCore) -> None:
     import ray
 
     core.close()
-    assert [ray.get(w.done, timeout=30) for w in core.runner.workers] == [0]  # type: ignore[attr-defined]
+    assert [ray.get(w.done, timeout=30)
+            for w in core.runner.workers] == [0]  # type: ignore[attr-defined]
 
 
 @pytest.mark.slow
@@ -63,8 +66,8 @@ def test_tp2_equals_tp1_under_preemption(checkpoint, request):
 @pytest.mark.parametrize("mode", ["last", "mean"])
 def test_tp2_embeddings_equal_tp1_and_transformers(tiny_llama_dir, mode):
     """Pooling reads the final hidden states, whole on every rank once the layers' all-reduces are
-    done: rank 0 pools them while the workers run the step's collectives with it. A 150-token input in
-    32-token chunks (mean sums them), decodes in the same steps; the vectors are TP=1's and
+    done: rank 0 pools them while the workers run the step's collectives with it. A 150-token input
+    in 32-token chunks (mean sums them), decodes in the same steps; the vectors are TP=1's and
     transformers' last_hidden_state pooled."""
     options = dict(num_blocks=64, pooling=mode, long_prefill_threshold=32)
     generate = {"g1": [9, 8, 7], "g2": list(range(20, 60))}
@@ -82,19 +85,22 @@ def test_tp2_embeddings_equal_tp1_and_transformers(tiny_llama_dir, mode):
 
 
 def test_heads_that_do_not_divide_are_refused(tiny_llama_dir):
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*heads.*sizes that do: 1, 2"):
+    refusal = r"tensor_parallel_size 3 does not divide .*heads.*sizes that do: 1, 2"
+    with pytest.raises(ValueError, match=refusal):
         tp_engine(tiny_llama_dir, 3)
 
 
 def test_experts_are_refused(tmp_path):
-    """shard.py does not split experts: refused by name before any worker starts, rather than loaded wrong."""
+    """shard.py does not split experts: refused by name before any worker starts, rather than
+    loaded wrong."""
     import transformers as T
 
     from tests.conftest import save_tiny
 
-    folder = save_tiny(tmp_path, T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=16, num_experts=4,
-                       num_experts_per_tok=2, moe_intermediate_size=32)
-    with pytest.raises(ValueError, match=r"Qwen3MoeForCausalLM needs experts, which tensor parallelism does not"):
+    folder = save_tiny(tmp_path, T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    refusal = r"Qwen3MoeForCausalLM needs experts, which tensor parallelism does not"
+    with pytest.raises(ValueError, match=refusal):
         tp_engine(folder, 2)
 
 
@@ -107,9 +113,10 @@ def test_smollm2_tp3_equals_tp1(smollm2_source):
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):\n    ")]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reqs = [(f"s{i}", p, params) for i, p in enumerate(prompts)]
-    reference = run(tp_engine(smollm2_source.name, 1, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=8),
-                    reqs)
-    core = tp_engine(smollm2_source.name, 3, num_blocks=64, num_cpu_blocks=0, max_num_batched_tokens=8)
+    reference = run(tp_engine(smollm2_source.name, 1, num_blocks=64, num_cpu_blocks=0,
+                              max_num_batched_tokens=8), reqs)
+    core = tp_engine(smollm2_source.name, 3, num_blocks=64, num_cpu_blocks=0,
+                     max_num_batched_tokens=8)
     try:
         out = run(core, reqs)
     finally:

@@ -1,5 +1,5 @@
-"""The TP=2 equality test with the Ray backend: the worker is a Ray actor in a placement group of a local
-Ray cluster this test starts (and stops)."""
+"""The TP=2 equality test with the Ray backend: the worker is a Ray actor in a placement group of a
+local Ray cluster this test starts (and stops)."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +23,8 @@ def local_ray():
 def test_tp2_on_ray_equals_tp1(tiny_llama_dir, local_ray):
     reqs = workload()
     reference = run(tp_engine(tiny_llama_dir, 1, num_blocks=1024, num_cpu_blocks=0), reqs)
-    core = tp_engine(tiny_llama_dir, 2, num_blocks=20, num_cpu_blocks=6, distributed_executor_backend="ray")
+    core = tp_engine(tiny_llama_dir, 2, num_blocks=20, num_cpu_blocks=6,
+                     distributed_executor_backend="ray")
     try:
         out = run(core, reqs)
         stats = core.stats()

@@ -48,8 +48,8 @@ def stop_ray_engine(core: EngineCore) -> None:
     import ray
 
     core.close()
-    assert [ray.get(w.done, timeout=30)
-            for w in core.runner.workers] == [0]  # type: ignore[attr-defined]
+    workers = core.runner.workers  # type: ignore[attr-defined]
+    assert [ray.get(w.done, timeout=30) for w in workers] == [0]
 
 
 @pytest.mark.slow

@@ -25,9 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import workload
 
 SHAPES = {  # LlamaConfig fields
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+                     num_key_value_heads=8,
                      intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False),
 }
 
@@ -37,14 +39,16 @@ def write_checkpoint(shape: str, folder: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, bos_token_id=1,
+                         eos_token_id=2)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
 # (name, attention backend, enforce_eager): the torch backend never replays graphs (its plan is
 # built on the host each step); the Triton backend with and without them.
-RUNS = [("torch", "torch", True), ("triton eager", "triton", True), ("triton graphs", "triton", False)]
+RUNS = [("torch", "torch", True), ("triton eager", "triton", True),
+        ("triton graphs", "triton", False)]
 
 
 def run(model: str, backend: str, eager: bool, reqs, args) -> tuple[float, list[list[int]]]:
@@ -53,10 +57,11 @@ def run(model: str, backend: str, eager: bool, reqs, args) -> tuple[float, list[
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
-    llm = LLM(model, device="cuda", dtype=args.dtype, attention_backend=backend, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="8GiB",
-              enforce_eager=eager)
-    llm.generate([[100, 101, 102]], SamplingParams(max_tokens=4), use_tqdm=False)  # compile and warm up
+    llm = LLM(model, device="cuda", dtype=args.dtype, attention_backend=backend,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kv_cache_memory="8GiB", enforce_eager=eager)
+    # compile and warm up
+    llm.generate([[100, 101, 102]], SamplingParams(max_tokens=4), use_tqdm=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -68,7 +73,8 @@ def run(model: str, backend: str, eager: bool, reqs, args) -> tuple[float, list[
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--num-requests", type=int, default=256)
@@ -84,7 +90,8 @@ def main() -> None:
           f"shape {args.shape}")
     reqs = workload(args.num_requests, (32, 512), (8, 256), vocab=SHAPES[args.shape]["vocab_size"])
     out_tokens = sum(n for _, n in reqs)
-    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, {out_tokens} output tokens")
+    print(f"workload: {len(reqs)} requests, {sum(len(p) for p, _ in reqs)} prompt tokens, "
+          f"{out_tokens} output tokens")
     with tempfile.TemporaryDirectory() as folder:
         model = write_checkpoint(args.shape, folder)
         results = {name: run(model, backend, eager, reqs, args) for name, backend, eager in RUNS}

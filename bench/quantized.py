@@ -1,13 +1,13 @@
-"""Quantized weights: memory, decode speed and accuracy of SmolLM2 served as float32, bfloat16, int8 and
-int4 weights, all in this run, each in its own process (so resident memory is its own).
+"""Quantized weights: memory, decode speed and accuracy of SmolLM2 served as float32, bfloat16, int8
+and int4 weights, all in this run, each in its own process (so resident memory is its own).
 
 For each configuration: the weights' bytes and the process's resident memory once the engine is up
-(over the bare interpreter with torch imported, less the KV cache it preallocates); decode tokens/s at
-1 stream (a 32-token prompt, 64 new tokens) and at 32 streams (32 such prompts, 32 new tokens each), wall
-time of the whole generate call, prefill included; and the accuracy cost against the float32 model on a
-fixed set of 8 prompts: greedy agreement (share of the 24 generated positions equal to float32's, position
-by position) and the mean log-probability difference of float32's own greedy continuation
-(teacher-forced through each model).
+(over the bare interpreter with torch imported, less the KV cache it preallocates); decode tokens/s
+at 1 stream (a 32-token prompt, 64 new tokens) and at 32 streams (32 such prompts, 32 new tokens
+each), wall time of the whole generate call, prefill included; and the accuracy cost against the
+float32 model on a fixed set of 8 prompts: greedy agreement (share of the 24 generated positions
+equal to float32's, position by position) and the mean log-probability difference of float32's own
+greedy continuation (teacher-forced through each model).
 
 Loading is measured apart, in a process that only loads the model: its peak resident memory
 (ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
@@ -17,15 +17,16 @@ Loading is measured apart, in a process that only loads the model: its peak resi
     python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
---gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the model's
-quantized projections (int4) and its tied LM head (int8), each called in turn as a forward calls them,
-through torch's int kernels, through the packed bfloat16 copies and, on AMX CPUs, through the AMX kernel's
-tiles ("AMX") and its rows path ("AMX rows", up to 8 rows: the same bits), by row count; each set of passes is
-taken when the machine is quiet (other processes under --quiet of the CPUs), the best of --reps.
+--gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the
+model's quantized projections (int4) and its tied LM head (int8), each called in turn as a forward
+calls them, through torch's int kernels, through the packed bfloat16 copies and, on AMX CPUs,
+through the AMX kernel's tiles ("AMX") and its rows path ("AMX rows", up to 8 rows: the same bits),
+by row count; each set of passes is taken when the machine is quiet (other processes under --quiet
+of the CPUs), the best of --reps.
 
-int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with native
-bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under float32
-activations, the kernels' slow path.
+int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with
+native bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under
+float32 activations, the kernels' slow path.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads
 
-PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):", "Once upon a time",
-           "Water boils at", "The quick brown fox", "Photosynthesis is the process", "1, 2, 3, 4,"]
+PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):",
+           "Once upon a time", "Water boils at", "The quick brown fox",
+           "Photosynthesis is the process", "1, 2, 3, 4,"]
 ACCURACY_TOKENS = 24
 
 
@@ -50,7 +52,8 @@ def rss_bytes() -> int:
 
 
 def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int]) -> list[float]:
-    """log p(continuation[i] | ids + continuation[:i]) under model, one forward over the paged cache."""
+    """log p(continuation[i] | ids + continuation[:i]) under model, one forward over the
+    paged cache."""
     import torch
 
     from kernels.backend import BatchLayout
@@ -60,7 +63,8 @@ def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int])
     n, bs = len(seq), 16
     blocks = (n + bs - 1) // bs
     backend = TorchBackend("cpu")
-    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=getattr(torch, cfg.dtype))
+    kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                     dtype=getattr(torch, cfg.dtype))
     layout = BatchLayout([n], [0], [list(range(blocks))], bs, torch.arange(n))
     rows = torch.arange(len(ids) - 1, n - 1)
     with torch.inference_mode():
@@ -70,7 +74,8 @@ def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int])
 
 
 def load_only(args: argparse.Namespace) -> dict:
-    """Runs in a child process: load the model, nothing else. -> peak and final resident memory of the load."""
+    """Runs in a child process: load the model, nothing else. -> peak and final resident memory
+    of the load."""
     import resource
 
     import torch
@@ -96,27 +101,33 @@ def one(args: argparse.Namespace) -> dict:
     from shared.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
-    if args.int_only:  # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
+    # the int kernels at every row count, as before the packed copies (engine/kernel_choice.py)
+    if args.int_only:
         import engine.load.weights
 
         engine.load.weights.attach_packed_copies = lambda *_: {}
     base = rss_bytes()
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_threads=args.threads,
-              kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              num_threads=args.threads, kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
     model, cfg = llm.core.runner.model, llm.core.model_config
     kv = llm.core.runner.kv_cache
     kv_bytes = sum(t.numel() * t.element_size() for t in (kv.device, kv.cpu))
-    result = {"weights": weight_bytes(model), "rss": rss_bytes() - base - kv_bytes, "quantization": cfg.quantization}
+    result = {"weights": weight_bytes(model), "rss": rss_bytes() - base - kv_bytes,
+              "quantization": cfg.quantization}
     tok = load_tokenizer(resolve_model(args.model))
     prompts = [tok.encode(p) for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=ACCURACY_TOKENS, ignore_eos=True)
     result["greedy"] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    # float32's greedy continuations (this model's own for float32), teacher-forced through this model
+    # float32's greedy continuations (this model's own for float32), teacher-forced
+    # through this model
     ref = json.loads(args.reference) if args.reference else result["greedy"]
     result["logprobs"] = [teacher_forced_logprobs(model, cfg, p, c) for p, c in zip(prompts, ref)]
-    filler = [tok.encode(f"Write a long story about the number {i} and the sea. ") for i in range(32)]
+    filler = [tok.encode(f"Write a long story about the number {i} and the sea. ")
+              for i in range(32)]
     filler = [(ids * 8)[:32] for ids in filler]
-    llm.generate(filler[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm
+    # warm
+    llm.generate(filler[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
     for streams, new in ((1, 64), (32, 32)):
         if streams not in args.streams:
             continue
@@ -130,8 +141,9 @@ def one(args: argparse.Namespace) -> dict:
 
 def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None,
           int_only: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model, "--dtype", dtype,
-           "--quantization", quantization, "--streams", ",".join(map(str, args.streams))]
+    cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model,
+           "--dtype", dtype, "--quantization", quantization, "--streams",
+           ",".join(map(str, args.streams))]
     cmd += ["--cpu-time"] * args.cpu_time + ["--int-only"] * int_only
     if reference is not None:
         cmd += ["--reference", json.dumps(reference)]
@@ -175,7 +187,8 @@ def gemm(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
     modules = kernel_choice.switched_modules(model)
-    for m in modules:  # a copy for every matrix (no table, no calibration), so both sides can be timed
+    # a copy for every matrix (no table, no calibration), so both sides can be timed
+    for m in modules:
         m.packed = kernel_choice.PackedLinear(m.dequantized(), None)
     print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
           f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}"
@@ -186,15 +199,17 @@ def gemm(args: argparse.Namespace) -> None:
         for _ in range(args.reps):
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
-                _, q, p, t, s = kernel_choice.chain_times(group, [r], 1, time.thread_time if args.cpu_time else
-                                                          time.perf_counter)[0]
+                clock = time.thread_time if args.cpu_time else time.perf_counter
+                _, q, p, t, s = kernel_choice.chain_times(group, [r], 1, clock)[0]
                 if quiet:
                     old = best.setdefault(r, [q, p, t, s])
                     best[r] = [min(a, b) for a, b in zip(old, (q, p, t, s))]
         for r, (q, p, t, s) in sorted(best.items()):
             amx = f"  AMX {t * 1e3:8.2f}" if t < float("inf") else ""
-            amx += f"  AMX rows {s * 1e3:8.2f}" if s < float("inf") else ("  AMX rows        -" if amx else "")
-            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed {p * 1e3:8.2f}{amx}  x {q / p:5.2f}")
+            amx += (f"  AMX rows {s * 1e3:8.2f}" if s < float("inf")
+                    else "  AMX rows        -" if amx else "")
+            print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed "
+                  f"{p * 1e3:8.2f}{amx}  x {q / p:5.2f}")
         faster = [r for r, (q, p, _, _) in best.items() if p < q]
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
         tiles = [r for r, (q, p, t, _) in best.items() if t < min(q, p)]
@@ -205,14 +220,15 @@ def gemm(args: argparse.Namespace) -> None:
             print(f"{kind}: AMX rows path fastest at rows {sorted(by_rows)}", flush=True)
         beats = [r for r, (_, _, t, s) in best.items() if s < t]
         if beats:
-            print(f"{kind}: AMX rows path faster than its tiles at rows {sorted(beats)}", flush=True)
+            print(f"{kind}: AMX rows path faster than its tiles at rows {sorted(beats)}",
+                  flush=True)
 
 
 def head(args: argparse.Namespace) -> None:
-    """The tied int8 head, one arithmetic at every row count or not (issue #30): for torch's int8 kernel,
-    the packed copy (the default from a few rows) and the packed copy padded at one row and cut into calls
-    of kernel_choice.ONEDNN_SAME_BITS_ROWS (--deterministic on AMX CPUs), the rows whose bits differ from
-    the same row alone, then ms per call by rows (best of --reps)."""
+    """The tied int8 head, one arithmetic at every row count or not (issue #30): for torch's int8
+    kernel, the packed copy (the default from a few rows) and the packed copy padded at one row and
+    cut into calls of kernel_choice.ONEDNN_SAME_BITS_ROWS (--deterministic on AMX CPUs), the rows
+    whose bits differ from the same row alone, then ms per call by rows (best of --reps)."""
     import torch
 
     from engine import kernel_choice
@@ -226,9 +242,12 @@ def head(args: argparse.Namespace) -> None:
     packed = PackedLinear(m.dequantized(), None)
     m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=True), 1
     m.packed_rows = kernel_choice.ONEDNN_SAME_BITS_ROWS
-    kernels = {"int8 kernel": m.quantized_mm, "packed": packed.forward, "packed, padded and cut": m.forward}
-    x = torch.randn(max(args.rows), m.shape()[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    print(f"{args.model}'s tied int8 head {m.shape()}, bfloat16 activations, {args.threads} threads")
+    kernels = {"int8 kernel": m.quantized_mm, "packed": packed.forward,
+               "packed, padded and cut": m.forward}
+    x = torch.randn(max(args.rows), m.shape()[1],
+                    generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    print(f"{args.model}'s tied int8 head {m.shape()}, bfloat16 activations, "
+          f"{args.threads} threads")
     for name, f in kernels.items():
         alone = torch.cat([f(x[i:i + 1]) for i in range(x.shape[0])])
         differ = {r: int((f(x[:r]) != alone[:r]).any(dim=1).sum()) for r in args.rows}
@@ -256,13 +275,16 @@ def ab(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     llms = {name: LLM(args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
                       kv_cache_memory="512MiB", num_cpu_blocks=0, max_num_seqs=32)
-            for name, dtype, quant in (("default", "auto", "auto"), ("bfloat16/none", "bfloat16", "none"))}
+            for name, dtype, quant in (("default", "auto", "auto"),
+                                       ("bfloat16/none", "bfloat16", "none"))}
     clock = time.process_time if args.cpu_time else time.perf_counter
     prompts = [[100 + (i * 37 + j * 11) % 40000 for j in range(32)] for i in range(32)]
     for llm in llms.values():
-        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    print(f"{args.model}, {args.threads} threads, tok/s by {'CPU time' if args.cpu_time else 'wall clock'} of "
-          f"generate (32-token prompts, prefill included), {args.reps} runs each alternating: median (best)")
+        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+    print(f"{args.model}, {args.threads} threads, tok/s by "
+          f"{'CPU time' if args.cpu_time else 'wall clock'} of generate (32-token prompts, prefill "
+          f"included), {args.reps} runs each alternating: median (best)")
     for streams, new in ((1, 64), (32, 24)):
         if streams not in args.streams:
             continue
@@ -275,12 +297,14 @@ def ab(args: argparse.Namespace) -> None:
                 got[name].append(streams * new / (clock() - t0))
         row = {name: (sorted(v)[len(v) // 2], max(v)) for name, v in got.items()}
         (d, db), (b, bb) = row["default"], row["bfloat16/none"]
-        print(f"{streams:>2} streams: default ({llms['default'].core.model_config.quantization}) {d:.1f} ({db:.1f}) "
-              f"tok/s, bfloat16/none {b:.1f} ({bb:.1f}), default / bfloat16 {d / b:.3f}", flush=True)
+        print(f"{streams:>2} streams: default ({llms['default'].core.model_config.quantization}) "
+              f"{d:.1f} ({db:.1f}) tok/s, bfloat16/none {b:.1f} ({bb:.1f}), default / bfloat16 "
+              f"{d / b:.3f}", flush=True)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", default="SmolLM2-135M-Instruct")
     p.add_argument("--with-fp32-activations", action="store_true",
@@ -292,20 +316,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
     p.add_argument("--reference", help=argparse.SUPPRESS)
-    p.add_argument("--gemm", action="store_true", help="int kernels against packed copies by rows (see above)")
-    p.add_argument("--head", action="store_true", help="the tied int8 head's kernels: row-invariant or not, ms")
-    p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")], default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
+    p.add_argument("--gemm", action="store_true",
+                   help="int kernels against packed copies by rows (see above)")
+    p.add_argument("--head", action="store_true",
+                   help="the tied int8 head's kernels: row-invariant or not, ms")
+    p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")],
+                   default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--configs", type=lambda v: v.split(","),
-                   help="only these rows (float32, the accuracy reference, always runs): bfloat16,int8,int4,"
-                        "int4-int-only,default")
+                   help="only these rows (float32, the accuracy reference, always runs): "
+                        "bfloat16,int8,int4,int4-int-only,default")
     p.add_argument("--int-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ab", action="store_true",
-                   help="the default configuration against bfloat16/none, alternating in one process")
+                   help="the default configuration against bfloat16/none, alternating in one "
+                        "process")
     p.add_argument("--cpu-time", action="store_true",
-                   help="time by this process's CPU seconds, not the wall clock (a shared machine; use --threads 1)")
+                   help="time by this process's CPU seconds, not the wall clock (a shared machine; "
+                        "use --threads 1)")
     p.add_argument("--quiet", type=float, default=0.1,
-                   help="--gemm: time only while other processes use less than this share of the CPUs (1: always)")
+                   help="--gemm: time only while other processes use less than this share of the "
+                        "CPUs (1: always)")
     return p.parse_args()
 
 
@@ -322,11 +352,13 @@ def main() -> None:
         return
     print(machine())
     print(cpu_features())
-    # default: what `conveyor serve` runs (--dtype auto --quantization auto); int4 int-only: torch's int4
-    # kernel at every row count (the default before packed copies, engine/kernel_choice.py).
-    configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"), ("int8", "bfloat16", "int8"),
-               ("int4", "bfloat16", "int4"), ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto")]
-    configs = [c for c in configs if c[0] == "float32" or args.configs is None or c[0] in args.configs]
+    # default: what `conveyor serve` runs (--dtype auto --quantization auto); int4 int-only: torch's
+    # int4 kernel at every row count (the default before packed copies, engine/kernel_choice.py).
+    configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
+               ("int8", "bfloat16", "int8"), ("int4", "bfloat16", "int4"),
+               ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto")]
+    configs = [c for c in configs if c[0] == "float32" or args.configs is None
+               or c[0] in args.configs]
     if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
         configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
     results: dict[str, dict] = {}
@@ -337,21 +369,23 @@ def main() -> None:
         print(f"  measured {name}: {json.dumps(figures)}", file=sys.stderr)
     base = results["float32"]
     clock = "this process's CPU time" if args.cpu_time else "wall time"
-    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / {clock} of generate (prefill "
-          f"of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x {ACCURACY_TOKENS} greedy tokens "
-          "against float32")
+    print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / {clock} of "
+          f"generate (prefill of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x "
+          f"{ACCURACY_TOKENS} greedy tokens against float32")
 
     def ratio(r: dict, key: str) -> str:
         return f"{r[key]:>8.1f} {r[key] / base[key]:>6.2f}" if key in r else f"{'-':>8} {'-':>6}"
 
-    print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'load peak':>9} {'loaded':>7} {'RSS MiB':>8} "
-          f"{'tok/s 1':>8} {'x fp32':>6} {'tok/s 32':>8} {'x fp32':>6} {'greedy agree':>12} {'mean dlogprob':>13}")
+    print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'load peak':>9} {'loaded':>7} "
+          f"{'RSS MiB':>8} {'tok/s 1':>8} {'x fp32':>6} {'tok/s 32':>8} {'x fp32':>6} "
+          f"{'greedy agree':>12} {'mean dlogprob':>13}")
     for name, r in results.items():
         agree = sum(a == b for x, y in zip(r["greedy"], base["greedy"]) for a, b in zip(x, y))
         total = sum(len(x) for x in base["greedy"])
         dlp = [a - b for x, y in zip(r["logprobs"], base["logprobs"]) for a, b in zip(x, y)]
-        print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} {r['load_peak'] / 2**20:>9.0f} "
-              f"{r['load_rss'] / 2**20:>7.0f} {r['rss'] / 2**20:>8.0f} {ratio(r, 'tok_s_1')} {ratio(r, 'tok_s_32')} "
+        print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} "
+              f"{r['load_peak'] / 2**20:>9.0f} {r['load_rss'] / 2**20:>7.0f} "
+              f"{r['rss'] / 2**20:>8.0f} {ratio(r, 'tok_s_1')} {ratio(r, 'tok_s_32')} "
               f"{agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f}")
 
 

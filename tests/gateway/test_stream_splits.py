@@ -114,9 +114,9 @@ def test_the_split_at_the_tags() -> None:
 def test_reasoning_then_tool_calls_as_the_chat_stream_splits_them(
     head: str, thought: str, case: tuple[str, str], data: st.DataObject
 ) -> None:
-    """gateway/choice_stream.py's per-choice split (reasoning parser, then the tool-call parser on the
-    content) against the non-streaming path (split_reasoning, then Tools.parse), for a prompt that
-    opened <think>."""
+    """gateway/choice_stream.py's per-choice split (reasoning parser, then the tool-call parser on
+    the content) against the non-streaming path (split_reasoning, then Tools.parse), for a prompt
+    that opened <think>."""
     from gateway.choice_stream import ChoiceSplit
     from gateway.openai_schema import ParsedRequest
     from gateway.reasoning import Reasoning

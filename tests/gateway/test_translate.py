@@ -84,8 +84,8 @@ def test_any_split_gives_the_whole_texts_content_and_calls(
     )  # content first, then the calls
 
 
-THOUGHTS = ["a thought</think>the answer", "<think>a thought</think>the answer", "cut before the tag",
-            " <think>x</thi", "</think>"]
+THOUGHTS = ["a thought</think>the answer", "<think>a thought</think>the answer",
+            "cut before the tag", " <think>x</thi", "</think>"]
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,5 +1,5 @@
-"""/v1/ws against a fake engine: auth, limits and lifecycle (the interleaving and cancel tests with a real
-engine are in tests/e2e/test_front_door.py)."""
+"""/v1/ws against a fake engine: auth, limits and lifecycle (the interleaving and cancel tests with
+a real engine are in tests/e2e/test_front_door.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -37,7 +37,8 @@ def test_api_key_on_upgrade_header_or_query() -> None:
                                               {"params": {"api_key": "sk-ws"}}]
                 for kw in ways:
                     ws = await http.ws_connect("/v1/ws", **kw)
-                    await ws.send_json({"op": "completions", "id": "a", "body": {"prompt": "hi", "max_tokens": 2}})
+                    await ws.send_json({"op": "completions", "id": "a",
+                                        "body": {"prompt": "hi", "max_tokens": 2}})
                     frames = await frames_until(ws, lambda f: f["event"] == "done")
                     assert frames[0]["event"] == "chunk"
                     await ws.close()
@@ -49,11 +50,13 @@ def test_oversized_message_gets_413_frame_and_socket_lives() -> None:
         with FakeEngine() as eng:
             async with gateway(eng, max_body_size=2000) as http:
                 ws = await http.ws_connect("/v1/ws")
-                await ws.send_json({"op": "completions", "id": "big", "body": {"prompt": "x" * 3000}})
+                await ws.send_json({"op": "completions", "id": "big",
+                                    "body": {"prompt": "x" * 3000}})
                 err = await ws.receive_json()
                 assert err["event"] == "error" and err["status"] == 413
                 assert "limit of 2000 bytes" in err["error"]["message"]
-                await ws.send_json({"op": "completions", "id": "ok", "body": {"prompt": "hi", "max_tokens": 2}})
+                await ws.send_json({"op": "completions", "id": "ok",
+                                    "body": {"prompt": "hi", "max_tokens": 2}})
                 assert (await frames_until(ws, lambda f: f["event"] == "done"))[-1]["id"] == "ok"
                 await ws.close()
     run(main())
@@ -64,7 +67,8 @@ def test_admission_429_is_an_error_frame_with_retry_after() -> None:
         with slow_engine() as eng:
             async with gateway(eng, limits=Limits(max_concurrent_requests=1)) as http:
                 ws = await http.ws_connect("/v1/ws")
-                await ws.send_json({"op": "completions", "id": "a", "body": {"prompt": "hi", "max_tokens": 500}})
+                await ws.send_json({"op": "completions", "id": "a",
+                                    "body": {"prompt": "hi", "max_tokens": 500}})
                 await frames_until(ws, lambda f: f["event"] == "chunk")
                 await ws.send_json({"op": "completions", "id": "b", "body": {"prompt": "hi"}})
                 frames = await frames_until(ws, lambda f: f["id"] == "b")
@@ -80,7 +84,8 @@ def test_closing_the_socket_aborts_its_requests() -> None:
             async with gateway(eng) as http:
                 ws = await http.ws_connect("/v1/ws")
                 for cid in ("a", "b", "c"):
-                    await ws.send_json({"op": "completions", "id": cid, "body": {"prompt": "hi", "max_tokens": 500}})
+                    await ws.send_json({"op": "completions", "id": cid,
+                                        "body": {"prompt": "hi", "max_tokens": 500}})
                 await frames_until(ws, lambda f: f["event"] == "chunk")
                 assert await asyncio.to_thread(eng.wait_for, lambda: len(eng.adds()) == 3)
                 await ws.close()

@@ -1,6 +1,6 @@
-"""The vectorized layer ops of kernels/cpu/layer_ops.cpp (SiLU x up, RMSNorm, RoPE) against the PyTorch ops
-the model runs without them, at 1, 7, 32 and 300 rows and odd widths, and each row's bits independent of the
-rows around it (docs/determinism.md)."""
+"""The vectorized layer ops of kernels/cpu/layer_ops.cpp (SiLU x up, RMSNorm, RoPE) against the
+PyTorch ops the model runs without them, at 1, 7, 32 and 300 rows and odd widths, and each row's
+bits independent of the rows around it (docs/determinism.md)."""
 from __future__ import annotations
 
 import pytest
@@ -23,24 +23,26 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def strided_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """[rows, width] whose rows sit 6 elements apart inside a wider buffer, as a slice of a fused GEMM's
-    output; values wide enough to reach SiLU's saturated ends."""
+    """[rows, width] whose rows sit 6 elements apart inside a wider buffer, as a slice of a fused
+    GEMM's output; values wide enough to reach SiLU's saturated ends."""
     gen = torch.Generator().manual_seed(seed)
     return (4 * torch.randn(rows, width + 6, generator=gen)).to(dtype)[:, 3:width + 3]
 
 
 def assert_one_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bfloat16: the same bits but for rare last-bit ties (the float32 values before rounding differ in
-    their last bits), and never more than one rounding step apart."""
+    """bfloat16: the same bits but for rare last-bit ties (the float32 values before rounding differ
+    in their last bits), and never more than one rounding step apart."""
     assert (got != want).float().mean().item() <= 0.01
     torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=1e-30)
 
 
 def test_the_portable_mlp_act_is_silu_times_up() -> None:
-    """The path every machine runs without the native library (and the reference of the tests below)."""
+    """The path every machine runs without the native library (and the reference of the
+    tests below)."""
     x = strided_rows(5, 2 * 37, torch.float32, 0)
     gate, up = x[:, :37], x[:, 37:]
-    torch.testing.assert_close(mlp_act(x, gelu=False), gate * torch.sigmoid(gate) * up, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(mlp_act(x, gelu=False), gate * torch.sigmoid(gate) * up, rtol=1e-6,
+                               atol=1e-6)
     assert torch.equal(mlp_act(x, gelu=True, native=True),
                        F.gelu(gate, approximate="tanh") * up), "GeGLU stays on PyTorch ops"
 
@@ -50,8 +52,9 @@ def test_the_portable_mlp_act_is_silu_times_up() -> None:
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [1536, 1000, 37, 8])
 def test_silu_and_mul_equals_torch(dtype: torch.dtype, rows: int, width: int) -> None:
-    """float32: F.silu's vector formula with its exp, so its bits wherever torch's kernel vectorizes too (all
-    of a row whose width is a multiple of 32); its scalar tail calls std::exp, within 2 ulp of ours.
+    """float32: F.silu's vector formula with its exp, so its bits wherever torch's kernel vectorizes
+    too (all of a row whose width is a multiple of 32); its scalar tail calls std::exp, within 2 ulp
+    of ours.
     bfloat16: a faster exp before the same rounding (assert_one_rounding_apart)."""
     x = strided_rows(rows, 2 * width, dtype, rows * width)
     got, want = torch.ops.conveyor_cpu.silu_and_mul(x), silu_mul_reference(x)
@@ -70,8 +73,8 @@ def test_silu_and_mul_equals_torch(dtype: torch.dtype, rows: int, width: int) ->
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [576, 577, 100, 7])
 def test_rms_norm_equals_torch_at_odd_widths(dtype: torch.dtype, rows: int, width: int) -> None:
-    """The sum of squares in another order than F.rms_norm's: float32 within its rounding, bfloat16 one
-    rounding of nearly the same float32 value."""
+    """The sum of squares in another order than F.rms_norm's: float32 within its rounding, bfloat16
+    one rounding of nearly the same float32 value."""
     x = strided_rows(rows, width, dtype, rows + width)
     w = torch.randn(width, generator=torch.Generator().manual_seed(width)).to(dtype)
     got, want = torch.ops.conveyor_cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (width,), w, 1e-6)
@@ -104,8 +107,8 @@ def test_rope_equals_the_complex_multiply_at_odd_head_dims(dtype: torch.dtype, r
 @native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_a_rows_bits_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
-    """Row i computed alone, among 32 and among 300 rows (where the ops split rows over threads) gives the
-    same bits, at odd widths."""
+    """Row i computed alone, among 32 and among 300 rows (where the ops split rows over threads)
+    gives the same bits, at odd widths."""
     ops = torch.ops.conveyor_cpu
     x = strided_rows(300, 2 * 1000, dtype, 7)
     w = torch.randn(577, generator=torch.Generator().manual_seed(3)).to(dtype)

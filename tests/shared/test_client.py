@@ -1,4 +1,5 @@
-"""The client SDK against a fake engine: streaming, abort, typed errors, handshake timeout, engine loss."""
+"""The client SDK against a fake engine: streaming, abort, typed errors, handshake timeout, engine
+loss."""
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,8 @@ def test_handshake_reports_engine_facts() -> None:
         with FakeEngine(max_model_len=123) as eng:
             async with AsyncEngineClient(eng.address) as client:
                 assert client.ready is not None
-                assert (client.ready.model_name, client.ready.max_model_len) == ("SmolLM2-135M-Instruct", 123)
+                assert (client.ready.model_name,
+                        client.ready.max_model_len) == ("SmolLM2-135M-Instruct", 123)
     run(main())
 
 
@@ -35,7 +37,8 @@ def test_streams_deltas_until_finished() -> None:
             async with AsyncEngineClient(eng.address) as client:
                 stream = await client.add([1, 2, 3], SamplingParams(max_tokens=10), request_id="r1")
                 outs = [o async for o in stream]
-        # Deltas that arrive while the consumer is busy are merged, so only the joined tokens are fixed.
+        # Deltas that arrive while the consumer is busy are merged, so only the joined tokens are
+        # fixed.
         assert [t for o in outs for t in o.new_token_ids] == [5, 6, 7, 8, 9]
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert outs[-1].finish_reason == "stop" and outs[-1].num_prompt_tokens == 3
@@ -48,7 +51,8 @@ def test_many_requests_are_routed_to_their_own_streams() -> None:
         script = lambda add: [add.prompt_token_ids[0]] * 4  # noqa: E731 - each request echoes its id
         with FakeEngine(script=script) as eng:
             async with AsyncEngineClient(eng.address) as client:
-                streams = [await client.add([i + 10], SamplingParams(max_tokens=8)) for i in range(20)]
+                streams = [await client.add([i + 10], SamplingParams(max_tokens=8))
+                           for i in range(20)]
                 results = await asyncio.gather(*[_collect(s) for s in streams])
         assert results == [[i + 10] * 4 for i in range(20)]
     run(main())
@@ -89,7 +93,8 @@ def test_reset_prefix_cache_reaches_the_engine() -> None:
         with FakeEngine() as eng:
             async with AsyncEngineClient(eng.address) as client:
                 await client.reset_prefix_cache()
-                assert eng.wait_for(lambda: any(isinstance(m, P.ResetPrefixCache) for m in eng.received))
+                assert eng.wait_for(lambda: any(isinstance(m, P.ResetPrefixCache)
+                                                for m in eng.received))
     run(main())
 
 
@@ -101,14 +106,16 @@ def test_engine_error_raises_invalid_request() -> None:
                 stream = await client.add([1, 2, 3], SamplingParams())
                 with pytest.raises(InvalidRequest, match="too long"):
                     await stream.__anext__()
-                ok = [o async for o in await client.add([1], SamplingParams())]  # the client still works
+                # the client still works
+                ok = [o async for o in await client.add([1], SamplingParams())]
                 assert ok[-1].finished
     run(main())
 
 
 def test_no_ready_gives_engine_dead_within_timeout() -> None:
     async def main() -> None:
-        for eng in (FakeEngine(answer_hello=False), None):  # engine mute, or nothing listening at all
+        # engine mute, or nothing listening at all
+        for eng in (FakeEngine(answer_hello=False), None):
             address = eng.address if eng else "tcp://127.0.0.1:9"
             client = AsyncEngineClient(address, ready_timeout=0.3)
             start = time.monotonic()
@@ -131,7 +138,8 @@ def test_engine_loss_fails_inflight_requests_after_resume_timeout_then_reconnect
             with pytest.raises(EngineDead, match="did not come back within 0.3s"):
                 async for _ in stream:
                     pass
-            with FakeEngine(tokens=[7], address=eng.address):  # the engine comes back on the same address
+            # the engine comes back on the same address
+            with FakeEngine(tokens=[7], address=eng.address):
                 outs = [o async for o in await client.add([1], SamplingParams())]
                 assert outs[-1].new_token_ids == [7]
     run(main())
@@ -167,12 +175,16 @@ def test_text_level_generate_with_stop_string_aborts_engine() -> None:
     async def main() -> None:
         with FakeEngine(tokens=ids, step_interval=0.01) as eng:
             async with AsyncEngineClient(eng.address, tokenizer=tok) as client:
-                out = await client.generate_text("Capital?", SamplingParams(max_tokens=100, stop=("Paris",)))
+                out = await client.generate_text("Capital?",
+                                                 SamplingParams(max_tokens=100, stop=("Paris",)))
                 assert out.text == "The capital of France is " and out.finish_reason == "stop"
                 assert eng.wait_for(lambda: eng.aborted == [out.request_id])
-                chat = await client.generate_text([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=100))
-                assert chat.text == "The capital of France is Paris. It is big." and chat.finish_reason == "stop"
-                assert eng.adds()[-1].prompt_token_ids == apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+                chat = await client.generate_text([{"role": "user", "content": "hi"}],
+                                                  SamplingParams(max_tokens=100))
+                assert chat.text == "The capital of France is Paris. It is big."
+                assert chat.finish_reason == "stop"
+                hi = [{"role": "user", "content": "hi"}]
+                assert eng.adds()[-1].prompt_token_ids == apply_chat_template(tok, hi)
                 assert chat.num_prompt_tokens == len(eng.adds()[-1].prompt_token_ids)
     run(main())
 
@@ -191,10 +203,13 @@ def test_sync_client() -> None:
 
 def test_sync_client_text_calls() -> None:
     tok = smollm2_tokenizer()
-    with FakeEngine(tokens=tok.encode("Bonjour 你好")) as eng, EngineClient(eng.address, tokenizer=tok) as client:
+    with (FakeEngine(tokens=tok.encode("Bonjour 你好")) as eng,
+          EngineClient(eng.address, tokenizer=tok) as client):
         parts = list(client.stream_text("Say hi", SamplingParams(max_tokens=20)))
-        assert "".join(p.text for p in parts) == "Bonjour 你好" and parts[-1].finish_reason == "stop"
-        assert client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=("你",))).text == "Bonjour "
+        assert "".join(p.text for p in parts) == "Bonjour 你好"
+        assert parts[-1].finish_reason == "stop"
+        cut = client.generate_text("Say hi", SamplingParams(max_tokens=20, stop=("你",)))
+        assert cut.text == "Bonjour "
 
 
 def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
@@ -218,8 +233,8 @@ def test_slow_consumer_gets_merged_deltas_not_a_queue() -> None:
 
 
 def test_text_calls_with_n_choices_stop_strings_and_logprobs() -> None:
-    """One detokenizer per choice: each TextOutput belongs to one `index`, a stop string ends its own choice,
-    and logprobs come with the text they make up."""
+    """One detokenizer per choice: each TextOutput belongs to one `index`, a stop string ends its
+    own choice, and logprobs come with the text they make up."""
     tok = smollm2_tokenizer()
     texts = ["The capital of France is Paris.", "Once upon a time there was a cat"]
     choices = [tok.encode(t) for t in texts]
@@ -232,16 +247,20 @@ def test_text_calls_with_n_choices_stop_strings_and_logprobs() -> None:
                 whole = await client.generate_choices("hi", params)
                 with pytest.raises(InvalidRequest, match="generate_choices"):
                     await client.generate_text("hi", params)
-        assert {o.index for o in outs} == {0, 1} and outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert {o.index for o in outs} == {0, 1}
+        assert outs[-1].finished
+        assert not any(o.finished for o in outs[:-1])
         assert [o.finish_reason for o in outs if o.finish_reason] == ["stop", "stop"]
-        assert outs[-1].num_output_tokens == len(choices[1]) + 6  # choice 0 counts up to its stop string
-        assert [(w.index, w.text, w.finish_reason) for w in whole] == [(0, "The capital of France is ", "stop"),
-                                                                       (1, texts[1], "stop")]
+        # choice 0 counts up to its stop string
+        assert outs[-1].num_output_tokens == len(choices[1]) + 6
+        assert [(w.index, w.text, w.finish_reason)
+                for w in whole] == [(0, "The capital of France is ", "stop"), (1, texts[1], "stop")]
         first, second = [w.logprobs for w in whole]
         assert first is not None and second is not None  # both asked for logprobs
         assert [e.token for e in first] == ["The", " capital", " of", " France", " is"]
         assert [e.token_id for e in second] == choices[1]
-        assert [e.logprob for e in second] == [fake_logprobs(t, i, 1)[0] for i, t in enumerate(choices[1])]
+        assert [e.logprob for e in second] == [fake_logprobs(t, i, 1)[0]
+                                               for i, t in enumerate(choices[1])]
         assert all(e.top == [(e.token_id, e.token, e.logprob)] for w in (first, second) for e in w)
     run(main())
 
@@ -268,7 +287,9 @@ async def main():
     async def engine_goes_as_the_monitor_closes(monitor):
         try:
             await monitor_loop(monitor)
-        finally:  # the monitor's PAIR is closed now; the engine's socket closes; let the I/O thread see it
+        finally:
+            # the monitor's PAIR is closed now; the engine's socket closes; let the I/O thread
+            # see it
             eng.stop()
             threading.Event().wait(0.2)
 
@@ -283,12 +304,12 @@ print("closed")
 
 
 def test_close_returns_when_the_engine_goes_away_during_it() -> None:
-    """libzmq blocks its I/O thread for good on a monitor event for a closed PAIR (libzmq#3575), and the
-    client's close() with it, holding the GIL: a gateway or test whose engine died as it shut down hung.
-    In a subprocess, so a hang fails this test instead of stopping the suite."""
+    """libzmq blocks its I/O thread for good on a monitor event for a closed PAIR (libzmq#3575), and
+    the client's close() with it, holding the GIL: a gateway or test whose engine died as it shut
+    down hung. In a subprocess, so a hang fails this test instead of stopping the suite."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_ENGINE_GOES], capture_output=True, text=True,
-                          timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
+    done = subprocess.run([sys.executable, "-c", _CLOSE_WHILE_ENGINE_GOES], capture_output=True,
+                          text=True, timeout=120, cwd=str(Path(__file__).resolve().parents[2]))
     assert done.returncode == 0 and "closed" in done.stdout, done.stderr[-2000:]

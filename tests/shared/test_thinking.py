@@ -26,7 +26,8 @@ def test_states_open_at_the_start_ids_and_end_at_the_end_ids() -> None:
     w = thinking.WAITING
     assert states([1, 7, 8, 2, 9, 10, 11, 3], OPEN) == [w, w, 3, 3, 3, 3, None, None]
     assert states([1, 9, 10, 11, 2], []) == [0, 0, 0, None, None]  # the prompt opened it
-    assert states([9, 10, 7, 8, 9, 10, 11], OPEN) == [w, w, w, 4, 4, 4, None]  # an end before the start
+    # an end before the start
+    assert states([9, 10, 7, 8, 9, 10, 11], OPEN) == [w, w, w, 4, 4, 4, None]
     assert thinking.initial(OPEN, [], 0) is None  # no end ids: nothing tracked
 
 
@@ -35,7 +36,8 @@ def test_forced_is_the_rest_of_the_end_ids_once_the_budget_is_spent() -> None:
     assert thinking.forced(0, [1, 2, 3], 3, END) == 9
     assert thinking.forced(0, [1, 2, 9], 3, END) == 10  # the model began the tag
     assert thinking.forced(0, [1, 2, 9, 10], 3, END) == 11
-    assert thinking.forced(2, [9, 10, 1], 1, END) == 9  # a tag's prefix before the reasoning is not one
+    # a tag's prefix before the reasoning is not one
+    assert thinking.forced(2, [9, 10, 1], 1, END) == 9
     assert thinking.forced(thinking.WAITING, [1, 2, 3], 0, END) is None
 
 
@@ -49,7 +51,8 @@ def test_forced_is_the_rest_of_the_end_ids_once_the_budget_is_spent() -> None:
 def test_choices_count_reasoning_tokens_whatever_the_delta_sizes(
     output: list[int], start: list[int], want: int, size: int,
 ) -> None:
-    params = SamplingParams(max_tokens=64, reasoning_start_ids=tuple(start), reasoning_end_ids=tuple(CLOSE), n=2)
+    params = SamplingParams(max_tokens=64, reasoning_start_ids=tuple(start),
+                            reasoning_end_ids=tuple(CLOSE), n=2)
     tok = smollm2_tokenizer()
     choices = Choices("r", 4, params, tok, TokenStrings(tok))
     last = None

@@ -268,20 +268,6 @@ def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
     return targets
 
 
-def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype,
-                   groups: Groups | None = None) -> None:
-    """Replaces the quantized_targets of a loaded float model in place. engine/load/weights.py
-    quantizes while it loads instead, so the float model never exists; this is the same result from
-    a float model (tests compare the two). groups: exact int4 groups of GGUF Q4_0/Q4_1 matrices, by
-    our parameter name."""
-    groups = groups or {}
-    for path, kind in quantized_targets(model, mode).items():
-        float_module = model.get_submodule(path)
-        group = groups.get(f"{path}.weight")
-        quantized = quantize(float_module, kind, dtype, group)  # type: ignore[arg-type]
-        model.set_submodule(path, quantized)
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms, RoPE
     tables)."""

@@ -2,8 +2,8 @@
 matrix arrives and dropped before the next is read, so the float32 model never exists.
 
 Two properties: the result is the same codes and scales as quantizing the whole dequantized float32
-model (engine/load/quant.py's quantize_model, and the int8 / int4 formulas written out here over
-whole matrices), and what is alive during the load is bounded, checked by weak references to every
+model (quantize_model below, and the int8 / int4 formulas written out here over whole
+matrices), and what is alive during the load is bounded, checked by weak references to every
 tensor the loader reads, never by measuring memory."""
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ import engine.load.gguf
 import engine.load.quant
 import engine.load.weights
 from engine.load.gguf import read_gguf
-from engine.load.quant import GROUP, Int4Linear, Int8Linear, quantize_model, quantized_targets
+from engine.load.quant import (
+    GROUP,
+    Groups,
+    Int4Linear,
+    Int8Linear,
+    quantize,
+    quantized_targets,
+)
 from engine.load.weights import _our_groups, dequantized_folder, load_model
 from engine.models.llama import LlamaForCausalLM
 from shared.model_source import resolve_model
@@ -37,6 +44,18 @@ def small_chunks(monkeypatch):
     """The quantizers work CHUNK_ROWS rows at a time; at 64 the tiny model's matrices span
     several chunks."""
     monkeypatch.setattr(engine.load.quant, "CHUNK_ROWS", 64)
+
+
+def quantize_model(model: LlamaForCausalLM, mode: str, dtype: torch.dtype,
+                   groups: Groups | None = None) -> None:
+    """Replaces the quantized_targets of a loaded float model in place: what the loader did before
+    it streamed, the reference its streamed result must equal. groups: exact int4 groups of GGUF
+    Q4_0/Q4_1 matrices, by our parameter name."""
+    groups = groups or {}
+    for path, kind in quantized_targets(model, mode).items():
+        float_module = model.get_submodule(path)
+        quantized = quantize(float_module, kind, dtype, groups.get(f"{path}.weight"))  # type: ignore[arg-type]
+        model.set_submodule(path, quantized)
 
 
 def _reference(source, mode: str, dtype: torch.dtype):

@@ -84,7 +84,7 @@ class TorchBackend:
         # steps mix prompt chunks with decodes, and there the one native call per step served more:
         # docs/performance.md, "The AMX Xeon".) One kernel for every row walks each row's context in
         # one fixed order, so a token's output does not depend on how its prompt was chunked or
-        # cached (issue #30); --deterministic asks for it wherever the native kernel runs.
+        # cached (docs/determinism.md); --deterministic asks for it wherever the native kernel runs.
         # CONVEYOR_NATIVE_PROMPTS=1|0 forces it on or off. Asked only where the native kernel runs:
         # elsewhere (CUDA, the torch backend) its library may not be loaded at all.
         forced = os.environ.get("CONVEYOR_NATIVE_PROMPTS")

@@ -46,8 +46,8 @@ def _model_args(p: Parser, with_model: bool) -> None:
         a("--model", default=DEFAULT_MODEL, help="HF folder, .gguf file, or the embedded default")
     a("--dtype", choices=DTYPES,
       help="auto (default): bfloat16 for 16-bit and quantized checkpoints on CPUs with AMX or "
-           "AVX512-BF16 (1.8x faster there), else float32 (bfloat16 is ~100x slower on CPUs "
-           "without them)")
+           "AVX512-BF16, where it is the faster type, else float32 (bfloat16 is far slower on CPUs "
+           "without them; docs/performance.md)")
     a("--quantization", choices=QUANTIZATIONS,
       help="auto (default): a GGUF's 4-bit matrices run as int4 and Q8_0 as int8 weight-only GEMMs "
            "(weights stay 4-8x smaller than float32); none: dequantize to --dtype")

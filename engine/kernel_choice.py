@@ -14,8 +14,8 @@ copy costs 2 bytes a weight: it is made only while all copies together stay with
 so a large model keeps its quantized size (and torch's int kernels at every row count).
 
 The choice makes a row's arithmetic depend on the step's row count (docs/determinism.md): the two
-kernels round differently. docs/performance.md, "Quantized weights by row count", has the figures and that
-caveat.
+kernels round differently. docs/performance.md, "Quantized weights by row count", has the figures
+and that caveat.
 """
 from __future__ import annotations
 

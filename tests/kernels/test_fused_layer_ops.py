@@ -36,6 +36,15 @@ def assert_one_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=BF16_ULP, atol=1e-30)
 
 
+def assert_near(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> None:
+    """bfloat16: one rounding apart; float32: within the given tolerance of another summation
+    order."""
+    if got.dtype == torch.bfloat16:
+        assert_one_rounding_apart(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+
+
 def test_the_portable_mlp_act_is_silu_times_up() -> None:
     """The path every machine runs without the native library (and the reference of the
     tests below)."""
@@ -78,10 +87,7 @@ def test_rms_norm_equals_torch_at_odd_widths(dtype: torch.dtype, rows: int, widt
     x = strided_rows(rows, width, dtype, rows + width)
     w = torch.randn(width, generator=torch.Generator().manual_seed(width)).to(dtype)
     got, want = torch.ops.conveyor_cpu.rms_norm(x, w, 1e-6), F.rms_norm(x, (width,), w, 1e-6)
-    if dtype == torch.bfloat16:
-        assert_one_rounding_apart(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    assert_near(got, want, rtol=2e-6, atol=1e-6)
 
 
 @native
@@ -98,10 +104,7 @@ def test_rope_equals_the_complex_multiply_at_odd_head_dims(dtype: torch.dtype, r
     qk = torch.randn(rows, 5, head_dim, generator=gen).to(dtype)
     want = apply_rope(qk.clone(), rotation(table, pos, native=False))
     got = apply_rope(qk.clone(), rotation(table, pos, native=True))
-    if dtype == torch.bfloat16:
-        assert_one_rounding_apart(got, want)
-    else:
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_near(got, want, rtol=1e-6, atol=1e-6)
 
 
 @native

@@ -128,7 +128,12 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(client: openai.OpenAI, ref
         entry = got[j]
         mine = entry[str(ids[j])]
         assert abs(mine["logprob"] - logp[j - 1, ids[j]].item()) < TOL
-        assert mine["rank"] == int((logp[j - 1] > logp[j - 1, ids[j]]).sum()) + 1
+        # vLLM's rank: 1 + the tokens scored above it. A token within TOL of it may fall on either
+        # side of it in another float32 summation order, so the rank is pinned to that band.
+        target = logp[j - 1, ids[j]]
+        above = int((logp[j - 1] > target + TOL).sum())
+        near = int((logp[j - 1] > target - TOL).sum()) - 1  # the token itself is within TOL
+        assert above + 1 <= mine["rank"] <= near + 1, (mine["rank"], above, near)
         top = logp[j - 1].topk(2).indices.tolist()
         assert all(entry[str(t)]["rank"] == r for r, t in enumerate(top, start=1))
         assert len(entry) <= 3

@@ -109,10 +109,8 @@ class DecodeGraphs:
                                batch.slots + [-1] * pad], dtype=torch.int64)
         lens = torch.tensor([c + 1 for c in batch.context_lens] + [1] * pad, dtype=torch.int32)
         width = min(self.max_blocks, max(len(t) for t in batch.tables))
-        tables = torch.zeros(size, width, dtype=torch.int32)
-        for i, table in enumerate(batch.tables):
-            used = table[:width]
-            tables[i, :len(used)] = torch.tensor(used, dtype=torch.int32)
+        rows = [t[:width] + [0] * (width - len(t[:width])) for t in batch.tables]
+        tables = torch.tensor(rows + [[0] * width] * pad, dtype=torch.int32)  # one tensor a step
         self.token_buf[:, :size].copy_(tokens, non_blocking=True)
         self.len_buf[:size].copy_(lens, non_blocking=True)
         self.table_buf[:size, :width].copy_(tables, non_blocking=True)

@@ -29,11 +29,11 @@ from torch import nn
 from engine.load import amx
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import (
-    ONEDNN_SAME_BITS_ROWS,
     PLAIN_MAX_BYTES,
     QUANTIZED_TILES_ROWS,
     PackedLinear,
     quantized_packed_from,
+    same_bits_rows,
 )
 from engine.load.quant import Int4Linear, QuantizedLinear
 
@@ -73,7 +73,7 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
                      size / 2**20)
         return {}
     kind = kind or cpu_kind()
-    cut = ONEDNN_SAME_BITS_ROWS if deterministic and kind == "AMX" else None
+    cut = same_bits_rows(deterministic, kind)
     for m in modules:
         m.packed = PackedLinear(m.dequantized(), None, pad_one_row=deterministic, max_rows=cut)
         m.packed_from = NEVER

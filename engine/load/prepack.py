@@ -90,9 +90,10 @@ def plain_from_rows(dtype: torch.dtype) -> int | None:
 ONEDNN_SAME_BITS_ROWS = 32
 
 
-def same_bits_rows(deterministic: bool) -> int | None:
-    """PackedLinear's max_rows: where --deterministic must cut calls for a row's bits to hold."""
-    return ONEDNN_SAME_BITS_ROWS if deterministic and cpu_kind() == "AMX" else None
+def same_bits_rows(deterministic: bool, kind: str | None = None) -> int | None:
+    """PackedLinear's max_rows: where --deterministic must cut calls for a row's bits to hold.
+    kind: the CPU kind (tests), else this CPU's."""
+    return ONEDNN_SAME_BITS_ROWS if deterministic and (kind or cpu_kind()) == "AMX" else None
 
 
 class PackedLinear(nn.Module):

@@ -11,6 +11,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Literal
 
 import zmq
 
@@ -57,17 +58,21 @@ class Outbox:
         """Never blocks: a client gone (_gone) or behind (_fell_behind) loses its requests."""
         if client in self.behind:
             self.owe(client, msg)
-            return
-        try:
-            frames = [client, *encode(msg)]
-            with self.lock:
-                self.sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
+        elif self._deliver(client, msg) == "full":
             self._fell_behind(client, msg)
+
+    def _deliver(self, client: bytes, msg: Message) -> Literal["sent", "full", "gone"]:
+        try:
+            with self.lock:
+                self.sock.send_multipart([client, *encode(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            return "full"
         except zmq.ZMQError as e:
             if e.errno != zmq.EHOSTUNREACH:
                 raise
             self._gone(client)
+            return "gone"
+        return "sent"
 
     def _gone(self, client: bytes) -> None:
         gone = self.forget(client)
@@ -104,11 +109,12 @@ class Outbox:
                 owed[rid] = Error(rid, why, 503)
 
     def pay_owed_errors(self) -> None:
-        """The errors owed to clients that were behind, as far as their queues take them now."""
+        """The errors owed to clients that were behind, as far as their queues take them now. A
+        queue still full is not news: the client stays behind, quietly, until it reads."""
         for client, owed in list(self.behind.items()):
-            del self.behind[client]  # so that send tries the socket again
-            left = list(owed.values())
-            while left and client not in self.behind:
-                self.send(client, left.pop(0))  # full again: _fell_behind owes that one again
-            if left:
-                self.behind[client].update((e.request_id, e) for e in left if e.request_id)
+            for rid, error in list(owed.items()):
+                if self._deliver(client, error) != "sent":
+                    break
+                del owed[rid]
+            else:
+                del self.behind[client]

@@ -3,14 +3,17 @@ fake whose sends fail as ZeroMQ's ROUTER_MANDATORY sends do: each case is exact,
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 from typing import cast
 
+import pytest
 import zmq
 
 from engine.outbox import Outbox
 from engine.requests import RoutedOutputs
 from shared.protocol import Error, Message, Outputs, RequestOutput, Stats, decode
+from shared.wire import HWM
 
 A, B = b"client-a", b"client-b"
 
@@ -86,3 +89,27 @@ def test_a_client_that_is_gone_loses_its_requests_and_is_owed_nothing() -> None:
     sock.gone.add(B)
     outbox.send(B, Outputs([row("b1")]))
     assert forgotten == [B] and not outbox.behind and not sock.sent
+
+
+def test_a_client_still_behind_is_retried_quietly(caplog: pytest.LogCaptureFixture) -> None:
+    """One warning when it falls behind; each later step's retry against a full queue is silent
+    (it used to log "aborting its 0 requests" every step) and aborts nothing more."""
+    outbox, sock, forgotten = make()
+    sock.full.add(A)
+    with caplog.at_level(logging.WARNING, logger="conveyor.loop"):
+        outbox.send(A, Outputs([row("a1")]))
+        for _ in range(5):
+            outbox.pay_owed_errors()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"client {A.hex()} left {HWM} messages unread; aborting its 2 requests"]
+    assert forgotten == [A] and set(outbox.behind[A]) == {"a1", "a2"}
+
+
+def test_a_client_gone_while_owed_errors_is_dropped() -> None:
+    outbox, sock, forgotten = make()
+    sock.full.add(A)
+    outbox.send(A, Outputs([row("a1")]))
+    sock.full.clear()
+    sock.gone.add(A)
+    outbox.pay_owed_errors()
+    assert forgotten == [A, A] and not outbox.behind and not sock.sent

@@ -227,12 +227,12 @@ def gemm(args: argparse.Namespace) -> None:
 def head(args: argparse.Namespace) -> None:
     """The tied int8 head, one arithmetic at every row count or not (issue #30): for torch's int8
     kernel, the packed copy (the default from a few rows) and the packed copy padded at one row and
-    cut into calls of kernel_choice.ONEDNN_SAME_BITS_ROWS (--deterministic on AMX CPUs), the rows
+    cut into calls of prepack.ONEDNN_SAME_BITS_ROWS (--deterministic on AMX CPUs), the rows
     whose bits differ from the same row alone, then ms per call by rows (best of --reps)."""
     import torch
 
     from engine import kernel_choice
-    from engine.load.prepack import PackedLinear
+    from engine.load.prepack import ONEDNN_SAME_BITS_ROWS, PackedLinear
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
@@ -240,8 +240,8 @@ def head(args: argparse.Namespace) -> None:
     model, _ = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
     m = next(m for m in kernel_choice.switched_modules(model) if kernel_choice.kind_of(m) == "int8")
     packed = PackedLinear(m.dequantized(), None)
-    m.packed, m.packed_from = PackedLinear(m.dequantized(), None, pad_one_row=True), 1
-    m.packed_rows = kernel_choice.ONEDNN_SAME_BITS_ROWS
+    m.packed = PackedLinear(m.dequantized(), None, pad_one_row=True, max_rows=ONEDNN_SAME_BITS_ROWS)
+    m.packed_from = 1
     kernels = {"int8 kernel": m.quantized_mm, "packed": packed.forward,
                "packed, padded and cut": m.forward}
     x = torch.randn(max(args.rows), m.shape()[1],

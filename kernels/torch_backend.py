@@ -111,8 +111,11 @@ class TorchBackend:
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        # cast only for a bfloat16 cache under a float32 model: a no-op .to() still costs a call
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
         if meta.all_decode:
             return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, True, window,
                                         softcap)

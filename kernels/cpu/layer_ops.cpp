@@ -199,8 +199,8 @@ void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
 
 // K or V rows x [T, Hkv, D] into their cache slots: cache [blocks, block_size, Hkv, D] viewed as [S, Hkv, D],
 // row t to slot slots[t], as index_copy_ does (a copy: the same bits). Rows whose heads lie contiguously (views
-// of the QKV GEMM's output) are copied row by row, with no parallel region (at decode sizes index_copy_'s
-// costs more than the copy); any other layout goes through index_copy_ itself.
+// of the QKV GEMM's output) are copied row by row (at decode sizes index_copy_'s set-up costs more than the
+// copy); any other layout goes through index_copy_ itself.
 void write_rows(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots) {
   TORCH_CHECK(x.dim() == 3 && cache.dim() == 4 && x.size(1) == cache.size(2) && x.size(2) == cache.size(3),
               "write: x [T, Hkv, D] for a cache [blocks, block_size, Hkv, D]");

@@ -57,7 +57,8 @@ GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bm
             # AMX int4 (engine/load/amx.py)
             "conveyor_cpu::int4_gemm_amx", "conveyor_cpu::int4_gemm_rows"}
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention",
-               "conveyor_cpu::paged_attention")  # the native kernel (kernels/cpu)
+               # the native kernel (kernels/cpu), alone or after its K/V write in one call
+               "conveyor_cpu::paged_attention", "conveyor_cpu::write_and_attend")
 GATHER_OPS = {"aten::index_select", "aten::index", "aten::gather", "aten::take"}
 WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::scatter_",
              "aten::_index_put_impl_"}

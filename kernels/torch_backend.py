@@ -108,17 +108,28 @@ class TorchBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchMeta, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        n = meta.native
+        if n is not None and n.covers_all and k.dtype == k_cache.dtype:
+            # every row on the native kernel: the K/V write and the kernel in one call (the same
+            # copy and kernel as below, without about six Python calls a layer between them)
+            o: torch.Tensor = torch.ops.conveyor_cpu.write_and_attend(
+                q, k, v, k_cache, v_cache, meta.slot_mapping, n.block_tables, n.q_start, n.q_len,
+                n.seq_len, scale, self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0,
+                self.native_isa)
+            return o
         num_blocks, block_size, hkv, d = k_cache.shape
         k_flat = k_cache.view(num_blocks * block_size, hkv, d)  # [S, Hkv, D]
         v_flat = v_cache.view(num_blocks * block_size, hkv, d)
-        k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        # cast only for a bfloat16 cache under a float32 model: a no-op .to() still costs a call
+        if k.dtype != k_cache.dtype:
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
         if meta.all_decode:
             return self._attend_batched(q, k_cache, v_cache, meta.batched[0], scale, True, window,
                                         softcap)
         out = q.new_empty(q.shape)
-        if meta.native is not None:
-            n = meta.native
+        if n is not None:
             torch.ops.conveyor_cpu.paged_attention(
                 out, q, k_cache, v_cache, n.block_tables, n.q_start, n.q_len, n.seq_len, scale,
                 self.NATIVE_PART_TOKENS, window or 0, softcap or 0.0, self.native_isa)

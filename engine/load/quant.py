@@ -77,34 +77,30 @@ class QuantizedLinear(nn.Module):
         """The activations' dtype the kernel computes in."""
         raise NotImplementedError
 
-    def uses_packed(self, rows: int) -> bool:
-        return self.packed is not None and rows >= self.packed_from
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and self.uses_packed(x.shape[0]):
-            y = self.on_packed(x)
-        else:
-            tiles = self.amx_mm(x)
-            y = self.quantized_mm(x) if tiles is None else tiles
+        y = self.mm(x)
         return y if self.bias is None else y + self.bias
-
-    def on_packed(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ h) on the packed copy."""
-        assert self.packed is not None
-        return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
 
     def add_to(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """h + x @ W.T (+ b); on the packed copy and the AMX kernel the addition is fused into the
         GEMM."""
-        if self.bias is None:
-            if self.packed is not None and self.uses_packed(x.shape[0]):
-                return self.on_packed(x, h)
+        if self.bias is not None:
+            return h + self.forward(x)
+        return self.mm(x, h)
+
+    def mm(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T (+ h) on the kernel for x's rows, without the bias. The row tests come first:
+        packed and the codes are submodules and buffers, which nn.Module looks up in Python
+        (about half a microsecond each, 120 calls a step)."""
+        rows = x.shape[0]
+        if rows >= self.packed_from and self.packed is not None:
+            return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
+        if rows >= self.amx_from:
             tiles = self.amx_mm(x, h)
             if tiles is not None:
                 return tiles
-        # not self(x): Module.__call__'s hook checks cost microseconds
-        y: torch.Tensor = self.forward(x)
-        return h + y
+        y = self.quantized_mm(x)
+        return y if h is None else h + y
 
 
 class Int8Linear(QuantizedLinear):
@@ -208,15 +204,18 @@ class Int4Linear(QuantizedLinear):
     def tile_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), whatever the
         rows."""
-        assert self.tile_codes is not None and self.tile_scale_zero is not None
-        return amx.int4_mm(x.to(torch.bfloat16), self.tile_codes, self.tile_scale_zero,
-                           self.tile_min_exponent, residual)
+        codes, scale_zero = self.tile_codes, self.tile_scale_zero
+        assert codes is not None and scale_zero is not None
+        if x.dtype != torch.bfloat16:  # a no-op .to() still costs a call's dispatch
+            x = x.to(torch.bfloat16)
+        return amx.int4_mm(x, codes, scale_zero, self.tile_min_exponent, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.scales_zeros.dtype:
-            x = x.to(self.scales_zeros.dtype)
+        scales_zeros = self.scales_zeros
+        if x.dtype != scales_zeros.dtype:
+            x = x.to(scales_zeros.dtype)
         y: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.qweight,
-                                                                     GROUP, self.scales_zeros)
+                                                                     GROUP, scales_zeros)
         return y
 
     def shape(self) -> tuple[int, int]:

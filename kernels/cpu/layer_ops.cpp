@@ -24,6 +24,7 @@
 #endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
@@ -32,6 +33,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace {
 
@@ -195,6 +197,50 @@ void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
     TORCH_CHECK(false, "rope_: float32 or bfloat16, not ", x.scalar_type());
 }
 
+// K or V rows x [T, Hkv, D] into their cache slots: cache [blocks, block_size, Hkv, D] viewed as [S, Hkv, D],
+// row t to slot slots[t], as index_copy_ does (a copy: the same bits). Rows whose heads lie contiguously (views
+// of the QKV GEMM's output) are copied row by row (at decode sizes index_copy_'s set-up costs more than the
+// copy); any other layout goes through index_copy_ itself.
+void write_rows(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots) {
+  TORCH_CHECK(x.dim() == 3 && cache.dim() == 4 && x.size(1) == cache.size(2) && x.size(2) == cache.size(3),
+              "write: x [T, Hkv, D] for a cache [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(x.scalar_type() == cache.scalar_type() && cache.is_contiguous(), "write: x in the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == x.size(0),
+              "write: slot_mapping [T] int64");
+  if (x.stride(2) != 1 || x.stride(1) != x.size(2) || !slots.is_contiguous()) {
+    cache.view({-1, cache.size(2), cache.size(3)}).index_copy_(0, slots, x);
+    return;
+  }
+  const int64_t n_slots = cache.size(0) * cache.size(1), bytes = x.size(1) * x.size(2) * x.element_size();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const char* src = static_cast<const char*>(x.data_ptr());
+  char* dst = static_cast<char*>(cache.data_ptr());
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(s[t] >= 0 && s[t] < n_slots, "write: slot ", s[t], " outside the cache");
+    std::memcpy(dst + s[t] * bytes, src + t * x.stride(0) * x.element_size(), bytes);
+  }
+}
+
+// A layer's attention step on the native kernel in one call: K/V written into the cache (write_rows), then
+// conveyor_cpu::paged_attention (kernels/cpu/paged_attention.cpp) over every row of q into a new [T, H, D]. The
+// same copy and kernel as index_copy_ + paged_attention, without the Python calls between them (views, casts,
+// the output's allocation: about six a layer).
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& seq_len, double scale,
+                            int64_t part_tokens, int64_t window, double softcap, c10::string_view isa) {
+  using T = const at::Tensor&;
+  static const auto attend = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("conveyor_cpu::paged_attention", "")
+                                 .typed<void(T, T, T, T, T, T, T, T, double, int64_t, int64_t, double, c10::string_view)>();
+  write_rows(k, k_cache, slot_mapping);
+  write_rows(v, v_cache, slot_mapping);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  attend.call(out, q, k_cache, v_cache, block_tables, q_start, q_len, seq_len, scale, part_tokens, window, softcap,
+              isa);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
@@ -204,4 +250,8 @@ TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.def("rope_(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
   m.impl("rope_", c10::DispatchKey::CPU, &rope_);
+  m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor q_start, Tensor q_len, Tensor seq_len, float scale, int part_tokens, int window, "
+        "float softcap, str isa='auto') -> Tensor");
+  m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
 }

@@ -283,3 +283,39 @@ def test_prompt_chunks_take_the_kernel_where_its_bfloat16_path_runs(runnable, mo
     assert fp32.plan(batch.layout).prefills  # the prompt on SDPA
     monkeypatch.setenv("CONVEYOR_NATIVE_PROMPTS", "1")
     assert cpu(torch.float32).native_prompts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["qkv_views", "strided_heads"])
+def test_write_and_attend_is_index_copy_then_the_kernel(dtype, layout, runnable):
+    """The one-call layer step (torch_backend's all-native path) stores exactly what index_copy_
+    stores and returns the kernel's own bits: K/V as views of one QKV GEMM output (the model's
+    layout, copied row by row) and with heads not contiguous (index_copy_ itself)."""
+    batch = random_batch([1, 3, 1, 7], [0, 40, 300, 17], block_size=16, num_kv_heads=2, group=3,
+                         head_dim=64, dtype=dtype, seed=7)
+    q, k, v = batch.q, batch.k, batch.v
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    if layout == "qkv_views":
+        q, k, v = torch.cat((q, k, v), dim=1).split((h, hkv, hkv), dim=1)  # rows of H + 2Hkv heads
+    else:
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    n = TorchBackend("cpu", native=True).plan(batch.layout).native
+    assert n is not None
+    slots = batch.layout.slot_mapping
+    got_k, got_v = batch.k_cache.clone(), batch.v_cache.clone()
+    got = torch.ops.conveyor_cpu.write_and_attend(
+        q, k, v, got_k, got_v, slots, n.block_tables, n.q_start, n.q_len, n.seq_len, batch.scale,
+        256, 0, 0.0, "auto")
+    want_k, want_v = batch.k_cache.clone(), batch.v_cache.clone()
+    for cache, x in ((want_k, batch.k), (want_v, batch.v)):
+        cache.view(-1, hkv, d).index_copy_(0, slots, x)
+    want = torch.empty_like(batch.q)
+    torch.ops.conveyor_cpu.paged_attention(want, batch.q, want_k, want_v, n.block_tables,
+                                           n.q_start, n.q_len, n.seq_len, batch.scale, 256, 0,
+                                           0.0, "auto")
+    stored_k, stored_v = batch.stored_caches()
+    for cache, stored in ((got_k, stored_k), (got_v, stored_v)):
+        assert torch.equal(cache.nan_to_num(nan=0.0), stored.nan_to_num(nan=0.0))
+        assert torch.equal(cache.isnan(), stored.isnan())
+    assert torch.equal(got, want)

@@ -5,11 +5,13 @@
 // each thread dequantizes a panel of 32 output columns once per call into bfloat16 tiles laid out the way
 // TDPBF16PS reads them (pairs of k interleaved per column: "VNNI"), and multiplies every row of x against
 // it on AMX. The codes are repacked at load (engine/load/amx.py) so that dequantizing a tile row is a
-// straight stream: 16 bytes of nibbles become the tile row's 32 bfloat16.
+// straight stream: 16 bytes of nibbles become the tile row's 32 bfloat16; and so that a thread reads its
+// panels' codes and scales as two sequential streams (tile_counts).
 //
 // A row's result depends on that row only: the panel's bits are fixed by the weights, the k order is
 // fixed (tile after tile, each tile's dot product in hardware order), work is split across threads by
-// output columns, never by k, and a partial 16-row block is computed in a zero-padded copy. So a token's
+// output columns, never by k, and a tile holds only the call's rows (a row's sums do not depend on the other
+// rows of its tile). So a token's
 // projections have the same bits alone, in a batch of any size, or inside a prompt chunk (issue #30).
 //
 // Few rows (int4_gemm_rows): dequantizing a panel for one row costs more than multiplying it, and the
@@ -39,7 +41,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -88,13 +89,19 @@ namespace {
 
 using bf = c10::BFloat16;
 
-// Tiles 0-3: C (two row blocks x two column tiles), 4-5: A (two row blocks), 6-7: B (two column tiles);
-// every tile 16 rows of 64 bytes.
-void configure_tiles() {
+// Blocks of at most 16 rows: C tiles 0-3 (four column tiles), A tile 4, B tiles 5-7. Blocks of 17..32
+// rows: C tiles 0-3 (two row blocks x two column tiles), A tiles 4-5 (the row blocks), B tiles 6-7. A and C
+// tiles hold the block's rows only (a one-row call multiplies one row, not 16; a row's result does not
+// depend on the other rows of its tile). Unused tiles stay unconfigured (0 rows, 0 bytes).
+void configure_tiles(int64_t rows) {
   TileConfig cfg;
+  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(rows, kTileRows));
+  const uint8_t bottom = static_cast<uint8_t>(rows - top), b = kTileRows;
+  const uint8_t narrow[8] = {top, top, top, top, top, b, b, b};
+  const uint8_t wide[8] = {top, top, bottom, bottom, top, bottom, b, b};
   for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
+    cfg.rows[t] = bottom ? wide[t] : narrow[t];
+    cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
   }
   _tile_loadconfig(&cfg);
 }
@@ -152,46 +159,81 @@ inline void write_tile(const float* c, int64_t rows, bf* y, int64_t ldy, const b
   }
 }
 
-// Rows [0, m) of x (k elements each, stride ldx) times the panel (kt tiles deep, `cols` 16-column tiles
-// side by side per k tile, each 16 x 32 bfloat16) -> y[:, n0 : n0 + 16 * cols]. Full 32-row blocks read
-// x in place; the last partial block is read from tail, its zero-padded copy (same tile arithmetic).
+constexpr int kTileElems = kTileRows * kTileK;  // bfloat16 in one B tile
+using CTiles = float[4][kTileRows * kTileN];
+
+// At most 16 rows (a, stride in bytes) times `cols` (1..4) column tiles of the panel -> c[j]. Four C tiles
+// are four independent chains of TDPs; a fourth column tile reuses B tile 5, which the first TDP has read.
+void block16(const bf* a, int64_t stride, int64_t kt, const bf* panel, int cols, CTiles& c) {
+  _tile_zero(0);
+  if (cols > 1) _tile_zero(1);
+  if (cols > 2) _tile_zero(2);
+  if (cols > 3) _tile_zero(3);
+  for (int64_t t = 0; t < kt; ++t) {
+    const bf* bt = panel + t * cols * kTileElems;
+    _tile_loadd(4, a + t * kTileK, stride);
+    _tile_loadd(5, bt, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (cols > 1) {
+      _tile_loadd(6, bt + kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (cols > 2) {
+      _tile_loadd(7, bt + 2 * kTileElems, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (cols > 3) {
+      _tile_loadd(5, bt + 3 * kTileElems, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, c[0], kTileN * sizeof(float));
+  if (cols > 1) _tile_stored(1, c[1], kTileN * sizeof(float));
+  if (cols > 2) _tile_stored(2, c[2], kTileN * sizeof(float));
+  if (cols > 3) _tile_stored(3, c[3], kTileN * sizeof(float));
+}
+
+// 17..32 rows times `cols` (1 or 2) column tiles -> c[j] (rows 0-15), c[2 + j] (the rest).
+void block32(const bf* a, int64_t stride, int64_t kt, const bf* panel, int cols, CTiles& c) {
+  const int64_t second = kTileRows * (stride / sizeof(bf));
+  _tile_zero(0);
+  _tile_zero(2);
+  if (cols == 2) _tile_zero(1);
+  if (cols == 2) _tile_zero(3);
+  for (int64_t t = 0; t < kt; ++t) {
+    const bf* at = a + t * kTileK;
+    const bf* bt = panel + t * cols * kTileElems;
+    _tile_loadd(4, at, stride);
+    _tile_loadd(6, bt, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (cols == 2) {
+      _tile_loadd(7, bt + kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_loadd(5, at + second, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c[0], kTileN * sizeof(float));
+  _tile_stored(2, c[2], kTileN * sizeof(float));
+  if (cols == 2) _tile_stored(1, c[1], kTileN * sizeof(float));
+  if (cols == 2) _tile_stored(3, c[3], kTileN * sizeof(float));
+}
+
+// Rows [0, m) of x (stride ldx) times the panel (kt tiles deep, `cols` 16-column tiles side by side per k
+// tile: at most 2 where m > 16) -> y[:, n0 : n0 + 16 * cols]. x is read in place, 32 rows a block;
+// *configured: the block rows the thread's tiles are configured for.
 void multiply_panel(const bf* x, int64_t m, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
-                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, const bf* tail) {
-  alignas(64) float c[4][kTileRows * kTileN];
-  const int64_t a_stride = ldx * sizeof(bf), b_stride = 64;
+                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured) {
+  alignas(64) CTiles c;
   for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
     const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
-    const bf* a = x + m0 * ldx;
-    int64_t stride = a_stride;
-    if (rows < 2 * kTileRows) {
-      a = tail;
-      stride = kt * kTileK * sizeof(bf);
-    }
+    if (rows != *configured) configure_tiles(*configured = rows);
     const bool two = rows > kTileRows;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t t = 0; t < kt; ++t) {
-      const bf* at = a + t * kTileK;
-      const bf* bt = panel + t * cols * kTileRows * kTileK;
-      _tile_loadd(4, at, stride);
-      _tile_loadd(6, bt, b_stride);
-      _tile_dpbf16ps(0, 4, 6);
-      if (cols == 2) {
-        _tile_loadd(7, bt + kTileRows * kTileK, b_stride);
-        _tile_dpbf16ps(1, 4, 7);
-      }
-      if (two) {
-        _tile_loadd(5, at + kTileRows * (stride / sizeof(bf)), stride);
-        _tile_dpbf16ps(2, 5, 6);
-        if (cols == 2) _tile_dpbf16ps(3, 5, 7);
-      }
-    }
-    _tile_stored(0, c[0], kTileN * sizeof(float));
-    _tile_stored(1, c[1], kTileN * sizeof(float));
-    _tile_stored(2, c[2], kTileN * sizeof(float));
-    _tile_stored(3, c[3], kTileN * sizeof(float));
+    if (two)
+      block32(x + m0 * ldx, ldx * sizeof(bf), kt, panel, cols, c);
+    else
+      block16(x + m0 * ldx, ldx * sizeof(bf), kt, panel, cols, c);
     bf* yb = y + m0 * ldy;
     const bf* rb = res ? res + m0 * ldr : nullptr;
     const int64_t top = std::min<int64_t>(rows, kTileRows);
@@ -211,12 +253,45 @@ std::pair<const bf*, int64_t> residual_rows(const c10::optional<at::Tensor>& res
   return {residual->data_ptr<bf>(), residual->stride(0)};
 }
 
-template <typename Dequant>
-at::Tensor gemm(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>& residual, Dequant dequant) {
-  TORCH_CHECK(amx_usable(), "AMX tiles are not available on this CPU");
+// The tiles of a matrix (16 columns x 32 k each) in the order both kernels read them (pack_int4 in
+// engine/load/amx.py): panel by panel (32 columns; the last one 16 where N / 16 is odd), within a panel
+// k tile by k tile, within a k tile its column tiles side by side. So a thread's panels are one sequential
+// stream of codes and one of scales. codes uint8 [N/16 * K/32, 256]; scale_zero bfloat16 [N/16 * K/32, 2,
+// 16]. -> (column tiles, k tiles).
+std::pair<int64_t, int64_t> tile_counts(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bfloat16 [M, K] rows");
-  const int64_t m = x.size(0), k = x.size(1), kt = k / kTileK, nt = n / kTileN;
-  TORCH_CHECK(k % kTileK == 0 && n % kTileN == 0, "K must be a multiple of 32 and N of 16");
+  TORCH_CHECK(codes.is_contiguous() && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16);
+  const int64_t kt = x.size(1) / kTileK, tiles = codes.size(0);
+  TORCH_CHECK(x.size(1) % kTileK == 0 && kt > 0 && tiles % kt == 0 && codes.dim() == 2 &&
+              codes.size(1) == kTileRows * 16 && scale_zero.numel() == tiles * 2 * kTileN, "codes do not match x");
+  return {tiles / kt, kt};
+}
+
+// Tiles the kernels prefetch ahead of the one they dequantize (2 KiB of codes): the hardware prefetchers
+// stop at each 4 KiB page. 6 to 16 ran alike in `bench/quantized.py --gemm` (docs/kernels.md); none
+// ran slower.
+constexpr int64_t kPrefetchTiles = 8;
+
+// Panel p's tiles (read in their order, prefetched ahead) dequantized into out, where k tile t's column
+// tile j goes to place t * cols + first + j (cols: the column tiles of out per k tile).
+void dequant_panel(const uint8_t* codes, const bf* sz, int64_t p, int64_t nt, int64_t kt, bf* out, int cols,
+                   int first) {
+  const int own = (2 * p + 1 < nt) ? 2 : 1;
+  const int64_t last = nt * kt - 1;
+  for (int64_t t = 0; t < kt; ++t)
+    for (int j = 0; j < own; ++j) {
+      const int64_t tile = 2 * p * kt + t * own + j, ahead = std::min(tile + kPrefetchTiles, last);
+      for (int l = 0; l < 4; ++l) __builtin_prefetch(codes + ahead * kTileRows * 16 + 64 * l);
+      __builtin_prefetch(sz + ahead * 2 * kTileN);
+      dequant_int4(codes + tile * kTileRows * 16, sz + tile * 2 * kTileN, out + (t * cols + first + j) * kTileElems);
+    }
+}
+
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
+                     const c10::optional<at::Tensor>& residual) {
+  TORCH_CHECK(amx_usable(), "AMX tiles are not available on this CPU");
+  const std::pair<int64_t, int64_t> counts = tile_counts(x, codes, scale_zero);
+  const int64_t nt = counts.first, kt = counts.second, m = x.size(0), n = nt * kTileN;
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const std::pair<const bf*, int64_t> residual_at = residual_rows(residual, m, n);
   const bf* res = residual_at.first;  // plain names: a lambda cannot capture a structured binding in C++17
@@ -224,36 +299,24 @@ at::Tensor gemm(const at::Tensor& x, int64_t n, const c10::optional<at::Tensor>&
   if (m == 0) return y;
   const bf* xp = x.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();
-  const int64_t panels = (nt + 1) / 2, full = m / (2 * kTileRows) * (2 * kTileRows);
-  std::vector<bf> tail(m > full ? 2 * kTileRows * k : 0, bf(0.f));  // the partial block, zero-padded
-  for (int64_t r = full; r < m; ++r) std::memcpy(tail.data() + (r - full) * k, xp + r * x.stride(0), k * sizeof(bf));
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    configure_tiles();
-    thread_local std::vector<bf> panel;
-    panel.resize(kt * 2 * kTileRows * kTileK);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int cols = (2 * p + 1 < nt) ? 2 : 1;
-      for (int64_t t = 0; t < kt; ++t)
-        for (int j = 0; j < cols; ++j) dequant(2 * p + j, t, panel.data() + (t * cols + j) * kTileRows * kTileK);
-      multiply_panel(xp, m, x.stride(0), kt, panel.data(), cols, yp, n, res, ldr, kPanelN * p, tail.data());
-    }
-    _tile_release();
-  });
-  return y;
-}
-
-// codes uint8 [N/16, K/32, 16 * 16]; scale_zero bfloat16 [N/16, K/32, 2, 16].
-at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
-                     const c10::optional<at::Tensor>& residual) {
-  TORCH_CHECK(codes.is_contiguous() && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16);
-  const int64_t nt = codes.size(0), kt = codes.size(1);
-  TORCH_CHECK(x.size(1) == kt * kTileK && codes.size(2) == kTileRows * 16, "codes do not match x");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const bf* sp = scale_zero.data_ptr<bf>();
-  return gemm(x, nt * kTileN, residual, [&](int64_t j, int64_t t, bf* out) {
-    const int64_t tile = j * kt + t;
-    dequant_int4(cp + tile * kTileRows * 16, sp + tile * 2 * kTileN, out);
+  // few rows: two panels (four column tiles) multiplied at once, four independent chains of TDPs
+  const int64_t group = m <= kTileRows ? 2 : 1;
+  at::parallel_for(0, (nt + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    int64_t configured = 0;
+    thread_local std::vector<bf> panel;
+    if (panel.size() < static_cast<size_t>(kt * 4 * kTileElems)) panel.resize(kt * 4 * kTileElems);
+    for (int64_t p = p0; p < p1; p += group) {
+      const int64_t end = std::min(p + group, p1);
+      const int cols = static_cast<int>(std::min(2 * end, nt) - 2 * p);
+      for (int64_t q = p, first = 0; q < end; first += 2, ++q)
+        dequant_panel(cp, sp, q, nt, kt, panel.data(), cols, first);
+      multiply_panel(xp, m, x.stride(0), kt, panel.data(), cols, yp, n, res, ldr, kPanelN * p, &configured);
+    }
+    if (configured) _tile_release();
   });
+  return y;
 }
 
 constexpr unsigned kDazFtz = 0x8040;    // MXCSR: denormals are zero, flush to zero
@@ -272,8 +335,8 @@ inline void switch_csr(unsigned csr) {
   asm volatile("" ::: "memory");
 }
 
-// TDPBF16PS's arithmetic for rows of a few-row x against `cols` (1 or 2) 16-column tiles of int4 codes
-// side by side, kt tiles along k each: xs is x's even k [M][K/2], then its odd k [M][K/2], float32. For each
+// TDPBF16PS's arithmetic for rows of a few-row x against a panel of `cols` (1 or 2) 16-column tiles of int4
+// codes side by side, kt tiles along k each (in tile_counts's order: tile (t, j) at t * cols + j): xs is x's even k [M][K/2], then its odd k [M][K/2], float32. For each
 // 32-k tile: per output an FMA chain from zero over the even k and one over the odd k, in k order, then
 // acc += even + odd, with DAZ and FTZ. Two ways:
 // - plain (the fast one): the weights dequantized in registers and everything under the caller's MXCSR.
@@ -283,22 +346,25 @@ inline void switch_csr(unsigned csr) {
 //   under the caller's MXCSR, as gemm dequantizes. Exact for every input.
 // -> c[M][32] float32.
 template <int M, bool plain>
-void rows_tiles(const float* xs, int64_t kh, int64_t kt, const uint8_t* codes, const bf* sz, int64_t codes_step,
-                int64_t sz_step, int cols, unsigned csr, float* c) {
+void rows_tiles(const float* xs, int64_t kh, int64_t kt, const uint8_t* codes, const bf* sz, int cols,
+                unsigned csr, float* c) {
   const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const float* xe = xs;
   const float* xo = xs + M * kh;
   __m512 acc[M][2];
   for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   alignas(64) bf buffer[plain ? 1 : 2 * kTileRows * kTileK];
+  const int64_t tile_bytes = kTileRows * 16, sz_size = 2 * kTileN, ahead = kPrefetchTiles * tile_bytes;
   for (int64_t t = 0; t < kt; ++t) {
-    const uint8_t* tc = codes + t * kTileRows * 16;
-    const bf* ts = sz + t * 2 * kTileN;
+    const uint8_t* tc = codes + t * cols * tile_bytes;
+    const bf* ts = sz + t * cols * sz_size;
+    for (int l = 0; l < 4 * cols; ++l) __builtin_prefetch(tc + ahead + 64 * l);
+    __builtin_prefetch(ts + ahead / 8);  // 64 bytes of scales per 256 of codes
     if (!plain) {
-      for (int j = 0; j < cols; ++j) dequant_int4(tc + j * codes_step, ts + j * sz_step, buffer + j * kTileRows * kTileK);
+      for (int j = 0; j < cols; ++j) dequant_int4(tc + j * tile_bytes, ts + j * sz_size, buffer + j * kTileRows * kTileK);
       switch_csr((csr & ~kRounding) | kDazFtz);
     }
-    const Int4Tile t0(tc, ts), t1(cols == 2 ? tc + codes_step : tc, cols == 2 ? ts + sz_step : ts);
+    const Int4Tile t0(tc, ts), t1(cols == 2 ? tc + tile_bytes : tc, cols == 2 ? ts + sz_size : ts);
     __m512 even[M][2], odd[M][2];
     for (int r = 0; r < M; ++r) even[r][0] = even[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
     for (int p = 0; p < kTileRows; ++p) {  // k pair p of the tile: k = 32 t + 2 p (even), + 1 (odd)
@@ -327,8 +393,7 @@ void rows_tiles(const float* xs, int64_t kh, int64_t kt, const uint8_t* codes, c
     for (int j = 0; j < cols; ++j) _mm512_storeu_ps(c + r * kPanelN + kTileN * j, acc[r][j]);
 }
 
-using RowsTiles = void (*)(const float*, int64_t, int64_t, const uint8_t*, const bf*, int64_t, int64_t, int,
-                           unsigned, float*);
+using RowsTiles = void (*)(const float*, int64_t, int64_t, const uint8_t*, const bf*, int, unsigned, float*);
 constexpr int kMaxRows = 8;  // the rows path takes at most this many rows
 constexpr RowsTiles kRowsTiles[2][kMaxRows] = {
     {rows_tiles<1, false>, rows_tiles<2, false>, rows_tiles<3, false>, rows_tiles<4, false>, rows_tiles<5, false>,
@@ -348,7 +413,8 @@ inline int exponent_of(uint16_t bits) {
 // for int4_gemm_rows's check; computed once per matrix at load.
 int64_t int4_min_exponent(const at::Tensor& codes, const at::Tensor& scale_zero) {
   TORCH_CHECK(codes.is_contiguous() && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16);
-  const int64_t tiles = codes.size(0) * codes.size(1);
+  const int64_t tiles = codes.numel() / (kTileRows * 16);
+  TORCH_CHECK(scale_zero.numel() == tiles * 2 * kTileN, "scale_zero does not match codes");
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const bf* sp = scale_zero.data_ptr<bf>();
   alignas(64) bf w[kTileRows * kTileK];
@@ -368,10 +434,8 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
                           const c10::optional<at::Tensor>& residual, int64_t w_min_exponent) {
   static const bool usable = cpu_runs_rows();
   TORCH_CHECK(usable, "the rows path needs AVX-512 with bfloat16 conversions");
-  TORCH_CHECK(codes.is_contiguous() && scale_zero.is_contiguous() && scale_zero.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x: bfloat16 [M, K] rows");
-  const int64_t nt = codes.size(0), kt = codes.size(1), n = nt * kTileN, m = x.size(0), kh = kt * kTileRows;
-  TORCH_CHECK(x.size(1) == kt * kTileK && codes.size(2) == kTileRows * 16, "codes do not match x");
+  const std::pair<int64_t, int64_t> counts = tile_counts(x, codes, scale_zero);
+  const int64_t nt = counts.first, kt = counts.second, n = nt * kTileN, m = x.size(0), kh = kt * kTileRows;
   TORCH_CHECK(m <= kMaxRows, "the rows path takes at most ", kMaxRows, " rows");
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   const std::pair<const bf*, int64_t> residual_at = residual_rows(residual, m, n);
@@ -411,7 +475,7 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
     const RowsTiles multiply = kRowsTiles[plain && (csr & kRounding) == 0][m - 1];
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (2 * p + 1 < nt) ? 2 : 1;
-      multiply(xs.data(), kh, kt, cp + 2 * p * codes_step, sp + 2 * p * sz_step, codes_step, sz_step, cols, csr, c);
+      multiply(xs.data(), kh, kt, cp + 2 * p * codes_step, sp + 2 * p * sz_step, cols, csr, c);
       for (int j = 0; j < cols; ++j)
         for (int64_t r = 0; r < m; ++r)
           write_tile(c + r * kPanelN + kTileN * j, 1, yp + r * n, n, res ? res + r * ldr : nullptr, ldr,

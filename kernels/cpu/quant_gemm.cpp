@@ -268,8 +268,7 @@ std::pair<int64_t, int64_t> tile_counts(const at::Tensor& x, const at::Tensor& c
 }
 
 // Tiles the kernels prefetch ahead of the one they dequantize (2 KiB of codes): the hardware prefetchers
-// stop at each 4 KiB page. 6 to 16 ran alike in `bench/quantized.py --gemm` (docs/kernels.md); none
-// ran slower.
+// stop at each 4 KiB page. 6 to 16 ran alike over SmolLM2's shapes; 0 and 4 read slower (docs/kernels.md).
 constexpr int64_t kPrefetchTiles = 8;
 
 // Panel p's tiles (read in their order, prefetched ahead) dequantized into out, where k tile t's column

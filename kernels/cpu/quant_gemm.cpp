@@ -103,6 +103,9 @@ void configure_tiles(int64_t rows) {
     cfg.rows[t] = bottom ? wide[t] : narrow[t];
     cfg.colsb[t] = cfg.rows[t] ? 64 : 0;
   }
+  // GCC's _tile_loadconfig tells the compiler it reads the config's first 8 bytes only, so the stores of
+  // rows and colsb could be dropped as dead (they were, once configure_tiles was not inlined)
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
@@ -162,86 +165,88 @@ inline void write_tile(const float* c, int64_t rows, bf* y, int64_t ldy, const b
 constexpr int kTileElems = kTileRows * kTileK;  // bfloat16 in one B tile
 using CTiles = float[4][kTileRows * kTileN];
 
-// At most 16 rows (a, stride in bytes) times `cols` (1..4) column tiles of the panel -> c[j]. Four C tiles
-// are four independent chains of TDPs; a fourth column tile reuses B tile 5, which the first TDP has read.
-void block16(const bf* a, int64_t stride, int64_t kt, const bf* panel, int cols, CTiles& c) {
+// C tiles zeroed / stored for a block: two (two row blocks) or one row block, `cols` column tiles.
+void zero_c(bool two, int cols) {
   _tile_zero(0);
   if (cols > 1) _tile_zero(1);
-  if (cols > 2) _tile_zero(2);
-  if (cols > 3) _tile_zero(3);
-  for (int64_t t = 0; t < kt; ++t) {
-    const bf* bt = panel + t * cols * kTileElems;
-    _tile_loadd(4, a + t * kTileK, stride);
-    _tile_loadd(5, bt, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    if (cols > 1) {
-      _tile_loadd(6, bt + kTileElems, 64);
-      _tile_dpbf16ps(1, 4, 6);
-    }
-    if (cols > 2) {
-      _tile_loadd(7, bt + 2 * kTileElems, 64);
-      _tile_dpbf16ps(2, 4, 7);
-    }
-    if (cols > 3) {
-      _tile_loadd(5, bt + 3 * kTileElems, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-  }
+  if (cols > 2 || two) _tile_zero(2);
+  if (cols > 3 || (two && cols > 1)) _tile_zero(3);
+}
+
+void store_c(bool two, int cols, CTiles& c) {
   _tile_stored(0, c[0], kTileN * sizeof(float));
   if (cols > 1) _tile_stored(1, c[1], kTileN * sizeof(float));
-  if (cols > 2) _tile_stored(2, c[2], kTileN * sizeof(float));
-  if (cols > 3) _tile_stored(3, c[3], kTileN * sizeof(float));
+  if (cols > 2 || two) _tile_stored(2, c[2], kTileN * sizeof(float));
+  if (cols > 3 || (two && cols > 1)) _tile_stored(3, c[3], kTileN * sizeof(float));
 }
 
-// 17..32 rows times `cols` (1 or 2) column tiles -> c[j] (rows 0-15), c[2 + j] (the rest).
-void block32(const bf* a, int64_t stride, int64_t kt, const bf* panel, int cols, CTiles& c) {
-  const int64_t second = kTileRows * (stride / sizeof(bf));
-  _tile_zero(0);
-  _tile_zero(2);
-  if (cols == 2) _tile_zero(1);
-  if (cols == 2) _tile_zero(3);
-  for (int64_t t = 0; t < kt; ++t) {
-    const bf* at = a + t * kTileK;
-    const bf* bt = panel + t * cols * kTileElems;
-    _tile_loadd(4, at, stride);
-    _tile_loadd(6, bt, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (cols == 2) {
-      _tile_loadd(7, bt + kTileElems, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    _tile_loadd(5, at + second, stride);
-    _tile_dpbf16ps(2, 5, 6);
-    if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+// One k tile: at most 16 rows (at, stride in bytes) times `cols` (1..4) column tiles bt -> C tiles 0..3.
+// Four C tiles are four independent chains of TDPs; a fourth column tile reuses B tile 5, which the first
+// TDP has read by then.
+inline void step16(const bf* at, int64_t stride, const bf* bt, int cols) {
+  _tile_loadd(4, at, stride);
+  _tile_loadd(5, bt, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if (cols > 1) {
+    _tile_loadd(6, bt + kTileElems, 64);
+    _tile_dpbf16ps(1, 4, 6);
   }
-  _tile_stored(0, c[0], kTileN * sizeof(float));
-  _tile_stored(2, c[2], kTileN * sizeof(float));
-  if (cols == 2) _tile_stored(1, c[1], kTileN * sizeof(float));
-  if (cols == 2) _tile_stored(3, c[3], kTileN * sizeof(float));
+  if (cols > 2) {
+    _tile_loadd(7, bt + 2 * kTileElems, 64);
+    _tile_dpbf16ps(2, 4, 7);
+  }
+  if (cols > 3) {
+    _tile_loadd(5, bt + 3 * kTileElems, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
 }
 
-// Rows [0, m) of x (stride ldx) times the panel (kt tiles deep, `cols` 16-column tiles side by side per k
-// tile: at most 2 where m > 16) -> y[:, n0 : n0 + 16 * cols]. x is read in place, 32 rows a block;
-// *configured: the block rows the thread's tiles are configured for.
+// One k tile: 17..32 rows times `cols` (1 or 2) column tiles -> C tiles j (rows 0-15) and 2 + j (the rest).
+inline void step32(const bf* at, int64_t stride, const bf* bt, int cols) {
+  _tile_loadd(4, at, stride);
+  _tile_loadd(6, bt, 64);
+  _tile_dpbf16ps(0, 4, 6);
+  if (cols == 2) {
+    _tile_loadd(7, bt + kTileElems, 64);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_loadd(5, at + kTileRows * (stride / sizeof(bf)), stride);
+  _tile_dpbf16ps(2, 5, 6);
+  if (cols == 2) _tile_dpbf16ps(3, 5, 7);
+}
+
+// C tiles (c, as store_c left them) -> y[:rows, n0 : n0 + 16 * cols], plus the residual's rows.
+void write_block(const CTiles& c, int64_t rows, int cols, bf* y, int64_t ldy, const bf* res, int64_t ldr,
+                 int64_t n0) {
+  const int64_t top = std::min<int64_t>(rows, kTileRows);
+  for (int j = 0; j < cols; ++j) write_tile(c[j], top, y, ldy, res, ldr, n0 + kTileN * j);
+  if (rows > kTileRows)
+    for (int j = 0; j < cols; ++j)
+      write_tile(c[2 + j], rows - kTileRows, y + kTileRows * ldy, ldy, res ? res + kTileRows * ldr : nullptr, ldr,
+                 n0 + kTileN * j);
+}
+
+// Rows [0, m) of x (stride ldx) times the dequantized panel (kt tiles deep, `cols` 16-column tiles side by
+// side per k tile: at most 2 where m > 16) -> y[:, n0 : n0 + 16 * cols]. x is read in place, 32 rows a
+// block; *configured: the block rows the thread's tiles are configured for.
 void multiply_panel(const bf* x, int64_t m, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
                     int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured) {
   alignas(64) CTiles c;
+  const int64_t stride = ldx * sizeof(bf);
   for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
     const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
     if (rows != *configured) configure_tiles(*configured = rows);
     const bool two = rows > kTileRows;
-    if (two)
-      block32(x + m0 * ldx, ldx * sizeof(bf), kt, panel, cols, c);
-    else
-      block16(x + m0 * ldx, ldx * sizeof(bf), kt, panel, cols, c);
-    bf* yb = y + m0 * ldy;
-    const bf* rb = res ? res + m0 * ldr : nullptr;
-    const int64_t top = std::min<int64_t>(rows, kTileRows);
-    for (int j = 0; j < cols; ++j) write_tile(c[j], top, yb, ldy, rb, ldr, n0 + kTileN * j);
-    if (two)
-      for (int j = 0; j < cols; ++j)
-        write_tile(c[2 + j], rows - kTileRows, yb + kTileRows * ldy, ldy, rb ? rb + kTileRows * ldr : nullptr,
-                   ldr, n0 + kTileN * j);
+    zero_c(two, cols);
+    for (int64_t t = 0; t < kt; ++t) {
+      const bf* at = x + m0 * ldx + t * kTileK;
+      if (two)
+        step32(at, stride, panel + t * cols * kTileElems, cols);
+      else
+        step16(at, stride, panel + t * cols * kTileElems, cols);
+    }
+    store_c(two, cols, c);
+    write_block(c, rows, cols, y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, n0);
   }
 }
 
@@ -271,19 +276,51 @@ std::pair<int64_t, int64_t> tile_counts(const at::Tensor& x, const at::Tensor& c
 // stop at each 4 KiB page. 6 to 16 ran alike over SmolLM2's shapes; 0 and 4 read slower (docs/kernels.md).
 constexpr int64_t kPrefetchTiles = 8;
 
-// Panel p's tiles (read in their order, prefetched ahead) dequantized into out, where k tile t's column
-// tile j goes to place t * cols + first + j (cols: the column tiles of out per k tile).
-void dequant_panel(const uint8_t* codes, const bf* sz, int64_t p, int64_t nt, int64_t kt, bf* out, int cols,
-                   int first) {
+// Panel p's column tiles at k tile t (read in their order, prefetched ahead) dequantized into out's places
+// first, first + 1 (out: one k tile's B tiles side by side).
+void dequant_step(const uint8_t* codes, const bf* sz, int64_t p, int64_t nt, int64_t kt, int64_t t, bf* out,
+                  int first) {
   const int own = (2 * p + 1 < nt) ? 2 : 1;
   const int64_t last = nt * kt - 1;
-  for (int64_t t = 0; t < kt; ++t)
-    for (int j = 0; j < own; ++j) {
-      const int64_t tile = 2 * p * kt + t * own + j, ahead = std::min(tile + kPrefetchTiles, last);
-      for (int l = 0; l < 4; ++l) __builtin_prefetch(codes + ahead * kTileRows * 16 + 64 * l);
-      __builtin_prefetch(sz + ahead * 2 * kTileN);
-      dequant_int4(codes + tile * kTileRows * 16, sz + tile * 2 * kTileN, out + (t * cols + first + j) * kTileElems);
-    }
+  for (int j = 0; j < own; ++j) {
+    const int64_t tile = 2 * p * kt + t * own + j, ahead = std::min(tile + kPrefetchTiles, last);
+    for (int l = 0; l < 4; ++l) __builtin_prefetch(codes + ahead * kTileRows * 16 + 64 * l);
+    __builtin_prefetch(sz + ahead * 2 * kTileN);
+    dequant_int4(codes + tile * kTileRows * 16, sz + tile * 2 * kTileN, out + (first + j) * kTileElems);
+  }
+}
+
+// The int4 operands of one thread's call: codes, scales, column tiles, k tiles.
+struct Int4Matrix {
+  const uint8_t* codes;
+  const bf* sz;
+  int64_t nt, kt;
+};
+
+// One block of at most 32 rows (x, stride ldx) times panels [p, end) (`cols` column tiles) -> y's columns
+// from 32 p. The panels are dequantized one k tile ahead of the TDPs into a two-slot ring that stays in L1:
+// the dequantization (vector ports) runs beside the TDPs (the tile unit), and no panel is ever written out
+// whole. The TDPs and their order are multiply_panel's, so are the bits.
+void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p, int64_t end, int cols,
+                       bf* y, int64_t ldy, const bf* res, int64_t ldr, int64_t* configured) {
+  alignas(64) bf ring[2][4 * kTileElems];
+  alignas(64) CTiles c;
+  if (m != *configured) configure_tiles(*configured = m);
+  const bool two = m > kTileRows;
+  const auto dequant = [&](int64_t t) {
+    for (int64_t q = p; q < end; ++q) dequant_step(w.codes, w.sz, q, w.nt, w.kt, t, ring[t & 1], 2 * (q - p));
+  };
+  zero_c(two, cols);
+  dequant(0);
+  for (int64_t t = 0; t < w.kt; ++t) {
+    if (t + 1 < w.kt) dequant(t + 1);
+    if (two)
+      step32(x + t * kTileK, ldx * sizeof(bf), ring[t & 1], cols);
+    else
+      step16(x + t * kTileK, ldx * sizeof(bf), ring[t & 1], cols);
+  }
+  store_c(two, cols, c);
+  write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
@@ -298,19 +335,21 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   if (m == 0) return y;
   const bf* xp = x.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const bf* sp = scale_zero.data_ptr<bf>();
+  const Int4Matrix w{codes.data_ptr<uint8_t>(), scale_zero.data_ptr<bf>(), nt, kt};
   // few rows: two panels (four column tiles) multiplied at once, four independent chains of TDPs
   const int64_t group = m <= kTileRows ? 2 : 1;
   at::parallel_for(0, (nt + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     int64_t configured = 0;
-    thread_local std::vector<bf> panel;
-    if (panel.size() < static_cast<size_t>(kt * 4 * kTileElems)) panel.resize(kt * 4 * kTileElems);
+    thread_local std::vector<bf> panel;  // a whole panel, for calls of several row blocks
+    if (m > 2 * kTileRows && panel.size() < static_cast<size_t>(kt * 2 * kTileElems)) panel.resize(kt * 2 * kTileElems);
     for (int64_t p = p0; p < p1; p += group) {
       const int64_t end = std::min(p + group, p1);
       const int cols = static_cast<int>(std::min(2 * end, nt) - 2 * p);
-      for (int64_t q = p, first = 0; q < end; first += 2, ++q)
-        dequant_panel(cp, sp, q, nt, kt, panel.data(), cols, first);
+      if (m <= 2 * kTileRows) {
+        multiply_streamed(xp, m, x.stride(0), w, p, end, cols, yp, n, res, ldr, &configured);
+        continue;
+      }
+      for (int64_t t = 0; t < kt; ++t) dequant_step(w.codes, w.sz, p, nt, kt, t, panel.data() + t * cols * kTileElems, 0);
       multiply_panel(xp, m, x.stride(0), kt, panel.data(), cols, yp, n, res, ldr, kPanelN * p, &configured);
     }
     if (configured) _tile_release();

@@ -298,26 +298,27 @@ struct Int4Matrix {
 };
 
 // One block of at most 32 rows (x, stride ldx) times panels [p, end) (`cols` column tiles) -> y's columns
-// from 32 p. The panels are dequantized one k tile ahead of the TDPs into a two-slot ring that stays in L1:
-// the dequantization (vector ports) runs beside the TDPs (the tile unit), and no panel is ever written out
-// whole. The TDPs and their order are multiply_panel's, so are the bits.
+// from 32 p. The panels are dequantized one k tile ahead of the TDPs, so the dequantization (vector ports)
+// runs beside the TDPs (the tile unit): into a two-slot ring that stays in L1, or, where later row blocks
+// need the panel (keep), into keep whole. The TDPs and their order are multiply_panel's, so are the bits.
 void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p, int64_t end, int cols,
-                       bf* y, int64_t ldy, const bf* res, int64_t ldr, int64_t* configured) {
+                       bf* y, int64_t ldy, const bf* res, int64_t ldr, int64_t* configured, bf* keep) {
   alignas(64) bf ring[2][4 * kTileElems];
   alignas(64) CTiles c;
   if (m != *configured) configure_tiles(*configured = m);
   const bool two = m > kTileRows;
+  const auto slot = [&](int64_t t) { return keep ? keep + t * cols * kTileElems : ring[t & 1]; };
   const auto dequant = [&](int64_t t) {
-    for (int64_t q = p; q < end; ++q) dequant_step(w.codes, w.sz, q, w.nt, w.kt, t, ring[t & 1], 2 * (q - p));
+    for (int64_t q = p; q < end; ++q) dequant_step(w.codes, w.sz, q, w.nt, w.kt, t, slot(t), 2 * (q - p));
   };
   zero_c(two, cols);
   dequant(0);
   for (int64_t t = 0; t < w.kt; ++t) {
     if (t + 1 < w.kt) dequant(t + 1);
     if (two)
-      step32(x + t * kTileK, ldx * sizeof(bf), ring[t & 1], cols);
+      step32(x + t * kTileK, ldx * sizeof(bf), slot(t), cols);
     else
-      step16(x + t * kTileK, ldx * sizeof(bf), ring[t & 1], cols);
+      step16(x + t * kTileK, ldx * sizeof(bf), slot(t), cols);
   }
   store_c(two, cols, c);
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
@@ -345,12 +346,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     for (int64_t p = p0; p < p1; p += group) {
       const int64_t end = std::min(p + group, p1);
       const int cols = static_cast<int>(std::min(2 * end, nt) - 2 * p);
-      if (m <= 2 * kTileRows) {
-        multiply_streamed(xp, m, x.stride(0), w, p, end, cols, yp, n, res, ldr, &configured);
-        continue;
-      }
-      for (int64_t t = 0; t < kt; ++t) dequant_step(w.codes, w.sz, p, nt, kt, t, panel.data() + t * cols * kTileElems, 0);
-      multiply_panel(xp, m, x.stride(0), kt, panel.data(), cols, yp, n, res, ldr, kPanelN * p, &configured);
+      // the first 32 rows streamed; the panel, kept meanwhile, for the rest
+      const int64_t first = std::min<int64_t>(m, 2 * kTileRows), rest = m - first, ldx = x.stride(0);
+      multiply_streamed(xp, first, ldx, w, p, end, cols, yp, n, res, ldr, &configured, rest ? panel.data() : nullptr);
+      if (rest)
+        multiply_panel(xp + first * ldx, rest, ldx, kt, panel.data(), cols, yp + first * n, n,
+                       res ? res + first * ldr : nullptr, ldr, kPanelN * p, &configured);
     }
     if (configured) _tile_release();
   });

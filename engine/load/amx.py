@@ -22,8 +22,8 @@ import kernels.cpu
 TILE_N, TILE_K = 16, 32
 # Rows up to which int4_mm takes the rows path: where it beat the tiles in `python
 # bench/quantized.py --gemm` on the quiet 2-core AMX Xeon, 1 and 2 threads (docs/kernels.md,
-# 2026-11-27: 1-2 rows at both, 3 at 2 threads only).
-ROWS_PATH_MAX = 2
+# 2026-11-27: one row at both, since the tiles stream their panels).
+ROWS_PATH_MAX = 1
 ROWS_PATH_LIMIT = 8  # the most rows the kernel's rows path takes
 
 

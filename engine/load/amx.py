@@ -1,4 +1,4 @@
-"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp.
+"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp (and its rows path).
 
 The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS
 reads: 16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e

@@ -1,4 +1,4 @@
-"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp.
+"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp (and its rows path).
 
 The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS
 reads: 16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e
@@ -21,8 +21,9 @@ import kernels.cpu
 
 TILE_N, TILE_K = 16, 32
 # Rows up to which int4_mm takes the rows path: where it beat the tiles in `python
-# bench/quantized.py --gemm` on the quiet 2-core AMX Xeon, 1 and 2 threads (docs/kernels.md).
-ROWS_PATH_MAX = 4
+# bench/quantized.py --gemm` on the quiet 2-core AMX Xeon, 1 and 2 threads (docs/kernels.md,
+# 2026-11-27: one row at both, since the tiles stream their panels).
+ROWS_PATH_MAX = 1
 ROWS_PATH_LIMIT = 8  # the most rows the kernel's rows path takes
 
 
@@ -43,10 +44,20 @@ def _tile_order(q: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1, 4).reshape(n // TILE_N, k // TILE_K, TILE_K // 2, 2 * TILE_N)
 
 
+def _panel_order(t: torch.Tensor) -> torch.Tensor:
+    """[N/16, K/32, ...] by tile -> [N/16 * K/32, ...] in the order the kernels read them: panel by
+    panel (two column tiles; the last one alone where N/16 is odd), k tile by k tile, the panel's
+    column tiles side by side. One sequential stream per thread (its panels are consecutive)."""
+    nt, kt = t.shape[:2]
+    pairs = t[:nt - nt % 2].unflatten(0, (nt // 2, 2)).transpose(1, 2)  # [panel, kt, 2, ...]
+    return torch.cat((pairs.flatten(0, 2), t[nt - nt % 2:].flatten(0, 1)))
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor,
               zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes q [N, K] in 0..15 with w = (q - 8) * scale + zero, scale and zero [N, K/32] ->
-    (codes uint8 [N/16, K/32, 256], scale_zero bfloat16 [N/16, K/32, 2, 16])."""
+    (codes uint8 [N/16 * K/32, 256], scale_zero bfloat16 [N/16 * K/32, 2, 16]), tiles in
+    _panel_order. Matrices whose N are multiples of 32 stack along dim 0."""
     t = _tile_order(q.to(torch.uint8))
     codes = (t[..., :TILE_N] | (t[..., TILE_N:] << 4)).reshape(t.shape[0], t.shape[1], -1)
     n, groups = scale.shape
@@ -54,7 +65,8 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor,
     def by_tile(v: torch.Tensor) -> torch.Tensor:
         return v.to(torch.bfloat16).reshape(n // TILE_N, TILE_N, groups).permute(0, 2, 1)
 
-    return codes.contiguous(), torch.stack((by_tile(scale), by_tile(zero)), dim=2).contiguous()
+    scale_zero = torch.stack((by_tile(scale), by_tile(zero)), dim=2)
+    return _panel_order(codes).contiguous(), _panel_order(scale_zero).contiguous()
 
 
 def min_exponent(codes: torch.Tensor, scale_zero: torch.Tensor) -> int:

@@ -61,11 +61,11 @@ QUANTIZED_PACKED_FROM_ROWS: dict[str, dict[int, dict[str, int]]] = {
 # On AMX CPUs, where the int4 matrices also carry codes for the AMX kernel
 # (kernels/cpu/quant_gemm.cpp), by thread count: (rows from which int4 calls take the AMX kernel
 # instead of torch's, rows from which the packed copy takes over from it). The AMX kernel
-# dequantizes each weight once per call, so it beats torch's int4 kernel from a few rows and the
-# packed copies up to a few dozen; oneDNN's packed kernel wins on prompt chunks. Measured with
-# `python bench/quantized.py --gemm --threads N` on the quiet 2-core AMX Xeon (docs/performance.md,
-# "The AMX Xeon").
-QUANTIZED_TILES_ROWS: dict[int, tuple[int, int]] = {1: (8, 64), 2: (12, 96)}
+# dequantizes each weight once per call, so it beats torch's int4 kernel from 3 rows and the packed
+# copies up to about a hundred rows; oneDNN's packed kernel wins on longer prompt chunks. Measured
+# with `python bench/quantized.py --gemm --threads N` on the quiet 2-core AMX Xeon
+# (docs/performance.md, "The AMX Xeon"; 2026-11-27 in docs/kernels.md).
+QUANTIZED_TILES_ROWS: dict[int, tuple[int, int]] = {1: (3, 128), 2: (3, 96)}
 # The plain copies cost the projections' size again: kept only while that is at most this much (a
 # small model, whose prompt chunks are where its GEMM time goes), so a larger model's memory does
 # not double.

@@ -23,7 +23,8 @@ import torch
 
 log = logging.getLogger("conveyor.kernels")
 SOURCES = [Path(__file__).with_name(n)
-           for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp")]
+           for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp",
+                      "quant_gemm_rows.cpp")]
 # included by the sources: part of the cache key
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-DNDEBUG", "-w"]

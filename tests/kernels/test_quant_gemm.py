@@ -24,18 +24,23 @@ def module(n: int, k: int, seed: int = 0) -> Int4Linear:
 
 def test_packing_puts_each_code_where_the_tile_reads_it() -> None:
     """Element e of tile row r is column e // 2 at k = 2r + e % 2; byte j holds elements j and 16 +
-    j."""
-    n, k = 32, 64
+    j; tiles panel by panel (32 columns, the last 16 where N / 16 is odd), then by k, then the
+    panel's column tiles side by side."""
+    n, k = 48, 64
     q = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(1))
     scale, zero = torch.rand(n, k // 32), torch.rand(n, k // 32)
     codes, sz = amx.pack_int4(q, scale, zero)
-    assert codes.shape == (2, 2, 256) and sz.shape == (2, 2, 2, 16)
-    for nb, kb, r, e in [(0, 0, 0, 0), (1, 1, 15, 31), (0, 1, 7, 16), (1, 0, 3, 9)]:
-        byte = codes[nb, kb, 16 * r + e % 16]
+    assert codes.shape == (6, 256) and sz.shape == (6, 2, 16)
+    # tile (column block nb, k block kb) -> its place: panels 0 (nb 0, 1) and 1 (nb 2, alone)
+    place = {(0, 0): 0, (1, 0): 1, (0, 1): 2, (1, 1): 3, (2, 0): 4, (2, 1): 5}
+    for nb, kb, r, e in [(0, 0, 0, 0), (1, 1, 15, 31), (0, 1, 7, 16), (1, 0, 3, 9), (2, 1, 5, 20),
+                         (2, 0, 0, 1)]:
+        byte = codes[place[nb, kb], 16 * r + e % 16]
         code = (byte >> 4) if e >= 16 else (byte & 15)
         assert code == q[16 * nb + e // 2, 32 * kb + 2 * r + e % 2]
-    assert sz[1, 0, 0, 5] == scale[21, 0].to(torch.bfloat16)
-    assert sz[0, 1, 1, 3] == zero[3, 1].to(torch.bfloat16)
+    assert sz[place[1, 0], 0, 5] == scale[21, 0].to(torch.bfloat16)
+    assert sz[place[0, 1], 1, 3] == zero[3, 1].to(torch.bfloat16)
+    assert sz[place[2, 1], 1, 15] == zero[47, 1].to(torch.bfloat16)
 
 
 @needs_amx
@@ -224,3 +229,52 @@ def test_deterministic_packed_copies_give_a_row_its_bits_in_calls_of_any_size() 
         assert torch.equal(m.forward(x[:rows]), alone[:rows]), rows
     assert torch.equal(m.add_to(h, x),
                        torch.cat([m.add_to(h[i:i + 1], x[i:i + 1]) for i in range(160)]))
+
+
+def tdpbf16ps_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, x: torch.Tensor,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T as the kernel's header specifies it, written out plainly: each weight (q - 8) * scale
+    + zero in float32 (q * scale is exact, so the FMA's one rounding is the add's) rounded once to
+    bfloat16; then per 32-k tile, as the SDM's pseudo-code for TDPBF16PS has it, an even-k and an
+    odd-k float32 chain from zero in k order (a bfloat16 product is exact in float32, so each FMA
+    rounds as an add), C += even + odd; the residual added in float32, one rounding to bfloat16.
+    Normal inputs only (no denormal handling)."""
+    s, z = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
+    low = z - 8 * s
+    w = (q.float() * s.repeat_interleave(32, 1) + low.repeat_interleave(32, 1))
+    w = w.to(torch.bfloat16).float()  # [N, K]
+    xf = x.float()
+    c = torch.zeros(x.shape[0], q.shape[0])
+    for t in range(q.shape[1] // 32):
+        even, odd = torch.zeros_like(c), torch.zeros_like(c)
+        for p in range(16):
+            k = 32 * t + 2 * p
+            even = even + xf[:, k, None] * w[None, :, k]
+            odd = odd + xf[:, k + 1, None] * w[None, :, k + 1]
+        c = c + (even + odd)
+    return (c if residual is None else c + residual.float()).to(torch.bfloat16)
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(576, 576), (48, 64), (80, 96)])
+def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: int) -> None:
+    """Both kernels, any row count, with and without the residual, bit for bit against
+    tdpbf16ps_reference: pins the packed layout, the tile configuration per row count and the
+    rows path's arithmetic to the dequantization and TDPBF16PS order the bits were fixed with."""
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    zero = torch.randn(n, k // 32, generator=gen) * 0.02
+    codes, sz = amx.pack_int4(q, scale, zero)
+    e = amx.min_exponent(codes, sz)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    h = torch.randn(40, n, generator=gen).to(torch.bfloat16)
+    want, with_h = tdpbf16ps_reference(q, scale, zero, x), tdpbf16ps_reference(q, scale, zero, x, h)
+    for rows in (1, 2, 5, 8, 15, 16, 17, 32, 33, 40):
+        assert torch.equal(amx.int4_mm_tiles(x[:rows], codes, sz).view(torch.int16),
+                           want[:rows].view(torch.int16)), rows
+        assert torch.equal(amx.int4_mm_tiles(x[:rows], codes, sz, h[:rows]).view(torch.int16),
+                           with_h[:rows].view(torch.int16)), rows
+        if rows <= amx.ROWS_PATH_LIMIT:
+            assert torch.equal(amx.int4_mm_rows(x[:rows], codes, sz, e).view(torch.int16),
+                               want[:rows].view(torch.int16)), rows

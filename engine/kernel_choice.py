@@ -41,6 +41,8 @@ log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
+# CPU kinds whose quantized default is batch-invariant (invariant_by_default)
+INVARIANT_KINDS = frozenset({"AMX"})
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -64,6 +66,11 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     not depend on the step's row count; the faster one for batches), one-row calls padded and,
     on AMX CPUs, larger ones cut into calls of ONEDNN_SAME_BITS_ROWS."""
     modules = switched_modules(model)
+    kind = kind or cpu_kind()
+    if not deterministic and invariant_by_default(modules, dtype, kind):
+        deterministic = True
+        log.info("quantized GEMMs in one arithmetic at every row count (invariant by default on %s "
+                 "CPUs: docs/determinism.md)", kind)
     without_copies, int4_handover = attach_tiles(modules, deterministic)
     modules = [m for m in modules if id(m) not in without_copies]
     size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
@@ -72,7 +79,6 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
             log.info("no packed copies of the quantized matrices: they would take %.0f MiB",
                      size / 2**20)
         return {}
-    kind = kind or cpu_kind()
     cut = same_bits_rows(deterministic, kind)
     for m in modules:
         m.packed = PackedLinear(m.dequantized(), None, pad_one_row=deterministic, max_rows=cut)
@@ -100,6 +106,17 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
              "measured at load" if measured
              else f"table for {kind} at {torch.get_num_threads()} threads")
     return chosen
+
+
+def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
+                         kind: str) -> bool:
+    """Whether the quantized GEMMs take --deterministic's kernels without the flag: where that
+    was measured to cost under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix
+    with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head its
+    packed copy padded and cut, at about the switching kernels' speed (docs/determinism.md)."""
+    int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    return (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
+            and all(m.tile_codes is not None for m in int4))
 
 
 def attach_tiles(modules: Sequence[QuantizedLinear],

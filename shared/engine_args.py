@@ -60,7 +60,8 @@ def _model_args(p: Parser, with_model: bool) -> None:
     a("--seed", type=int, help="seed of unseeded sampling")
     a("--deterministic", action="store_true", default=None,
       help="a request's output does not depend on the traffic: one GEMM kernel at every batch size "
-           "(the quantized default loses its int kernels at small batches; docs/determinism.md)")
+           "(on AMX CPUs the quantized default already is; elsewhere it loses its int kernels at "
+           "small batches; docs/determinism.md)")
     a("--enforce-eager", action="store_true", default=None,
       help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (which "
            "cost a few seconds and some GPU memory at start); no effect on CPU")

@@ -17,6 +17,7 @@ import torch
 from engine.core import EngineCore
 from engine.load import amx
 from engine.load.dtype import cpu_kind
+from engine.load.prepack import ONEDNN_SAME_BITS_ROWS
 from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
 from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
@@ -298,6 +299,8 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf,
     source = resolve_model(str(tiny_gguf))
     table = {cpu_kind(): {torch.get_num_threads(): {"int4": 5, "int8": 3}}}
     monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", table)
+    # the switching kernels, as on the CPU kinds whose default is not invariant
+    monkeypatch.setattr(kernel_choice, "INVARIANT_KINDS", frozenset())
     if amx.usable():  # AMX CPUs: int4 takes the tiles from 2 rows and hands over to the copy from 6
         monkeypatch.setattr(kernel_choice, "QUANTIZED_TILES_ROWS",
                             {torch.get_num_threads(): (2, 6)})
@@ -350,6 +353,27 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
 
     cut = same_bits_rows(True)
     assert all(m.packed.max_rows == cut for m in copied if m.packed is not None)
+
+
+@needs_bf16_packing
+def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus_only(tiny_gguf) -> None:
+    """Issue #30: on AMX CPUs the quantized default is what --deterministic loads (the int4
+    matrices on the AMX kernel from one row, the int8 head on its packed copy padded and cut), since
+    that costs no served throughput there (docs/determinism.md); elsewhere it switches kernels."""
+    from engine import kernel_choice
+
+    model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4")
+    modules = kernel_choice.switched_modules(model)
+    tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
+    int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    assert kernel_choice.invariant_by_default(modules, torch.bfloat16, "AMX") == amx.usable()
+    assert not kernel_choice.invariant_by_default(modules, torch.bfloat16, "AVX512_BF16")
+    assert not kernel_choice.invariant_by_default(modules, torch.float32, "AMX")
+    if amx.usable():
+        assert tiled == int4 and all(m.amx_from == 1 and m.packed is None for m in tiled)
+        head = [m for m in modules if m not in tiled]
+        assert head and all(m.packed is not None and m.packed_from == 1 and m.packed.pad_one_row
+                            and m.packed.max_rows == ONEDNN_SAME_BITS_ROWS for m in head)
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(

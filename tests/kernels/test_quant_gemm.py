@@ -278,3 +278,31 @@ def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: in
         if rows <= amx.ROWS_PATH_LIMIT:
             assert torch.equal(amx.int4_mm_rows(x[:rows], codes, sz, e).view(torch.int16),
                                want[:rows].view(torch.int16)), rows
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(3072, 576), (720, 1536)])
+def test_calls_past_a_chunk_of_rows_keep_each_rows_bits(n: int, k: int) -> None:
+    """Calls of more than 256 rows walk x a chunk at a time against groups of kept panels (several
+    groups per thread here; 720 columns end on a lone column tile): rows on either side of every
+    chunk and block edge equal tdpbf16ps_reference bit for bit, with the residual, at 1 and 2
+    threads, in calls of 257 to 2,100 rows (issue #30: a prompt's row count must not move a bit)."""
+    gen = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    zero = torch.randn(n, k // 32, generator=gen) * 0.02
+    codes, sz = amx.pack_int4(q, scale, zero)
+    x = torch.randn(2100, k, generator=gen).to(torch.bfloat16)
+    h = torch.randn(2100, n, generator=gen).to(torch.bfloat16)
+    picks = [0, 31, 32, 255, 256, 257, 288, 299, 511, 512, 1055, 2047, 2099]
+    want = tdpbf16ps_reference(q, scale, zero, x[picks], h[picks]).view(torch.int16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (257, 300, 600, 2100):
+                got = amx.int4_mm_tiles(x[:rows], codes, sz, h[:rows]).view(torch.int16)
+                inside = [i for i, p in enumerate(picks) if p < rows]
+                assert torch.equal(got[[picks[i] for i in inside]], want[inside]), (t, rows)
+    finally:
+        torch.set_num_threads(threads)

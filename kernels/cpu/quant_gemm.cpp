@@ -148,24 +148,28 @@ void write_block(const CTiles& c, int64_t rows, int cols, bf* y, int64_t ldy, co
                  n0 + kTileN * j);
 }
 
-// One block of at most 32 rows of x (stride ldx, read in place) times the dequantized panel (kt tiles deep,
-// `cols` (1 or 2) 16-column tiles side by side per k tile) -> y[:rows, n0 : n0 + 16 * cols]; *configured:
-// the block rows the thread's tiles are configured for. (A copy of the block in tile order, each A load 1
-// KiB in one piece, ran 0.7-0.8x this at 256-2,048 rows.)
-void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
+// Rows [0, m) of x (stride ldx) times the dequantized panel (kt tiles deep, `cols` 16-column tiles side by
+// side per k tile: at most 2 where m > 16) -> y[:, n0 : n0 + 16 * cols]. x is read in place, 32 rows a
+// block; *configured: the block rows the thread's tiles are configured for.
+void multiply_panel(const bf* x, int64_t m, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
                     int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured) {
   alignas(64) CTiles c;
-  if (rows != *configured) configure_tiles(*configured = rows);
-  const bool two = rows > kTileRows;
-  zero_c(two, cols);
-  for (int64_t t = 0; t < kt; ++t) {
-    if (two)
-      step32(x + t * kTileK, ldx * sizeof(bf), panel + t * cols * kTileElems, cols);
-    else
-      step16(x + t * kTileK, ldx * sizeof(bf), panel + t * cols * kTileElems, cols);
+  const int64_t stride = ldx * sizeof(bf);
+  for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
+    const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
+    if (rows != *configured) configure_tiles(*configured = rows);
+    const bool two = rows > kTileRows;
+    zero_c(two, cols);
+    for (int64_t t = 0; t < kt; ++t) {
+      const bf* at = x + m0 * ldx + t * kTileK;
+      if (two)
+        step32(at, stride, panel + t * cols * kTileElems, cols);
+      else
+        step16(at, stride, panel + t * cols * kTileElems, cols);
+    }
+    store_c(two, cols, c);
+    write_block(c, rows, cols, y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, n0);
   }
-  store_c(two, cols, c);
-  write_block(c, rows, cols, y, ldy, res, ldr, n0);
 }
 
 // Panel p's column tiles at k tile t (read in their order, prefetched ahead) dequantized into out's places
@@ -192,7 +196,7 @@ struct Int4Matrix {
 // One block of at most 32 rows (x, stride ldx) times panels [p, end) (`cols` column tiles) -> y's columns
 // from 32 p. The panels are dequantized one k tile ahead of the TDPs, so the dequantization (vector ports)
 // runs beside the TDPs (the tile unit): into a two-slot ring that stays in L1, or, where later row blocks
-// need the panel (keep), into keep whole. The TDPs and their order are multiply_block's, so are the bits.
+// need the panel (keep), into keep whole. The TDPs and their order are multiply_panel's, so are the bits.
 void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p, int64_t end, int cols,
                        bf* y, int64_t ldy, const bf* res, int64_t ldr, int64_t* configured, bf* keep) {
   alignas(64) bf ring[2][4 * kTileElems];
@@ -216,16 +220,6 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
 
-// Column tiles of panels [p, end): two each, the last alone where nt is odd.
-int panel_cols(int64_t p, int64_t end, int64_t nt) { return static_cast<int>(std::min(2 * end, nt) - 2 * p); }
-
-// Calls of more rows than a chunk walk x a chunk at a time (256 rows of K = 576 are 288 KiB, within L2)
-// against a group of dequantized panels (about 1 MiB), so x comes from beyond L2 once per group, not once
-// per panel, and each panel is still dequantized once per call. 128-1,024 rows and 256 KiB-8 MiB were
-// tried (docs/kernels.md).
-constexpr int64_t kChunkRows = 256;
-constexpr int64_t kKeepBytes = 1 << 20;
-
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                      const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(amx_usable(), "AMX tiles are not available on this CPU");
@@ -240,30 +234,20 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   bf* yp = y.data_ptr<bf>();
   const Int4Matrix w{codes.data_ptr<uint8_t>(), scale_zero.data_ptr<bf>(), nt, kt};
   // few rows: two panels (four column tiles) multiplied at once, four independent chains of TDPs
-  const int64_t group = m <= kTileRows ? 2 : 1, panel_elems = kt * 2 * kTileElems;
-  // more rows: the panels kept (one, or a group of them past a chunk of rows)
-  const int64_t kept = m > kChunkRows ? std::max<int64_t>(1, kKeepBytes / (panel_elems * sizeof(bf))) : 1;
+  const int64_t group = m <= kTileRows ? 2 : 1;
   at::parallel_for(0, (nt + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     int64_t configured = 0;
-    thread_local std::vector<bf> panels;  // the kept panels, for calls of several row blocks
-    const int64_t first = std::min<int64_t>(m, 2 * kTileRows), ldx = x.stride(0);
-    if (m > first && panels.size() < static_cast<size_t>(kept * panel_elems)) panels.resize(kept * panel_elems);
-    if (m <= first)  // one block: two panels at a time at <= 16 rows
-      for (int64_t p = p0; p < p1; p += group)
-        multiply_streamed(xp, m, ldx, w, p, std::min(p + group, p1), panel_cols(p, std::min(p + group, p1), nt),
-                          yp, n, res, ldr, &configured, nullptr);
-    for (int64_t g = p0; g < p1 && m > first; g += kept) {
-      const int64_t g_end = std::min(g + kept, p1);
-      for (int64_t c0 = 0; c0 < m; c0 += kChunkRows)
-        for (int64_t p = g; p < g_end; ++p) {
-          bf* const panel = panels.data() + (p - g) * panel_elems;
-          const int cols = panel_cols(p, p + 1, nt);
-          // the first 32 rows streamed, the panel kept meanwhile (dequantized once per call)
-          if (c0 == 0) multiply_streamed(xp, first, ldx, w, p, p + 1, cols, yp, n, res, ldr, &configured, panel);
-          for (int64_t b0 = c0 ? c0 : first; b0 < std::min(m, c0 + kChunkRows); b0 += 2 * kTileRows)
-            multiply_block(xp + b0 * ldx, std::min<int64_t>(2 * kTileRows, m - b0), ldx, kt, panel, cols,
-                           yp + b0 * n, n, res ? res + b0 * ldr : nullptr, ldr, kPanelN * p, &configured);
-        }
+    thread_local std::vector<bf> panel;  // a whole panel, for calls of several row blocks
+    if (m > 2 * kTileRows && panel.size() < static_cast<size_t>(kt * 2 * kTileElems)) panel.resize(kt * 2 * kTileElems);
+    for (int64_t p = p0; p < p1; p += group) {
+      const int64_t end = std::min(p + group, p1);
+      const int cols = static_cast<int>(std::min(2 * end, nt) - 2 * p);
+      // the first 32 rows streamed; the panel, kept meanwhile, for the rest
+      const int64_t first = std::min<int64_t>(m, 2 * kTileRows), rest = m - first, ldx = x.stride(0);
+      multiply_streamed(xp, first, ldx, w, p, end, cols, yp, n, res, ldr, &configured, rest ? panel.data() : nullptr);
+      if (rest)
+        multiply_panel(xp + first * ldx, rest, ldx, kt, panel.data(), cols, yp + first * n, n,
+                       res ? res + first * ldr : nullptr, ldr, kPanelN * p, &configured);
     }
     if (configured) _tile_release();
   });

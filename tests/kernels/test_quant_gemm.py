@@ -283,10 +283,11 @@ def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: in
 @needs_amx
 @pytest.mark.parametrize("n,k", [(3072, 576), (720, 1536)])
 def test_calls_past_a_chunk_of_rows_keep_each_rows_bits(n: int, k: int) -> None:
-    """Calls of more than 256 rows walk x a chunk at a time against groups of kept panels (several
-    groups per thread here; 720 columns end on a lone column tile): rows on either side of every
-    chunk and block edge equal tdpbf16ps_reference bit for bit, with the residual, at 1 and 2
-    threads, in calls of 257 to 2,100 rows (issue #30: a prompt's row count must not move a bit)."""
+    """Prompt-sized calls, to past the 2,048-token step budget (720 columns end on a lone column
+    tile): rows on either side of the kept panel's 32-row blocks and of 256-row marks equal
+    tdpbf16ps_reference bit for bit, with the residual, at 1 and 2 threads, in calls of 257 to
+    2,100 rows (issue #30: a prompt's row count must not move a bit, now that the tiles take
+    prompt chunks up to QUANTIZED_TILES_ROWS's bound)."""
     gen = torch.Generator().manual_seed(n * k)
     q = torch.randint(0, 16, (n, k), generator=gen)
     scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3

@@ -187,13 +187,14 @@ def test_the_rows_path_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
 def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k: int) -> None:
     """Issue #30 asks whether the default's handover from the tiles to oneDNN's packed bfloat16
-    copies (from 96 rows) keeps a row's bits: both multiply the same bfloat16 weights on TDPBF16PS,
-    so it depends on how oneDNN blocks the call. Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and
-    2 threads): up to 32 rows every row has the tiles' bits; in calls of 33 to 512 rows a few rows
-    differ, from the tiles and from the same row in a small call. So a row-count invariant quantized
-    default needs the tiles at prompt chunks too, and the unquantized bfloat16 default is not
-    row-count invariant on AMX either (docs/determinism.md). If this fails after a torch or oneDNN
-    upgrade, the answer changed: measure again."""
+    copies (QUANTIZED_TILES_ROWS: from 1,024 rows at 2 threads, 128 at 1) keeps a row's bits: both
+    multiply the same bfloat16 weights on TDPBF16PS, so it depends on how oneDNN blocks the call.
+    Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and 2 threads): up to 32 rows every row has the
+    tiles' bits; in calls of 33 to 512 rows a few rows differ, from the tiles and from the same row
+    in a small call. So a row-count invariant quantized default needs the tiles at prompt chunks
+    too, and the unquantized bfloat16 default is not row-count invariant on AMX either
+    (docs/determinism.md). If this fails after a torch or oneDNN upgrade, the answer changed:
+    measure again."""
     m = module(n, k, seed=2)
     packed = PackedLinear(m.dequantized(), None)
     x = torch.randn(512, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)

@@ -61,11 +61,12 @@ QUANTIZED_PACKED_FROM_ROWS: dict[str, dict[int, dict[str, int]]] = {
 # On AMX CPUs, where the int4 matrices also carry codes for the AMX kernel
 # (kernels/cpu/quant_gemm.cpp), by thread count: (rows from which int4 calls take the AMX kernel
 # instead of torch's, rows from which the packed copy takes over from it). The AMX kernel
-# dequantizes each weight once per call, so it beats torch's int4 kernel from 3 rows and the packed
-# copies up to about a hundred rows; oneDNN's packed kernel wins on longer prompt chunks. Measured
-# with `python bench/quantized.py --gemm --threads N` on the quiet 2-core AMX Xeon
-# (docs/performance.md, "The AMX Xeon"; 2026-11-27 in docs/kernels.md).
-QUANTIZED_TILES_ROWS: dict[int, tuple[int, int]] = {1: (3, 128), 2: (3, 96)}
+# dequantizes each weight once per call, so it beats torch's int4 kernel from 3 rows; against the
+# packed copies it wins or ties up to ~1,000 rows at 2 threads (a tie keeps the tiles: their rows'
+# bits do not depend on the call's rows) and ~128 at 1; oneDNN's packed kernel wins the longest
+# prompt chunks (2,048 rows: 1.4-1.9x). Measured with `python bench/quantized.py --gemm --threads N`
+# on the quiet 2-core AMX Xeon (docs/performance.md, "The AMX Xeon"; 2026-11-27 in docs/kernels.md).
+QUANTIZED_TILES_ROWS: dict[int, tuple[int, int]] = {1: (3, 128), 2: (3, 1024)}
 # The plain copies cost the projections' size again: kept only while that is at most this much (a
 # small model, whose prompt chunks are where its GEMM time goes), so a larger model's memory does
 # not double.

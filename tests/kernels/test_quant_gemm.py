@@ -187,13 +187,14 @@ def test_the_rows_path_refuses_what_it_does_not_take() -> None:
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536)])
 def test_onednns_packed_copies_round_as_the_tiles_only_in_small_calls(n: int, k: int) -> None:
     """Issue #30 asks whether the default's handover from the tiles to oneDNN's packed bfloat16
-    copies (from 96 rows) keeps a row's bits: both multiply the same bfloat16 weights on TDPBF16PS,
-    so it depends on how oneDNN blocks the call. Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and
-    2 threads): up to 32 rows every row has the tiles' bits; in calls of 33 to 512 rows a few rows
-    differ, from the tiles and from the same row in a small call. So a row-count invariant quantized
-    default needs the tiles at prompt chunks too, and the unquantized bfloat16 default is not
-    row-count invariant on AMX either (docs/determinism.md). If this fails after a torch or oneDNN
-    upgrade, the answer changed: measure again."""
+    copies (QUANTIZED_TILES_ROWS: from 1,024 rows at 2 threads, 128 at 1) keeps a row's bits: both
+    multiply the same bfloat16 weights on TDPBF16PS, so it depends on how oneDNN blocks the call.
+    Measured on this AMX Xeon (torch 2.13.0+cpu, 1 and 2 threads): up to 32 rows every row has the
+    tiles' bits; in calls of 33 to 512 rows a few rows differ, from the tiles and from the same row
+    in a small call. So a row-count invariant quantized default needs the tiles at prompt chunks
+    too, and the unquantized bfloat16 default is not row-count invariant on AMX either
+    (docs/determinism.md). If this fails after a torch or oneDNN upgrade, the answer changed:
+    measure again."""
     m = module(n, k, seed=2)
     packed = PackedLinear(m.dequantized(), None)
     x = torch.randn(512, k, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
@@ -278,3 +279,32 @@ def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: in
         if rows <= amx.ROWS_PATH_LIMIT:
             assert torch.equal(amx.int4_mm_rows(x[:rows], codes, sz, e).view(torch.int16),
                                want[:rows].view(torch.int16)), rows
+
+
+@needs_amx
+@pytest.mark.parametrize("n,k", [(3072, 576), (720, 1536)])
+def test_calls_past_a_chunk_of_rows_keep_each_rows_bits(n: int, k: int) -> None:
+    """Prompt-sized calls, to past the 2,048-token step budget (720 columns end on a lone column
+    tile): rows on either side of the kept panel's 32-row blocks and of 256-row marks equal
+    tdpbf16ps_reference bit for bit, with the residual, at 1 and 2 threads, in calls of 257 to
+    2,100 rows (issue #30: a prompt's row count must not move a bit, now that the tiles take
+    prompt chunks up to QUANTIZED_TILES_ROWS's bound)."""
+    gen = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
+    zero = torch.randn(n, k // 32, generator=gen) * 0.02
+    codes, sz = amx.pack_int4(q, scale, zero)
+    x = torch.randn(2100, k, generator=gen).to(torch.bfloat16)
+    h = torch.randn(2100, n, generator=gen).to(torch.bfloat16)
+    picks = [0, 31, 32, 255, 256, 257, 288, 299, 511, 512, 1055, 2047, 2099]
+    want = tdpbf16ps_reference(q, scale, zero, x[picks], h[picks]).view(torch.int16)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in (257, 300, 600, 2100):
+                got = amx.int4_mm_tiles(x[:rows], codes, sz, h[:rows]).view(torch.int16)
+                inside = [i for i, p in enumerate(picks) if p < rows]
+                assert torch.equal(got[[picks[i] for i in inside]], want[inside]), (t, rows)
+    finally:
+        torch.set_num_threads(threads)

@@ -10,6 +10,7 @@ llguidance==1.9.1` to run this.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -35,6 +36,8 @@ def ms(seconds: float) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
@@ -65,7 +68,10 @@ def main() -> None:
     print(f"xgrammar:   tokenizer {ms(prep)}, compile {ms(comp)}, fill {ms(fill / len(ids))} per "
           "step")
 
-    import llguidance
+    try:
+        import llguidance
+    except ImportError:
+        sys.exit("llguidance is not installed (not a dependency): pip install llguidance==1.9.1")
     import llguidance.hf
     import llguidance.torch as lt
     t = time.perf_counter()

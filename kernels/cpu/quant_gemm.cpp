@@ -14,6 +14,9 @@
 // other rows of its tile). So a token's projections have the same bits alone, in a batch of any size, or
 // inside a prompt chunk (issue #30). The panel is dequantized one k tile ahead of the TDPs that read it, so
 // the vector ports dequantize while the tile unit multiplies (multiply_streamed).
+// Prompt-sized calls keep a group of dequantized panels and walk x once per group, not once per panel, and
+// write each block's C tiles out while the next block's TDPs run (multiply_many): the loop order moves, the
+// TDPs each C tile sees do not.
 //
 // The rows path (a few rows on AVX-512, the same bits) is quant_gemm_rows.cpp; what both share is
 // quant_int4.h.
@@ -148,14 +151,32 @@ void write_block(const CTiles& c, int64_t rows, int cols, bf* y, int64_t ldy, co
                  n0 + kTileN * j);
 }
 
-// One block of at most 32 rows of x (stride ldx) times a dequantized panel (kt tiles deep, `cols` 16-column
-// tiles side by side per k tile: at most 2 where rows > 16) -> y[:rows, n0 : n0 + 16 * cols]. x is read in
-// place; *configured: the block rows the thread's tiles are configured for.
-void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
-                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured) {
+// A block's C tiles, stored, and where they go: written out (converted to bfloat16, plus the residual)
+// while the next block's TDPs run, so the vector ports convert while the tile unit multiplies.
+struct PendingBlock {
   alignas(64) CTiles c;
+  int64_t rows = 0, ldy = 0, ldr = 0, n0 = 0;
+  int cols = 0;
+  bf* y = nullptr;
+  const bf* res = nullptr;
+
+  void flush() {
+    if (rows) write_block(c, rows, cols, y, ldy, res, ldr, n0);
+    rows = 0;
+  }
+};
+
+// One block of at most 32 rows of x (stride ldx) times a dequantized panel (kt tiles deep, `cols` 16-column
+// tiles side by side per k tile: at most 2 where rows > 16) -> y[:rows, n0 : n0 + 16 * cols], written by the
+// next call (or the caller's flush) through out; out's earlier block is written during this one's TDPs.
+// x is read in place; *configured: the block rows the thread's tiles are configured for.
+void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
+                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured, PendingBlock& out) {
   const int64_t stride = ldx * sizeof(bf);
-  if (rows != *configured) configure_tiles(*configured = rows);
+  if (rows != *configured) {
+    out.flush();
+    configure_tiles(*configured = rows);
+  }
   const bool two = rows > kTileRows;
   zero_c(two, cols);
   for (int64_t t = 0; t < kt; ++t) {
@@ -163,9 +184,10 @@ void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf
       step32(x + t * kTileK, stride, panel + t * cols * kTileElems, cols);
     else
       step16(x + t * kTileK, stride, panel + t * cols * kTileElems, cols);
+    if (t == std::min<int64_t>(kt - 1, 2)) out.flush();
   }
-  store_c(two, cols, c);
-  write_block(c, rows, cols, y, ldy, res, ldr, n0);
+  store_c(two, cols, out.c);
+  out.rows = rows, out.cols = cols, out.y = y, out.ldy = ldy, out.res = res, out.ldr = ldr, out.n0 = n0;
 }
 
 // Panel p's column tiles at k tile t (read in their order, prefetched ahead) dequantized into out's places
@@ -246,6 +268,7 @@ void multiply_many(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int
   thread_local std::vector<bf> kept;
   if (kept.size() < static_cast<size_t>(group * panel)) kept.resize(group * panel);
   const auto cols = [&](int64_t p) { return static_cast<int>(std::min(2 * p + 2, w.nt) - 2 * p); };
+  thread_local PendingBlock out;
   for (int64_t g0 = p0; g0 < p1; g0 += group) {
     const int64_t g1 = std::min(g0 + group, p1);
     for (int64_t p = g0; p < g1; ++p)
@@ -254,7 +277,8 @@ void multiply_many(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int
     for (int64_t m0 = block; m0 < m; m0 += block)
       for (int64_t p = g0; p < g1; ++p)
         multiply_block(x + m0 * ldx, std::min(block, m - m0), ldx, w.kt, kept.data() + (p - g0) * panel, cols(p),
-                       y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, kPanelN * p, configured);
+                       y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, kPanelN * p, configured, out);
+    out.flush();
   }
 }
 

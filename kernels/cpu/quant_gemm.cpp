@@ -14,6 +14,9 @@
 // other rows of its tile). So a token's projections have the same bits alone, in a batch of any size, or
 // inside a prompt chunk (issue #30). The panel is dequantized one k tile ahead of the TDPs that read it, so
 // the vector ports dequantize while the tile unit multiplies (multiply_streamed).
+// Prompt-sized calls keep a group of dequantized panels and walk x once per group, not once per panel, and
+// write each block's C tiles out while the next block's TDPs run (multiply_many): the loop order moves, the
+// TDPs each C tile sees do not.
 //
 // The rows path (a few rows on AVX-512, the same bits) is quant_gemm_rows.cpp; what both share is
 // quant_int4.h.
@@ -148,28 +151,43 @@ void write_block(const CTiles& c, int64_t rows, int cols, bf* y, int64_t ldy, co
                  n0 + kTileN * j);
 }
 
-// Rows [0, m) of x (stride ldx) times the dequantized panel (kt tiles deep, `cols` 16-column tiles side by
-// side per k tile: at most 2 where m > 16) -> y[:, n0 : n0 + 16 * cols]. x is read in place, 32 rows a
-// block; *configured: the block rows the thread's tiles are configured for.
-void multiply_panel(const bf* x, int64_t m, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
-                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured) {
+// A block's C tiles, stored, and where they go: written out (converted to bfloat16, plus the residual)
+// while the next block's TDPs run, so the vector ports convert while the tile unit multiplies.
+struct PendingBlock {
   alignas(64) CTiles c;
-  const int64_t stride = ldx * sizeof(bf);
-  for (int64_t m0 = 0; m0 < m; m0 += 2 * kTileRows) {
-    const int64_t rows = std::min<int64_t>(2 * kTileRows, m - m0);
-    if (rows != *configured) configure_tiles(*configured = rows);
-    const bool two = rows > kTileRows;
-    zero_c(two, cols);
-    for (int64_t t = 0; t < kt; ++t) {
-      const bf* at = x + m0 * ldx + t * kTileK;
-      if (two)
-        step32(at, stride, panel + t * cols * kTileElems, cols);
-      else
-        step16(at, stride, panel + t * cols * kTileElems, cols);
-    }
-    store_c(two, cols, c);
-    write_block(c, rows, cols, y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, n0);
+  int64_t rows = 0, ldy = 0, ldr = 0, n0 = 0;
+  int cols = 0;
+  bf* y = nullptr;
+  const bf* res = nullptr;
+
+  void flush() {
+    if (rows) write_block(c, rows, cols, y, ldy, res, ldr, n0);
+    rows = 0;
   }
+};
+
+// One block of at most 32 rows of x (stride ldx) times a dequantized panel (kt tiles deep, `cols` 16-column
+// tiles side by side per k tile: at most 2 where rows > 16) -> y[:rows, n0 : n0 + 16 * cols], written by the
+// next call (or the caller's flush) through out; out's earlier block is written during this one's TDPs.
+// x is read in place; *configured: the block rows the thread's tiles are configured for.
+void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf* panel, int cols, bf* y,
+                    int64_t ldy, const bf* res, int64_t ldr, int64_t n0, int64_t* configured, PendingBlock& out) {
+  const int64_t stride = ldx * sizeof(bf);
+  if (rows != *configured) {
+    out.flush();
+    configure_tiles(*configured = rows);
+  }
+  const bool two = rows > kTileRows;
+  zero_c(two, cols);
+  for (int64_t t = 0; t < kt; ++t) {
+    if (two)
+      step32(x + t * kTileK, stride, panel + t * cols * kTileElems, cols);
+    else
+      step16(x + t * kTileK, stride, panel + t * cols * kTileElems, cols);
+    if (t == std::min<int64_t>(kt - 1, 2)) out.flush();
+  }
+  store_c(two, cols, out.c);
+  out.rows = rows, out.cols = cols, out.y = y, out.ldy = ldy, out.res = res, out.ldr = ldr, out.n0 = n0;
 }
 
 // Panel p's column tiles at k tile t (read in their order, prefetched ahead) dequantized into out's places
@@ -196,7 +214,7 @@ struct Int4Matrix {
 // One block of at most 32 rows (x, stride ldx) times panels [p, end) (`cols` column tiles) -> y's columns
 // from 32 p. The panels are dequantized one k tile ahead of the TDPs, so the dequantization (vector ports)
 // runs beside the TDPs (the tile unit): into a two-slot ring that stays in L1, or, where later row blocks
-// need the panel (keep), into keep whole. The TDPs and their order are multiply_panel's, so are the bits.
+// need the panel (keep), into keep whole. The TDPs and their order are multiply_block's, so are the bits.
 void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p, int64_t end, int cols,
                        bf* y, int64_t ldy, const bf* res, int64_t ldr, int64_t* configured, bf* keep) {
   alignas(64) bf ring[2][4 * kTileElems];
@@ -220,6 +238,50 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
 
+// Rows [0, m <= 32) times panels [p0, p1), streamed: a call of at most 16 rows takes two panels (four
+// column tiles) at once, four independent chains of TDPs.
+void multiply_few(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p0, int64_t p1, bf* y,
+                  int64_t ldy, const bf* res, int64_t ldr, int64_t* configured) {
+  const int64_t group = m <= kTileRows ? 2 : 1;
+  for (int64_t p = p0; p < p1; p += group) {
+    const int64_t end = std::min(p + group, p1);
+    const int cols = static_cast<int>(std::min(2 * end, w.nt) - 2 * p);
+    multiply_streamed(x, m, ldx, w, p, end, cols, y, ldy, res, ldr, configured, nullptr);
+  }
+}
+
+// x larger than this (bytes) does not stay in a core's L2 (2 MiB here) beside the panels, and the panels
+// this many bytes at most are kept at once for it (docs/kernels.md, "Prompt sizes: x walked once per panel
+// group").
+constexpr int64_t kXInL2 = 1 << 20, kKeptBytes = 1 << 20;
+
+// Rows [0, m > 32) times panels [p0, p1), a group of panels at a time: the group's panels are dequantized
+// while the first 32 rows stream past them, and kept; then each further block of 32 rows meets every panel
+// of the group. Where x fits in L2 a group is one panel (it stays in L1 across the blocks); where it does
+// not, x walked once per panel came from L3 on every A tile load, so a group is as many panels as fit
+// kKeptBytes, and x is walked once per group.
+void multiply_many(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int64_t p0, int64_t p1, bf* y,
+                   int64_t ldy, const bf* res, int64_t ldr, int64_t* configured) {
+  const int64_t panel = w.kt * 2 * kTileElems, block = 2 * kTileRows;
+  const int64_t x_bytes = m * w.kt * kTileK * static_cast<int64_t>(sizeof(bf));
+  const int64_t group = x_bytes <= kXInL2 ? 1 : std::max<int64_t>(1, kKeptBytes / (panel * sizeof(bf)));
+  thread_local std::vector<bf> kept;
+  if (kept.size() < static_cast<size_t>(group * panel)) kept.resize(group * panel);
+  const auto cols = [&](int64_t p) { return static_cast<int>(std::min(2 * p + 2, w.nt) - 2 * p); };
+  thread_local PendingBlock out;
+  for (int64_t g0 = p0; g0 < p1; g0 += group) {
+    const int64_t g1 = std::min(g0 + group, p1);
+    for (int64_t p = g0; p < g1; ++p)
+      multiply_streamed(x, block, ldx, w, p, p + 1, cols(p), y, ldy, res, ldr, configured,
+                        kept.data() + (p - g0) * panel);
+    for (int64_t m0 = block; m0 < m; m0 += block)
+      for (int64_t p = g0; p < g1; ++p)
+        multiply_block(x + m0 * ldx, std::min(block, m - m0), ldx, w.kt, kept.data() + (p - g0) * panel, cols(p),
+                       y + m0 * ldy, ldy, res ? res + m0 * ldr : nullptr, ldr, kPanelN * p, configured, out);
+    out.flush();
+  }
+}
+
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                      const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(amx_usable(), "AMX tiles are not available on this CPU");
@@ -233,22 +295,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const bf* xp = x.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();
   const Int4Matrix w{codes.data_ptr<uint8_t>(), scale_zero.data_ptr<bf>(), nt, kt};
-  // few rows: two panels (four column tiles) multiplied at once, four independent chains of TDPs
-  const int64_t group = m <= kTileRows ? 2 : 1;
   at::parallel_for(0, (nt + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     int64_t configured = 0;
-    thread_local std::vector<bf> panel;  // a whole panel, for calls of several row blocks
-    if (m > 2 * kTileRows && panel.size() < static_cast<size_t>(kt * 2 * kTileElems)) panel.resize(kt * 2 * kTileElems);
-    for (int64_t p = p0; p < p1; p += group) {
-      const int64_t end = std::min(p + group, p1);
-      const int cols = static_cast<int>(std::min(2 * end, nt) - 2 * p);
-      // the first 32 rows streamed; the panel, kept meanwhile, for the rest
-      const int64_t first = std::min<int64_t>(m, 2 * kTileRows), rest = m - first, ldx = x.stride(0);
-      multiply_streamed(xp, first, ldx, w, p, end, cols, yp, n, res, ldr, &configured, rest ? panel.data() : nullptr);
-      if (rest)
-        multiply_panel(xp + first * ldx, rest, ldx, kt, panel.data(), cols, yp + first * n, n,
-                       res ? res + first * ldr : nullptr, ldr, kPanelN * p, &configured);
-    }
+    if (m <= 2 * kTileRows)
+      multiply_few(xp, m, x.stride(0), w, p0, p1, yp, n, res, ldr, &configured);
+    else
+      multiply_many(xp, m, x.stride(0), w, p0, p1, yp, n, res, ldr, &configured);
     if (configured) _tile_release();
   });
   return y;

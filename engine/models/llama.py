@@ -22,11 +22,15 @@ per layer is visible:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cached_property
+from typing import NamedTuple, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.load import amx
+from engine.load.quant import LAYER_PROJECTIONS, Int4Linear
 from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
@@ -151,6 +155,65 @@ class DecoderLayer(nn.Module):
         return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm, native)
 
 
+class NativeStack(NamedTuple):
+    """Every decoder layer's weights in the order conveyor_cpu::decoder_layers takes them
+    (kernels/cpu/decoder_layers.cpp), and the layers' shared settings."""
+
+    weights: list[torch.Tensor]  # per layer: norm, qkv codes, scales, o's, norm, gate_up's, down's
+    min_exponents: list[int]  # per layer: qkv, o, gate_up, down (amx.min_exponent)
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+
+
+def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """An int4 projection's AMX codes, scales and min_exponent where it runs the AMX kernel at
+    every row count without a bias (the quantized default on AMX CPUs: engine/kernel_choice.py),
+    so the native call takes the kernel its forward takes; else None."""
+    if not isinstance(m, Int4Linear) or type(m) is not Int4Linear:  # not a wrapper's subclass
+        return None
+    codes, scale_zero = m.tile_codes, m.tile_scale_zero
+    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
+        return None
+    if m.bias is not None:
+        return None
+    return codes, scale_zero, m.tile_min_exponent
+
+
+def _plain(layer: nn.Module) -> TypeGuard[DecoderLayer]:
+    """A Llama layer on the native small ops: no window, soft-capping, q/k norms, GeGLU, MoE or
+    sandwich norms."""
+    return (isinstance(layer, DecoderLayer) and layer.native and layer.window is None
+            and layer.softcap is None and layer.q_norm is None and not layer.gelu
+            and layer.moe is None and layer.pre_feedforward_layernorm is None)
+
+
+def native_stack(layers: Iterable[nn.Module]) -> NativeStack | None:
+    """The stack for one native call where every layer is _plain, its projections have _tiles
+    and its norms are bfloat16; else None."""
+    weights: list[torch.Tensor] = []
+    exps: list[int] = []
+    settings: set[tuple[int, int, float | None, float | None, float]] = set()
+    for layer in layers:
+        if not _plain(layer):
+            return None
+        tiles = [_tiles(getattr(layer, name)) for name in LAYER_PROJECTIONS]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(t is None for t in tiles) or any(n.weight.dtype != torch.bfloat16 for n in norms):
+            return None
+        qkv, o, gate_up, down = (t for t in tiles if t is not None)
+        weights += [norms[0].weight, *qkv[:2], *o[:2], norms[1].weight, *gate_up[:2], *down[:2]]
+        exps += [qkv[2], o[2], gate_up[2], down[2]]
+        settings.add((layer.num_heads, layer.num_kv_heads, norms[0].eps, norms[1].eps, layer.scale))
+    if len(settings) != 1:
+        return None
+    heads, kv_heads, eps, post_eps, scale = settings.pop()
+    if eps is None or eps != post_eps:
+        return None
+    return NativeStack(weights, exps, heads, kv_heads, eps, scale)
+
+
 class LlamaModel(nn.Module):
     """Holds the parameters under HF's names (model.embed_tokens, model.layers.N, model.norm).
     They are not meaningfully initialised: the model is built on meta and engine/load/weights.py
@@ -181,6 +244,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope_local: torch.Tensor | None
         local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
         self.register_buffer("rope_local", local, persistent=False)
+        # the decoder layers in one native call where they allow it (NativeStack); False: each
+        # layer's forward (bench/step_profile.py --python-layers)
+        self.native_layers = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to
@@ -215,6 +281,16 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         h = self.embed(input_ids)  # [T, E]
         native = self.model.native_ops
+        # every layer in one native call where the model and the step allow it (NativeStack)
+        stack = self.native_stack if native and self.native_layers else None
+        plan = getattr(backend, "native_step", None)
+        step = plan(attn_meta) if stack is not None and plan is not None else None
+        if stack is not None and step is not None and kv_cache.dtype == h.dtype:
+            out: torch.Tensor = torch.ops.conveyor_cpu.decoder_layers(
+                h, stack.weights, stack.min_exponents, kv_cache, self.rope, positions,
+                stack.num_heads, stack.num_kv_heads, stack.eps, stack.scale, amx.ROWS_PATH_MAX,
+                *step)
+            return out
         rope = rotation(self.rope, positions, native)
         local = rope if self.rope_local is None else rotation(self.rope_local, positions, native)
         # every layer's K and V caches [num_blocks, block_size, Hkv, D] as views made in two
@@ -223,6 +299,11 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(m.layers, kv_cache[:, 0], kv_cache[:, 1]):
             h = layer.forward(h, local if layer.local_rope else rope, k, v, attn_meta, backend)
         return h
+
+    @cached_property
+    def native_stack(self) -> NativeStack | None:
+        """Decided at the first forward: loading sets the GEMMs' kernels after use_native_ops."""
+        return native_stack(self.model.layers)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings

@@ -219,6 +219,7 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   store_c(two, cols, c);
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
+}  // namespace
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                      const c10::optional<at::Tensor>& residual) {
@@ -253,7 +254,6 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   });
   return y;
 }
-}  // namespace
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {

@@ -18,22 +18,23 @@ per layer is visible:
 - A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of
   F.linear (its add_to used where it has one); so does a tensor-parallel row-parallel one
   (engine/distributed/layers.py).
+- Where every layer is the CPU default's common case (NativeStack), all layers run in one native
+  call (kernels/cpu/decoder_layers.cpp): the same ops as DecoderLayer.forward, without the Python
+  between them (a quarter of a one-row step).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import cached_property
-from typing import NamedTuple, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.load import amx
-from engine.load.quant import LAYER_PROJECTIONS, Int4Linear
 from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
+from engine.models.native_stack import LayerParts, NativeStack, layer_parts, run_stack, stack_of
 from engine.models.rope import Rotation, apply_rope, rope_table, rotation, to_interleaved
 from kernels.backend import AttentionBackend
 
@@ -114,6 +115,16 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = nn.Linear(hidden, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
 
+    def native_parts(self) -> LayerParts | None:
+        """This layer's share of the one native call for all layers (NativeStack), where it is a
+        plain Llama layer on the native small ops; else None."""
+        if not (self.native and self.window is None and self.softcap is None and self.q_norm is None
+                and not self.gelu and self.moe is None and self.pre_feedforward_layernorm is None):
+            return None
+        return layer_parts(self.input_layernorm, self.post_attention_layernorm,
+                           (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj),
+                           self.num_heads, self.num_kv_heads, self.scale)
+
     def forward(
         self, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn_meta: object, backend: AttentionBackend,
@@ -153,65 +164,6 @@ class DecoderLayer(nn.Module):
         if self.post_feedforward_layernorm is None:
             return add_linear(h, act, self.down_proj)  # h + down_proj(act): [T, E]
         return h + rms(linear(act, self.down_proj), self.post_feedforward_layernorm, native)
-
-
-class NativeStack(NamedTuple):
-    """Every decoder layer's weights in the order conveyor_cpu::decoder_layers takes them
-    (kernels/cpu/decoder_layers.cpp), and the layers' shared settings."""
-
-    weights: list[torch.Tensor]  # per layer: norm, qkv codes, scales, o's, norm, gate_up's, down's
-    min_exponents: list[int]  # per layer: qkv, o, gate_up, down (amx.min_exponent)
-    num_heads: int
-    num_kv_heads: int
-    eps: float
-    scale: float
-
-
-def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """An int4 projection's AMX codes, scales and min_exponent where it runs the AMX kernel at
-    every row count without a bias (the quantized default on AMX CPUs: engine/kernel_choice.py),
-    so the native call takes the kernel its forward takes; else None."""
-    if not isinstance(m, Int4Linear) or type(m) is not Int4Linear:  # not a wrapper's subclass
-        return None
-    codes, scale_zero = m.tile_codes, m.tile_scale_zero
-    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
-        return None
-    if m.bias is not None:
-        return None
-    return codes, scale_zero, m.tile_min_exponent
-
-
-def _plain(layer: nn.Module) -> TypeGuard[DecoderLayer]:
-    """A Llama layer on the native small ops: no window, soft-capping, q/k norms, GeGLU, MoE or
-    sandwich norms."""
-    return (isinstance(layer, DecoderLayer) and layer.native and layer.window is None
-            and layer.softcap is None and layer.q_norm is None and not layer.gelu
-            and layer.moe is None and layer.pre_feedforward_layernorm is None)
-
-
-def native_stack(layers: Iterable[nn.Module]) -> NativeStack | None:
-    """The stack for one native call where every layer is _plain, its projections have _tiles
-    and its norms are bfloat16; else None."""
-    weights: list[torch.Tensor] = []
-    exps: list[int] = []
-    settings: set[tuple[int, int, float | None, float | None, float]] = set()
-    for layer in layers:
-        if not _plain(layer):
-            return None
-        tiles = [_tiles(getattr(layer, name)) for name in LAYER_PROJECTIONS]
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(t is None for t in tiles) or any(n.weight.dtype != torch.bfloat16 for n in norms):
-            return None
-        qkv, o, gate_up, down = (t for t in tiles if t is not None)
-        weights += [norms[0].weight, *qkv[:2], *o[:2], norms[1].weight, *gate_up[:2], *down[:2]]
-        exps += [qkv[2], o[2], gate_up[2], down[2]]
-        settings.add((layer.num_heads, layer.num_kv_heads, norms[0].eps, norms[1].eps, layer.scale))
-    if len(settings) != 1:
-        return None
-    heads, kv_heads, eps, post_eps, scale = settings.pop()
-    if eps is None or eps != post_eps:
-        return None
-    return NativeStack(weights, exps, heads, kv_heads, eps, scale)
 
 
 class LlamaModel(nn.Module):
@@ -286,11 +238,7 @@ class LlamaForCausalLM(nn.Module):
         plan = getattr(backend, "native_step", None)
         step = plan(attn_meta) if stack is not None and plan is not None else None
         if stack is not None and step is not None and kv_cache.dtype == h.dtype:
-            out: torch.Tensor = torch.ops.conveyor_cpu.decoder_layers(
-                h, stack.weights, stack.min_exponents, kv_cache, self.rope, positions,
-                stack.num_heads, stack.num_kv_heads, stack.eps, stack.scale, amx.ROWS_PATH_MAX,
-                *step)
-            return out
+            return run_stack(stack, h, kv_cache, self.rope, positions, step)
         rope = rotation(self.rope, positions, native)
         local = rope if self.rope_local is None else rotation(self.rope_local, positions, native)
         # every layer's K and V caches [num_blocks, block_size, Hkv, D] as views made in two
@@ -303,7 +251,8 @@ class LlamaForCausalLM(nn.Module):
     @cached_property
     def native_stack(self) -> NativeStack | None:
         """Decided at the first forward: loading sets the GEMMs' kernels after use_native_ops."""
-        return native_stack(self.model.layers)
+        return stack_of(layer.native_parts() if isinstance(layer, DecoderLayer) else None
+                        for layer in self.model.layers)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from engine.load import amx
+from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
+from engine.models.native_stack import stack_of
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource
-from tests.conftest import causal_lm
+from tests.conftest import causal_lm, decoder_layers
 
 pytestmark = pytest.mark.skipif(not amx.usable(), reason="no AMX tiles (or native kernels) here")
 BLOCK, BLOCKS = 16, 640
@@ -87,3 +89,17 @@ def test_steps_the_native_call_does_not_take_run_the_python_layers(
     lay = layout([1, 40], [30, 0], seed=1)
     backend = TorchBackend("cpu", native=True, dtype=torch.bfloat16, native_prompts=False)
     assert backend.native_step(backend.plan(lay)) is None
+
+
+def test_a_layer_off_the_amx_kernel_keeps_every_layer_in_python(model: LlamaForCausalLM) -> None:
+    """One projection that would take another kernel at some row count (here torch's int kernel
+    below two rows) and the model has no native stack: the call would multiply it on the wrong
+    kernel."""
+    down = model.model.layers[3].down_proj
+    assert isinstance(down, Int4Linear)
+    saved, down.amx_from = down.amx_from, 2
+    try:
+        assert stack_of(layer.native_parts() for layer in decoder_layers(model)) is None
+    finally:
+        down.amx_from = saved
+    assert stack_of(layer.native_parts() for layer in decoder_layers(model)) is not None

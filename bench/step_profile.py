@@ -10,14 +10,17 @@ decode steps twice:
    children): GEMMs (linear/addmm/mm, torch's int4/int8 and the AMX int4 kernel), attention (SDPA or
    the native kernel), K/V gathers and writes (index_select & co. inside the attention backend),
    attention's other ops (layouts, copies), elementwise (RMSNorm, RoPE, SiLU-and-mul, residual adds,
-   casts), the embedding, and dispatch/Python between ops.
+   casts), the embedding, and dispatch/Python between ops. Where the decoder layers run in one
+   native call (the default on AMX CPUs: engine/models/llama.py NativeStack), that call is one row,
+   its ops and the C++ between them inside it, and the dispatch row is the Python around it;
+   --python-layers runs each layer's Python forward instead, split as above.
 Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.
 
     python bench/step_profile.py [--configs auto:auto,bfloat16:none | --dtype D --quantization Q]
                                  [--num-seqs 1,32] [--context 64,700] [--prompt-chunk N]
                                  [--steps 10] [--attention-backend auto|cpu|torch]
-                                 [--native-max-context auto|none|N] [--ops]
+                                 [--native-max-context auto|none|N] [--ops] [--python-layers]
 
 --configs: dtype:quantization pairs, profiled one after the other in this run; the default,
 auto:auto, is what `conveyor serve` runs (--dtype auto --quantization auto). A summary of every
@@ -65,7 +68,11 @@ WRITE_OPS = {"aten::index_put_", "aten::index_copy_", "aten::index_put", "aten::
 ROWS = ["GEMMs (linear, addmm, mm, int4/int8)", "attention (SDPA or native kernel)",
         "K/V gathers (index_select)", "K/V writes", "attention: other ops",
         "elementwise (norms, RoPE, SiLU, adds, casts)", "embedding",
+        "decoder layers in one native call (all of the above inside)",
         "dispatch and Python between ops"]
+# every decoder layer in one call (kernels/cpu/decoder_layers.cpp): its GEMMs, attention and small
+# ops run in C++, where the profiler does not see them one by one
+NATIVE_LAYERS = "conveyor_cpu::decoder_layers"
 
 
 class Ranged:
@@ -211,6 +218,8 @@ def _row(name: str, parent: str) -> str:
         if name in WRITE_OPS:
             return ROWS[3]
         return ROWS[4]
+    if name == NATIVE_LAYERS:
+        return ROWS[7]
     if name in GEMM_OPS:
         return ROWS[0]
     if name == "aten::embedding":
@@ -276,6 +285,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
                                    quantization=quantization))
     # what auto resolved to
     dtype, quantization = core.model_config.dtype, core.model_config.quantization
+    if args.python_layers:
+        core.runner.model.native_layers = False  # type: ignore[assignment]
     backend = core.runner.backend
     if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
         native_max = args.native_max_context
@@ -352,6 +363,9 @@ def main() -> None:
                     help="auto | cpu | torch (the native kernel's baseline)")
     ap.add_argument("--ops", action="store_true",
                     help="also list the elementwise row's ops, largest first")
+    ap.add_argument("--python-layers", action="store_true",
+                    help="each decoder layer's Python forward, never the layers in one native "
+                         "call: the ops split by row")
     ap.add_argument("--no-prepack", action="store_true",
                     help="projections as plain nn.Linear (the baseline)")
     ap.add_argument("--native-max-context", default="auto",

@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from kernels.backend import BatchLayout
 from kernels.torch_plan import Batched, TorchMeta, plan
 
+# slot_mapping, block_tables, q_start, q_len, seq_len, part_tokens, isa (TorchBackend.native_step)
+NativeStep = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, str]
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool, scale: float, gqa: bool, softcap: float | None) -> torch.Tensor:
@@ -104,6 +107,16 @@ class TorchBackend:
 
     def plan(self, layout: BatchLayout) -> TorchMeta:
         return plan(layout, self.device, self.native, self.native_prompts, self.native_max_context)
+
+    def native_step(self, meta: TorchMeta) -> NativeStep | None:
+        """The plan's arguments for write_and_attend (as forward passes them, without a window or
+        soft-capping) where every row of the step goes to the native kernel, so a model can run its
+        layers in one native call (engine/models/llama.py); None where some row goes elsewhere."""
+        n = meta.native
+        if n is None or not n.covers_all:
+            return None
+        return (meta.slot_mapping, n.block_tables, n.q_start, n.q_len, n.seq_len,
+                self.NATIVE_PART_TOKENS, self.native_isa)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchMeta, scale: float, window: int | None = None,

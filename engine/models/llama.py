@@ -18,10 +18,14 @@ per layer is visible:
 - A quantized projection (engine/load/quant.py) replaces an nn.Linear and is called instead of
   F.linear (its add_to used where it has one); so does a tensor-parallel row-parallel one
   (engine/distributed/layers.py).
+- Where every layer is the CPU default's common case (NativeStack), all layers run in one native
+  call (kernels/cpu/decoder_layers.cpp): the same ops as DecoderLayer.forward, without the Python
+  between them (a quarter of a one-row step).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +34,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
+from engine.models.native_stack import LayerParts, NativeStack, layer_parts, run_stack, stack_of
 from engine.models.rope import Rotation, apply_rope, rope_table, rotation, to_interleaved
 from kernels.backend import AttentionBackend
 
@@ -110,6 +115,16 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = nn.Linear(hidden, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
 
+    def native_parts(self) -> LayerParts | None:
+        """This layer's share of the one native call for all layers (NativeStack), where it is a
+        plain Llama layer on the native small ops; else None."""
+        if not (self.native and self.window is None and self.softcap is None and self.q_norm is None
+                and not self.gelu and self.moe is None and self.pre_feedforward_layernorm is None):
+            return None
+        return layer_parts(self.input_layernorm, self.post_attention_layernorm,
+                           (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj),
+                           self.num_heads, self.num_kv_heads, self.scale)
+
     def forward(
         self, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
         attn_meta: object, backend: AttentionBackend,
@@ -181,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
         self.rope_local: torch.Tensor | None
         local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
         self.register_buffer("rope_local", local, persistent=False)
+        # the decoder layers in one native call where they allow it (NativeStack); False: each
+        # layer's forward (bench/step_profile.py --python-layers)
+        self.native_layers = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to
@@ -215,6 +233,12 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         h = self.embed(input_ids)  # [T, E]
         native = self.model.native_ops
+        # every layer in one native call where the model and the step allow it (NativeStack)
+        stack = self.native_stack if native and self.native_layers else None
+        plan = getattr(backend, "native_step", None)
+        step = plan(attn_meta) if stack is not None and plan is not None else None
+        if stack is not None and step is not None and kv_cache.dtype == h.dtype:
+            return run_stack(stack, h, kv_cache, self.rope, positions, step)
         rope = rotation(self.rope, positions, native)
         local = rope if self.rope_local is None else rotation(self.rope_local, positions, native)
         # every layer's K and V caches [num_blocks, block_size, Hkv, D] as views made in two
@@ -223,6 +247,12 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(m.layers, kv_cache[:, 0], kv_cache[:, 1]):
             h = layer.forward(h, local if layer.local_rope else rope, k, v, attn_meta, backend)
         return h
+
+    @cached_property
+    def native_stack(self) -> NativeStack | None:
+        """Decided at the first forward: loading sets the GEMMs' kernels after use_native_ops."""
+        return stack_of(layer.native_parts() if isinstance(layer, DecoderLayer) else None
+                        for layer in self.model.layers)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings

@@ -35,6 +35,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "ops.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -104,21 +106,6 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double 
   });
 }
 
-// x [N, D] (rows may be strided, each row contiguous), weight [D] of x's dtype -> new [N, D].
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x [N, D] with contiguous rows");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "rms_norm: weight [D]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight in x's dtype");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    rms_rows<float>(x, weight, out, eps);
-  else if (x.scalar_type() == at::kBFloat16)
-    rms_rows<BF16>(x, weight, out, eps);
-  else
-    TORCH_CHECK(false, "rms_norm: float32 or bfloat16, not ", x.scalar_type());
-  return out;
-}
-
 template <typename T>
 void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
   const int64_t I = out.size(1), xs = x.stride(0);
@@ -137,21 +124,6 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
       }
     }
   });
-}
-
-// x [T, 2I] (gate | up, rows may be strided, each row contiguous) -> new [T, I]: silu(gate) * up, the
-// values of F.silu(gate).mul_(up) in one pass over the fused gate_up GEMM's output.
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "silu_and_mul: x [T, 2I] with contiguous rows");
-  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(x, out);
-  else if (x.scalar_type() == at::kBFloat16)
-    silu_mul_rows<BF16>(x, out);
-  else
-    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16, not ", x.scalar_type());
-  return out;
 }
 
 template <typename T>
@@ -178,25 +150,6 @@ void rope_rows(at::Tensor& x, const at::Tensor& table, const at::Tensor& positio
   });
 }
 
-// In place: x [T, N, D] (interleaved pairs, last dim contiguous), table [P, D/2, 2] float32 (cos, sin),
-// positions [T] int64: each pair (a, b) of row t turns by the angle of positions[t].
-void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope_: x [T, N, D], D even, last dim contiguous");
-  TORCH_CHECK(table.dim() == 3 && table.size(1) * 2 == x.size(2) && table.size(2) == 2, "rope_: table [P, D/2, 2]");
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.stride(2) == 1 && table.stride(1) == 2, "rope_: float32 table");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == x.size(0),
-              "rope_: positions [T] int64");
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < positions.size(0); ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < table.size(0), "rope_: position ", pos[t], " outside the table");
-  if (x.scalar_type() == at::kFloat)
-    rope_rows<float>(x, table, positions);
-  else if (x.scalar_type() == at::kBFloat16)
-    rope_rows<BF16>(x, table, positions);
-  else
-    TORCH_CHECK(false, "rope_: float32 or bfloat16, not ", x.scalar_type());
-}
-
 // K or V rows x [T, Hkv, D] into their cache slots: cache [blocks, block_size, Hkv, D] viewed as [S, Hkv, D],
 // row t to slot slots[t], as index_copy_ does (a copy: the same bits). Rows whose heads lie contiguously (views
 // of the QKV GEMM's output) are copied row by row (at decode sizes index_copy_'s set-up costs more than the
@@ -221,6 +174,60 @@ void write_rows(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& 
   }
 }
 
+}  // namespace
+
+// The ops, in conveyor:: so other files call them directly (ops.h).
+namespace conveyor {
+
+// x [N, D] (rows may be strided, each row contiguous), weight [D] of x's dtype -> new [N, D].
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x [N, D] with contiguous rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "rms_norm: weight [D]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "rms_norm: weight in x's dtype");
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rms_rows<float>(x, weight, out, eps);
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_rows<BF16>(x, weight, out, eps);
+  else
+    TORCH_CHECK(false, "rms_norm: float32 or bfloat16, not ", x.scalar_type());
+  return out;
+}
+
+// x [T, 2I] (gate | up, rows may be strided, each row contiguous) -> new [T, I]: silu(gate) * up, the
+// values of F.silu(gate).mul_(up) in one pass over the fused gate_up GEMM's output.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x [T, 2I] with contiguous rows");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_rows<float>(x, out);
+  else if (x.scalar_type() == at::kBFloat16)
+    silu_mul_rows<BF16>(x, out);
+  else
+    TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16, not ", x.scalar_type());
+  return out;
+}
+
+// In place: x [T, N, D] (interleaved pairs, last dim contiguous), table [P, D/2, 2] float32 (cos, sin),
+// positions [T] int64: each pair (a, b) of row t turns by the angle of positions[t].
+void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope_: x [T, N, D], D even, last dim contiguous");
+  TORCH_CHECK(table.dim() == 3 && table.size(1) * 2 == x.size(2) && table.size(2) == 2, "rope_: table [P, D/2, 2]");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.stride(2) == 1 && table.stride(1) == 2, "rope_: float32 table");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.size(0) == x.size(0),
+              "rope_: positions [T] int64");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < table.size(0), "rope_: position ", pos[t], " outside the table");
+  if (x.scalar_type() == at::kFloat)
+    rope_rows<float>(x, table, positions);
+  else if (x.scalar_type() == at::kBFloat16)
+    rope_rows<BF16>(x, table, positions);
+  else
+    TORCH_CHECK(false, "rope_: float32 or bfloat16, not ", x.scalar_type());
+}
+
 // A layer's attention step on the native kernel in one call: K/V written into the cache (write_rows), then
 // conveyor_cpu::paged_attention (kernels/cpu/paged_attention.cpp) over every row of q into a new [T, H, D]. The
 // same copy and kernel as index_copy_ + paged_attention, without the Python calls between them (views, casts,
@@ -241,17 +248,17 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace conveyor
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &conveyor::rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &conveyor::silu_and_mul);
   m.def("rope_(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
-  m.impl("rope_", c10::DispatchKey::CPU, &rope_);
+  m.impl("rope_", c10::DispatchKey::CPU, &conveyor::rope_);
   m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor block_tables, Tensor q_start, Tensor q_len, Tensor seq_len, float scale, int part_tokens, int window, "
         "float softcap, str isa='auto') -> Tensor");
-  m.impl("write_and_attend", c10::DispatchKey::CPU, &write_and_attend);
+  m.impl("write_and_attend", c10::DispatchKey::CPU, &conveyor::write_and_attend);
 }

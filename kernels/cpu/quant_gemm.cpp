@@ -237,6 +237,7 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   store_c(two, cols, c);
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
+}  // namespace
 
 // Rows [0, m <= 32) times panels [p0, p1), streamed: a call of at most 16 rows takes two panels (four
 // column tiles) at once, four independent chains of TDPs.
@@ -305,7 +306,6 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   });
   return y;
 }
-}  // namespace
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {

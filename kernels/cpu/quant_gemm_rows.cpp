@@ -143,6 +143,8 @@ int64_t int4_min_exponent(const at::Tensor& codes, const at::Tensor& scale_zero)
   return least;
 }
 
+}  // namespace
+
 // int4_gemm's product for at most kMaxRows rows, on AVX-512 in the tiles' arithmetic: the same bits, each
 // weight dequantized once and used by every row at once. w_min_exponent: int4_min_exponent of these codes.
 // The plain way where every product's last bit (2^(ex + ew - 14) for bfloat16 exponents ex, ew) is at least
@@ -202,7 +204,6 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
   return y;
 }
 
-}  // namespace
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {

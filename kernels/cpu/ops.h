@@ -1,0 +1,24 @@
+// The native ops one C++ file calls in another directly, as C++ functions: no dispatcher between them
+// (decoder_layers.cpp runs a stack of decoder layers out of these).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+#include <c10/util/string_view.h>
+
+// quant_gemm.cpp: x [M, K] bfloat16 @ W.T (+ residual) on AMX tiles (conveyor_cpu::int4_gemm_amx).
+at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
+                     const c10::optional<at::Tensor>& residual);
+// quant_gemm_rows.cpp: the same bits for a few rows on AVX-512 (conveyor_cpu::int4_gemm_rows).
+at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
+                          const c10::optional<at::Tensor>& residual, int64_t w_min_exponent);
+
+// layer_ops.cpp: the ops of the same names in conveyor_cpu.
+namespace conveyor {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions);
+at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& seq_len, double scale,
+                            int64_t part_tokens, int64_t window, double softcap, c10::string_view isa);
+}  // namespace conveyor

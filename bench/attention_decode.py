@@ -58,13 +58,14 @@ def baseline_op(rev: str) -> Any:
 
 
 def alternate(calls: dict[str, Callable[[int], None]], runs: int) -> dict[str, list[float]]:
-    """ms per call of each variant (called with the round), one call each per round, the order
-    reversed every other round; 3 rounds of warm-up."""
+    """ms per call of each variant (called with a count that picks its pool: a variant must not
+    read what the one before it just did), one call each per round, the order reversed every other
+    round; 3 rounds of warm-up."""
     times: dict[str, list[float]] = {k: [] for k in calls}
     for i in range(runs + 3):
         for k, call in sorted(calls.items(), reverse=i % 2 == 1):
             t0 = time.perf_counter()
-            call(i)
+            call(i * len(calls) + list(calls).index(k))  # no two calls in a row on one pool
             if i >= 3:
                 times[k].append((time.perf_counter() - t0) * 1e3)
     return times
@@ -127,18 +128,18 @@ def hot(ops: dict[str, Any], runs: int) -> None:
         print(row(name, times, b * n * hkv * d * 2 * 2))
 
 
-def dram(ops: dict[str, Any], runs: int, layers: int = 30) -> None:
+def dram(ops: dict[str, Any], runs: int) -> None:
     import torch
 
     from engine.kv_cache import zeros_pool
 
     h, hkv, d, bs = SHAPE
-    print(f"DRAM: each call the next of {layers} layers; {' / '.join(ops)} on 4 KB pages, then "
+    print(f"DRAM: each call the next layer's pool; {' / '.join(ops)} on 4 KB pages, then "
           "this tree on 2 MB pages")
     print(header([*ops, "this tree, 2 MB"]))
     gen = torch.Generator().manual_seed(1)
-    for name, lens in [("32 x 64..700 (step mix)", STEP_MIX), ("1 x 2000", [2000]),
-                       ("64 x 2048", [2048] * 64)]:
+    for name, lens, layers in [("32 x 64..700 (step mix)", STEP_MIX, 30), ("1 x 2000", [2000], 30),
+                               ("64 x 2048", [2048] * 64, 3)]:  # 100 MB a call: 3 pools of 200 MB
         blocks = 2 * sum(-(-n // bs) for n in lens)
         q, tables, seqs = batch(lens, blocks, gen)
         shape = (layers, 2, blocks, bs, hkv, d)
@@ -150,9 +151,12 @@ def dram(ops: dict[str, Any], runs: int, layers: int = 30) -> None:
         outs = {k: torch.empty_like(q) for k in fns}
         pools = {k: [(pool[i, 0], pool[i, 1]) for i in range(layers)]
                  for k, pool in [("4K", small), ("2M", huge)]}
-        times = alternate({k: functools.partial(attend, op, outs[k], q,
-                                                pools["2M" if "2 MB" in k else "4K"], tables, seqs)
-                           for k, op in fns.items()}, runs)
+        calls: dict[str, Callable[[int], None]] = {
+            k: functools.partial(attend, op, outs[k], q, pools["2M" if "2 MB" in k else "4K"],
+                                 tables, seqs) for k, op in fns.items()}
+        times = alternate(calls, runs)
+        for call in calls.values():
+            call(0)  # every variant over layer 0, to compare
         first, *rest = outs.values()
         assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
         print(row(name, times, sum(lens) * hkv * d * 2 * 2))

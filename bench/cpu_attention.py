@@ -22,11 +22,9 @@ over a cached 1024) on the native kernel's best path against SDPA, plus single d
 256..4096 (to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA
 shape.
 
-With --decode: bfloat16 decode rows straight through the kernel's op (no backend around it), this
-tree's kernel against the one at git revision --against (built beside it under another op
-namespace), calls alternated one by one (each first every other round) in one process, so drift on a
-shared machine hits both alike: 32 decodes over 408 tokens (SmolLM2-135M's served step), the same
-over a cache 20x larger than the batch, one decode over 200..2,000 tokens, 64 decodes over 2,048.
+With --decode: bfloat16 decode rows straight through the kernel's op, this tree's kernel against the
+one at git revision --against, calls alternated in one process, over K/V the host's caches keep and
+over K/V from memory as in a served step (bench/attention_decode.py says how).
 
     python bench/cpu_attention.py [--native | --prompts | --decode [--against REV]] [--threads N]
 """
@@ -176,83 +174,6 @@ def prompts_vs_sdpa(runs: int) -> None:
                   f"{flops / ms_native / 1e6:8.1f}")
 
 
-def baseline_op(rev: str):
-    """The kernel's op at git revision rev, built from that revision's sources under the namespace
-    conveyor_base (kernels/cpu/__init__.py's compiler command), loaded beside this tree's."""
-    import hashlib
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    import kernels.cpu as native_cpu
-
-    root = Path(__file__).resolve().parent.parent
-    folder = Path(tempfile.mkdtemp(prefix="attn-base-"))
-    key = hashlib.sha256(torch.__version__.encode() + native_cpu._cpu_flags().encode())
-    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:kernels/cpu"], cwd=root,
-                            capture_output=True, text=True, check=True).stdout.split()
-    for path in ["paged_attention.cpp", *(n for n in listed if n.endswith(".h"))]:
-        text = subprocess.run(["git", "show", f"{rev}:kernels/cpu/{path}"], cwd=root,
-                              capture_output=True, text=True, check=True).stdout
-        (folder / path).write_text(text.replace("TORCH_LIBRARY(conveyor_cpu,",
-                                                "TORCH_LIBRARY(conveyor_base,"))
-        key.update(text.encode())
-    # built once per source
-    lib = native_cpu._cache_dir() / f"attention-base-{key.hexdigest()[:16]}.so"
-    if not lib.exists():
-        cmd = [a for a in native_cpu._command(folder / "base.so") if not a.endswith(".cpp")]
-        cmd.insert(cmd.index("-o"), str(folder / "paged_attention.cpp"))
-        subprocess.run(cmd, check=True)
-        (folder / "base.so").rename(lib)
-    torch.ops.load_library(str(lib))
-    return torch.ops.conveyor_base.paged_attention
-
-
-def decode_rows(rev: str, runs: int) -> None:
-    """Decode rows through the op, this tree against rev, calls alternated (see the module
-    docstring)."""
-    import torch
-
-    import kernels.cpu as native_cpu
-
-    assert native_cpu.available(), "the native kernel did not build"
-    ops = {rev: baseline_op(rev), "this tree": torch.ops.conveyor_cpu.paged_attention}
-    h, hkv, d, bs = SMOLLM2.num_heads, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, SMOLLM2.block_size
-    print(f"bfloat16 decode rows, H={h} Hkv={hkv} D={d} block={bs}, isa auto, ms per call (min and "
-          f"median of {runs}, alternated); GB/s: K/V bytes over the min")
-    print(f"{'case':30s} {rev:>17s} {'this tree':>17s} {'min x':>6s} {'med x':>6s} {'GB/s':>6s}")
-    gen = torch.Generator().manual_seed(0)
-    for name, b, n, spare in [("32 x 408", 32, 408, 0), ("32 x 408, cache 20x", 32, 408, 20),
-                              ("1 x 200", 1, 200, 0), ("1 x 500", 1, 500, 0),
-                              ("1 x 1000", 1, 1000, 0), ("1 x 2000", 1, 2000, 0),
-                              ("64 x 2048", 64, 2048, 0)]:
-        need = -(-n // bs)
-        blocks = b * need * (1 + spare) + 1
-        tables = torch.randperm(blocks, generator=gen)[:b * need].view(b, need)
-        tables = tables.to(torch.int32).contiguous()
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16)
-                  for _ in range(2))
-        q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16)
-        outs = {k: torch.empty_like(q) for k in ops}
-        seqs = (torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
-                torch.full((b,), n, dtype=torch.int32))
-        times: dict[str, list[float]] = {k: [] for k in ops}
-        for i in range(runs + 3):
-            # each goes first every other round
-            for k, op in sorted(ops.items(), reverse=i % 2 == 1):
-                t0 = time.perf_counter()
-                op(outs[k], q, kc, vc, tables, *seqs, d ** -0.5, 256, 0, 0.0, "auto")
-                if i >= 3:
-                    times[k].append((time.perf_counter() - t0) * 1e3)
-        assert torch.equal(outs[rev], outs["this tree"]), "the two kernels disagree"
-        (b_min, b_med), (t_min, t_med) = ((min(t), statistics.median(t)) for t in times.values())
-        print(f"{name:30s} {b_min:8.3f} {b_med:8.3f} {t_min:8.3f} {t_med:8.3f} "
-              f"{b_min / t_min:5.2f}x {b_med / t_med:5.2f}x "
-              f"{b * n * hkv * d * 2 * 2 / t_min / 1e6:6.1f}")
-
-
 def min_ms(fn, runs: int) -> float:
     """The fastest of runs: on a machine other processes share, the run least disturbed."""
     fn()
@@ -290,6 +211,7 @@ def main() -> None:
         prompts_vs_sdpa(args.runs)
         return
     if args.decode:
+        from bench.attention_decode import decode_rows
         decode_rows(args.against, args.runs)
         return
     src = torch.empty(1 << 26)  # 256 MiB

@@ -157,22 +157,23 @@ void attend(const Call& c, const Task& t, const Partials& out) {
   const int64_t unit = unit_tokens(p.BS, c.part_tokens);
   const void* kp[kUnitTokens];  // the unit's blocks, this KV head (unit / BS <= kUnitTokens)
   const void* vp[kUnitTokens];
+  const int64_t first_b0 = std::max(t.p0 * c.part_tokens, oldest / p.BS * p.BS);
   for (int64_t part = t.p0; part < t.p1; ++part) {
     const int64_t b_end = std::min((part + 1) * c.part_tokens, last + 1);
     for (int64_t b0 = std::max(part * c.part_tokens, oldest / p.BS * p.BS); b0 < b_end;) {
       const int64_t u_end = std::min((b0 / unit + 1) * unit, b_end), nb = (u_end - b0 + p.BS - 1) / p.BS;
       const int32_t* blocks = c.tables + t.seq * c.max_blocks + b0 / p.BS;
-      if (b0 + nb * p.BS < b_end) {  // the next unit's blocks lie anywhere: fetch them while this one is worked on
-        if (t.h1 - t.h0 < p.Hkv) {
-          prefetch_heads(c, t.seq, b0 + nb * p.BS, b_end, t.h0, t.h1);
-        } else {
-          const int64_t more = std::min<int64_t>(unit / p.BS, (b_end - b0 - nb * p.BS + p.BS - 1) / p.BS);
-          for (int64_t b = nb; b < nb + more; ++b)
-            for (int64_t x = 0; x < p.BS * kv_row; x += 64) {
-              __builtin_prefetch(c.k + blocks[b] * p.BS * kv_row + x);
-              __builtin_prefetch(c.v + blocks[b] * p.BS * kv_row + x);
-            }
-        }
+      // The next unit's blocks lie anywhere: fetch them while this one is worked on; on a task's first
+      // unit, its own blocks too (from memory, a served step's case, 1.1-1.2x; per-head tasks: 1.00x).
+      if (t.h1 - t.h0 < p.Hkv) {
+        if (b0 + nb * p.BS < b_end) prefetch_heads(c, t.seq, b0 + nb * p.BS, b_end, t.h0, t.h1);
+      } else {
+        const int64_t more = std::min<int64_t>(unit / p.BS, (b_end - b0 - nb * p.BS + p.BS - 1) / p.BS);
+        for (int64_t b = b0 == first_b0 ? 0 : nb; b < nb + more; ++b)
+          for (int64_t x = 0; x < p.BS * kv_row; x += 64) {
+            __builtin_prefetch(c.k + blocks[b] * p.BS * kv_row + x);
+            __builtin_prefetch(c.v + blocks[b] * p.BS * kv_row + x);
+          }
       }
       for (int64_t h = t.h0; h < t.h1; ++h) {
         const int64_t r = out.at(h, part);

@@ -237,7 +237,6 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   store_c(two, cols, c);
   write_block(c, m, cols, y, ldy, res, ldr, kPanelN * p);
 }
-}  // namespace
 
 // Rows [0, m <= 32) times panels [p0, p1), streamed: a call of at most 16 rows takes two panels (four
 // column tiles) at once, four independent chains of TDPs.
@@ -282,6 +281,8 @@ void multiply_many(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w, int
     out.flush();
   }
 }
+
+}  // namespace
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                      const c10::optional<at::Tensor>& residual) {

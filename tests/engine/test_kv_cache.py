@@ -31,6 +31,14 @@ def huge_kib(ptr: int) -> int:
     return 0
 
 
+def thp_fallbacks() -> int:
+    """The kernel's count of huge-page faults that fell back to small pages (/proc/vmstat)."""
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hugepages", [True, False])
 def test_the_pool_is_a_writable_zero_tensor_of_its_shape(dtype: torch.dtype,
@@ -47,8 +55,12 @@ def test_the_pool_is_a_writable_zero_tensor_of_its_shape(dtype: torch.dtype,
                     or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled")
                     .read_text(), reason="transparent huge pages are off on this kernel")
 def test_the_pool_lies_on_huge_pages_where_the_kernel_has_them() -> None:
+    fallbacks = thp_fallbacks()
     pool = zeros_pool(SHAPE, torch.bfloat16, True)
     assert pool.data_ptr() % HUGE_PAGE == 0
+    if huge_kib(pool.data_ptr()) == 0 and thp_fallbacks() > fallbacks:
+        # the advice was taken, but the kernel had no free 2 MB page to give (a fragmented host)
+        pytest.skip("the kernel fell back to 4 KB pages for want of a free huge page")
     assert huge_kib(pool.data_ptr()) >= HUGE_PAGE // 1024
     plain = zeros_pool(SHAPE, torch.bfloat16, False)
     assert huge_kib(plain.data_ptr()) == 0 or plain.data_ptr() % HUGE_PAGE != 0

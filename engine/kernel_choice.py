@@ -36,6 +36,8 @@ from engine.load.prepack import (
     same_bits_rows,
 )
 from engine.load.quant import Int4Linear, QuantizedLinear
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.native_stack import NativeStack
 
 log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
@@ -193,3 +195,42 @@ def _best(calls: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Te
         if i:
             best = min(best, clock() - t0)
     return best
+
+
+def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
+    kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
+    call takes the kernel its forward takes; else None."""
+    if type(m) is not Int4Linear:  # not a wrapper's subclass
+        return None
+    codes, scale_zero = m.tile_codes, m.tile_scale_zero
+    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
+        return None
+    return None if m.bias is not None else (codes, scale_zero, m.tile_min_exponent)
+
+
+def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
+    """Every decoder layer in one native call (engine/models/native_stack.py), where each layer is
+    plain on the native small ops with bfloat16 norms of one eps, every projection is _tiles' case
+    and the layers share their settings; else None. Called once the kernels are chosen."""
+    weights: list[torch.Tensor] = []
+    exps: list[int] = []
+    settings = set()
+    for layer in model.model.layers:
+        if not isinstance(layer, DecoderLayer) or not layer.plain_on_native_ops():
+            return None
+        norm, post = layer.input_layernorm, layer.post_attention_layernorm
+        tiles = [_tiles(m) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                     layer.down_proj)]
+        present = [t for t in tiles if t is not None]
+        if (norm.eps is None or post.eps != norm.eps or len(present) != len(tiles)
+                or any(n.weight.dtype != torch.bfloat16 for n in (norm, post))):
+            return None
+        qkv, o, gate_up, down = present
+        weights += [norm.weight, *qkv[:2], *o[:2], post.weight, *gate_up[:2], *down[:2]]
+        exps += [t[2] for t in present]
+        settings.add((layer.num_heads, layer.num_kv_heads, norm.eps, layer.scale))
+    if len(settings) != 1:
+        return None
+    heads, kv_heads, eps, scale = settings.pop()
+    return NativeStack(weights, exps, heads, kv_heads, eps, scale, amx.ROWS_PATH_MAX)

@@ -25,7 +25,6 @@ per layer is visible:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +33,7 @@ from torch import nn
 from engine.models.config import ModelConfig
 from engine.models.convert import convert_hf_weights
 from engine.models.moe import MoE
-from engine.models.native_stack import LayerParts, NativeStack, layer_parts, run_stack, stack_of
+from engine.models.native_stack import NativeStack, run_stack
 from engine.models.rope import Rotation, apply_rope, rope_table, rotation, to_interleaved
 from kernels.backend import AttentionBackend
 
@@ -115,15 +114,12 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = nn.Linear(hidden, 2 * cfg.intermediate_size, bias=False)
             self.down_proj = nn.Linear(cfg.intermediate_size, hidden, bias=False)
 
-    def native_parts(self) -> LayerParts | None:
-        """This layer's share of the one native call for all layers (NativeStack), where it is a
-        plain Llama layer on the native small ops; else None."""
-        if not (self.native and self.window is None and self.softcap is None and self.q_norm is None
-                and not self.gelu and self.moe is None and self.pre_feedforward_layernorm is None):
-            return None
-        return layer_parts(self.input_layernorm, self.post_attention_layernorm,
-                           (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj),
-                           self.num_heads, self.num_kv_heads, self.scale)
+    def plain_on_native_ops(self) -> bool:
+        """A plain Llama layer (no window, soft-capping, q/k norm, GeGLU, MoE or sandwich norms) on
+        the native small ops: the only layer the one native call for all layers runs
+        (NativeStack)."""
+        return (self.native and self.window is None and self.softcap is None and self.q_norm is None
+                and not self.gelu and self.moe is None and self.pre_feedforward_layernorm is None)
 
     def forward(
         self, h: torch.Tensor, rope: Rotation, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -199,6 +195,9 @@ class LlamaForCausalLM(nn.Module):
         # the decoder layers in one native call where they allow it (NativeStack); False: each
         # layer's forward (bench/step_profile.py --python-layers)
         self.native_layers = True
+        # set by loading once it has chosen the GEMMs' kernels (engine/kernel_choice.py
+        # native_stack_of); None: each layer's forward
+        self.native_stack: NativeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """-> [T, E]. The embedding may be quantized (engine/load/quant.py), then it is a module to
@@ -247,12 +246,6 @@ class LlamaForCausalLM(nn.Module):
         for layer, k, v in zip(m.layers, kv_cache[:, 0], kv_cache[:, 1]):
             h = layer.forward(h, local if layer.local_rope else rope, k, v, attn_meta, backend)
         return h
-
-    @cached_property
-    def native_stack(self) -> NativeStack | None:
-        """Decided at the first forward: loading sets the GEMMs' kernels after use_native_ops."""
-        return stack_of(layer.native_parts() if isinstance(layer, DecoderLayer) else None
-                        for layer in self.model.layers)
 
     def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         """[B, E] -> [B, E]: the model's last hidden states, what the LM head and embeddings

@@ -10,15 +10,15 @@ import random
 import pytest
 import torch
 
+from engine.kernel_choice import native_stack_of
 from engine.load import amx
 from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
-from engine.models.native_stack import stack_of
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource
-from tests.conftest import causal_lm, decoder_layers
+from tests.conftest import causal_lm
 
 pytestmark = pytest.mark.skipif(not amx.usable(), reason="no AMX tiles (or native kernels) here")
 BLOCK, BLOCKS = 16, 640
@@ -99,7 +99,7 @@ def test_a_layer_off_the_amx_kernel_keeps_every_layer_in_python(model: LlamaForC
     assert isinstance(down, Int4Linear)
     saved, down.amx_from = down.amx_from, 2
     try:
-        assert stack_of(layer.native_parts() for layer in decoder_layers(model)) is None
+        assert native_stack_of(model) is None
     finally:
         down.amx_from = saved
-    assert stack_of(layer.native_parts() for layer in decoder_layers(model)) is not None
+    assert native_stack_of(model) is not None

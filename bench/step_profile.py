@@ -286,7 +286,7 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
     # what auto resolved to
     dtype, quantization = core.model_config.dtype, core.model_config.quantization
     if args.python_layers:
-        core.runner.model.native_layers = False  # type: ignore[assignment]
+        core.runner.model.native_stack = None  # type: ignore[assignment]
     backend = core.runner.backend
     if args.native_max_context != "auto" and hasattr(backend, "native_max_context"):
         native_max = args.native_max_context

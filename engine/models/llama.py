@@ -192,11 +192,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope_local: torch.Tensor | None
         local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
         self.register_buffer("rope_local", local, persistent=False)
-        # the decoder layers in one native call where they allow it (NativeStack); False: each
-        # layer's forward (bench/step_profile.py --python-layers)
-        self.native_layers = True
-        # set by loading once it has chosen the GEMMs' kernels (engine/kernel_choice.py
-        # native_stack_of); None: each layer's forward
+        # the decoder layers in one native call, set by loading once it has chosen the GEMMs'
+        # kernels (engine/kernel_choice.py native_stack_of); None: each layer's forward
         self.native_stack: NativeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -233,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed(input_ids)  # [T, E]
         native = self.model.native_ops
         # every layer in one native call where the model and the step allow it (NativeStack)
-        stack = self.native_stack if native and self.native_layers else None
+        stack = self.native_stack
         plan = getattr(backend, "native_step", None)
         step = plan(attn_meta) if stack is not None and plan is not None else None
         if stack is not None and step is not None and kv_cache.dtype == h.dtype:

@@ -53,12 +53,14 @@ def forward(model: LlamaForCausalLM, backend: TorchBackend, lay: BatchLayout,
                            for q, c in zip(lay.query_lens, lay.context_lens)])
     meta = backend.plan(lay)
     assert backend.native_step(meta) is not None, "every row on the native kernel"
-    model.native_layers = native
+    stack = model.native_stack
+    if not native:
+        model.native_stack = None
     try:
         with torch.inference_mode():
             return model.hidden_states(ids, positions, kv, meta, backend)
     finally:
-        model.native_layers = True
+        model.native_stack = stack
 
 
 @pytest.mark.parametrize("query_lens", [[1], [1, 1], [1] * 7, [1] * 32, [1, 1, 37, 1]],

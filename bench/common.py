@@ -4,6 +4,11 @@ from __future__ import annotations
 import os
 import platform
 import random
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.protocol import Error, RequestOutput
 
 
 def pin_threads(num_threads: int) -> None:
@@ -70,3 +75,14 @@ def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tup
     rng = random.Random(seed)
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))],
              rng.randint(*output_range)) for _ in range(num_requests)]
+
+
+def token_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
+    """A step's outputs, raising on a request the engine failed: a bench that counted it as a
+    request with no tokens would time less work than it reports."""
+    from shared.protocol import Error
+
+    for o in outs:
+        if isinstance(o, Error):
+            raise RuntimeError(f"request {o.request_id} failed: {o.message}")
+    return [o for o in outs if not isinstance(o, Error)]

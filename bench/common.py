@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from shared.protocol import Error, RequestOutput
 
+# Seeded requests: (prompt token ids, output length) each.
+Workload = list[tuple[list[int], int]]
+
 
 def pin_threads(num_threads: int) -> None:
     """OpenMP reads these once, at the first parallel region: call before torch does any work."""
@@ -70,7 +73,7 @@ def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float
 
 
 def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-             vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+             vocab: int, seed: int = 0) -> Workload:
     """Seeded (prompt token ids, output length) pairs; ids avoid the low special-token range."""
     rng = random.Random(seed)
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))],

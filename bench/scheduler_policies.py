@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads, token_outputs, workload
+from bench.common import Workload, machine, pin_threads, token_outputs, workload
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -32,8 +32,7 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
 
 
-def replay(core: EngineCore, reqs: list[tuple[list[int], int]], rate: float,
-           seed: int = 0) -> dict[str, float]:
+def replay(core: EngineCore, reqs: Workload, rate: float, seed: int = 0) -> dict[str, float]:
     from shared.sampling import SamplingParams
 
     rng = random.Random(seed)

@@ -85,7 +85,9 @@ def token_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
     request with no tokens would time less work than it reports."""
     from shared.protocol import Error
 
+    tokens = []
     for o in outs:
         if isinstance(o, Error):
             raise RuntimeError(f"request {o.request_id} failed: {o.message}")
-    return [o for o in outs if not isinstance(o, Error)]
+        tokens.append(o)
+    return tokens

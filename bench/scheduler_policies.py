@@ -71,7 +71,7 @@ class Timed:
     def __init__(self, fn: Callable[..., object]) -> None:
         self.fn, self.total = fn, 0.0
 
-    def __getattr__(self, name: str) -> object:  # the wrapped object's attributes
+    def __getattr__(self, name: str) -> object:  # the wrapped one's (e.g. sampler.logprobs)
         return getattr(self.fn, name)
 
     def __call__(self, *args: object, **kwargs: object) -> object:

@@ -4,6 +4,14 @@ from __future__ import annotations
 import os
 import platform
 import random
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.protocol import Error, RequestOutput
+
+# Seeded requests: (prompt token ids, output length) each.
+Workload = list[tuple[list[int], int]]
 
 
 def pin_threads(num_threads: int) -> None:
@@ -65,8 +73,21 @@ def gemm_gflops(n_tokens: int = 256, k: int = 576, n: int = 1536, seconds: float
 
 
 def workload(num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-             vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+             vocab: int, seed: int = 0) -> Workload:
     """Seeded (prompt token ids, output length) pairs; ids avoid the low special-token range."""
     rng = random.Random(seed)
     return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt_range))],
              rng.randint(*output_range)) for _ in range(num_requests)]
+
+
+def token_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
+    """A step's outputs, raising on a request the engine failed: a bench that counted it as a
+    request with no tokens would time less work than it reports."""
+    from shared.protocol import Error
+
+    tokens = []
+    for o in outs:
+        if isinstance(o, Error):
+            raise RuntimeError(f"request {o.request_id} failed: {o.message}")
+        tokens.append(o)
+    return tokens

@@ -17,28 +17,34 @@ import os
 import sys
 import time
 import timeit
+from collections.abc import Container
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads
+from engine.observe.trace import Tracer  # no torch below it: pin_threads still comes first
+
+if TYPE_CHECKING:
+    from engine.step import StepPlan
+    from shared.protocol import Error, RequestOutput
 
 
-class TimedTracer:
+class TimedTracer(Tracer):
     """A Tracer whose per-step hooks (before_execute, end_step) add up the time they take."""
 
     def __init__(self) -> None:
-        from engine.observe.trace import Tracer
+        super().__init__()
+        self.seconds = 0.0
 
-        self.tracer, self.seconds = Tracer(), 0.0
-        self.mark = self.tracer.mark
-
-    def before_execute(self, plan):
+    def before_execute(self, plan: StepPlan) -> None:
         t0 = time.perf_counter()
-        self.tracer.before_execute(plan)
+        super().before_execute(plan)
         self.seconds += time.perf_counter() - t0
 
-    def end_step(self, *args):
+    def end_step(self, step: int, plan: StepPlan, outputs: list[RequestOutput | Error],
+                 live: Container[str]) -> None:
         t0 = time.perf_counter()
-        self.tracer.end_step(*args)
+        super().end_step(step, plan, outputs, live)
         self.seconds += time.perf_counter() - t0
 
 
@@ -90,7 +96,7 @@ def main() -> None:
                               repeat=5)) / 1e5
 
     tracer = TimedTracer()
-    core.set_tracer(tracer)  # type: ignore[arg-type]
+    core.set_tracer(tracer)
     traced_step_s = 0.0
     for _ in range(args.steps):
         t0 = time.perf_counter()

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from gateway.launcher import keep_off_engine_cpus
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def build_tiny_model(folder: Path) -> Path:
@@ -89,7 +90,8 @@ class Server:
 
         try:
             with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as resp:
-                return resp.status == 200
+                status: int = resp.status
+                return status == 200
         except OSError:
             return False
 
@@ -123,7 +125,7 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
-async def engine_while(address: str, engine_pid: int | None, work: asyncio.Future,
+async def engine_while(address: str, engine_pid: int | None, work: asyncio.Future[Any],
                        n: int) -> dict[str, float]:
     """The engine's figures per step while all n requests run (the same engine load whoever consumes
     it): step = time inside EngineCore.step, loop = wall time between steps, cpu = engine process
@@ -198,6 +200,16 @@ def fmt_engine(row: dict[str, float]) -> str:
             f"{row['loop'] * 1e3:.2f} ms between steps")
 
 
+@dataclass
+class FakeRequest:
+    """One live request of the paced stand-in."""
+
+    client: bytes
+    prompt_len: int
+    max_tokens: int
+    sent: int = 0
+
+
 def fake_engine(address: str, step_interval: float) -> None:
     """A paced stand-in for the engine (run in its own process): every step_interval each live
     request gets one token, until its max_tokens. It costs next to nothing, so the gateway alone is
@@ -209,7 +221,7 @@ def fake_engine(address: str, step_interval: float) -> None:
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.bind(address)
-    live: dict[str, list] = {}  # request id -> [client, prompt len, max tokens, sent]
+    live: dict[str, FakeRequest] = {}
     steps, next_step = 0, time.perf_counter()
     while True:
         while sock.poll(0 if live else 100):
@@ -217,12 +229,13 @@ def fake_engine(address: str, step_interval: float) -> None:
             msg = P.decode(frames)
             if isinstance(msg, P.Hello):
                 sock.send_multipart([ident,
-                                     *P.encode(P.Ready(P.PROTOCOL_VERSION, "fake", 4096, [2]))])
+                                     *P.encode(P.Ready(P.PROTOCOL_VERSION, "fake", 4096))])
             elif isinstance(msg, P.GetStats):
                 sock.send_multipart([ident, *P.encode(P.Stats({"num_running": len(live),
                                                                "num_steps": steps}))])
             elif isinstance(msg, P.Add):
-                live[msg.request_id] = [ident, len(msg.prompt_token_ids), msg.params.max_tokens, 0]
+                live[msg.request_id] = FakeRequest(ident, len(msg.prompt_token_ids),
+                                                   msg.params.max_tokens)
             elif isinstance(msg, P.Abort):
                 for rid in msg.request_ids:
                     live.pop(rid, None)
@@ -231,13 +244,13 @@ def fake_engine(address: str, step_interval: float) -> None:
             time.sleep(max(0.0, min(next_step - now, 0.001)))
             continue
         next_step, steps = max(next_step + step_interval, now), steps + 1
-        by_client: dict[bytes, list] = {}
-        for rid, entry in list(live.items()):
-            entry[3] += 1
-            done = entry[3] >= entry[2]
-            by_client.setdefault(entry[0], []).append(
-                P.RequestOutput(rid, [300 + entry[3] % 3000], done, "length" if done else None,
-                                entry[1]))
+        by_client: dict[bytes, list[P.RequestOutput]] = {}
+        for rid, req in list(live.items()):
+            req.sent += 1
+            done = req.sent >= req.max_tokens
+            by_client.setdefault(req.client, []).append(
+                P.RequestOutput(rid, [300 + req.sent % 3000], done, "length" if done else None,
+                                num_prompt_tokens=req.prompt_len))
             if done:
                 del live[rid]
         for ident, outs in by_client.items():

@@ -20,15 +20,29 @@ import os
 import sys
 import tempfile
 import time
+from typing import TypedDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import workload
+from bench.common import Workload, workload
 
-SHAPES = {  # LlamaConfig fields
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+
+class LlamaShape(TypedDict):
+    """The LlamaConfig fields a shape sets (typed, so that mypy checks them against LlamaConfig)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+
+SHAPES: dict[str, LlamaShape] = {
+    "smollm2": LlamaShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3,
                     intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
+    "llama-1b": LlamaShape(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16,
                      num_key_value_heads=8,
                      intermediate_size=5632, vocab_size=32000, tie_word_embeddings=False),
 }
@@ -41,7 +55,11 @@ def write_checkpoint(shape: str, folder: str) -> str:
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=2048, bos_token_id=1,
                          eos_token_id=2)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    model = LlamaForCausalLM(config)
+    # transformers wraps PreTrainedModel.to with functools.wraps(nn.Module.to), whose type keeps
+    # nn.Module.to's self as the first argument of the bound method
+    model = model.to(torch.bfloat16)  # type: ignore[arg-type]
+    model.save_pretrained(folder, safe_serialization=True)
     return folder
 
 
@@ -51,7 +69,8 @@ RUNS = [("torch", "torch", True), ("triton eager", "triton", True),
         ("triton graphs", "triton", False)]
 
 
-def run(model: str, backend: str, eager: bool, reqs, args) -> tuple[float, list[list[int]]]:
+def run(model: str, backend: str, eager: bool, reqs: Workload,
+        args: argparse.Namespace) -> tuple[float, list[list[int]]]:
     import torch
 
     from engine.offline import LLM

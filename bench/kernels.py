@@ -23,8 +23,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.backend import BatchLayout
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Median milliseconds of one call of fn (timer's answer).
+TimeMs = Callable[[Callable[[], object]], float]
 
 
 @dataclass
@@ -59,7 +69,7 @@ def attention_cases(smoke: bool) -> list[Case]:
     ]
 
 
-def timer(device, smoke: bool) -> Callable[[Callable[[], object]], float]:
+def timer(device: torch.device, smoke: bool) -> TimeMs:
     """Median milliseconds of fn. On the GPU: triton's do_bench (CUDA events, L2 flushed between
     runs, so cached K/V cannot come from L2); on the CPU smoke run: a few wall-clock runs."""
     if not smoke:
@@ -79,7 +89,8 @@ def timer(device, smoke: bool) -> Callable[[Callable[[], object]], float]:
     return cpu_time
 
 
-def copy_bandwidth(device, time_ms, smoke: bool) -> tuple[float, float | None]:
+def copy_bandwidth(device: torch.device, time_ms: TimeMs,
+                   smoke: bool) -> tuple[float, float | None]:
     """(device copy GB/s, pinned host<->device GB/s or None on the CPU): the yardsticks."""
     import torch
 
@@ -96,8 +107,11 @@ def copy_bandwidth(device, time_ms, smoke: bool) -> tuple[float, float | None]:
     return device_bw, min(d2h, h2d)
 
 
-def build_batch(case: Case, shape: Shape, dtype, device, gen):
-    """Random q/k/v and a KV cache whose blocks are handed out in a scrambled order."""
+def build_batch(case: Case, shape: Shape, dtype: torch.dtype, device: torch.device,
+                gen: torch.Generator) -> tuple[BatchLayout, torch.Tensor, torch.Tensor,
+                                               torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q/k/v and a KV cache whose blocks are handed out in a scrambled order.
+    -> (layout, q, k, v, k_cache, v_cache)."""
     import torch
 
     from kernels.backend import BatchLayout
@@ -106,12 +120,14 @@ def build_batch(case: Case, shape: Shape, dtype, device, gen):
     need = [-(-(c + q) // bs) for q, c in zip(case.query_lens, case.context_lens)]
     num_blocks = sum(need) + 1
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, slots, at = [], [], 0
-    for n, q, c in zip(need, case.query_lens, case.context_lens):
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    at = 0
+    for n, q_len, c in zip(need, case.query_lens, case.context_lens):
         table = perm[at: at + n]
         at += n
         tables.append(table)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + q_len))
     t = sum(case.query_lens)
     layout = BatchLayout(case.query_lens, case.context_lens, tables, bs,
                          torch.tensor(slots, dtype=torch.int64))
@@ -136,8 +152,8 @@ def attention_traffic(case: Case, shape: Shape, itemsize: int) -> tuple[int, flo
     return cached_reads + new_kv + q_and_o, flops
 
 
-def bench_attention(cases: list[Case], shape: Shape, dtype, device, time_ms,
-                    copy_bw: float) -> None:
+def bench_attention(cases: list[Case], shape: Shape, dtype: torch.dtype, device: torch.device,
+                    time_ms: TimeMs, copy_bw: float) -> None:
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -151,8 +167,8 @@ def bench_attention(cases: list[Case], shape: Shape, dtype, device, time_ms,
             torch.cuda.empty_cache()
 
 
-def bench_attention_case(case: Case, shape: Shape, dtype, device, time_ms, copy_bw: float,
-                         gen) -> None:
+def bench_attention_case(case: Case, shape: Shape, dtype: torch.dtype, device: torch.device,
+                         time_ms: TimeMs, copy_bw: float, gen: torch.Generator) -> None:
     """One row of the attention table: plan once, then time forward on both backends."""
     import torch
 
@@ -180,7 +196,8 @@ def bench_attention_case(case: Case, shape: Shape, dtype, device, time_ms, copy_
           f"{gbs:8.0f} {100 * gbs / copy_bw:6.0f}% {flops / ms_tri / 1e9:8.1f} {err:8.1e}")
 
 
-def bench_store(shape: Shape, dtype, device, time_ms, copy_bw: float, smoke: bool) -> None:
+def bench_store(shape: Shape, dtype: torch.dtype, device: torch.device, time_ms: TimeMs,
+                copy_bw: float, smoke: bool) -> None:
     import torch
 
     from kernels.triton import store_kv
@@ -206,15 +223,16 @@ def bench_store(shape: Shape, dtype, device, time_ms, copy_bw: float, smoke: boo
           "of copy")
 
 
-def kv_pool(shape: Shape, layers: int, num_blocks: int, dtype, device, pin: bool = False):
+def kv_pool(shape: Shape, layers: int, num_blocks: int, dtype: torch.dtype,
+            device: torch.device | str, pin: bool = False) -> torch.Tensor:
     import torch
 
     return torch.empty(layers, 2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
                        dtype=dtype, device=device, pin_memory=pin).normal_()
 
 
-def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: float | None,
-                 smoke: bool) -> None:
+def bench_blocks(shape: Shape, dtype: torch.dtype, device: torch.device, time_ms: TimeMs,
+                 copy_bw: float, link_bw: float | None, smoke: bool) -> None:
     import torch
 
     from kernels.torch_backend import TorchBackend
@@ -233,7 +251,7 @@ def bench_blocks(shape: Shape, dtype, device, time_ms, copy_bw: float, link_bw: 
     print(f"\ncopy_blocks, {n} blocks x {layers} layers: triton {ms_tri:.3f} ms, torch "
           f"{ms_ref:.3f} ms ({ms_ref / ms_tri:.2f}x), {gbs:.0f} GB/s = {100 * gbs / copy_bw:.0f}% "
           "of copy")
-    if device.type != "cuda":
+    if link_bw is None:  # on the CPU: no host<->device link to swap over
         return
     host = kv_pool(shape, layers, pool_blocks, dtype, "cpu", pin=True)
     h_dst = perm[2 * n: 3 * n]

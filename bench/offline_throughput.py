@@ -21,10 +21,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import gemm_gflops, machine, pin_threads, workload
+from bench.common import Workload, gemm_gflops, machine, pin_threads, workload
 
 
-def run_conveyor(reqs, args, kv_cache_dtype: str = "auto") -> float:
+def run_conveyor(reqs: Workload, args: argparse.Namespace, kv_cache_dtype: str = "auto") -> float:
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
@@ -40,7 +40,7 @@ def run_conveyor(reqs, args, kv_cache_dtype: str = "auto") -> float:
     return elapsed
 
 
-def run_transformers(reqs, args) -> float:
+def run_transformers(reqs: Workload, args: argparse.Namespace) -> float:
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -52,7 +52,8 @@ def run_transformers(reqs, args) -> float:
     # A GGUF model loads from the HF folder Conveyor's loader derived from it (HF names, tied head):
     # from_pretrained(gguf_file=...) leaves SmolLM2's tied lm_head randomly initialised.
     folder = dequantized_folder(src) if src.gguf_file else src.folder
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
+    # in eval mode already: from_pretrained calls model.eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype))
     t0 = time.perf_counter()
     for i in tqdm(range(0, len(reqs), args.batch_size), desc="transformers", unit="batch"):
         batch = reqs[i : i + args.batch_size]
@@ -70,7 +71,8 @@ def run_transformers(reqs, args) -> float:
     return time.perf_counter() - t0
 
 
-def model_flops(reqs, layers=30, hidden=576, inter=1536, kv=192, vocab=49152) -> float:
+def model_flops(reqs: Workload, layers: int = 30, hidden: int = 576, inter: int = 1536,
+                kv: int = 192, vocab: int = 49152) -> float:
     """Matmul FLOPs of the workload: every prompt and output token through every layer, the LM head
     once per generated token, and attention over each token's context."""
     per_token = 2 * layers * (hidden * (hidden + 2 * kv) + hidden * hidden + 3 * hidden * inter)

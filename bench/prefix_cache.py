@@ -19,15 +19,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads, workload
+from bench.common import machine, pin_threads, token_outputs, workload
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 SYSTEM_LEN = 1000
 
 
-def make_core(model: str, **options):
+def make_core(model: str, **options: object) -> EngineCore:
     from engine.core import EngineCore
     from shared.config import build_config
 
@@ -36,7 +40,7 @@ def make_core(model: str, **options):
     return EngineCore(build_config(model, **options))
 
 
-def ttft(core, rid: str, prompt: list[int]) -> float:
+def ttft(core: EngineCore, rid: str, prompt: list[int]) -> float:
     """Add one request alone and step until its first token. -> seconds."""
     from shared.sampling import SamplingParams
 
@@ -44,9 +48,11 @@ def ttft(core, rid: str, prompt: list[int]) -> float:
     core.add(rid, prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     first = None
     while core.has_work():
-        for o in core.step():
+        for o in token_outputs(core.step()):
             if first is None and o.new_token_ids:
                 first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"request {rid} finished without a token")
     return first
 
 
@@ -101,20 +107,19 @@ def throughput(model: str, vocab: int, rounds: int = 4) -> tuple[float, float, f
             core = cores[caching]
             core.reset_prefix_cache()
             s = core.scheduler
-            schedule, update = s.schedule, s.update
             timed = [0.0]
-            s.schedule, s.update = timed_call(schedule, timed), timed_call(update, timed)
-            steps0 = core.num_steps
-            t0 = time.perf_counter()
-            for i, (prompt, n) in enumerate(reqs):
-                core.add(f"{r}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n,
-                                                            ignore_eos=True))
-            tokens = 0
-            while core.has_work():
-                tokens += sum(len(o.new_token_ids) for o in core.step())
-            best[caching] = max(best[caching], tokens / (time.perf_counter() - t0))
-            book[caching] = min(book[caching], timed[0] / (core.num_steps - steps0) * 1e3)
-            s.schedule, s.update = schedule, update
+            with mock.patch.object(s, "schedule", timed_call(s.schedule, timed)), \
+                    mock.patch.object(s, "update", timed_call(s.update, timed)):
+                steps0 = core.num_steps
+                t0 = time.perf_counter()
+                for i, (prompt, n) in enumerate(reqs):
+                    core.add(f"{r}-{i}", prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                                ignore_eos=True))
+                tokens = 0
+                while core.has_work():
+                    tokens += sum(len(o.new_token_ids) for o in token_outputs(core.step()))
+                best[caching] = max(best[caching], tokens / (time.perf_counter() - t0))
+                book[caching] = min(book[caching], timed[0] / (core.num_steps - steps0) * 1e3)
     return best[False], best[True], book[False], book[True]
 
 

@@ -177,7 +177,8 @@ def all_reduce_bytes(model: str) -> str:
         while core.has_work():
             before = core.num_steps
             core.step()
-            tokens += core.last_step["step_prefill_tokens"] + core.last_step["step_decode_tokens"]
+            step = core.last_step  # counts, in a dict of floats
+            tokens += int(step["step_prefill_tokens"] + step["step_decode_tokens"])
             assert core.num_steps == before + 1
         comm = core.runner.rank0.comm  # type: ignore[attr-defined]
         layers, hidden = core.model_config.num_layers, core.model_config.hidden_size

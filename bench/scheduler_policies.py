@@ -16,9 +16,15 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads, workload
+from bench.common import Workload, machine, pin_threads, token_outputs, workload
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -26,7 +32,7 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
 
 
-def replay(core, reqs, rate: float, seed: int = 0) -> dict[str, float]:
+def replay(core: EngineCore, reqs: Workload, rate: float, seed: int = 0) -> dict[str, float]:
     from shared.sampling import SamplingParams
 
     rng = random.Random(seed)
@@ -48,7 +54,7 @@ def replay(core, reqs, rate: float, seed: int = 0) -> dict[str, float]:
         if not core.has_work():
             time.sleep(min(0.01, arrivals[nxt] - now))
             continue
-        outs = core.step()
+        outs = token_outputs(core.step())
         now = time.perf_counter() - start
         for o in outs:
             token_times[o.request_id] += [now] * len(o.new_token_ids)
@@ -62,20 +68,20 @@ def replay(core, reqs, rate: float, seed: int = 0) -> dict[str, float]:
 class Timed:
     """Wraps a callable and adds its wall time to a total."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[..., object]) -> None:
         self.fn, self.total = fn, 0.0
 
-    def __getattr__(self, name: str):  # the wrapped object's attributes (e.g. sampler.logprobs)
+    def __getattr__(self, name: str) -> object:  # the wrapped one's (e.g. sampler.logprobs)
         return getattr(self.fn, name)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: object, **kwargs: object) -> object:
         t0 = time.perf_counter()
         out = self.fn(*args, **kwargs)
         self.total += time.perf_counter() - t0
         return out
 
 
-def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, float]:
+def overhead(core: EngineCore, num_seqs: int, steps: int = 8) -> tuple[float, float, float, float]:
     """-> (step ms, forward ms, sampling ms, share outside forward and sampling)."""
     from shared.sampling import SamplingParams
 
@@ -87,12 +93,11 @@ def overhead(core, num_seqs: int, steps: int = 8) -> tuple[float, float, float, 
         core.step()
     runner = core.runner
     model, sampler = Timed(runner.model), Timed(runner.sampler)
-    runner.model, runner.sampler = model, sampler
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        core.step()
-    total = time.perf_counter() - t0
-    runner.model, runner.sampler = model.fn, sampler.fn
+    with mock.patch.object(runner, "model", model), mock.patch.object(runner, "sampler", sampler):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            core.step()
+        total = time.perf_counter() - t0
     core.abort(list(core.requests))
     outside = 1 - (model.total + sampler.total) / total
     return total / steps * 1e3, model.total / steps * 1e3, sampler.total / steps * 1e3, outside

@@ -16,9 +16,13 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import machine, pin_threads
+from bench.common import machine, pin_threads, token_outputs
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 CODE = '''def load_users(path):
     users = []
@@ -59,24 +63,25 @@ TASKS = [
 ]
 
 
-def run(core, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, list[list[int]]]:
+def run(core: EngineCore, prompts: list[list[int]],
+        max_tokens: int) -> tuple[float, int, list[list[int]]]:
     """All prompts at once. -> (seconds, output tokens, outputs)."""
     from shared.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    outs = {f"s{i}": [] for i in range(len(prompts))}
+    outs: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
         # ids are reused across runs: the engine forgets finished requests
         core.add(f"s{i}", prompt, params)
     while core.has_work():
-        for o in core.step():
+        for o in token_outputs(core.step()):
             outs[o.request_id] += o.new_token_ids
     return time.perf_counter() - t0, sum(map(len, outs.values())), [outs[f"s{i}"]
                                                                     for i in range(len(prompts))]
 
 
-def compare(plain, spec, groups: list[list[list[int]]],
+def compare(plain: EngineCore, spec: EngineCore, groups: list[list[list[int]]],
             max_tokens: int) -> tuple[float, float, float, bool]:
     """Each group of prompts runs plain, then speculative, alternating, so both see the same machine
     (other load on a shared machine hits both sides alike).

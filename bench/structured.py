@@ -16,10 +16,20 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import Future
 from statistics import median
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.offline import LLM
+    from engine.sequence import Sequence
+    from engine.structured import Grammars
 
 # A typical schema whose outputs run long enough to measure: a list of records.
 SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "maxItems": 40, "items": {
@@ -31,34 +41,41 @@ SCHEMA = {"type": "object", "properties": {"people": {"type": "array", "maxItems
     "required": ["people"], "additionalProperties": False}
 
 
-def fresh_schema(i: int) -> dict:
+def fresh_schema(i: int) -> dict[str, Any]:
     """The typical schema under a new title: a cache miss with the same compile work."""
     return {**SCHEMA, "title": f"people-{i}-{time.time_ns()}"}
 
 
-def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[float, float]:
+def decode_steps(llm: LLM, num_constrained: int, batch: int,
+                 steps: int) -> tuple[list[float], list[float]]:
     """-> (seconds of each decode step with every sequence running, seconds of each in
     apply_masks)."""
     import engine.sampler as sampler_module
-    from shared.constraints import json_schema
-    from shared.sampling import SamplingParams
+    from engine.structured import apply_masks
 
-    core, tok = llm.core, llm.tokenizer
     mask_time = [0.0]
-    real = sampler_module.apply_masks
 
-    def timed(logits, seqs) -> None:
+    def timed(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         t0 = time.perf_counter()
-        real(logits, seqs)
+        apply_masks(logits, seqs)
         mask_time[0] += time.perf_counter() - t0
 
-    sampler_module.apply_masks = timed
+    with mock.patch.object(sampler_module, "apply_masks", timed):  # the name the sampler calls
+        return masked_steps(llm, num_constrained, batch, steps, mask_time)
+
+
+def masked_steps(llm: LLM, num_constrained: int, batch: int, steps: int,
+                 mask_time: list[float]) -> tuple[list[float], list[float]]:
+    """decode_steps' runs, with apply_masks timed into mask_time[0]."""
+    from shared.constraints import json_schema
+    from shared.sampling import SamplingParams
+    from shared.tokenizer import apply_chat_template
+
+    core, tok = llm.core, llm.tokenizer
     constraint = json_schema(SCHEMA)
     for i in range(batch):
-        prompt = tok.apply_chat_template([{"role": "user",
-                                           "content": f"List people number {i} as JSON."}],
-                                         add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+        prompt = apply_chat_template(tok, [{"role": "user",
+                                            "content": f"List people number {i} as JSON."}])
         p = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=i >= num_constrained,
                            constraint=constraint if i < num_constrained else None)
         core.add(f"r{num_constrained}-{i}", prompt, p)
@@ -74,32 +91,40 @@ def decode_steps(llm, num_constrained: int, batch: int, steps: int) -> tuple[flo
         masks.append(mask_time[0])
         assert len(core.scheduler.running) == batch, "a sequence ended during the measurement"
     core.abort(list(core.requests))
-    sampler_module.apply_masks = real
     return times, masks
 
 
-def compile_times(llm) -> dict[str, float]:
+def compiled(grammars: Grammars, future: Future[Any]) -> float:
+    """Seconds until future's compile is done, moving it along as each step does (Grammars.ready
+    hands a compile asked for before the compile server was up to the server)."""
+    t0 = time.perf_counter()
+    while not future.done():
+        grammars.ready({})
+        grammars.wait([future], 0.005)
+    future.result()  # a failed compile raises here
+    return time.perf_counter() - t0
+
+
+def compile_times(llm: LLM) -> dict[str, float]:
+    """The compile server starts on the first compile (engine/structured.py Grammars): the first
+    one carries the tokenizer's preparation and the server's start."""
     from shared.constraints import json_schema
 
     g = llm.core.grammars
-    t0 = time.perf_counter()
-    g.compiler()
-    prepare = time.perf_counter() - t0
+    prepare = compiled(g, g.compile(json_schema(fresh_schema(-1))))
     cold = []
     for i in range(5):
         c = json_schema(fresh_schema(i))
-        t0 = time.perf_counter()
-        g.compile(c).result()
-        cold.append(time.perf_counter() - t0)
+        cold.append(compiled(g, g.compile(c)))
     t0 = time.perf_counter()
     for _ in range(100):
         g.compile(c).result()
     cached = (time.perf_counter() - t0) / 100
-    return {"tokenizer preparation (once)": prepare, "cold compile (median of 5)": sorted(cold)[2],
-            "cached compile": cached}
+    return {"tokenizer preparation + server start + a compile (once)": prepare,
+            "cold compile (median of 5)": sorted(cold)[2], "cached compile": cached}
 
 
-def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
+def steps_during_compiles(llm: LLM, batch: int) -> tuple[float, float, int]:
     """-> (median step seconds of 64 free sequences before, longest step while 16 fresh schemas
     compile in the worker, steps taken meanwhile)."""
     from shared.constraints import json_schema
@@ -121,7 +146,7 @@ def steps_during_compiles(llm, batch: int) -> tuple[float, float, int]:
                                                      constraint=json_schema(
             fresh_schema(100 + i))))
     times = []
-    while core.grammars.waiting:
+    while core.requests.num_compiling:
         t0 = time.perf_counter()
         core.step()
         times.append(time.perf_counter() - t0)

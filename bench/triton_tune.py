@@ -29,9 +29,18 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels.triton.prefill import PrefillKnobs
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Median milliseconds of one call of fn (timer's answer).
+TimeMs = Callable[[Callable[[], object]], float]
 
 
 @dataclass
@@ -72,7 +81,7 @@ def cases(mode: str) -> list[Case]:
     return out
 
 
-def grid(mode: str, head_dim: int) -> list[Any]:
+def grid(mode: str, head_dim: int) -> list[PrefillKnobs]:
     """PrefillKnobs to try after the current config; num_stages outermost so a cut-short run has
     tried every tile shape at 2-3 stages first. BLOCK_N is capped so K and V tiles stay <= 32
     KiB."""
@@ -89,7 +98,8 @@ def grid(mode: str, head_dim: int) -> list[Any]:
             if n * head_dim <= 128 * 128]
 
 
-def build(shape: Shape, case: Case, dtype: Any, device: Any, gen: Any) -> dict:
+def build(shape: Shape, case: Case, dtype: torch.dtype, device: torch.device,
+          gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Contiguous Q/K/V, the same K/V scattered into a paged cache (blocks in a scrambled order),
     and the prefill launcher's int32 metadata."""
     import torch
@@ -109,14 +119,15 @@ def build(shape: Shape, case: Case, dtype: Any, device: Any, gen: Any) -> dict:
     for cache, src in ((kc, k), (vc, v)):
         padded = torch.nn.functional.pad(src, (0, 0, 0, 0, 0, pad)).view(b * per_seq, bs, hkv, d)
         cache[tables.view(-1).long().to(device)] = padded
-    i32 = dict(dtype=torch.int32, device=device)
+    i32 = torch.int32
     return dict(q=q, k=k, v=v, kc=kc, vc=vc, tables=tables.to(device),
-                q_start=torch.arange(b, **i32) * case.q_len,
-                q_lens=torch.full((b,), case.q_len, **i32),
-                ctx_lens=torch.full((b,), case.ctx, **i32))
+                q_start=torch.arange(b, dtype=i32, device=device) * case.q_len,
+                q_lens=torch.full((b,), case.q_len, dtype=i32, device=device),
+                ctx_lens=torch.full((b,), case.ctx, dtype=i32, device=device))
 
 
-def run_prefill(shape: Shape, case: Case, data: dict, knobs: Any) -> Callable[[], Any]:
+def run_prefill(shape: Shape, case: Case, data: dict[str, torch.Tensor],
+                knobs: PrefillKnobs) -> Callable[[], torch.Tensor]:
     """A closure that launches the prefill kernel with knobs (the tile list built for its
     BLOCK_Q)."""
     import torch
@@ -130,7 +141,7 @@ def run_prefill(shape: Shape, case: Case, data: dict, knobs: Any) -> Callable[[]
     tile_start = torch.tensor(starts, dtype=torch.int32, device=q.device)
     out = torch.empty_like(q)
 
-    def fn() -> Any:
+    def fn() -> torch.Tensor:
         prefill_attention(out, q, data["kc"], data["vc"], tile_seq, tile_start, data["q_start"],
                           data["q_lens"], data["ctx_lens"], data["tables"], shape.head_dim ** -0.5,
                           knobs)
@@ -139,7 +150,8 @@ def run_prefill(shape: Shape, case: Case, data: dict, knobs: Any) -> Callable[[]
     return fn
 
 
-def run_sdpa(shape: Shape, case: Case, data: dict, flash: bool) -> Callable[[], Any]:
+def run_sdpa(shape: Shape, case: Case, data: dict[str, torch.Tensor],
+             flash: bool) -> Callable[[], torch.Tensor]:
     """SDPA on [B, H, L, D] copies, K/V repeated to every query head, causal aligned to the end (the
     chunk's tokens see the whole prefix); restricted to the flash kernel on a GPU."""
     import torch.nn.functional as F
@@ -152,7 +164,7 @@ def run_sdpa(shape: Shape, case: Case, data: dict, flash: bool) -> Callable[[], 
             for x in ("k", "v"))
     mask = causal_lower_right(case.q_len, case.ctx + case.q_len) if case.ctx else None
 
-    def fn() -> Any:
+    def fn() -> torch.Tensor:
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  scale=shape.head_dim ** -0.5)
@@ -161,14 +173,14 @@ def run_sdpa(shape: Shape, case: Case, data: dict, flash: bool) -> Callable[[], 
     return fn
 
 
-def timer(device: Any, reps: int) -> Callable[[Callable[[], Any]], float]:
+def timer(device: torch.device, reps: int) -> TimeMs:
     """Median ms of fn over reps, after 2 warm-up calls. GPU: CUDA events, L2 flushed before each
     rep (as triton's do_bench does), so K/V comes from memory as it would in a model's layer
     loop."""
     import torch
 
     if device.type != "cuda":
-        def cpu_time(fn: Callable[[], Any]) -> float:
+        def cpu_time(fn: Callable[[], object]) -> float:
             fn()
             t0 = time.perf_counter()
             fn()
@@ -176,10 +188,10 @@ def timer(device: Any, reps: int) -> Callable[[Callable[[], Any]], float]:
         return cpu_time
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device)
 
-    def gpu_time(fn: Callable[[], Any]) -> float:
+    def gpu_time(fn: Callable[[], object]) -> float:
         for _ in range(2):
             fn()
-        times = []
+        times: list[float] = []
         for _ in range(reps):
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -198,7 +210,7 @@ def flops(shape: Shape, case: Case) -> float:
     return 4.0 * visible * shape.num_heads * shape.head_dim  # QK^T and PV
 
 
-def knobs_label(knobs: Any, shape: Shape, dtype: Any) -> str:
+def knobs_label(knobs: PrefillKnobs, shape: Shape, dtype: torch.dtype) -> str:
     from kernels.triton.prefill import prefill_config
 
     cfg = prefill_config(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
@@ -207,7 +219,7 @@ def knobs_label(knobs: Any, shape: Shape, dtype: Any) -> str:
             f"N={cfg['BLOCK_N']:<3d} w={cfg['num_warps']} s={cfg.get('num_stages', '-')}")
 
 
-def tune_shape(shape: Shape, mode: str, dtype: Any, device: Any, time_ms: Callable,
+def tune_shape(shape: Shape, mode: str, dtype: torch.dtype, device: torch.device, time_ms: TimeMs,
                deadline: float) -> None:
     """One table: every case's SDPA and current time, then each config's time on every case."""
     import torch

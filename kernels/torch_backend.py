@@ -102,7 +102,7 @@ class TorchBackend:
 
     def _bf16_path(self, dtype: torch.dtype | None) -> bool:
         """Whether the native kernel runs its AVX-512 BF16 path for this model (head dim aside)."""
-        return (dtype == torch.bfloat16 and self.native_isa in ("auto", "avx512_bf16")
+        return (dtype == torch.bfloat16 and self.native_isa in ("auto", "avx512_bf16", "amx")
                 and "avx512_bf16" in torch.ops.conveyor_cpu.attention_isas())
 
     def plan(self, layout: BatchLayout) -> TorchMeta:

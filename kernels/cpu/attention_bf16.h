@@ -10,6 +10,8 @@ namespace bf16 {
 
 using bf = c10::BFloat16;
 
+#include "attention_amx.h"
+
 // Spans of at least this many tokens (at most 16) take the rows-as-lanes layout; fewer, keys as lanes.
 // Either gives a row the same bits.
 constexpr int64_t kRowsAsLanes = 8;
@@ -89,6 +91,17 @@ inline void dots16_rows(const __m512bh* qv, const bf* k, int64_t stride, int64_t
   }
 }
 
+// 16 keys' dot products (keys i0.. of a block) -> their scores at out: scaled, capped, masked to [lo, hi].
+inline void finish16(const conveyor::Params& p, __m512 d, int64_t i0, int64_t lo, int64_t hi, float* out) {
+  const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)),
+                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 seen = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
+                         _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
+  __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(p.scale));
+  if (p.cap > 0.f) s = cap16(s, p.cap);
+  _mm512_storeu_ps(out, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), s));
+}
+
 // Scores of R rows of one token (row r's query at q[r * q_head]) against BS keys (sr: row r's at
 // sr[r * row], padded to a multiple of 16), scaled, capped, masked to [lo, hi] (offsets in the block; lo
 // may be negative, hi at most BS - 1: the padding must weigh 0).
@@ -104,15 +117,7 @@ inline void scores(const conveyor::Params& p, const bf* q, const bf* k, int64_t 
     const int64_t n = p.BS - i0;
     if (n >= 16) dots16_rows<C, R>(qv, k + i0 * stride, stride, 16, d);
     else dots16_rows<C, R>(qv, k + i0 * stride, stride, n, d);
-    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(i0)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __mmask16 seen = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
-                           _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
-    for (int r = 0; r < R; ++r) {
-      __m512 s = _mm512_mul_ps(d[r], _mm512_set1_ps(p.scale));
-      if (p.cap > 0.f) s = cap16(s, p.cap);
-      _mm512_storeu_ps(sr + r * row + i0, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), s));
-    }
+    for (int r = 0; r < R; ++r) finish16(p, d[r], i0, lo, hi, sr + r * row + i0);
   }
 }
 
@@ -191,7 +196,44 @@ inline void pv_token(const conveyor::Params& p, const conveyor::Span& s, const f
 // Keys as lanes (decode rows, short queries): one online-softmax update per row per unit: the scores of
 // every unit block the row sees, one max, the exponentials, one rescale of the accumulator, then the V
 // rows of the keys it sees.
+// The scores of a token's G rows (q: its head 0) by the tiles, 16 heads at a time, into sr (row g at g * row).
 template <int C>
+void amx_scores(const conveyor::Params& p, const conveyor::Span& s, const bf* q, int64_t lo, int64_t hi, float* sr,
+                int64_t row) {
+  const int64_t BS = p.BS, n16 = (BS + 15) / 16 * 16;
+  const int64_t rows = BS < 16 ? BS : 16, per = BS / rows;  // keys a chunk (a C tile), chunks a block
+  alignas(64) float c[4 * 256];  // [chunk][key][query head]
+  thread_local __m512i tiles[4 * 8 * 16];  // a token's query tiles (64 heads at most), kept for its next units
+  thread_local const bf* tiles_of = nullptr;
+  thread_local int64_t tiles_call = -1;
+  const bool fresh = tiles_of != q || tiles_call != p.call;
+  tiles_of = q, tiles_call = p.call;
+  for (int64_t g0 = 0; g0 < p.G; g0 += 16) {
+    const int64_t nh = p.G - g0 < 16 ? p.G - g0 : 16;
+    __m512i* qb = tiles + g0 / 16 * 8 * 16;
+    if (fresh) amx_queries<C>(q + g0 * p.q_head, p.q_head, nh, qb);
+    if (C <= 2) _tile_loadd(5, qb, 64);
+    if (C == 2) _tile_loadd(6, qb + 16, 64);
+    for (int64_t x = lo / BS * per; x < (hi / BS + 1) * per; x += 4) {  // chunk x: block x / per
+      const int64_t u_n = std::min<int64_t>(4, (hi / BS + 1) * per - x);
+      const bf* keys[4];
+      for (int64_t u = 0; u < u_n; ++u)
+        keys[u] = static_cast<const bf*>(s.k[(x + u) / per]) + (x + u) % per * rows * p.Hkv * p.D;
+      amx_chunks<C>(p, keys, u_n, qb, c);
+      for (int64_t u = 0; u < u_n; ++u) {
+        const int64_t b = (x + u) / per, i0 = (x + u) % per * rows;
+        __m512i t[16];  // [query head][key]: moves bits only (three gathers measured no faster)
+        for (int i = 0; i < 16; ++i) t[i] = _mm512_load_si512(c + u * 256 + i * 16);
+        transpose16(t);
+        for (int64_t g = 0; g < nh; ++g)
+          finish16(p, _mm512_castsi512_ps(t[g]), i0, lo - b * BS, std::min(hi - b * BS, BS - 1),
+                   sr + (g0 + g) * row + b * n16 + i0);
+      }
+    }
+  }
+}
+
+template <int C, bool kAmx>
 void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
   const int64_t G = p.G, BS = p.BS, n16 = (BS + 15) / 16 * 16, row = s.nb * n16;
   thread_local std::vector<float> sr;  // [G][nb * n16] scores, then weights
@@ -202,7 +244,8 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
     conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &lo, &hi);
     if (lo > hi) continue;
     const int64_t r0 = j * G, blo = lo / BS, bhi = hi / BS;
-    for (int64_t g = 0; g < G; g += 3) {  // 3 rows per K load (SmolLM2's group); a row's bits as alone
+    if constexpr (kAmx) amx_scores<C>(p, s, static_cast<const bf*>(s.q) + j * p.q_row, lo, hi, sr.data(), row);
+    for (int64_t g = 0; g < G && !kAmx; g += 3) {  // 3 rows per K load (SmolLM2's group); a row's bits as alone
       const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
       for (int64_t b = blo; b <= bhi; ++b) {
         const bf* k = static_cast<const bf*>(s.k[b]);
@@ -219,199 +262,27 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
   }
 }
 
-// 16 rows of 16 dwords transposed in place (r[i] lane c -> r[c] lane i): moves bits only.
-inline void transpose16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int a = 0; a < 4; ++a) {  // r[4a + e], 128-bit lane l: rows 4a..4a+3 at column 4l + e
-    r[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
-    r[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
-    r[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
-    r[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {
-    const __m512i xl = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), xh = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
-    const __m512i yl = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44);
-    const __m512i yh = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
-    t[e] = _mm512_shuffle_i32x4(xl, yl, 0x88), t[4 + e] = _mm512_shuffle_i32x4(xl, yl, 0xDD);
-    t[8 + e] = _mm512_shuffle_i32x4(xh, yh, 0x88), t[12 + e] = _mm512_shuffle_i32x4(xh, yh, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
+#include "attention_rows.h"
 
-// One key's scores for 16 rows, row j in lane j (qt: the rows' queries transposed, pair of dims c in qt[c]):
-// the same arithmetic as dots16_rows for each row (lane l of a row's dot holds the pairs 16c + l
-// summed over c in order; the 16 lane sums added pairwise, neighbours first).
-template <int C>
-inline __m512 dots_rows(const __m512i* qt, const int32_t* k) {
-  __m512 a[16];
-#pragma GCC unroll 16
-  for (int l = 0; l < 16; ++l) {
-    a[l] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c)
-      a[l] = _mm512_dpbf16_ps(a[l], (__m512bh)qt[16 * c + l], (__m512bh)_mm512_set1_epi32(k[16 * c + l]));
-  }
-  for (int w = 8; w >= 1; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] = _mm512_add_ps(a[2 * i], a[2 * i + 1]);
-  return a[0];
-}
-
-// R rows' V update (rows of any tokens and heads; row r's weight for key x of the unit at w[r][x * 16], its
-// accumulator at acc[r]) over the keys [lo, hi] in position order, 64 dims at a time, then 32.
-template <int W, int R>
-inline void pv_group_w(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
-                       const float* alpha, int64_t d, int64_t lo, int64_t hi) {
-  const int64_t BS = p.BS, stride = p.Hkv * p.D, n16 = (BS + 15) / 16 * 16;
-  __m512 a[R][W];
-  for (int r = 0; r < R; ++r)
-    for (int x = 0; x < W; ++x) a[r][x] = _mm512_mul_ps(_mm512_loadu_ps(acc[r] + d + 16 * x), _mm512_set1_ps(alpha[r]));
-  for (int64_t b = lo / BS; b <= hi / BS; ++b) {
-    const bf* v = static_cast<const bf*>(s.v[b]) + d;
-    const int64_t i1 = std::min(hi - b * BS, BS - 1);
-    for (int64_t i = std::max<int64_t>(lo - b * BS, 0); i <= i1; ++i) {
-      __m512 vi[W];
-      for (int x = 0; x < W; ++x) vi[x] = widen16(v + i * stride + 16 * x);
-      const int64_t at = (b * n16 + i) * 16;
-      for (int r = 0; r < R; ++r) {
-        const __m512 wi = _mm512_set1_ps(w[r][at]);
-        for (int x = 0; x < W; ++x) a[r][x] = _mm512_fmadd_ps(wi, vi[x], a[r][x]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int x = 0; x < W; ++x) _mm512_storeu_ps(acc[r] + d + 16 * x, a[r][x]);
-}
-
-template <int R>
-inline void pv_group(const conveyor::Params& p, const conveyor::Span& s, const float* const* w, float* const* acc,
-                     const float* alpha, int64_t lo, int64_t hi) {
-  int64_t d = 0;
-  for (; d + 64 <= p.D; d += 64) pv_group_w<4, R>(p, s, w, acc, alpha, d, lo, hi);
-  if (d < p.D) pv_group_w<2, R>(p, s, w, acc, alpha, d, lo, hi);
-}
-
-// Rows as lanes (a prompt chunk's 16 tokens): per query head, the tokens' queries transposed once, each key's
-// scores for all tokens by broadcast vdpbf16ps (no horizontal reduction), the max, exponentials and sums
-// down the lanes; then each token's V update as in block_keys. Every row's arithmetic is block_keys':
-// scores as above; a key a row cannot see scores -inf and weighs exactly 0, which leaves its max and sum
-// unchanged (the sum of weights in block_keys' order: per lane of 16 keys across the row's blocks, then
-// sum_tree); alpha by the same expf, l by the same fma. At most 16 tokens.
-template <int C>
-void block_rows(const conveyor::Params& p, const conveyor::Span& s) {
-  const int64_t G = p.G, D = p.D, BS = p.BS, n16 = (BS + 15) / 16 * 16, keys = s.nb * n16, stride = p.Hkv * D;
-  thread_local std::vector<float> wt;  // [G][keys][16 tokens] scores, then weights
-  if (static_cast<int64_t>(wt.size()) < G * keys * 16) wt.resize(G * keys * 16);
-  int32_t lo[16], hi[16];  // the keys each token sees (offsets in the unit); lo > hi: none
-  int64_t kmin = keys, kmax = -1;
-  for (int64_t j = 0; j < 16; ++j) {
-    int64_t a = 1, b = 0;
-    if (j < s.n) conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &a, &b);
-    lo[j] = static_cast<int32_t>(a), hi[j] = static_cast<int32_t>(b);
-    if (a <= b) kmin = std::min(kmin, a), kmax = std::max(kmax, b);
-  }
-  if (kmin > kmax) return;
-  const int64_t blo = kmin / BS, bhi = kmax / BS;
-  const __m512i lo_v = _mm512_loadu_si512(lo), hi_v = _mm512_loadu_si512(hi);
-  float alpha[16][64];
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i qt[8 * 16];  // [D / 2] the tokens' query pairs, token j in lane j
-    for (int64_t d = 0; d < D; d += 32) {
-      __m512i r[16];
-      for (int64_t j = 0; j < 16; ++j)
-        r[j] = j < s.n ? _mm512_loadu_si512(static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head + d)
-                       : _mm512_setzero_si512();
-      transpose16(r);
-      for (int c = 0; c < 16; ++c) qt[d / 2 + c] = r[c];
-    }
-    float* w = wt.data() + g * keys * 16;
-    __m512 mx = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t b = blo; b <= bhi; ++b) {
-      const int32_t* k = static_cast<const int32_t*>(s.k[b]);
-      for (int64_t i = 0; i < n16; ++i) {
-        const int64_t x = b * BS + i;
-        __m512 sc = _mm512_set1_ps(-__builtin_inff());
-        if (i < BS && x >= kmin && x <= kmax) {
-          sc = _mm512_mul_ps(dots_rows<C>(qt, k + i * stride / 2), _mm512_set1_ps(p.scale));
-          if (p.cap > 0.f) sc = cap16(sc, p.cap);
-          const __m512i xv = _mm512_set1_epi32(static_cast<int>(x));
-          const __mmask16 seen = _mm512_cmple_epi32_mask(lo_v, xv) & _mm512_cmpge_epi32_mask(hi_v, xv);
-          sc = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-__builtin_inff()), sc);
-        }
-        _mm512_storeu_ps(w + (b * n16 + i) * 16, sc);
-        mx = _mm512_max_ps(mx, sc);
-      }
-    }
-    alignas(64) float m_old[16], m_new[16], al[16];
-    for (int64_t j = 0; j < 16; ++j) m_old[j] = lo[j] <= hi[j] ? s.m[j * G + g] : 0.f;
-    _mm512_store_ps(m_new, _mm512_max_ps(_mm512_load_ps(m_old), mx));
-    for (int64_t j = 0; j < 16; ++j) al[j] = __builtin_expf(m_old[j] - m_new[j]);
-    const __m512 mv = _mm512_load_ps(m_new);
-    __m512 sum[16];
-    for (int i = 0; i < 16; ++i) sum[i] = _mm512_setzero_ps();
-    for (int64_t x = blo * n16; x < (bhi + 1) * n16; ++x) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + x * 16), mv));
-      _mm512_storeu_ps(w + x * 16, e);
-      sum[x % 16] = _mm512_add_ps(sum[x % 16], e);
-    }
-    for (int i = 0; i < 8; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 8]);
-    for (int i = 0; i < 4; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 4]);
-    for (int i = 0; i < 2; ++i) sum[i] = _mm512_add_ps(sum[i], sum[i + 2]);
-    alignas(64) float total[16];
-    _mm512_store_ps(total, _mm512_add_ps(sum[0], sum[1]));
-    for (int64_t j = 0; j < s.n; ++j) {
-      if (lo[j] > hi[j]) continue;
-      const int64_t r = j * G + g;
-      s.m[r] = m_new[j];
-      s.l[r] = __builtin_fmaf(s.l[r], al[j], total[j]);
-      alpha[j][g] = al[j];
-    }
-  }
-  // The V update, rows (token, head) in groups of up to 6 over the union of their keys: a key a row does
-  // not see weighs +0 there, and adding +0 * v (v finite: every key of the span's range is written)
-  // leaves its accumulator, never -0, unchanged.
-  const float* wr[6];
-  float* ar[6];
-  float al[6];
-  int64_t n = 0, glo = 0, ghi = 0;
-  for (int64_t j = 0; j < s.n; ++j) {
-    if (lo[j] > hi[j]) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      if (n == 0) glo = lo[j], ghi = hi[j];
-      glo = std::min<int64_t>(glo, lo[j]), ghi = std::max<int64_t>(ghi, hi[j]);
-      wr[n] = wt.data() + g * keys * 16 + j, ar[n] = s.acc + (j * G + g) * D, al[n] = alpha[j][g];
-      if (++n == 6) pv_group<6>(p, s, wr, ar, al, glo, ghi), n = 0;
-    }
-  }
-  switch (n) {
-    case 5: pv_group<5>(p, s, wr, ar, al, glo, ghi); break;
-    case 4: pv_group<4>(p, s, wr, ar, al, glo, ghi); break;
-    case 3: pv_group<3>(p, s, wr, ar, al, glo, ghi); break;
-    case 2: pv_group<2>(p, s, wr, ar, al, glo, ghi); break;
-    case 1: pv_group<1>(p, s, wr, ar, al, glo, ghi); break;
-    default: break;
-  }
-}
-
-template <int C>
+template <int C, bool kAmx>
 void block_c(const conveyor::Params& p, const conveyor::Span& s) {
-  if (s.n >= kRowsAsLanes) return block_rows<C>(p, s);
-  block_keys<C>(p, s);
+  if (s.n >= kRowsAsLanes) return block_rows<C, kAmx>(p, s);
+  block_keys<C, kAmx>(p, s);
 }
 
+// kAmx: the "amx" path (attention_amx.h), which needs a block size under 16 or a multiple of 16, at most 64.
+template <bool kAmx>
 void block(const conveyor::Params& p, const conveyor::Span& s) {
+  if constexpr (kAmx) amx_configure(p.BS < 16 ? p.BS : 16, p.call);
   switch (p.D / 32) {
-    case 1: return block_c<1>(p, s);
-    case 2: return block_c<2>(p, s);
-    case 3: return block_c<3>(p, s);
-    case 4: return block_c<4>(p, s);
-    case 5: return block_c<5>(p, s);
-    case 6: return block_c<6>(p, s);
-    case 7: return block_c<7>(p, s);
-    default: return block_c<8>(p, s);
+    case 1: return block_c<1, kAmx>(p, s);
+    case 2: return block_c<2, kAmx>(p, s);
+    case 3: return block_c<3, kAmx>(p, s);
+    case 4: return block_c<4, kAmx>(p, s);
+    case 5: return block_c<5, kAmx>(p, s);
+    case 6: return block_c<6, kAmx>(p, s);
+    case 7: return block_c<7, kAmx>(p, s);
+    default: return block_c<8, kAmx>(p, s);
   }
 }
 

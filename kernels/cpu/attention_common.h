@@ -11,6 +11,7 @@ struct Params {
   int64_t Hkv, G, D, BS, window;
   float scale, cap;     // cap > 0: scores s -> cap * tanh(s / cap) before the mask (Gemma 2)
   int64_t q_row, q_head;  // q's strides, in elements
+  int64_t call;           // this call's number: what a thread prepared for it stays valid through the call
 };
 
 // Tokens j = 0..n-1 of one sequence (at positions pos0 + j) against one softmax unit of one KV head: nb

@@ -21,7 +21,10 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -52,7 +55,7 @@ namespace avx512 {
 }
 #pragma GCC pop_options
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")  // added to -march, as the intrinsics are
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")  // beside -march
 #include "attention_bf16.h"
 #pragma GCC pop_options
 
@@ -70,37 +73,7 @@ constexpr int64_t kUnitTokens = 64;
 // Fewer partition tasks than this per thread: each is cut per KV head (plan).
 constexpr int64_t kSplitHeadsBelow = 4;
 
-bool cpu_has(const std::string& isa) {
-  __builtin_cpu_init();
-  if (isa == "portable") return true;
-  if (isa == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (isa == "avx512") return v4;
-  if (isa == "avx512_bf16") return v4 && __builtin_cpu_supports("avx512bf16");
-  return false;
-}
-
-std::vector<std::string> isas() {
-  std::vector<std::string> out;
-  for (const char* isa : {"portable", "avx2", "avx512", "avx512_bf16"})
-    if (cpu_has(isa)) out.emplace_back(isa);
-  return out;
-}
-
-template <typename Q, typename KV>
-BlockFn pick(std::string isa, bool bf16_ok) {
-  if (isa == "auto") isa = bf16_ok && cpu_has("avx512_bf16") ? "avx512_bf16" : cpu_has("avx512") ? "avx512"
-                         : cpu_has("avx2") ? "avx2" : "portable";
-  TORCH_CHECK(cpu_has(isa), "this CPU cannot run the ", isa, " attention path");
-  if (isa == "avx512_bf16") {
-    TORCH_CHECK(bf16_ok, "avx512_bf16 needs bfloat16 q and cache, head dim a multiple of 32, at most 64 heads a group");
-    return &bf16::block;
-  }
-  if (isa == "avx512") return &avx512::block<Q, KV>;
-  if (isa == "avx2") return &avx2::block<Q, KV>;
-  return &portable::block<Q, KV>;
-}
+#include "attention_pick.h"
 
 struct Task {
   int64_t seq, t0, t1, p0, p1;  // tokens [t0, t1) of the sequence over partitions [p0, p1)
@@ -289,9 +262,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous() && t->size(0) == block_tables.size(0), "seqs");
   TORCH_CHECK(part_tokens > 0 && part_tokens % k_cache.size(1) == 0, "part_tokens: a multiple of the block size");
   const int64_t Hkv = k_cache.size(2), G = q.size(1) / Hkv, D = q.size(2);
+  static std::atomic<int64_t> calls{0};
   Call c{};
   c.p = Params{Hkv, G, D, k_cache.size(1), window, static_cast<float>(scale), static_cast<float>(softcap),
-               q.stride(0), q.stride(1)};
+               q.stride(0), q.stride(1), ++calls};
   c.tables = block_tables.data_ptr<int32_t>();
   c.starts = q_start.data_ptr<int32_t>(), c.qlens = q_len.data_ptr<int32_t>(), c.lens = seq_len.data_ptr<int32_t>();
   c.max_blocks = block_tables.size(1), c.part_tokens = part_tokens;
@@ -301,16 +275,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tenso
   c.v = static_cast<const char*>(v_cache.data_ptr());
   const auto qt = q.scalar_type(), ct = k_cache.scalar_type();
   const bool bf16_ok = qt == at::kBFloat16 && ct == at::kBFloat16 && D % 32 == 0 && D <= 256 && G <= 64;
+  const int64_t BS = k_cache.size(1);
+  const bool amx_ok = BS <= 64 && (BS % 16 == 0 || 16 % BS == 0);
   const std::string name(isa.data(), isa.size());
   const int64_t n = q_start.size(0);
   if (qt == at::kFloat && ct == at::kFloat)
-    c.fn = pick<float, float>(name, false), run(c, out.data_ptr<float>(), n);
+    c.fn = pick<float, float>(name, false, false), run(c, out.data_ptr<float>(), n);
   else if (qt == at::kFloat && ct == at::kBFloat16)
-    c.fn = pick<float, c10::BFloat16>(name, false), run(c, out.data_ptr<float>(), n);
+    c.fn = pick<float, c10::BFloat16>(name, false, false), run(c, out.data_ptr<float>(), n);
   else if (qt == at::kBFloat16 && ct == at::kFloat)
-    c.fn = pick<c10::BFloat16, float>(name, false), run(c, out.data_ptr<c10::BFloat16>(), n);
+    c.fn = pick<c10::BFloat16, float>(name, false, false), run(c, out.data_ptr<c10::BFloat16>(), n);
   else if (qt == at::kBFloat16 && ct == at::kBFloat16)
-    c.fn = pick<c10::BFloat16, c10::BFloat16>(name, bf16_ok), run(c, out.data_ptr<c10::BFloat16>(), n);
+    c.fn = pick<c10::BFloat16, c10::BFloat16>(name, bf16_ok, amx_ok), run(c, out.data_ptr<c10::BFloat16>(), n);
   else
     TORCH_CHECK(false, "unsupported dtypes: q ", qt, ", cache ", ct);
 }

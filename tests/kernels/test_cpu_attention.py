@@ -20,7 +20,7 @@ import torch
 from kernels.torch_backend import TorchBackend
 from tests.kernels.paged_batch import PagedBatch, random_batch
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
+ISAS = ["portable", "avx2", "avx512", "avx512_bf16", "amx"]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,8 @@ def runnable() -> list[str]:
 def native(isa: str, runnable: list[str], dtype: torch.dtype) -> TorchBackend:
     if isa not in runnable:
         pytest.skip(f"this CPU cannot run the {isa} path (it reports {', '.join(runnable)})")
-    if isa == "avx512_bf16" and dtype != torch.bfloat16:
-        pytest.skip("avx512_bf16 takes bfloat16 q and cache only")
+    if isa in ("avx512_bf16", "amx") and dtype != torch.bfloat16:
+        pytest.skip(f"{isa} takes bfloat16 q and cache only")
     backend = TorchBackend("cpu", native=True)
     backend.native_isa, backend.native_prompts = isa, True  # prompt chunks too, whatever the dtype
     return backend

@@ -94,31 +94,35 @@ void configure_tiles(int64_t rows) {
   _tile_loadconfig(&cfg);
 }
 
-// Panel p (`cols` column tiles, kt deep) dequantized into panel, in the codes' order.
-void dequant_panel(const Int8Matrix& w, int64_t p, int cols, bf* panel) {
-  const int64_t tiles = w.kt * cols, last = w.nt * w.kt * kCodesPerTile - 64;
-  const int8_t* codes = w.codes + 2 * p * w.kt * kCodesPerTile;
-  for (int64_t i = 0; i < tiles; ++i) {
-    const int8_t* tile = codes + i * kCodesPerTile;
-    const int64_t ahead = std::min<int64_t>((2 * p * w.kt + i + kPrefetchTiles) * kCodesPerTile, last);
-    for (int l = 0; l < 8; ++l) __builtin_prefetch(w.codes + std::min<int64_t>(ahead + 64 * l, last));
-    for (int r = 0; r < kTileRows; ++r) _mm512_store_si512(panel + i * kTileElems + kTileK * r, int8_row(tile + kTileK * r));
+// Panel p's k tile t (`cols` column tiles) dequantized into its place in panel, in the codes' order, the
+// tiles kPrefetchTiles ahead prefetched.
+void dequant_step(const Int8Matrix& w, int64_t p, int cols, int64_t t, bf* panel) {
+  const int64_t last = w.nt * w.kt * kCodesPerTile - 64;
+  for (int j = 0; j < cols; ++j) {
+    const int64_t i = t * cols + j, at = (2 * p * w.kt + i) * kCodesPerTile;
+    for (int l = 0; l < 8; ++l)
+      __builtin_prefetch(w.codes + std::min<int64_t>(at + kPrefetchTiles * kCodesPerTile + 64 * l, last));
+    for (int r = 0; r < kTileRows; ++r)
+      _mm512_store_si512(panel + i * kTileElems + kTileK * r, int8_row(w.codes + at + kTileK * r));
   }
 }
 
-// x's rows [0, m) times panel p, dequantized once, 16 rows at a time -> y's columns [32 p, 32 p + 16 cols).
+// x's rows [0, m) times panel p, 16 rows at a time -> y's columns [32 p, 32 p + 16 cols). The first block
+// dequantizes the panel one k tile ahead of its TDPs (the vector ports convert while the tile unit
+// multiplies) and keeps it for the later blocks; the TDPs and their order are the same in every block.
 void multiply_panel(const bf* x, int64_t m, int64_t ldx, const Int8Matrix& w, int64_t p, bf* panel, bf* y,
                     int64_t ldy, int64_t* configured) {
   const int cols = (2 * p + 1 < w.nt) ? 2 : 1;
   alignas(64) float c[2][kTileRows * kTileN];
-  dequant_panel(w, p, cols, panel);
   for (int64_t m0 = 0; m0 < m; m0 += kTileRows) {
     const int64_t rows = std::min<int64_t>(kTileRows, m - m0);
     if (rows != *configured) configure_tiles(*configured = rows);
     const bf* xb = x + m0 * ldx;
     _tile_zero(0);
     if (cols == 2) _tile_zero(1);
+    if (m0 == 0) dequant_step(w, p, cols, 0, panel);
     for (int64_t t = 0; t < w.kt; ++t) {
+      if (m0 == 0 && t + 1 < w.kt) dequant_step(w, p, cols, t + 1, panel);
       _tile_loadd(4, xb + t * kTileK, ldx * sizeof(bf));
       _tile_loadd(6, panel + t * cols * kTileElems, 64);
       _tile_dpbf16ps(0, 4, 6);

@@ -35,7 +35,7 @@ from engine.load.prepack import (
     quantized_packed_from,
     same_bits_rows,
 )
-from engine.load.quant import Int4Linear, QuantizedLinear
+from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.native_stack import NativeStack
 
@@ -114,8 +114,8 @@ def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
                          kind: str) -> bool:
     """Whether the quantized GEMMs take --deterministic's kernels without the flag: where that
     was measured to cost under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix
-    with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head its
-    packed copy padded and cut, at about the switching kernels' speed (docs/determinism.md)."""
+    with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head the int8
+    AMX kernel's, at about the switching kernels' speed or faster (docs/determinism.md)."""
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
     return (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
             and all(m.tile_codes is not None for m in int4))
@@ -127,16 +127,29 @@ def attach_tiles(modules: Sequence[QuantizedLinear],
     modules that need no packed copy, the rows from which the others of their kind hand over to one:
     None where the table for their kind applies). Deterministic: the AMX kernel at every row count
     (one kernel, whose rows do not depend on the row count), no copy."""
+    int8 = attach_int8_tiles(modules) if deterministic else set()
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
     rows = QUANTIZED_TILES_ROWS.get(torch.get_num_threads())
     if not tiled or (rows is None and not deterministic):
-        return set(), None
+        return int8, None
     amx_from, handover = (1, NEVER) if deterministic or rows is None else rows
     for m in tiled:
         m.amx_from = amx_from
     log.info("int4 GEMMs on AMX tiles from %d rows%s", amx_from,
              "" if handover >= NEVER else f", on packed copies from {handover}")
-    return ({id(m) for m in tiled}, None) if handover >= NEVER else (set(), handover)
+    return ({id(m) for m in tiled} | int8, None) if handover >= NEVER else (int8, handover)
+
+
+def attach_int8_tiles(modules: Sequence[QuantizedLinear]) -> set[int]:
+    """Deterministic (the AMX default): int8 matrices (the tied head) on the int8 AMX kernel at
+    every row count, with no packed copy: one arithmetic at any row count, reading 1 byte a weight
+    where the padded copy read 2 (docs/kernels.md, "The int8 GEMM on AMX tiles"). -> their ids."""
+    tiled = [m for m in modules if isinstance(m, Int8Linear) and m.make_tiles()]
+    for m in tiled:
+        m.amx_from = 1
+    if tiled:
+        log.info("int8 GEMMs on AMX tiles at every row count")
+    return {id(m) for m in tiled}
 
 
 def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,

@@ -1,4 +1,5 @@
-"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp (and its rows path).
+"""Quantized codes repacked for the AMX GEMMs of kernels/cpu/quant_gemm.cpp (and its rows path), and
+int8 codes for kernels/cpu/quant_int8.cpp (pack_int8, int8_mm: the same tiles and rows path).
 
 The kernel dequantizes one B tile (16 output columns x 32 k) at a time into the layout TDPBF16PS
 reads: 16 rows, one per pair of k, each holding the 16 columns' two k values side by side (element e
@@ -25,6 +26,8 @@ TILE_N, TILE_K = 16, 32
 # 2026-11-27: one row at both, since the tiles stream their panels).
 ROWS_PATH_MAX = 1
 ROWS_PATH_LIMIT = 8  # the most rows the kernel's rows path takes
+# Rows up to which int8_mm takes its rows path (measured: docs/kernels.md, "The int8 GEMM").
+INT8_ROWS_PATH_MAX = 2
 
 
 @cache
@@ -98,4 +101,33 @@ def int4_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
     min_exponent of these codes."""
     y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_rows(x.contiguous(), codes, scale_zero,
                                                             residual, w_min_exponent)
+    return y
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes q [N, K] (one scale per row, Int8Linear) -> codes int8 [N/16 * K/32, 512] for
+    kernels/cpu/quant_int8.cpp: each tile's 16 rows of 32 codes in the element order TDPBF16PS
+    reads (the int4 codes' order before their nibbles are packed), tiles in _panel_order."""
+    t = _tile_order(q)
+    return _panel_order(t.reshape(t.shape[0], t.shape[1], -1)).contiguous()
+
+
+def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bfloat16 @ (q * scale[:, None]).T -> [M, N] bfloat16: the rows path up to
+    INT8_ROWS_PATH_MAX rows, else the tiles (the rows path reads the codes once for all rows; the
+    tiles convert each panel first); a row's bits are the same either way. scale float32 [N]."""
+    if x.shape[0] <= INT8_ROWS_PATH_MAX:
+        return int8_mm_rows(x, codes, scale)
+    return int8_mm_tiles(x, codes, scale)
+
+
+def int8_mm_tiles(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_mm on AMX tiles, whatever the rows."""
+    y: torch.Tensor = torch.ops.conveyor_cpu.int8_gemm_amx(x.contiguous(), codes, scale)
+    return y
+
+
+def int8_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_mm on the rows path (at most ROWS_PATH_LIMIT rows), whatever the rows."""
+    y: torch.Tensor = torch.ops.conveyor_cpu.int8_gemm_rows(x.contiguous(), codes, scale)
     return y

@@ -130,6 +130,26 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
+        # codes for the int8 AMX kernel, made after load for the matrices that multiply
+        self.tile_codes: torch.Tensor | None = None
+        self.tile_scale: torch.Tensor | None = None
+
+    def make_tiles(self) -> bool:
+        """Repacks the codes for the int8 AMX kernel (engine/load/amx.py) where this CPU runs it
+        and the activations are bfloat16. -> whether the matrix has them."""
+        n, k = self.qweight.shape
+        if self.tile_codes is None and self.scales.dtype == torch.bfloat16 and amx.fits(n, k) \
+                and amx.usable():
+            self.tile_codes = amx.pack_int8(self.qweight)
+            self.tile_scale = self.scales.float()
+        return self.tile_codes is not None
+
+    def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        codes, scale = self.tile_codes, self.tile_scale
+        if codes is None or scale is None or x.shape[0] < self.amx_from:
+            return None
+        y = amx.int8_mm(x, codes, scale)  # x is bfloat16, as the scales (make_tiles)
+        return y if residual is None else residual + y
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,

@@ -34,6 +34,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "ops.h"
 
@@ -106,12 +108,56 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double 
   });
 }
 
+// SiLU of every bfloat16 gate, as the formula below rounds it, widened to float32: a bfloat16 gate has
+// 65,536 values, so its exp and division (most of the op's time) run once per process, by the very same
+// vector code, and each row looks its gates up (the same bits; tests/kernels/test_fused_layer_ops.py).
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<uint16_t> bits(65536);
+    std::vector<float> t(65536);
+    for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
+    const BF16* g = reinterpret_cast<const BF16*>(bits.data());
+    for (int64_t i = 0; i < 65536; i += 2 * W) {
+      const Pair v = load2(g + i, 2 * W);
+      const Pair s = rounded({v.a / (Vec(1.f) + silu_exp(v.a.neg(), g)), v.b / (Vec(1.f) + silu_exp(v.b.neg(), g))}, g);
+      store2(t.data() + i, s, 2 * W);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+#ifdef CPU_CAPABILITY_AVX512
+// One row of silu_mul_rows<BF16> with the gates' SiLU looked up in table (silu_table): the same product
+// and rounding.
+void silu_mul_lookup(const BF16* gate, const BF16* up, BF16* o, int64_t I, const float* table) {
+  for (int64_t i = 0; i < I; i += 2 * W) {
+    const int64_t n = std::min<int64_t>(I - i, 2 * W);
+    const __m512i g = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), gate + i);
+    const Vec sa(_mm512_i32gather_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(g)), table, 4));
+    const Vec sb(_mm512_i32gather_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(g, 1)), table, 4));
+    const Pair u = load2(up + i, I - i);
+    store2(o + i, {sa * u.a, sb * u.b}, I - i);
+  }
+}
+#endif
+
 template <typename T>
-void silu_mul_rows(const at::Tensor& x, at::Tensor& out) {
+void silu_mul_rows(const at::Tensor& x, at::Tensor& out, bool lookup) {
   const int64_t I = out.size(1), xs = x.stride(0);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const Vec one(1.f);
+#ifdef CPU_CAPABILITY_AVX512
+  if constexpr (std::is_same_v<T, BF16>)
+    if (lookup) {
+      const float* table = silu_table();
+      at::parallel_for(0, x.size(0), grain_rows(I), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) silu_mul_lookup(xp + r * xs, xp + r * xs + I, op + r * I, I, table);
+      });
+      return;
+    }
+#endif
   at::parallel_for(0, x.size(0), grain_rows(I), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T *gate = xp + r * xs, *up = gate + I;
@@ -195,15 +241,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 // x [T, 2I] (gate | up, rows may be strided, each row contiguous) -> new [T, I]: silu(gate) * up, the
-// values of F.silu(gate).mul_(up) in one pass over the fused gate_up GEMM's output.
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// values of F.silu(gate).mul_(up) in one pass over the fused gate_up GEMM's output. lookup: bfloat16 gates'
+// SiLU from silu_table where the CPU has AVX-512 (false: the formula per element, for the tests).
+at::Tensor silu_and_mul(const at::Tensor& x, bool lookup) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x [T, 2I] with contiguous rows");
   at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
   if (x.scalar_type() == at::kFloat)
-    silu_mul_rows<float>(x, out);
+    silu_mul_rows<float>(x, out, false);
   else if (x.scalar_type() == at::kBFloat16)
-    silu_mul_rows<BF16>(x, out);
+    silu_mul_rows<BF16>(x, out, lookup);
   else
     TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16, not ", x.scalar_type());
   return out;
@@ -253,7 +300,7 @@ at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &conveyor::rms_norm);
-  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("silu_and_mul(Tensor x, bool lookup=True) -> Tensor");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &conveyor::silu_and_mul);
   m.def("rope_(Tensor(a!) x, Tensor table, Tensor positions) -> ()");
   m.impl("rope_", c10::DispatchKey::CPU, &conveyor::rope_);

@@ -15,7 +15,7 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
 // layer_ops.cpp: the ops of the same names in conveyor_cpu.
 namespace conveyor {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor silu_and_mul(const at::Tensor& x);
+at::Tensor silu_and_mul(const at::Tensor& x, bool lookup = true);
 void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions);
 at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

@@ -57,6 +57,25 @@ def test_the_portable_mlp_act_is_silu_times_up() -> None:
 
 
 @native
+@pytest.mark.parametrize("width", [1536, 1000, 37])
+def test_silu_lookup_gives_the_formulas_bits_for_every_bfloat16_gate(width: int) -> None:
+    """bfloat16 gates take their SiLU from a 65,536-entry table (AVX-512 CPUs) that the formula
+    fills: every bit pattern of the gate (NaNs, infinities, denormals included), three times over
+    beside random, zero, infinite and denormal ups, gives the formula's bits, ragged row ends
+    included."""
+    gen = torch.Generator().manual_seed(width)
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    gate = torch.cat([patterns, patterns[torch.randperm(65536, generator=gen)], patterns.flip(0)])
+    rows = -(-gate.numel() // width)
+    gate = torch.cat([gate, patterns[:rows * width - gate.numel()]]).view(rows, width)
+    up = torch.randn(rows, width, generator=gen).to(torch.bfloat16)
+    up.view(-1)[::97], up.view(-1)[::89], up.view(-1)[::83] = float("inf"), 0.0, 1e-39
+    x = torch.cat([gate, up], 1)
+    looked_up = torch.ops.conveyor_cpu.silu_and_mul(x).view(torch.int16)
+    assert torch.equal(looked_up, torch.ops.conveyor_cpu.silu_and_mul(x, False).view(torch.int16))
+
+
+@native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [1536, 1000, 37, 8])

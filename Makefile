@@ -34,7 +34,7 @@ serve: install
 # Lint and types first: they take under a minute, and a failure there fails the suite before the slow tests.
 lint: install
 	$(PY) -m ruff check .
-	$(PY) -m mypy shared gateway kernels engine tests
+	$(PY) -m mypy shared gateway kernels engine tests bench
 
 # The tests not marked slow (pyproject.toml's marker: real models, subprocess servers, Ray, tensor
 # parallel, the browser, lm-eval, Triton compiles). CI runs make test, which runs them all.

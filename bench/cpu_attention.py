@@ -36,6 +36,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -58,14 +60,19 @@ def cases() -> list[Case]:
     ]
 
 
-def median_ms(fn, runs: int) -> float:
+def call_ms(fn: Callable[[], object], runs: int) -> list[float]:
+    """ms of each of runs calls of fn, after one warm-up call."""
     fn()
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def median_ms(fn: Callable[[], object], runs: int) -> float:
+    return statistics.median(call_ms(fn, runs))
 
 
 def native_cases() -> list[Case]:
@@ -87,6 +94,7 @@ def native_vs_sdpa(runs: int) -> None:
     import torch
 
     import kernels.torch_backend as tb
+    import kernels.torch_plan as tp
 
     sdpa, native = tb.TorchBackend("cpu"), tb.TorchBackend("cpu", native=True)
     native.native_prompts = True  # every row through the kernel, on each path
@@ -111,7 +119,7 @@ def native_vs_sdpa(runs: int) -> None:
             base, meta = sdpa.plan(layout), native.plan(layout)
             want = sdpa.forward(q, k, v, kc, vc, base, scale).float()
             ms = [min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)]
-            if any(n > tb.SHORT_QUERY for n in case.query_lens):
+            if any(n > tp.SHORT_QUERY for n in case.query_lens):
                 ms.append(min_ms(functools.partial(old.forward, q, k, v, kc, vc, old.plan(layout),
                                                    scale), runs))
             else:
@@ -174,15 +182,9 @@ def prompts_vs_sdpa(runs: int) -> None:
                   f"{flops / ms_native / 1e6:8.1f}")
 
 
-def min_ms(fn, runs: int) -> float:
+def min_ms(fn: Callable[[], object], runs: int) -> float:
     """The fastest of runs: on a machine other processes share, the run least disturbed."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times)
+    return min(call_ms(fn, runs))
 
 
 def main() -> None:
@@ -201,6 +203,7 @@ def main() -> None:
     import torch
 
     import kernels.torch_backend as tb
+    import kernels.torch_plan as tp
 
     torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
@@ -225,7 +228,8 @@ def main() -> None:
           f"{'vs fp32':>8s}")
     gen = torch.Generator().manual_seed(0)
 
-    def fresh_gather(k_cache, v_cache, blocks):
+    def fresh_gather(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
 
     for case in cases():
@@ -234,12 +238,8 @@ def main() -> None:
         scale = SMOLLM2.head_dim ** -0.5
         backend = tb.TorchBackend("cpu")
         meta = backend.plan(layout)
-        default_buckets = tb.MAX_BUCKETS
-        tb.MAX_BUCKETS = 1
-        try:
+        with mock.patch.object(tp, "MAX_BUCKETS", 1):  # every context padded to the longest
             padded_meta = backend.plan(layout)
-        finally:
-            tb.MAX_BUCKETS = default_buckets
 
         fwd = functools.partial(backend.forward, q, k, v, kc, vc)  # -> fwd(meta, scale)
         torch.testing.assert_close(fwd(meta, scale), fwd(padded_meta, scale), atol=1e-4, rtol=1e-4)
@@ -248,8 +248,8 @@ def main() -> None:
         kc16, vc16 = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
         half = median_ms(functools.partial(backend.forward, q, k, v, kc16, vc16, meta, scale),
                          args.runs)
-        backend._gather = fresh_gather  # the gather as it was: a new tensor per call
-        fresh = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
+        with mock.patch.object(backend, "_gather", fresh_gather):  # as it was: new tensors a call
+            fresh = median_ms(functools.partial(fwd, padded_meta, scale), args.runs)
         nbytes, _ = attention_traffic(case, SMOLLM2, 4)
         gbs = nbytes / bucketed / 1e6
         print(f"{case.name:30s} {fresh:11.2f} ms {reused:12.2f} ms {bucketed:6.2f} ms "

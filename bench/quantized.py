@@ -36,9 +36,16 @@ import os
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from engine.models.config import ModelConfig
 
 PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):",
            "Once upon a time", "Water boils at", "The quick brown fox",
@@ -51,7 +58,8 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int]) -> list[float]:
+def teacher_forced_logprobs(model: nn.Module, cfg: ModelConfig, ids: list[int],
+                            continuation: list[int]) -> list[float]:
     """log p(continuation[i] | ids + continuation[:i]) under model, one forward over the
     paged cache."""
     import torch
@@ -73,7 +81,7 @@ def teacher_forced_logprobs(model, cfg, ids: list[int], continuation: list[int])
     return lp[torch.arange(len(continuation)), torch.tensor(continuation)].tolist()
 
 
-def load_only(args: argparse.Namespace) -> dict:
+def load_only(args: argparse.Namespace) -> dict[str, int]:
     """Runs in a child process: load the model, nothing else. -> peak and final resident memory
     of the load."""
     import resource
@@ -90,7 +98,7 @@ def load_only(args: argparse.Namespace) -> dict:
     return {"load_peak": peak - base, "load_rss": rss_bytes() - base}
 
 
-def one(args: argparse.Namespace) -> dict:
+def one(args: argparse.Namespace) -> dict[str, Any]:
     """Runs in a child process: one configuration, every figure."""
     import torch
 
@@ -105,14 +113,15 @@ def one(args: argparse.Namespace) -> dict:
     if args.int_only:
         import engine.load.weights
 
-        engine.load.weights.attach_packed_copies = lambda *_: {}
+        # for the rest of this child process: loading finds no copies to attach
+        mock.patch.object(engine.load.weights, "attach_packed_copies", lambda *_: {}).start()
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
               num_threads=args.threads, kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
     model, cfg = llm.core.runner.model, llm.core.model_config
     kv = llm.core.runner.kv_cache
     kv_bytes = sum(t.numel() * t.element_size() for t in (kv.device, kv.cpu))
-    result = {"weights": weight_bytes(model), "rss": rss_bytes() - base - kv_bytes,
+    result: dict[str, Any] = {"weights": weight_bytes(model), "rss": rss_bytes() - base - kv_bytes,
               "quantization": cfg.quantization}
     tok = load_tokenizer(resolve_model(args.model))
     prompts = [tok.encode(p) for p in PROMPTS]
@@ -139,8 +148,8 @@ def one(args: argparse.Namespace) -> dict:
     return result
 
 
-def child(args: argparse.Namespace, dtype: str, quantization: str, reference: list | None,
-          int_only: bool = False) -> dict:
+def child(args: argparse.Namespace, dtype: str, quantization: str,
+          reference: list[list[int]] | None, int_only: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--threads", str(args.threads), "--model", args.model,
            "--dtype", dtype, "--quantization", quantization, "--streams",
            ",".join(map(str, args.streams))]
@@ -181,6 +190,7 @@ def gemm(args: argparse.Namespace) -> None:
 
     from engine import kernel_choice
     from engine.load.dtype import cpu_kind
+    from engine.load.prepack import PackedLinear
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
@@ -189,7 +199,7 @@ def gemm(args: argparse.Namespace) -> None:
     modules = kernel_choice.switched_modules(model)
     # a copy for every matrix (no table, no calibration), so both sides can be timed
     for m in modules:
-        m.packed = kernel_choice.PackedLinear(m.dequantized(), None)
+        m.packed = PackedLinear(m.dequantized(), None)
     print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
           f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}"
           f"{', CPU time' if args.cpu_time else ', wall clock'}), 'x' = int / packed")
@@ -361,7 +371,7 @@ def main() -> None:
                or c[0] in args.configs]
     if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
         configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, dtype, quant in configs:
         ref = results["float32"]["greedy"] if results else None
         results[name] = child(args, dtype, quant, ref, name.endswith("int-only"))
@@ -373,7 +383,7 @@ def main() -> None:
           f"generate (prefill of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x "
           f"{ACCURACY_TOKENS} greedy tokens against float32")
 
-    def ratio(r: dict, key: str) -> str:
+    def ratio(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:>8.1f} {r[key] / base[key]:>6.2f}" if key in r else f"{'-':>8} {'-':>6}"
 
     print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'load peak':>9} {'loaded':>7} "

@@ -44,6 +44,7 @@ import sys
 import time
 from collections import defaultdict
 from typing import Any
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, gemm_gflops, machine, pin_threads
@@ -276,7 +277,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
     from shared.config import build_config
 
     if args.no_prepack:  # the lever's baseline: projections stay nn.Linear (engine/load/prepack.py)
-        engine.load.weights.usable = lambda *_: False  # type: ignore[assignment]
+        # for the rest of this process: loading finds prepacking unusable
+        mock.patch.object(engine.load.weights, "usable", lambda *_: False).start()
     room = num_seqs + (args.prompt_chunk > 0)  # the mixed step's prompt is one sequence more
     longest = args.context[1] + num_seqs + 3 * args.steps + 16
     core = EngineCore(build_config(args.model, dtype=dtype, num_threads=args.threads,

@@ -45,9 +45,9 @@ bool avx512_bf16_usable() {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace {
 
-// Rows a block multiplies at once: 6 rows x 2 column tiles x (a group's sums + the totals) = 24 registers
-// of 32 (8 rows spilled).
-constexpr int kBlock = 6;
+// Rows a block multiplies at once: 12 rows x 2 column tiles = 24 registers of a group's sums, + 2 of
+// weights and 1 of x; the totals live in memory (updated once per group).
+constexpr int kBlock = 12;
 constexpr int64_t kTileBytes = kTileRows * 16, kSzSize = 2 * kTileN;
 
 // Two tile rows of codes (32 bytes: tile rows p and p + 1) -> their 2 x 32 elements as bfloat16 128 + q,
@@ -80,9 +80,7 @@ struct Panel {
 template <int R, int C>
 void block(const bf* x, int64_t ldx, const float* xsum, int64_t kt, const Panel& panel, bf* y, int64_t ldy,
            const bf* res, int64_t ldr, int64_t n0) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < C; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float acc[R][C][kTileN] = {};
   for (int64_t t = 0; t < kt; ++t) {
     const uint8_t* tc = panel.codes + t * C * kTileBytes;
     const bf* ts = panel.sz + t * C * kSzSize;
@@ -122,13 +120,13 @@ void block(const bf* x, int64_t ldx, const float* xsum, int64_t kt, const Panel&
       const __m512 scale = widen16(ts + j * kSzSize), zero = widen16(ts + j * kSzSize + kTileN);
       const __m512 shift = _mm512_fnmadd_ps(_mm512_set1_ps(136.f), scale, zero);
       for (int r = 0; r < R; ++r)
-        acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * kt + t]), shift,
-                                    _mm512_fmadd_ps(g[r][j], scale, acc[r][j]));
+        _mm512_store_ps(acc[r][j], _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * kt + t]), shift,
+                                                   _mm512_fmadd_ps(g[r][j], scale, _mm512_load_ps(acc[r][j]))));
     }
   }
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < C; ++j) {
-      __m512 v = acc[r][j];
+      __m512 v = _mm512_load_ps(acc[r][j]);
       if (res) v = _mm512_add_ps(v, widen16(res + r * ldr + n0 + kTileN * j));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + n0 + kTileN * j),
                           (__m256i)_mm512_cvtneps_pbh(v));
@@ -149,8 +147,10 @@ std::vector<float> row_sums(const bf* x, int64_t ldx, int64_t m, int64_t kt) {
 
 using Block = void (*)(const bf*, int64_t, const float*, int64_t, const Panel&, bf*, int64_t, const bf*, int64_t, int64_t);
 constexpr Block kBlocks[2][kBlock] = {
-    {block<1, 1>, block<2, 1>, block<3, 1>, block<4, 1>, block<5, 1>, block<6, 1>},
-    {block<1, 2>, block<2, 2>, block<3, 2>, block<4, 2>, block<5, 2>, block<6, 2>}};
+    {block<1, 1>, block<2, 1>, block<3, 1>, block<4, 1>, block<5, 1>, block<6, 1>, block<7, 1>, block<8, 1>,
+     block<9, 1>, block<10, 1>, block<11, 1>, block<12, 1>},
+    {block<1, 2>, block<2, 2>, block<3, 2>, block<4, 2>, block<5, 2>, block<6, 2>, block<7, 2>, block<8, 2>,
+     block<9, 2>, block<10, 2>, block<11, 2>, block<12, 2>}};
 
 }  // namespace
 
@@ -173,17 +173,16 @@ at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const 
   const std::vector<float> xsum = row_sums(xp, ldx, m, kt);
   const int64_t panels = (nt + 1) / 2, codes_step = kt * kTileBytes, sz_step = kt * kSzSize;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    // this thread's dequantized panel, kept where more than one block of rows reads it
+    // this thread's unpacked panel, kept where more than one block of rows reads it
     bf* kept = m > kBlock ? static_cast<bf*>(aligned_alloc(64, kt * 2 * kTileElems * sizeof(bf))) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (2 * p + 1 < nt) ? 2 : 1;
       const Panel fresh{cp + 2 * p * codes_step, sp + 2 * p * sz_step, kept, nullptr};
       const Panel cached{fresh.codes, fresh.sz, nullptr, kept};
-      const int64_t n0 = kPanelN * p;
       for (int64_t r0 = 0; r0 < m; r0 += kBlock) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlock, m - r0));
-        kBlocks[cols - 1][rows - 1](xp + r0 * ldx, ldx, xsum.data() + r0 * kt, kt, r0 ? cached : fresh, yp + r0 * n, n,
-                                    res ? res + r0 * ldr : nullptr, ldr, n0);
+        kBlocks[cols - 1][rows - 1](xp + r0 * ldx, ldx, xsum.data() + r0 * kt, kt, r0 ? cached : fresh, yp + r0 * n,
+                                    n, res ? res + r0 * ldr : nullptr, ldr, kPanelN * p);
       }
     }
     free(kept);

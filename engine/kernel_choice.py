@@ -14,8 +14,10 @@ copy costs 2 bytes a weight: it is made only while all copies together stay with
 so a large model keeps its quantized size (and torch's int kernels at every row count).
 
 The choice makes a row's arithmetic depend on the step's row count (docs/determinism.md): the two
-kernels round differently. docs/performance.md, "Quantized weights by row count", has the figures
-and that caveat.
+kernels round differently. So where one int4 kernel is as fast at every row count (AMX CPUs: the AMX
+kernel; AVX512_BF16 CPUs: the AVX-512 BF16 one, on the same repacked codes) the int4 matrices take
+it at every row count instead (invariant_by_default, attach_tiles). docs/performance.md, "Quantized
+weights by row count", has the figures and that caveat.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from engine.load import amx
+from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import (
     PLAIN_MAX_BYTES,
@@ -43,8 +45,11 @@ log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
-# CPU kinds whose quantized default is batch-invariant (invariant_by_default)
-INVARIANT_KINDS = frozenset({"AMX"})
+# CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
+# kernel), AVX512_BF16 (kernels/cpu/quant_gemm_avx512.cpp, no slower than the switching kernels at 1
+# and 32 rows in `python bench/int4_avx512.py`, a proxy on the AMX Xeon's AVX-512 units:
+# docs/kernels.md)
+INVARIANT_KINDS = frozenset({"AMX", "AVX512_BF16"})
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -73,7 +78,7 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
         deterministic = True
         log.info("quantized GEMMs in one arithmetic at every row count (invariant by default on %s "
                  "CPUs: docs/determinism.md)", kind)
-    without_copies, int4_handover = attach_tiles(modules, deterministic)
+    without_copies, int4_handover = attach_tiles(modules, deterministic, kind)
     modules = [m for m in modules if id(m) not in without_copies]
     size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
     if not modules or dtype != torch.bfloat16 or size > PLAIN_MAX_BYTES:
@@ -115,19 +120,31 @@ def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
     """Whether the quantized GEMMs take --deterministic's kernels without the flag: where that
     was measured to cost under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix
     with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head its
-    packed copy padded and cut, at about the switching kernels' speed (docs/determinism.md)."""
+    packed copy padded and cut, at about the switching kernels' speed (docs/determinism.md); on
+    AVX512_BF16 CPUs the int4 matrices run the AVX-512 BF16 kernel on the same codes."""
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    runs = amx.usable() if kind == "AMX" else int4_avx512.usable()
     return (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
-            and all(m.tile_codes is not None for m in int4))
+            and all(m.tile_codes is not None for m in int4) and runs)
 
 
-def attach_tiles(modules: Sequence[QuantizedLinear],
-                 deterministic: bool) -> tuple[set[int], int | None]:
-    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel. -> (ids of the
-    modules that need no packed copy, the rows from which the others of their kind hand over to one:
-    None where the table for their kind applies). Deterministic: the AMX kernel at every row count
-    (one kernel, whose rows do not depend on the row count), no copy."""
+def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
+                 kind: str = "AMX") -> tuple[set[int], int | None]:
+    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel (on AVX512_BF16
+    CPUs its AVX-512 BF16 sibling). -> (ids of the modules that need no packed copy, the rows from
+    which the others of their kind hand over to one: None where the table for their kind applies).
+    Deterministic: that kernel at every row count (one kernel, whose rows do not depend on the row
+    count), no copy."""
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    if kind == "AVX512_BF16" and tiled and int4_avx512.usable():
+        if not deterministic:
+            return set(), None
+        for m in tiled:
+            m.tiles_avx512, m.amx_from = True, 1
+        log.info("int4 GEMMs on the AVX-512 BF16 kernel at every row count")
+        return {id(m) for m in tiled}, None
+    if kind != "AMX":
+        return set(), None
     rows = QUANTIZED_TILES_ROWS.get(torch.get_num_threads())
     if not tiled or (rows is None and not deterministic):
         return set(), None
@@ -201,7 +218,7 @@ def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
     kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
     call takes the kernel its forward takes; else None."""
-    if type(m) is not Int4Linear:  # not a wrapper's subclass
+    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
         return None
     codes, scale_zero = m.tile_codes, m.tile_scale_zero
     if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine.core import EngineCore
-from engine.load import amx
+from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import ONEDNN_SAME_BITS_ROWS
 from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
@@ -344,7 +344,7 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
                           deterministic=True)
     modules = kernel_choice.switched_modules(model)
     tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
-    assert bool(tiled) == amx.usable()
+    assert bool(tiled) == (amx.usable() or int4_avx512.usable())
     assert all(m.amx_from == 1 and m.packed is None for m in tiled)
     copied = [m for m in modules if m not in tiled]
     assert copied and all(m.packed is not None and m.packed_from == 1 for m in copied)
@@ -356,10 +356,11 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
 
 
 @needs_bf16_packing
-def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus_only(tiny_gguf) -> None:
+def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus(tiny_gguf) -> None:
     """Issue #30: on AMX CPUs the quantized default is what --deterministic loads (the int4
     matrices on the AMX kernel from one row, the int8 head on its packed copy padded and cut), since
-    that costs no served throughput there (docs/determinism.md); elsewhere it switches kernels."""
+    that costs no served throughput there (docs/determinism.md); without AMX or AVX-512 BF16 it
+    switches kernels."""
     from engine import kernel_choice
 
     model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4")
@@ -367,13 +368,51 @@ def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus_only(tiny_g
     tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
     assert kernel_choice.invariant_by_default(modules, torch.bfloat16, "AMX") == amx.usable()
-    assert not kernel_choice.invariant_by_default(modules, torch.bfloat16, "AVX512_BF16")
+    assert not kernel_choice.invariant_by_default(modules, torch.bfloat16, "AVX512")
     assert not kernel_choice.invariant_by_default(modules, torch.float32, "AMX")
     if amx.usable():
         assert tiled == int4 and all(m.amx_from == 1 and m.packed is None for m in tiled)
         head = [m for m in modules if m not in tiled]
         assert head and all(m.packed is not None and m.packed_from == 1 and m.packed.pad_one_row
                             and m.packed.max_rows == ONEDNN_SAME_BITS_ROWS for m in head)
+
+
+@needs_bf16_packing
+@pytest.mark.skipif(not int4_avx512.usable(), reason="this CPU lacks avx512_bf16")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
+        tiny_gguf, monkeypatch, deterministic: bool) -> None:
+    """Issues #25 and #30 on the AMD EPYC kind (forced here: cpu_kind says AVX512_BF16): with or
+    without --deterministic, every int4 matrix multiplies on kernels/cpu/quant_gemm_avx512.cpp at
+    every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
+    the int8 head on its packed copy padded; and a step's logits match the forced kernel's."""
+    from engine import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
+    source = resolve_model(str(tiny_gguf))
+    model, cfg = load_model(source, torch.bfloat16, "cpu", "int4", deterministic=deterministic)
+    modules = kernel_choice.switched_modules(model)
+    int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
+    assert causal_lm(model).native_stack is None
+    head = [m for m in modules if m not in int4]
+    assert head and all(m.packed is not None and m.packed_from == 1 and m.packed.pad_one_row
+                        and m.packed.max_rows is None for m in head)
+    calls: list[int] = []
+    kernel = int4_avx512.int4_mm
+
+    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(int4_avx512, "int4_mm", counted)
+    ids = random.Random(5).sample(range(3, 512), 40)
+    full = logits(model, cfg, ids)
+    assert calls and set(calls) == {40}
+    # against the same weights through torch's int4 kernel: within the int4 tolerance
+    for m in int4:
+        m.amx_from = kernel_choice.NEVER
+    assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(

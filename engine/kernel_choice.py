@@ -176,7 +176,9 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
     module's weights leave the cache before it comes round again, as in a forward). clock: a bench
     on a shared machine passes time.thread_time (one thread)."""
     out = []
-    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    # AMX columns only where AMX runs: the codes also exist for the AVX-512 BF16 kernel
+    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None
+             and amx.usable()]
     with torch.inference_mode():
         for r in rows:
             xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]

@@ -382,13 +382,15 @@ def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus(tiny_gguf) 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
         tiny_gguf, monkeypatch, deterministic: bool) -> None:
-    """Issues #25 and #30 on the AMD EPYC kind (forced here: cpu_kind says AVX512_BF16): with or
+    """Issues #25 and #30 on the AMD EPYC kind (forced here: cpu_kind says AVX512_BF16, AMX
+    unusable): with or
     without --deterministic, every int4 matrix multiplies on kernels/cpu/quant_gemm_avx512.cpp at
     every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
     the int8 head on its packed copy padded; and a step's logits match the forced kernel's."""
     from engine import kernel_choice
 
     monkeypatch.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
+    monkeypatch.setattr(amx, "usable", lambda: False)  # as there: no AMX
     source = resolve_model(str(tiny_gguf))
     model, cfg = load_model(source, torch.bfloat16, "cpu", "int4", deterministic=deterministic)
     modules = kernel_choice.switched_modules(model)
@@ -413,6 +415,9 @@ def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
     for m in int4:
         m.amx_from = kernel_choice.NEVER
     assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
+    # a calibration there times no AMX kernel (the codes exist for the AVX-512 one only)
+    times = kernel_choice.chain_times(int4[:2], [1, 2], 1)
+    assert all(t == s == float("inf") for _, _, _, t, s in times)
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(

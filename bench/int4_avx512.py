@@ -6,8 +6,10 @@ on AVX-512 BF16, not on AMX, as on the AMD EPYC kind; kernels/cpu/quant_gemm_avx
 AMX. On an AMX Xeon this is a proxy: its AVX-512 units and caches, not an EPYC's. Over SmolLM2's 30
 layers' int4 projections as the model has them (K=576: N=960 fused q/k/v, 576, 3072 fused
 gate/up; K=1536: N=576), each called in turn as a forward calls them: torch's int4 kernel, oneDNN's
-packed bfloat16 copy, the new kernel, and today's switching default on AVX512_BF16 CPUs (torch's
-int4 kernel below the table's hand-over rows, the copy from there).
+packed bfloat16 copy, the new kernel, main's switching default on AVX512_BF16 CPUs (torch's int4
+kernel below the table's hand-over rows, the copy from there: "main"), and the default as wired now
+(the new kernel below the rows kernel_choice.calibrate picks here, as a load there runs it, the
+copy from there: "wired").
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ def main() -> None:
     p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")],
                    default=[1, 8, 32, 128, 512, 2048])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calibrations", type=int, default=3, help="calibrations run (the first wires)")
     args = p.parse_args()
     pin_threads(args.threads)
     import torch
@@ -63,14 +66,19 @@ def main() -> None:
     mods = [m for m in kernel_choice.switched_modules(model)
             if isinstance(m, Int4Linear) and m.tile_codes is not None]
     copies = [PackedLinear(m.dequantized(), None) for m in mods]
+    for m, c in zip(mods, copies):  # as kernel_choice.attach_tiles wires that kind's default
+        m.packed, m.tiles_avx512, m.amx_from = c, True, 1
     handover = (quantized_packed_from("AVX512_BF16", args.threads) or {}).get("int4", 1 << 62)
+    rows = kernel_choice.AVX512_CALIBRATION_ROWS  # as kernel_choice.handover_rows calibrates
+    chosen = [min(kernel_choice.calibrate(mods, rows), rows[-1]) for _ in range(args.calibrations)]
+    wired = chosen[0]
     shapes = sorted({m.shape() for m in mods})
     print(f"{args.model}: {len(mods)} int4 matrices (N, K) {shapes}, bfloat16 x, {args.threads} "
-          f"threads; ms per forward's projections (best of {args.reps}); today's default on "
-          f"AVX512_BF16 = torch int4 below {handover} rows, packed copy from there")
-    print(f"{'rows':>5} {'torch int4':>10} {'oneDNN bf16':>11} {'new':>8} {'default':>8} "
-          f"{'new/default':>11} {'GFLOP/s new':>11}")
-    flops = 2 * sum(n * k for n, k in (m.shape() for m in mods))
+          f"threads; ms per forward's projections (best of {args.reps}); main's default on "
+          f"AVX512_BF16 = torch int4 below {handover} rows, packed copy from there; wired = the "
+          f"new kernel below {wired} rows (calibrations chose {chosen}), packed copy from there")
+    print(f"{'rows':>5} {'torch int4':>10} {'oneDNN bf16':>11} {'new':>8} {'main':>8} "
+          f"{'wired':>8} {'new/main':>8} {'wired/main':>10}")
     with torch.inference_mode():
         for r in args.rows:
             xs = [torch.randn(r, m.shape()[1], dtype=torch.bfloat16) for m in mods]
@@ -79,10 +87,11 @@ def main() -> None:
             c = best([lambda c=c, x=x: c.forward(x) for c, x in zip(copies, xs)], reps)
             new = best([lambda m=m, x=x: int4_avx512.int4_mm(x, m.tile_codes, m.tile_scale_zero)
                         for m, x in zip(mods, xs)], reps)
-            default = q if r < handover else c
+            main_ = q if r < handover else c
+            now = new if r < wired else c
             print(f"{r:>5} {q * 1e3:>10.2f} {c * 1e3:>11.2f} {new * 1e3:>8.2f} "
-                  f"{default * 1e3:>8.2f} {new / default:>11.2f} {flops * r / new / 1e9:>11.0f}",
-                  flush=True)
+                  f"{main_ * 1e3:>8.2f} {now * 1e3:>8.2f} {new / main_:>8.2f} "
+                  f"{now / main_:>10.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,10 @@ from engine.models.native_stack import NativeStack
 log = logging.getLogger("conveyor.kernel_choice")
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+# For the AVX-512 BF16 int4 kernel, which stayed ahead of the copies to 32 rows and lost from 128 on
+# the proxy (docs/kernels.md), up to 128; where it wins even there the copy still takes 128 rows and
+# more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
+AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
 # CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
 # kernel). Not AVX512_BF16: its int4 kernel (kernels/cpu/quant_gemm_avx512.cpp) was 1.1-1.9x the
@@ -119,12 +123,14 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
     table = dict(quantized_packed_from(kind, torch.get_num_threads()) or {})
     if int4_handover is not None:
         table["int4"] = int4_handover
-    if any(isinstance(m, Int4Linear) and m.tiles_avx512 for m in modules):
-        table.pop("int4", None)
+    avx512 = [m for m in modules if isinstance(m, Int4Linear) and m.tiles_avx512]
+    if avx512:
+        rows = AVX512_CALIBRATION_ROWS
+        table["int4"] = min(calibrate(avx512, rows), rows[-1])
     measured = {kind_of(m) for m in modules} - table.keys()
     for k in measured:
         table[k] = calibrate([m for m in modules if kind_of(m) == k])
-    return table, measured
+    return table, measured | ({"int4"} if avx512 else set())
 
 
 def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,

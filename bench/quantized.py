@@ -188,7 +188,7 @@ def gemm(args: argparse.Namespace) -> None:
     """The int kernels against the packed copies, by rows (see the module doc)."""
     import torch
 
-    from engine import kernel_choice
+    from engine import kernel_calibration, kernel_choice
     from engine.load.dtype import cpu_kind
     from engine.load.prepack import PackedLinear
     from engine.load.weights import load_model
@@ -210,7 +210,7 @@ def gemm(args: argparse.Namespace) -> None:
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
                 clock = time.thread_time if args.cpu_time else time.perf_counter
-                _, q, p, t, s = kernel_choice.chain_times(group, [r], 1, clock)[0]
+                _, q, p, t, s = kernel_calibration.chain_times(group, [r], 1, clock)[0]
                 if quiet:
                     old = best.setdefault(r, [q, p, t, s])
                     best[r] = [min(a, b) for a, b in zip(old, (q, p, t, s))]

@@ -14,19 +14,23 @@ copy costs 2 bytes a weight: it is made only while all copies together stay with
 so a large model keeps its quantized size (and torch's int kernels at every row count).
 
 The choice makes a row's arithmetic depend on the step's row count (docs/determinism.md): the two
-kernels round differently. docs/performance.md, "Quantized weights by row count", has the figures
-and that caveat.
+kernels round differently. So where one int4 kernel is as fast at every row count (AMX CPUs: the AMX
+kernel) the int4 matrices take it at every row count instead (invariant_by_default, attach_tiles).
+On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
+int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
+packed copies on prompt-sized calls, so it takes every row count only under --deterministic.
+docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
 """
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from engine.load import amx
+from engine.kernel_calibration import AVX512_CALIBRATION_ROWS, NEVER, calibrate
+from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import (
     PLAIN_MAX_BYTES,
@@ -40,10 +44,10 @@ from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.native_stack import NativeStack
 
 log = logging.getLogger("conveyor.kernel_choice")
-# Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
-CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
-NEVER = 1 << 62  # packed_from of a copy that no row count takes
-# CPU kinds whose quantized default is batch-invariant (invariant_by_default)
+# CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
+# kernel). Not AVX512_BF16: its int4 kernel (kernels/cpu/quant_gemm_avx512.cpp) was 1.1-1.9x the
+# packed copies' time from 128 rows in `python bench/int4_avx512.py` (a proxy on the AMX Xeon's
+# AVX-512 units: docs/kernels.md), so there it is the default below a calibrated threshold only.
 INVARIANT_KINDS = frozenset({"AMX"})
 
 
@@ -73,7 +77,7 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
         deterministic = True
         log.info("quantized GEMMs in one arithmetic at every row count (invariant by default on %s "
                  "CPUs: docs/determinism.md)", kind)
-    without_copies, int4_handover = attach_tiles(modules, deterministic)
+    without_copies, int4_handover = attach_tiles(modules, deterministic, kind)
     modules = [m for m in modules if id(m) not in without_copies]
     size = sum(m.shape()[0] * m.shape()[1] for m in modules) * torch.finfo(dtype).bits // 8
     if not modules or dtype != torch.bfloat16 or size > PLAIN_MAX_BYTES:
@@ -91,23 +95,35 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
         log.info("--deterministic: quantized GEMMs on their packed %s copies at every row count",
                  str(dtype).removeprefix("torch."))
         return {k: 1 for k in {kind_of(m) for m in modules}}
-    table = quantized_packed_from(kind, torch.get_num_threads())
-    if table is not None and int4_handover is not None:
-        table = {**table, "int4": int4_handover}
-    measured = table is None
-    if table is None:
-        kinds = {kind_of(m) for m in modules}
-        table = {k: calibrate([m for m in modules if kind_of(m) == k]) for k in kinds}
+    table, measured = handover_rows(modules, kind, int4_handover)
     for m in modules:
         m.packed_from = table.get(kind_of(m), NEVER)
         if m.packed_from >= NEVER:
             m.packed = None  # the int kernel won at every row count tried: no copy
     chosen = {k: v for k, v in table.items() if v < NEVER}
-    log.info("quantized GEMMs hand over to packed %s copies (%.0f MiB) from %s rows (%s)",
-             str(dtype).removeprefix("torch."), size / 2**20, chosen,
-             "measured at load" if measured
-             else f"table for {kind} at {torch.get_num_threads()} threads")
+    log.info("quantized GEMMs hand over to packed %s copies (%.0f MiB) from %s rows (measured at "
+             "load: %s; else the table for %s at %d threads)", str(dtype).removeprefix("torch."),
+             size / 2**20, chosen, sorted(measured) or "none", kind, torch.get_num_threads())
     return chosen
+
+
+def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
+                  int4_handover: int | None) -> tuple[dict[str, int], set[str]]:
+    """int4 / int8 -> the rows from which the modules with copies take them, and which of those
+    were calibrated here: the table for this CPU kind and thread count where it holds, else a
+    calibration. The table timed torch's int4 kernel, so int4 matrices on the AVX-512 BF16 kernel
+    below the threshold are always calibrated (against that kernel: chain_times)."""
+    table = dict(quantized_packed_from(kind, torch.get_num_threads()) or {})
+    if int4_handover is not None:
+        table["int4"] = int4_handover
+    avx512 = [m for m in modules if isinstance(m, Int4Linear) and m.tiles_avx512]
+    if avx512:
+        rows = AVX512_CALIBRATION_ROWS
+        table["int4"] = min(calibrate(avx512, rows), rows[-1])
+    measured = {kind_of(m) for m in modules} - table.keys()
+    for k in measured:
+        table[k] = calibrate([m for m in modules if kind_of(m) == k])
+    return table, measured | ({"int4"} if avx512 else set())
 
 
 def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
@@ -115,20 +131,32 @@ def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
     """Whether the quantized GEMMs take --deterministic's kernels without the flag: where that
     was measured to cost under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix
     with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head the int8
-    AMX kernel's, at about the switching kernels' speed or faster (docs/determinism.md)."""
+    AMX kernel's, at about the switching kernels' speed or faster (docs/determinism.md). Not on
+    AVX512_BF16 CPUs: their int4 kernel loses to the packed copies on prompts (INVARIANT_KINDS)."""
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    runs = amx.usable() if kind == "AMX" else int4_avx512.usable()
     return (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
-            and all(m.tile_codes is not None for m in int4))
+            and all(m.tile_codes is not None for m in int4) and runs)
 
 
-def attach_tiles(modules: Sequence[QuantizedLinear],
-                 deterministic: bool) -> tuple[set[int], int | None]:
-    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel. -> (ids of the
-    modules that need no packed copy, the rows from which the others of their kind hand over to one:
-    None where the table for their kind applies). Deterministic: the AMX kernel at every row count
-    (one kernel, whose rows do not depend on the row count), no copy."""
-    int8 = attach_int8_tiles(modules) if deterministic else set()
+def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
+                 kind: str = "AMX") -> tuple[set[int], int | None]:
+    """Sets the rows from which int4 matrices with AMX codes take the AMX kernel (on AVX512_BF16
+    CPUs its AVX-512 BF16 sibling, from one row). -> (ids of the modules that need no packed copy,
+    the rows from which the others of their kind hand over to one: None where the table for their
+    kind or a calibration decides). Deterministic: that kernel at every row count (one kernel, whose
+    rows do not depend on the row count), no copy; on AMX CPUs the int8 head on its own AMX kernel
+    too."""
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    if kind == "AVX512_BF16" and tiled and int4_avx512.usable():
+        for m in tiled:  # in place of torch's int4 kernel; the copies take over from a calibration
+            m.tiles_avx512, m.amx_from = True, 1
+        log.info("int4 GEMMs on the AVX-512 BF16 kernel %s",
+                 "at every row count" if deterministic else "below their packed copies' rows")
+        return ({id(m) for m in tiled} if deterministic else set()), None
+    if kind != "AMX":
+        return set(), None
+    int8 = attach_int8_tiles(modules) if deterministic else set()
     rows = QUANTIZED_TILES_ROWS.get(torch.get_num_threads())
     if not tiled or (rows is None and not deterministic):
         return int8, None
@@ -152,69 +180,11 @@ def attach_int8_tiles(modules: Sequence[QuantizedLinear]) -> set[int]:
     return {id(m) for m in tiled}
 
 
-def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
-              reps: int = 3) -> int:
-    """The first row count from which the packed copies, called in turn as a forward calls them,
-    are faster than the int kernel at that row count and every larger one tried; NEVER if none."""
-    faster = [packed < quantized for _, quantized, packed, *_ in chain_times(modules, rows, reps)]
-    for i, r in enumerate(rows):
-        if all(faster[i:]):
-            return r
-    return NEVER
-
-
-def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
-                clock: Callable[[], float] = time.perf_counter
-                ) -> list[tuple[int, float, float, float, float]]:
-    """-> (rows, seconds through the int kernels, through the packed copies, through the AMX
-    kernel's tiles, through its rows path: inf where the modules have no AMX codes or the rows path
-    does not take that many rows), the best of reps, for one call of each module in turn (each
-    module's weights leave the cache before it comes round again, as in a forward). clock: a bench
-    on a shared machine passes time.thread_time (one thread)."""
-    out = []
-    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
-    with torch.inference_mode():
-        for r in rows:
-            xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
-            quantized = _best([(m.quantized_mm, x) for m, x in zip(modules, xs)], reps, clock)
-            copies = [(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None]
-            packed = _best(copies, reps, clock)
-            tx = [torch.randn(r, m.shape()[1], dtype=torch.bfloat16) for m in tiled]
-            tiles = [(_amx_call(m, False), x) for m, x in zip(tiled, tx)]
-            by_rows = [(_amx_call(m, True), x) for m, x in zip(tiled, tx)]
-            out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf"),
-                        _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT
-                        else float("inf")))
-    return out
-
-
-def _amx_call(m: Int4Linear, rows_path: bool) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ W.T on the AMX kernel's rows path or on its tiles, whatever the rows."""
-    codes, scale_zero = m.tile_codes, m.tile_scale_zero
-    assert codes is not None and scale_zero is not None
-    if rows_path:
-        return lambda x: amx.int4_mm_rows(x, codes, scale_zero, m.tile_min_exponent)
-    return lambda x: amx.int4_mm_tiles(x, codes, scale_zero)
-
-
-def _best(calls: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int,
-          clock: Callable[[], float]) -> float:
-    """The least seconds of reps passes over calls (f, x) -> f(x), after one that warms them."""
-    best = float("inf")
-    for i in range(reps + 1):
-        t0 = clock()
-        for f, x in calls:
-            f(x)
-        if i:
-            best = min(best, clock() - t0)
-    return best
-
-
 def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
     kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
     call takes the kernel its forward takes; else None."""
-    if type(m) is not Int4Linear:  # not a wrapper's subclass
+    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
         return None
     codes, scale_zero = m.tile_codes, m.tile_scale_zero
     if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.load import amx
+from engine.load import amx, int4_avx512
 from engine.load.prepack import PackedLinear
 
 if TYPE_CHECKING:
@@ -182,7 +182,8 @@ class Int4Linear(QuantizedLinear):
         w = weight.detach()
         n, k = w.shape
         scales, lows, packed, tiles = [], [], [], []
-        with_tiles = dtype == torch.bfloat16 and amx.fits(n, k) and amx.usable()
+        with_tiles = (dtype == torch.bfloat16 and amx.fits(n, k)
+                      and (amx.usable() or int4_avx512.usable()))
         for r in range(0, n, CHUNK_ROWS):
             wg = w[r:r + CHUNK_ROWS].float().view(-1, k // GROUP, GROUP)
             if groups is None:  # from the values: the group's min to its max in 15 steps
@@ -205,7 +206,8 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("qweight", packed[0] if len(packed) == 1 else torch.cat(packed))
         self.register_buffer("scales_zeros",
                              torch.stack((scale.t(), zero.t()), dim=-1).to(dtype).contiguous())
-        # The same codes repacked for the AMX kernel (engine/load/amx.py), where this CPU runs it.
+        # The same codes repacked for the AMX kernel (engine/load/amx.py), where this CPU runs it or
+        # the AVX-512 BF16 one that reads them (engine/load/int4_avx512.py; chosen by tiles_avx512).
         self.tile_codes: torch.Tensor | None
         self.tile_scale_zero: torch.Tensor | None
         self.register_buffer("tile_codes", torch.cat([c for c, _ in tiles]) if tiles else None)
@@ -213,6 +215,7 @@ class Int4Linear(QuantizedLinear):
         self.tile_min_exponent = (amx.min_exponent(self.tile_codes, self.tile_scale_zero)
                                   if self.tile_codes is not None
                                   and self.tile_scale_zero is not None else 0)
+        self.tiles_avx512 = False  # the codes multiply on the AVX-512 BF16 kernel, not on AMX
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
 
@@ -222,12 +225,14 @@ class Int4Linear(QuantizedLinear):
         return self.tile_mm(x, residual)
 
     def tile_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), whatever the
-        rows."""
+        """x @ W.T (+ residual) on the AMX kernel (its rows path for a few rows), or on the AVX-512
+        BF16 one where tiles_avx512, whatever the rows."""
         codes, scale_zero = self.tile_codes, self.tile_scale_zero
         assert codes is not None and scale_zero is not None
         if x.dtype != torch.bfloat16:  # a no-op .to() still costs a call's dispatch
             x = x.to(torch.bfloat16)
+        if self.tiles_avx512:
+            return int4_avx512.int4_mm(x, codes, scale_zero, residual)
         return amx.int4_mm(x, codes, scale_zero, self.tile_min_exponent, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:

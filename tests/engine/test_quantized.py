@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from engine import kernel_calibration
 from engine.core import EngineCore
-from engine.load import amx
+from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
 from engine.load.weights import load_model
@@ -316,14 +317,14 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf,
     ids = random.Random(3).sample(range(3, 512), 40)
     full = logits(model, cfg, ids)  # 40 rows: the packed copies (the head too)
     for m in kernel_choice.switched_modules(model):
-        m.packed_from = kernel_choice.NEVER
+        m.packed_from = kernel_calibration.NEVER
     # the int kernels at every row count
     assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
     # an unmeasured kind: calibrated at load
     monkeypatch.setattr(prepack, "QUANTIZED_PACKED_FROM_ROWS", {})
     model, _ = load_model(source, torch.bfloat16, "cpu", "int4")
     chosen = {m.packed_from for m in kernel_choice.switched_modules(model) if m.packed is not None}
-    assert chosen <= set(kernel_choice.CALIBRATION_ROWS)
+    assert chosen <= set(kernel_calibration.CALIBRATION_ROWS)
     # No copies in float32 (the int kernels are honoured as asked) nor past the size cap.
     model, _ = load_model(source, torch.float32, "cpu", "int4")
     assert all(m.packed is None for m in kernel_choice.switched_modules(model))
@@ -344,7 +345,7 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
                           deterministic=True)
     modules = kernel_choice.switched_modules(model)
     tiled = [m for m in modules if getattr(m, "tile_codes", None) is not None]
-    assert bool(tiled) == amx.usable()
+    assert bool(tiled) == (amx.usable() or int4_avx512.usable())
     assert all(m.amx_from == 1 and m.packed is None for m in tiled)
     copied = [m for m in modules if m not in tiled]
     assert bool(copied) != amx.usable()
@@ -357,10 +358,11 @@ def test_deterministic_loads_take_one_kernel_at_every_row_count(tiny_gguf) -> No
 
 
 @needs_bf16_packing
-def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus_only(tiny_gguf) -> None:
+def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus(tiny_gguf) -> None:
     """Issue #30: on AMX CPUs the quantized default is what --deterministic loads (the int4
     matrices on the int4 AMX kernel from one row, the int8 head on the int8 one), since that costs
-    no served throughput there (docs/determinism.md); elsewhere it switches kernels."""
+    no served throughput there (docs/determinism.md); elsewhere it switches kernels (on AVX-512
+    BF16 CPUs too: their int4 kernel hands over to packed copies, below)."""
     from engine import kernel_choice
 
     model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4")
@@ -369,23 +371,143 @@ def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus_only(tiny_g
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
     head = [m for m in modules if isinstance(m, Int8Linear)]
     assert kernel_choice.invariant_by_default(modules, torch.bfloat16, "AMX") == amx.usable()
-    assert not kernel_choice.invariant_by_default(modules, torch.bfloat16, "AVX512_BF16")
+    assert not kernel_choice.invariant_by_default(modules, torch.bfloat16, "AVX512")
     assert not kernel_choice.invariant_by_default(modules, torch.float32, "AMX")
     if amx.usable():
         assert head and len(tiled) == len(int4) + len(head) and all(m in tiled for m in int4 + head)
         assert all(m.amx_from == 1 and m.packed is None for m in tiled)
 
 
+needs_avx512_bf16 = pytest.mark.skipif(not int4_avx512.usable(),
+                                       reason="this CPU lacks avx512_bf16")
+HANDOVER = 8  # the int4 handover a forced calibration reports in the AVX512_BF16 default's test
+
+
+def load_as_avx512_bf16(tiny_gguf, monkeypatch, deterministic: bool
+                        ) -> tuple[Any, Any, list[Int4Linear], list[Any], list[str], list[int]]:
+    """The tiny model loaded as on the AMD EPYC kind (cpu_kind AVX512_BF16, AMX unusable), with
+    every int4 kernel call recorded: -> (model, cfg, int4 modules, the others, the kernels each int4
+    calibration timed, the rows of each AVX-512 BF16 kernel call). An int4 calibration runs for
+    real and then reports HANDOVER, so the test knows the threshold the load applied."""
+    from engine import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
+    monkeypatch.setattr(amx, "usable", lambda: False)  # as there: no AMX
+    timed: list[str] = []
+    rows: list[int] = []
+
+    def spy(name: str, f: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(x: torch.Tensor, *args: Any) -> torch.Tensor:
+            timed.append(name)
+            if name == "avx512":
+                rows.append(x.shape[0])
+            return f(x, *args)
+        return call
+
+    for name in ("int4_mm", "int4_mm_tiles", "int4_mm_rows"):
+        monkeypatch.setattr(amx, name, spy("amx", getattr(amx, name)))
+    monkeypatch.setattr(int4_avx512, "int4_mm", spy("avx512", int4_avx512.int4_mm))
+    torch_int4 = Int4Linear.quantized_mm
+    monkeypatch.setattr(Int4Linear, "quantized_mm",
+                        lambda m, x: spy("torch", lambda x: torch_int4(m, x))(x))
+    calibrated: list[str] = []
+    real = kernel_calibration.calibrate
+
+    def calibrate(modules: Any, *args: Any) -> int:
+        del timed[:]
+        found = real(modules, *args)
+        if not all(isinstance(m, Int4Linear) for m in modules):
+            return found
+        calibrated.extend(timed)
+        return HANDOVER
+
+    monkeypatch.setattr(kernel_choice, "calibrate", calibrate)
+    model, cfg = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4",
+                            deterministic=deterministic)
+    modules = kernel_choice.switched_modules(model)
+    int4 = [m for m in modules if isinstance(m, Int4Linear)]
+    del rows[:]
+    return model, cfg, int4, [m for m in modules if m not in int4], calibrated, rows
+
+
+def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
+    """The default's contract on that kind (the test below, and its mutation check)."""
+    from engine import kernel_choice
+
+    model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, False)
+    # below the handover the AVX-512 BF16 kernel, from it the packed copy, which a calibration
+    # timed against that kernel (never AMX, nor torch's int4 kernel the static table timed)
+    assert calibrated and set(calibrated) == {"avx512"}
+    assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is not None
+                        and m.packed_from == HANDOVER for m in int4)
+    assert not kernel_choice.invariant_by_default(int4 + head, torch.bfloat16, "AVX512_BF16")
+    assert causal_lm(model).native_stack is None
+    assert head and all(m.packed is None or not m.packed.pad_one_row for m in head)
+    short = random.Random(5).sample(range(3, 512), HANDOVER - 1)
+    fast = logits(model, cfg, short)
+    assert rows and set(rows) == {HANDOVER - 1}
+    del rows[:]
+    logits(model, cfg, short + [7])
+    assert not rows
+    # against the same weights through torch's int4 kernel: within the int4 tolerance
+    for m in int4:
+        m.amx_from = kernel_calibration.NEVER
+    assert (fast - logits(model, cfg, short)).abs().max() < TOLERANCE
+
+
+@needs_bf16_packing
+@needs_avx512_bf16
+@pytest.mark.parametrize("invariant", [False, True])
+def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_below_a_calibrated_handover(
+        tiny_gguf, monkeypatch, invariant: bool) -> None:
+    """Issues #25 and #30 on the AMD EPYC kind: by default the int4 matrices multiply on
+    kernels/cpu/quant_gemm_avx512.cpp in place of torch's int4 kernel for few rows and hand over to
+    their packed copies from a threshold calibrated against it on the CPU that runs it (the new
+    kernel lost to the copies on prompts: docs/kernels.md), so the default is not invariant there.
+    invariant: the mutation, that kind wrongly added to INVARIANT_KINDS, must fail the check."""
+    from engine import kernel_choice
+
+    if not invariant:
+        check_the_avx512_bf16_default(tiny_gguf, monkeypatch)
+        return
+    monkeypatch.setattr(kernel_choice, "INVARIANT_KINDS", frozenset({"AMX", "AVX512_BF16"}))
+    with pytest.raises(AssertionError):
+        check_the_avx512_bf16_default(tiny_gguf, monkeypatch)
+
+
+@needs_bf16_packing
+@needs_avx512_bf16
+def test_deterministic_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
+        tiny_gguf, monkeypatch) -> None:
+    """--deterministic on the AMD EPYC kind: every int4 matrix on kernels/cpu/quant_gemm_avx512.cpp
+    at every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
+    the int8 head on its packed copy padded; one row and a prompt take that kernel alone."""
+
+    model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, True)
+    assert not calibrated
+    assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
+    assert causal_lm(model).native_stack is None
+    assert head and all(m.packed is not None and m.packed_from == 1 and m.packed.pad_one_row
+                        and m.packed.max_rows is None for m in head)
+    ids = random.Random(5).sample(range(3, 512), 40)
+    full = logits(model, cfg, ids)
+    logits(model, cfg, ids[:1])
+    assert rows and set(rows) == {40, 1}
+    # against the same weights through torch's int4 kernel: within the int4 tolerance
+    for m in int4:
+        m.amx_from = kernel_calibration.NEVER
+    assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
+
+
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(
         monkeypatch) -> None:
-    from engine import kernel_choice
 
     rows = [1, 2, 4, 8, 16]
     inf = float("inf")  # no AMX codes
     times = {"flip": [(1, 1.0, 2.0, inf), (2, 1.0, 0.5, inf), (4, 1.0, 2.0, inf),
                       (8, 2.0, 1.0, inf), (16, 3.0, 1.0, inf)],
              "never": [(r, 1.0, 2.0, inf) for r in rows]}
-    for case, want in (("flip", 8), ("never", kernel_choice.NEVER)):
-        monkeypatch.setattr(kernel_choice, "chain_times",
+    for case, want in (("flip", 8), ("never", kernel_calibration.NEVER)):
+        monkeypatch.setattr(kernel_calibration, "chain_times",
                             lambda modules, rows, reps, case=case: times[case])
-        assert kernel_choice.calibrate([], rows) == want
+        assert kernel_calibration.calibrate([], rows) == want

@@ -1,0 +1,102 @@
+"""The int4 GEMM for AVX-512 BF16 CPUs without AMX against what such a CPU runs today, by rows.
+
+`python bench/int4_avx512.py [--threads 2] [--rows 1,8,32,...]`. Sets
+ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 (before torch loads) so oneDNN's packed bfloat16 kernel runs
+on AVX-512 BF16, not on AMX, as on the AMD EPYC kind; kernels/cpu/quant_gemm_avx512.cpp never uses
+AMX. On an AMX Xeon this is a proxy: its AVX-512 units and caches, not an EPYC's. Over SmolLM2's 30
+layers' int4 projections as the model has them (K=576: N=960 fused q/k/v, 576, 3072 fused
+gate/up; K=1536: N=576), each called in turn as a forward calls them: torch's int4 kernel, oneDNN's
+packed bfloat16 copy, the new kernel, main's switching default on AVX512_BF16 CPUs (torch's int4
+kernel below the table's hand-over rows, the copy from there: "main"), and the default as wired now
+(the new kernel below the rows kernel_calibration.calibrate picks here, as a load there runs it, the
+copy from there: "wired").
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from collections.abc import Callable
+
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import cpu_features, machine, pin_threads
+
+Call = Callable[[], object]
+
+
+def best(calls: list[Call], reps: int) -> float:
+    """The least seconds of reps passes over calls, after one that warms them."""
+    out = float("inf")
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        for f in calls:
+            f()
+        if i:
+            out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")],
+                   default=[1, 8, 32, 128, 512, 2048])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--calibrations", type=int, default=3, help="calibrations run (the first wires)")
+    args = p.parse_args()
+    pin_threads(args.threads)
+    import torch
+
+    from engine import kernel_calibration, kernel_choice
+    from engine.load import int4_avx512
+    from engine.load.prepack import PackedLinear, quantized_packed_from
+    from engine.load.quant import Int4Linear
+    from engine.load.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    print(machine())
+    print(f"CPU flags: {cpu_features()}; ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}, "
+          f"ATen capability {torch.backends.cpu.get_cpu_capability()}")
+    model, _ = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
+    mods = [m for m in kernel_choice.switched_modules(model)
+            if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    copies = [PackedLinear(m.dequantized(), None) for m in mods]
+    for m, c in zip(mods, copies):  # as kernel_choice.attach_tiles wires that kind's default
+        m.packed, m.tiles_avx512, m.amx_from = c, True, 1
+    handover = (quantized_packed_from("AVX512_BF16", args.threads) or {}).get("int4", 1 << 62)
+    rows = kernel_calibration.AVX512_CALIBRATION_ROWS  # as kernel_choice.handover_rows calibrates
+    chosen = [min(kernel_calibration.calibrate(mods, rows), rows[-1])
+              for _ in range(args.calibrations)]
+    wired = chosen[0]
+    shapes = sorted({m.shape() for m in mods})
+    print(f"{args.model}: {len(mods)} int4 matrices (N, K) {shapes}, bfloat16 x, {args.threads} "
+          f"threads; ms per forward's projections (best of {args.reps}); main's default on "
+          f"AVX512_BF16 = torch int4 below {handover} rows, packed copy from there; wired = the "
+          f"new kernel below {wired} rows (calibrations chose {chosen}), packed copy from there")
+    print(f"{'rows':>5} {'torch int4':>10} {'oneDNN bf16':>11} {'new':>8} {'main':>8} "
+          f"{'wired':>8} {'new/main':>8} {'wired/main':>10}")
+    tiles = [(m.tile_codes, m.tile_scale_zero) for m in mods
+             if m.tile_codes is not None and m.tile_scale_zero is not None]
+    with torch.inference_mode():
+        for r in args.rows:
+            xs = [torch.randn(r, m.shape()[1], dtype=torch.bfloat16) for m in mods]
+            reps = args.reps if r <= 128 else 2
+            q = best([functools.partial(m.quantized_mm, x) for m, x in zip(mods, xs)], reps)
+            cp = best([functools.partial(c.forward, x) for c, x in zip(copies, xs)], reps)
+            new = best([functools.partial(int4_avx512.int4_mm, x, codes, sz)
+                        for (codes, sz), x in zip(tiles, xs)], reps)
+            main_ = q if r < handover else cp
+            now = new if r < wired else cp
+            print(f"{r:>5} {q * 1e3:>10.2f} {cp * 1e3:>11.2f} {new * 1e3:>8.2f} "
+                  f"{main_ * 1e3:>8.2f} {now * 1e3:>8.2f} {new / main_:>8.2f} "
+                  f"{now / main_:>10.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Timing at load: from how many rows a quantized projection's packed bfloat16 copy beats the kernel
+below it, measured on the model's own matrices as a forward meets them (every layer in turn, so cold
+in cache), where no table holds for this CPU kind (engine/kernel_choice.py decides with it).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.load import amx
+from engine.load.quant import Int4Linear, QuantizedLinear
+
+# Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
+CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
+# For the AVX-512 BF16 int4 kernel, which stayed ahead of the copies to 32 rows and lost from 128 on
+# the proxy (docs/kernels.md), up to 128; where it wins even there the copy still takes 128 rows and
+# more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
+AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
+NEVER = 1 << 62  # packed_from of a copy that no row count takes
+
+
+def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
+              reps: int = 3) -> int:
+    """The first row count from which the packed copies, called in turn as a forward calls them,
+    are faster than the kernel below them (the int kernel, or the AVX-512 BF16 int4 kernel where
+    tiles_avx512) at that row count and every larger one tried; NEVER if none."""
+    faster = [packed < quantized for _, quantized, packed, *_ in chain_times(modules, rows, reps)]
+    for i, r in enumerate(rows):
+        if all(faster[i:]):
+            return r
+    return NEVER
+
+
+def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
+                clock: Callable[[], float] = time.perf_counter
+                ) -> list[tuple[int, float, float, float, float]]:
+    """-> (rows, seconds through the int kernels (the AVX-512 BF16 int4 kernel for modules that take
+    it below their copies), through the packed copies, through the AMX kernel's tiles, through its
+    rows path: inf where the modules have no AMX codes or the rows path does not take that many
+    rows), the best of reps, for one call of each module in turn (each module's weights leave the
+    cache before it comes round again, as in a forward). clock: a bench on a shared machine passes
+    time.thread_time (one thread)."""
+    out = []
+    # AMX columns only where AMX runs and the codes are not the AVX-512 BF16 kernel's
+    tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None
+             and not m.tiles_avx512 and amx.usable()]
+    below = [m.tile_mm if isinstance(m, Int4Linear) and m.tiles_avx512 else m.quantized_mm
+             for m in modules]
+    with torch.inference_mode():
+        for r in rows:
+            xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
+            quantized = _best(list(zip(below, xs)), reps, clock)
+            copies = [(m.packed, x) for m, x in zip(modules, xs) if m.packed is not None]
+            packed = _best(copies, reps, clock)
+            tx = [torch.randn(r, m.shape()[1], dtype=torch.bfloat16) for m in tiled]
+            tiles = [(_amx_call(m, False), x) for m, x in zip(tiled, tx)]
+            by_rows = [(_amx_call(m, True), x) for m, x in zip(tiled, tx)]
+            out.append((r, quantized, packed, _best(tiles, reps, clock) if tiles else float("inf"),
+                        _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT
+                        else float("inf")))
+    return out
+
+
+def _amx_call(m: Int4Linear, rows_path: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ W.T on the AMX kernel's rows path or on its tiles, whatever the rows."""
+    codes, scale_zero = m.tile_codes, m.tile_scale_zero
+    assert codes is not None and scale_zero is not None
+    if rows_path:
+        return lambda x: amx.int4_mm_rows(x, codes, scale_zero, m.tile_min_exponent)
+    return lambda x: amx.int4_mm_tiles(x, codes, scale_zero)
+
+
+def _best(calls: Sequence[tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]], reps: int,
+          clock: Callable[[], float]) -> float:
+    """The least seconds of reps passes over calls (f, x) -> f(x), after one that warms them."""
+    best = float("inf")
+    for i in range(reps + 1):
+        t0 = clock()
+        for f, x in calls:
+            f(x)
+        if i:
+            best = min(best, clock() - t0)
+    return best

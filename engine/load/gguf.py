@@ -31,8 +31,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from engine.load.gguf_config import GEMMA_ARCHS, gguf_config, gguf_dtype
-from engine.load.quant import auto_mode, gguf_groups
+from engine.load.gguf_config import GEMMA_ARCHS, auto_mode, gguf_config, gguf_dtype
+from engine.load.quant import GROUP
 
 log = logging.getLogger("conveyor.weights")  # the cache's messages belong to the weight-loading log
 
@@ -283,3 +283,19 @@ def _write_safetensors(path: Path, shapes: dict[str, list[int]],
         if f.tell() - start != offset:
             raise ValueError(f"GGUF {path.name}: fewer tensors than its header lists")
     return groups
+
+
+def gguf_groups(data: object, type_name: str, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact int4 groups of a GGUF Q4_0 / Q4_1 matrix: (scale, min) [N, K/32] float32 with
+    w = scale * q + min, read from its blocks' fp16 headers; None for any other type.
+    data: the tensor's raw bytes as gguf's reader maps them ([N, bytes per row] uint8)."""
+    block = {"Q4_0": 18, "Q4_1": 20}.get(type_name)
+    if block is None:
+        return None
+    raw = np.asarray(data, dtype=np.uint8).reshape(-1, k // GROUP, block)  # [N, K/32, block bytes]
+    # [N, K/32]
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if type_name == "Q4_0":  # d * (q - 8)
+        return d, -8 * d
+    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+    return d, m

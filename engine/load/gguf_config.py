@@ -152,3 +152,12 @@ def gguf_dtype(matrix_types: set[Any]) -> str:
     if matrix_types <= {Q.F32}:
         return "float32"
     return "float16" if matrix_types <= {Q.F32, Q.F16} else "bfloat16"
+
+
+def auto_mode(matrix_types: set[str]) -> str:
+    """What --quantization auto serves for a GGUF whose matrices carry these types: int8 when they
+    are all 8-bit (Q8_0), int4 when any carries fewer bits, none when they are all float."""
+    quantized = matrix_types - {"F32", "F16", "BF16"}
+    if not quantized:
+        return "none"
+    return "int8" if quantized <= {"Q8_0"} else "int4"

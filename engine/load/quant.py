@@ -297,30 +297,3 @@ def weight_bytes(model: nn.Module) -> int:
     tables)."""
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def gguf_groups(data: object, type_name: str, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The exact int4 groups of a GGUF Q4_0 / Q4_1 matrix: (scale, min) [N, K/32] float32 with
-    w = scale * q + min, read from its blocks' fp16 headers; None for any other type.
-    data: the tensor's raw bytes as gguf's reader maps them ([N, bytes per row] uint8)."""
-    import numpy as np
-
-    block = {"Q4_0": 18, "Q4_1": 20}.get(type_name)
-    if block is None:
-        return None
-    raw = np.asarray(data, dtype=np.uint8).reshape(-1, k // GROUP, block)  # [N, K/32, block bytes]
-    # [N, K/32]
-    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    if type_name == "Q4_0":  # d * (q - 8)
-        return d, -8 * d
-    m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    return d, m
-
-
-def auto_mode(matrix_types: set[str]) -> str:
-    """What --quantization auto serves for a GGUF whose matrices carry these types: int8 when they
-    are all 8-bit (Q8_0), int4 when any carries fewer bits, none when they are all float."""
-    quantized = matrix_types - {"F32", "F16", "BF16"}
-    if not quantized:
-        return "none"
-    return "int8" if quantized <= {"Q8_0"} else "int4"

@@ -89,13 +89,11 @@ inline void amx_dots(const conveyor::Params& p, const bf* k, const __m512i* qb, 
       else if (C <= 2) _tile_dpbf16ps(T, A, 6);                                    \
       else { _tile_loadd(5, qb + 16 * c, 64); _tile_dpbf16ps(T, A, 5); }           \
     }                                                                              \
-    _tile_stored(T, out + T * 256, 64);                                            \
   }
 
-// Up to 4 chunks of keys (chunk u's key 0 at keys[u]) against the query tiles qb, in 4 C tiles at once, into
-// out[u * 256 + key * 16 + column].
+// Up to 4 chunks of keys (chunk u's key 0 at keys[u]) against the query tiles qb, into C tiles 0..u_n-1.
 template <int C>
-inline void amx_chunks(const conveyor::Params& p, const bf* const* keys, int64_t u_n, const __m512i* qb, float* out) {
+inline void amx_chunks(const conveyor::Params& p, const bf* const* keys, int64_t u_n, const __m512i* qb) {
   const int64_t stride = p.Hkv * p.D;
   CONVEYOR_AMX_CHUNK(0, 4)
   CONVEYOR_AMX_CHUNK(1, 7)
@@ -104,3 +102,70 @@ inline void amx_chunks(const conveyor::Params& p, const bf* const* keys, int64_t
 }
 #undef CONVEYOR_AMX_CHUNK
 
+// C tiles 0..u_n-1 into out[u * 256 + key * 16 + column].
+inline void amx_store(int64_t u_n, float* out) {
+  _tile_stored(0, out, 64);
+  if (u_n > 1) _tile_stored(1, out + 256, 64);
+  if (u_n > 2) _tile_stored(2, out + 512, 64);
+  if (u_n > 3) _tile_stored(3, out + 768, 64);
+}
+
+// Key 0 of chunks x..x+u_n-1 of a span's unit (chunks of min(BS, 16) keys, in block order).
+inline void amx_keys(const conveyor::Params& p, const conveyor::Span& s, int64_t x, int64_t u_n, const bf** keys) {
+  const int64_t rows = p.BS < 16 ? p.BS : 16, per = p.BS / rows;
+  for (int64_t u = 0; u < u_n; ++u)
+    keys[u] = static_cast<const bf*>(s.k[(x + u) / per]) + (x + u) % per * rows * p.Hkv * p.D;
+}
+
+// Spans' C tiles a burst of TDPs scores ahead (at least paged_attention.cpp's kRing - 1). The tiles cost
+// ~230 ns each time they start after a pause (a microbenchmark on this Xeon: 2 TDPs every ~1.4 us of FMAs
+// slow the FMAs 15-20%, 24 TDPs a burst barely more), so a decode token's units are scored a few at a time.
+constexpr int kAhead = 3;
+
+// A thread's query tiles (a token's, 64 heads at most; kept for the token's next units), and the C tiles
+// of the spans scored ahead (token q, its first chunk's keys k, in this call), [chunk][key][query head].
+struct AmxState {
+  __m512i tiles[4 * 8 * 16];
+  const bf* tiles_of = nullptr;
+  int64_t tiles_call = -1;
+  alignas(64) float c[kAhead][4 * 256];
+  const bf* c_q[kAhead] = {};
+  const bf* c_k[kAhead] = {};
+  int64_t c_call[kAhead] = {-1, -1, -1};
+};
+
+inline AmxState& amx_state() {
+  thread_local AmxState st;
+  return st;
+}
+
+// The C tiles scored ahead for token q's chunks from keys k, or nullptr.
+inline const float* amx_found(const AmxState& st, const bf* q, const bf* k, int64_t call) {
+  for (int i = 0; i < kAhead; ++i)
+    if (st.c_q[i] == q && st.c_k[i] == k && st.c_call[i] == call) return st.c[i];
+  return nullptr;
+}
+
+// Scores token 0 of span s and of the spans after it (up to kAhead) into the state's slots, where one pass
+// takes them (G <= 16; at most 4 chunks; decode-sized spans): the loads and TDPs their own calls would
+// issue, in the same order, so the same bits.
+template <int C>
+inline void amx_ahead(const conveyor::Params& p, const conveyor::Span* s, int64_t rows_as_lanes) {
+  AmxState& st = amx_state();
+  for (int i = 0; i < kAhead && s && s->n < rows_as_lanes && p.G <= 16; ++i, s = s->next) {
+    int64_t lo, hi;
+    conveyor::visible_keys(p, s->pos0, s->b0, s->nb * p.BS, &lo, &hi);
+    const int64_t per = p.BS < 16 ? 1 : p.BS / 16, x = lo / p.BS * per, u_n = (hi / p.BS + 1) * per - x;
+    if (lo > hi || u_n > 4) return;
+    const bf* keys[4];
+    amx_keys(p, *s, x, u_n, keys);
+    const bf* q = static_cast<const bf*>(s->q);
+    amx_queries<C>(q, p.q_head, p.G, st.tiles);
+    st.tiles_of = q, st.tiles_call = p.call;
+    if (C <= 2) _tile_loadd(5, st.tiles, 64);
+    if (C == 2) _tile_loadd(6, st.tiles + 16, 64);
+    amx_chunks<C>(p, keys, u_n, st.tiles);
+    amx_store(u_n, st.c[i]);
+    st.c_q[i] = q, st.c_k[i] = keys[0], st.c_call[i] = p.call;
+  }
+}

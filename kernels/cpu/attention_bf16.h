@@ -196,30 +196,34 @@ inline void pv_token(const conveyor::Params& p, const conveyor::Span& s, const f
 // Keys as lanes (decode rows, short queries): one online-softmax update per row per unit: the scores of
 // every unit block the row sees, one max, the exponentials, one rescale of the accumulator, then the V
 // rows of the keys it sees.
-// The scores of a token's G rows (q: its head 0) by the tiles, 16 heads at a time, into sr (row g at g * row).
+// The scores of a token's G rows (q: its head 0) by the tiles, 16 heads at a time, into sr (row g at g * row);
+// next: the span the thread runs next; its token 0 and the following spans' are scored in the same burst.
 template <int C>
 void amx_scores(const conveyor::Params& p, const conveyor::Span& s, const bf* q, int64_t lo, int64_t hi, float* sr,
-                int64_t row) {
+                int64_t row, const conveyor::Span* next) {
   const int64_t BS = p.BS, n16 = (BS + 15) / 16 * 16;
   const int64_t rows = BS < 16 ? BS : 16, per = BS / rows;  // keys a chunk (a C tile), chunks a block
-  alignas(64) float c[4 * 256];  // [chunk][key][query head]
-  thread_local __m512i tiles[4 * 8 * 16];  // a token's query tiles (64 heads at most), kept for its next units
-  thread_local const bf* tiles_of = nullptr;
-  thread_local int64_t tiles_call = -1;
-  const bool fresh = tiles_of != q || tiles_call != p.call;
-  tiles_of = q, tiles_call = p.call;
+  alignas(64) float own[4 * 256];  // [chunk][key][query head]
+  AmxState& st = amx_state();
+  const bool fresh = st.tiles_of != q || st.tiles_call != p.call;
   for (int64_t g0 = 0; g0 < p.G; g0 += 16) {
     const int64_t nh = p.G - g0 < 16 ? p.G - g0 : 16;
-    __m512i* qb = tiles + g0 / 16 * 8 * 16;
-    if (fresh) amx_queries<C>(q + g0 * p.q_head, p.q_head, nh, qb);
-    if (C <= 2) _tile_loadd(5, qb, 64);
-    if (C == 2) _tile_loadd(6, qb + 16, 64);
+    __m512i* qb = st.tiles + g0 / 16 * 8 * 16;
     for (int64_t x = lo / BS * per; x < (hi / BS + 1) * per; x += 4) {  // chunk x: block x / per
       const int64_t u_n = std::min<int64_t>(4, (hi / BS + 1) * per - x);
       const bf* keys[4];
-      for (int64_t u = 0; u < u_n; ++u)
-        keys[u] = static_cast<const bf*>(s.k[(x + u) / per]) + (x + u) % per * rows * p.Hkv * p.D;
-      amx_chunks<C>(p, keys, u_n, qb, c);
+      amx_keys(p, s, x, u_n, keys);
+      const float* c = amx_found(st, q, keys[0], p.call);
+      if (!c) {
+        if (fresh && x == lo / BS * per)
+          amx_queries<C>(q + g0 * p.q_head, p.q_head, nh, qb), st.tiles_of = q, st.tiles_call = p.call;
+        if (C <= 2) _tile_loadd(5, qb, 64);
+        if (C == 2) _tile_loadd(6, qb + 16, 64);
+        amx_chunks<C>(p, keys, u_n, qb);
+        amx_store(u_n, own);
+        c = own;  // and the next spans' in the same burst, once qb is done
+        if (next && x + u_n == (hi / BS + 1) * per && g0 + 16 >= p.G) amx_ahead<C>(p, next, kRowsAsLanes);
+      }
       for (int64_t u = 0; u < u_n; ++u) {
         const int64_t b = (x + u) / per, i0 = (x + u) % per * rows;
         __m512i t[16];  // [query head][key]: moves bits only (three gathers measured no faster)
@@ -244,7 +248,8 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
     conveyor::visible_keys(p, s.pos0 + j, s.b0, s.nb * BS, &lo, &hi);
     if (lo > hi) continue;
     const int64_t r0 = j * G, blo = lo / BS, bhi = hi / BS;
-    if constexpr (kAmx) amx_scores<C>(p, s, static_cast<const bf*>(s.q) + j * p.q_row, lo, hi, sr.data(), row);
+    if constexpr (kAmx)
+      amx_scores<C>(p, s, static_cast<const bf*>(s.q) + j * p.q_row, lo, hi, sr.data(), row, j + 1 == s.n ? s.next : nullptr);
     for (int64_t g = 0; g < G && !kAmx; g += 3) {  // 3 rows per K load (SmolLM2's group); a row's bits as alone
       const bf* q = static_cast<const bf*>(s.q) + j * p.q_row + g * p.q_head;
       for (int64_t b = blo; b <= bhi; ++b) {

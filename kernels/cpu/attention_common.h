@@ -33,6 +33,7 @@ struct Span {
   const void* const* v;
   int64_t nb;
   int64_t b0;  // position of block 0's key 0
+  const Span* next = nullptr;  // the span this thread runs next, if known: a path may start on it early
 };
 
 using BlockFn = void (*)(const Params&, const Span&);

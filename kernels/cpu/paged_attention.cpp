@@ -72,6 +72,7 @@ constexpr int64_t kChunkTokens = 16;  // tokens per task of a prompt chunk; fewe
 constexpr int64_t kUnitTokens = 64;
 // Fewer partition tasks than this per thread: each is cut per KV head (plan).
 constexpr int64_t kSplitHeadsBelow = 4;
+constexpr int64_t kRing = 4;  // spans attend sets up before it runs the first (the amx path scores ahead)
 
 #include "attention_pick.h"
 
@@ -128,8 +129,10 @@ void attend(const Call& c, const Task& t, const Partials& out) {
   const int64_t oldest = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;
   const int64_t kv_row = p.Hkv * p.D * c.esize, q_tok = p.q_row * c.qsize, q_h = p.G * p.q_head * c.qsize;
   const int64_t unit = unit_tokens(p.BS, c.part_tokens);
-  const void* kp[kUnitTokens];  // the unit's blocks, this KV head (unit / BS <= kUnitTokens)
-  const void* vp[kUnitTokens];
+  const void* kp[kRing][kUnitTokens];  // the unit's blocks, this KV head (unit / BS <= kUnitTokens); span n's
+  const void* vp[kRing][kUnitTokens];  // in [n % kRing]
+  Span s[kRing];
+  int64_t n = 0;  // span n runs once span n + kRing - 1 is set up: the path can see its next ones
   const int64_t first_b0 = std::max(t.p0 * c.part_tokens, oldest / p.BS * p.BS);
   for (int64_t part = t.p0; part < t.p1; ++part) {
     const int64_t b_end = std::min((part + 1) * c.part_tokens, last + 1);
@@ -148,19 +151,21 @@ void attend(const Call& c, const Task& t, const Partials& out) {
             __builtin_prefetch(c.v + blocks[b] * p.BS * kv_row + x);
           }
       }
-      for (int64_t h = t.h0; h < t.h1; ++h) {
-        const int64_t r = out.at(h, part);
+      for (int64_t h = t.h0; h < t.h1; ++h, ++n) {
+        const int64_t r = out.at(h, part), i = n % kRing;
         for (int64_t b = 0; b < nb; ++b) {
           const int64_t kv = blocks[b] * p.BS * kv_row + h * p.D * c.esize;
-          kp[b] = c.k + kv, vp[b] = c.v + kv;
+          kp[i][b] = c.k + kv, vp[i][b] = c.v + kv;
         }
-        const Span s{c.q + (c.starts[t.seq] + t.t0) * q_tok + h * q_h, t.t1 - t.t0, first,
-                     out.m + r, out.l + r, out.acc + r * p.D, kp, vp, nb, b0};
-        c.fn(p, s);
+        s[i] = Span{c.q + (c.starts[t.seq] + t.t0) * q_tok + h * q_h, t.t1 - t.t0, first,
+                    out.m + r, out.l + r, out.acc + r * p.D, kp[i], vp[i], nb, b0};
+        if (n > 0) s[(n - 1) % kRing].next = &s[i];
+        if (n >= kRing - 1) c.fn(p, s[(n + 1) % kRing]);
       }
       b0 += nb * p.BS;
     }
   }
+  for (int64_t x = std::max<int64_t>(0, n - kRing + 1); x < n; ++x) c.fn(p, s[x % kRing]);
 }
 
 // The call's tasks, largest first; base[s]: where sequence s's partials start in the shared buffer (-1:

@@ -11,6 +11,7 @@ import torch
 from engine.load import amx
 from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear, Int8Linear
+from tests.kernels.tdpbf16ps import tile_sums
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
 # SmolLM2's q/k/v and down projections, small tails
@@ -236,23 +237,13 @@ def tdpbf16ps_reference(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T as the kernel's header specifies it, written out plainly: each weight (q - 8) * scale
     + zero in float32 (q * scale is exact, so the FMA's one rounding is the add's) rounded once to
-    bfloat16; then per 32-k tile, as the SDM's pseudo-code for TDPBF16PS has it, an even-k and an
-    odd-k float32 chain from zero in k order (a bfloat16 product is exact in float32, so each FMA
-    rounds as an add), C += even + odd; the residual added in float32, one rounding to bfloat16.
-    Normal inputs only (no denormal handling)."""
+    bfloat16; then TDPBF16PS's sums (tests/kernels/tdpbf16ps.py); the residual added in float32,
+    one rounding to bfloat16. Normal inputs only (no denormal handling)."""
     s, z = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
     low = z - 8 * s
     w = (q.float() * s.repeat_interleave(32, 1) + low.repeat_interleave(32, 1))
     w = w.to(torch.bfloat16).float()  # [N, K]
-    xf = x.float()
-    c = torch.zeros(x.shape[0], q.shape[0])
-    for t in range(q.shape[1] // 32):
-        even, odd = torch.zeros_like(c), torch.zeros_like(c)
-        for p in range(16):
-            k = 32 * t + 2 * p
-            even = even + xf[:, k, None] * w[None, :, k]
-            odd = odd + xf[:, k + 1, None] * w[None, :, k + 1]
-        c = c + (even + odd)
+    c = tile_sums(x, w)
     return (c if residual is None else c + residual.float()).to(torch.bfloat16)
 
 

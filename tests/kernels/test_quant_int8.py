@@ -10,6 +10,7 @@ import torch
 
 from engine.load import amx
 from engine.load.quant import Int8Linear
+from tests.kernels.tdpbf16ps import tile_sums
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
 # the tied head's width (a slice of its 49,152 rows), SmolLM2's down projection, small tails
@@ -58,20 +59,9 @@ def test_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
 
 
 def tdpbf16ps_reference(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ (q * scale).T as the kernel's header specifies it, written out plainly: per 32-k tile an
-    even-k and an odd-k float32 chain from zero in k order (the products x * q are exact in
-    float32), C += even + odd; then C * scale in float32, rounded once to bfloat16. Normal inputs
-    whose partial sums stay normal (no denormal handling)."""
-    w, xf = q.float(), x.float()
-    c = torch.zeros(x.shape[0], q.shape[0])
-    for t in range(q.shape[1] // 32):
-        even, odd = torch.zeros_like(c), torch.zeros_like(c)
-        for p in range(16):
-            k = 32 * t + 2 * p
-            even = even + xf[:, k, None] * w[None, :, k]
-            odd = odd + xf[:, k + 1, None] * w[None, :, k + 1]
-        c = c + (even + odd)
-    return (c * scale.float()).to(torch.bfloat16)
+    """x @ (q * scale).T as the kernel's header specifies it: TDPBF16PS's sums over the codes (the
+    products x * q are exact in float32), then C * scale in float32, rounded once to bfloat16."""
+    return (tile_sums(x, q) * scale.float()).to(torch.bfloat16)
 
 
 @needs_amx

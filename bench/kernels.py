@@ -132,11 +132,14 @@ def build_batch(case: Case, shape: Shape, dtype: torch.dtype, device: torch.devi
     layout = BatchLayout(case.query_lens, case.context_lens, tables, bs,
                          torch.tensor(slots, dtype=torch.int64))
     shp = (num_blocks, bs, shape.num_kv_heads, shape.head_dim)
-    kc = torch.randn(shp, dtype=dtype, device=device)
-    vc = torch.randn(shp, dtype=dtype, device=device)
-    q = torch.randn(t, shape.num_heads, shape.head_dim, dtype=dtype, device=device)
-    k = torch.randn(t, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
-    v = torch.randn_like(k)
+
+    def rand(*size: int) -> torch.Tensor:  # drawn from gen (on the CPU), so a run can be repeated
+        return torch.randn(size, generator=gen).to(dtype=dtype, device=device)
+
+    kc, vc = rand(*shp), rand(*shp)
+    q = rand(t, shape.num_heads, shape.head_dim)
+    k = rand(t, shape.num_kv_heads, shape.head_dim)
+    v = rand(t, shape.num_kv_heads, shape.head_dim)
     return layout, q, k, v, kc, vc
 
 

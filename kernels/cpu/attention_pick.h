@@ -9,11 +9,7 @@ bool cpu_has(const std::string& isa) {
                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (isa == "avx512") return v4;
   if (isa == "avx512_bf16") return v4 && __builtin_cpu_supports("avx512bf16");
-  // the tiles' cpuid bits, and the kernel's permission (Linux 5.16+; arch_prctl ARCH_REQ_XCOMP_PERM)
-  unsigned a, b, cx, d;
-  static const bool amx = v4 && __builtin_cpu_supports("avx512bf16") && __get_cpuid_count(7, 0, &a, &b, &cx, &d) &&
-                          (d & (1u << 24)) && (d & (1u << 22)) && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return isa == "amx" && amx;
+  return isa == "amx" && v4 && conveyor::amx_usable();  // amx_usable.h
 }
 
 std::vector<std::string> isas() {

@@ -21,10 +21,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <immintrin.h>
-#include <cpuid.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -33,6 +30,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "amx_usable.h"
 
 #include "attention_common.h"
 

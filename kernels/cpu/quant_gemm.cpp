@@ -23,38 +23,19 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <utility>
 #include <vector>
 
+#include "amx_usable.h"
 #include "quant_int4.h"
 
 namespace {
 
-constexpr long kArchReqXcompPerm = 0x1023;
-constexpr int kXfeatureXtiledata = 18;
-
-bool cpu_reports_amx() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
-  if (!tile || !bf16) return false;
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
-}
-
-// The kernel lets a process use the tile registers only once asked (Linux 5.16+).
-bool amx_usable() {
-  static const bool usable = cpu_reports_amx() &&
-                             syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return usable;
-}
+using conveyor::amx_usable;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

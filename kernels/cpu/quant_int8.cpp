@@ -17,13 +17,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/library.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "amx_usable.h"
 #include "quant_int4.h"
 
 namespace {
@@ -31,12 +30,6 @@ namespace {
 constexpr int kCodesPerTile = kTileRows * kTileK;  // int8 codes of one B tile: 16 rows of 32
 constexpr int kRowsMax = 8;                        // the most rows the rows path takes
 
-// The tile registers are the process's once asked for (Linux 5.16+); amx_usable (quant_gemm.cpp) asks
-// the same, so asking again is harmless.
-bool tiles_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -214,7 +207,7 @@ constexpr RowsPanel kRowsPanel[kRowsMax] = {rows_panel<1>, rows_panel<2>, rows_p
 
 // y = x @ W.T for int8 codes on AMX tiles, whatever the rows.
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(tiles_permitted(), "AMX tiles are not available on this CPU");
+  TORCH_CHECK(conveyor::amx_usable(), "AMX tiles are not available on this CPU");
   const Int8Matrix w = int8_operands(x, codes, scale);
   const int64_t m = x.size(0), n = w.nt * kTileN;
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));

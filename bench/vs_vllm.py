@@ -369,8 +369,10 @@ def main() -> None:
         f"{args.runs} runs each")
     results: dict[tuple[str, str], dict[str, Any]] = {}
     for dtype in dtypes:
-        for kind in servers:
-            results[(kind, dtype)] = bench_server(kind, dtype, args.port, vllm_python,
+        for i, kind in enumerate(servers):
+            # a port each: the server before leaves its side of the connections in TIME_WAIT, and
+            # llama-server binds without SO_REUSEADDR
+            results[(kind, dtype)] = bench_server(kind, dtype, args.port + i, vllm_python,
                                                   [bodies(r) for r in runs], warm, concurrency,
                                                   args.llama_server,
                                                   tuple(shlex.split(args.conveyor_args)))

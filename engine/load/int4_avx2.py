@@ -41,18 +41,14 @@ def pack_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_scales(scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """scale, low float32 [N, K/32] -> float32 [N/8, K/32, 2, 8]: per tile and group its 8 scales,
-    then its 8 lows."""
+    """scale, low float32 [N, K/32] -> [N/8, K/32, 2, 8]: per tile and group its 8 scales, then its
+    8 lows. float16 where every value is exact in it (GGUF's Q4_0 / Q4_1 store them so): the same
+    values in half the bytes the kernel reads; else float32."""
     n, groups = scale.shape
     both = torch.stack((scale.float(), low.float()), dim=1)  # [N, 2, K/32]
-    return both.view(n // COLS, COLS, 2, groups).permute(0, 3, 2, 1).contiguous()
-
-
-def narrowed(scale_low: torch.Tensor) -> torch.Tensor:
-    """float16 where every scale and low is exact in it (GGUF's Q4_0 / Q4_1 store them so): the
-    same values in half the bytes the kernel reads; else float32."""
-    half = scale_low.half()
-    return half if torch.equal(half.float(), scale_low) else scale_low
+    packed = both.view(n // COLS, COLS, 2, groups).permute(0, 3, 2, 1).contiguous()
+    half = packed.half()
+    return half if torch.equal(half.float(), packed) else packed
 
 
 def unpack(codes: torch.Tensor, scale_low: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,10 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
   (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
-- torch's int kernels win only while a GEMM is bound by memory (a few rows): with 16-bit activations
-  a projection may also hold a oneDNN-packed copy of its dequantized matrix
-  (engine/kernel_choice.py), which calls of packed_from rows or more take instead, so a quantized
-  model is not slower than its bfloat16 form at any batch size.
-- With float32 activations (CPUs without native bfloat16) torch's int4 kernel takes a slow path, so
-  on AVX2 CPUs an int4 matrix also keeps its codes in the layout of our AVX2 kernel
-  (engine/load/int4_avx2.py), which takes the calls below the packed float32 copy's rows.
+- The int kernels win only while a GEMM is bound by memory (a few rows): a projection may also hold
+  a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which calls of
+  packed_from rows or more take, so a quantized model is not slower than its float form at any
+  batch. Float32 activations take our AVX2 int4 kernel (engine/load/int4_avx2.py).
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -184,7 +181,7 @@ class Int4Linear(QuantizedLinear):
         # no autograd graph: it would keep the float matrix alive beside its codes
         w = weight.detach()
         n, k = w.shape
-        scales, lows, packed, tiles, words = [], [], [], [], []
+        scales, lows, packed, tiles = [], [], [], []
         with_tiles = (dtype == torch.bfloat16 and amx.fits(n, k)
                       and (amx.usable() or int4_avx512.usable()))
         with_avx2 = dtype == torch.float32 and int4_avx2.fits(n, k) and int4_avx2.usable()
@@ -198,11 +195,10 @@ class Int4Linear(QuantizedLinear):
                 low = groups[1][r:r + CHUNK_ROWS].float()
             q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15)
             q = q.to(torch.int32).view(-1, k)
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            packed.append(int4_avx2.pack_codes(q) if with_avx2
+                          else torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             if with_tiles:
                 tiles.append(amx.pack_int4(q, scale, low + 8 * scale))
-            if with_avx2:
-                words.append(int4_avx2.pack_codes(q))
             scales.append(scale)
             lows.append(low)
         scale, low = torch.cat(scales), torch.cat(lows)  # [N, K/32]
@@ -222,21 +218,16 @@ class Int4Linear(QuantizedLinear):
                                   if self.tile_codes is not None
                                   and self.tile_scale_zero is not None else 0)
         self.tiles_avx512 = False  # the codes multiply on the AVX-512 BF16 kernel, not on AMX
-        # The codes for the AVX2 kernel (float32 activations, engine/load/int4_avx2.py), which then
-        # takes every call below the packed copy's rows in place of torch's int4 kernel.
-        self.avx2_codes: torch.Tensor | None
+        # set: qweight is in the AVX2 kernel's layout
         self.avx2_scale_low: torch.Tensor | None
-        self.register_buffer("avx2_codes", torch.cat(words) if words else None)
-        self.register_buffer("avx2_scale_low", int4_avx2.narrowed(int4_avx2.pack_scales(scale, low))
-                             if words else None)
-        if words:
-            self.amx_from = 1
+        self.register_buffer("avx2_scale_low",
+                             int4_avx2.pack_scales(scale, low) if with_avx2 else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        if self.avx2_codes is not None and self.avx2_scale_low is not None:
-            return int4_avx2.int4_mm(x, self.avx2_codes, self.avx2_scale_low, residual)
+        if self.avx2_scale_low is not None:
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low, residual)
         if self.tile_codes is None or x.shape[0] < self.amx_from:
             return None
         return self.tile_mm(x, residual)
@@ -253,8 +244,8 @@ class Int4Linear(QuantizedLinear):
         return amx.int4_mm(x, codes, scale_zero, self.tile_min_exponent, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.avx2_codes is not None and self.avx2_scale_low is not None:
-            return int4_avx2.int4_mm(x, self.avx2_codes, self.avx2_scale_low)
+        if self.avx2_scale_low is not None:
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low)
         scales_zeros = self.scales_zeros
         if x.dtype != scales_zeros.dtype:
             x = x.to(scales_zeros.dtype)
@@ -271,10 +262,10 @@ class Int4Linear(QuantizedLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The kernel's own dequantization, read back through it: I @ W.T = W.T, exact in float32
-        (one non-zero product per output), rounded once to the activations' dtype; with the AVX2
-        kernel's codes, q * scale + low from them (a dequantized file's float32 values)."""
-        if self.avx2_codes is not None and self.avx2_scale_low is not None:
-            return int4_avx2.unpack(self.avx2_codes, self.avx2_scale_low)
+        (one non-zero product per output), rounded once to the activations' dtype; AVX2
+        codes: q * scale + low."""
+        if self.avx2_scale_low is not None:
+            return int4_avx2.unpack(self.qweight, self.avx2_scale_low)
         k = self.shape()[1]
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
         cols = [self.quantized_mm(eye[r:r + CHUNK_ROWS]) for r in range(0, k, CHUNK_ROWS)]

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from engine.kernel_choice import attach_packed_copies, native_stack_of
-from engine.load.dtype import resolve_dtype
 from engine.load import int4_avx2
+from engine.load.dtype import resolve_dtype
 from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.load.prepack import prepack_model, usable
 from engine.load.quant import (
@@ -221,12 +221,12 @@ def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.de
     where PyTorch's kernels are fast: on the CPU, with 16-bit activations, where they take the calls
     of few rows and packed bfloat16 copies the rest, from row counts measured on this CPU kind
     (engine/kernel_choice.py), so the quantized default is not slower than the dequantized model at
-    any batch. With float32 activations torch's int kernels take a scalar path several times slower
-    than a float32 GEMM (docs/performance.md), so auto then dequantizes, except an int4 file on a CPU
-    with AVX2 and FMA: our AVX2 kernel (engine/load/int4_avx2.py) multiplies its codes, reading 4 bits
-    a weight where the dequantized model reads 32, below packed float32 copies calibrated at load
-    (engine/kernel_choice.py attach_float32_copies). int8 / int4 named explicitly are honoured
-    everywhere."""
+    any batch. With float32 activations torch's int kernels take a scalar path several times
+    slower than a float32 GEMM (docs/performance.md), so auto then dequantizes, except an int4 file
+    on a CPU with AVX2 and FMA: our AVX2 kernel (engine/load/int4_avx2.py) multiplies its codes,
+    reading 4 bits a weight where the dequantized model reads 32, below packed float32 copies
+    calibrated at load (engine/kernel_choice.py attach_float32_copies). int8 / int4 named
+    explicitly are honoured everywhere."""
     if asked != "auto":
         if asked != "none" and device.type != "cpu":
             raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu "

@@ -19,6 +19,8 @@ kernel) the int4 matrices take it at every row count instead (invariant_by_defau
 On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
 int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
 packed copies on prompt-sized calls, so it takes every row count only under --deterministic.
+With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
+float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ from engine.load.prepack import (
     PLAIN_MAX_BYTES,
     QUANTIZED_TILES_ROWS,
     PackedLinear,
+    plain_from_rows,
     quantized_packed_from,
     same_bits_rows,
 )
@@ -49,6 +52,10 @@ log = logging.getLogger("conveyor.kernel_choice")
 # packed copies' time from 128 rows in `python bench/int4_avx512.py` (a proxy on the AMX Xeon's
 # AVX-512 units: docs/kernels.md), so there it is the default below a calibrated threshold only.
 INVARIANT_KINDS = frozenset({"AMX"})
+# The AVX2 int4 matrices a float32 calibration times (six layers' four projections: ~85 MB of
+# float32 copies, past this CPU's caches, so still cold as a forward meets them): all 120 took
+# 20.3 s at load against 3.0 s on the AVX2 EPYC, for the same choice (docs/kernels.md).
+FLOAT32_CALIBRATION_MATRICES = 24
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -72,6 +79,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     not depend on the step's row count; the faster one for batches), one-row calls padded and,
     on AMX CPUs, larger ones cut into calls of ONEDNN_SAME_BITS_ROWS."""
     modules = switched_modules(model)
+    if dtype == torch.float32 and any(avx2_coded(m) for m in modules):
+        return attach_float32_copies(modules, deterministic)
     kind = kind or cpu_kind()
     if not deterministic and invariant_by_default(modules, dtype, kind):
         deterministic = True
@@ -217,3 +226,47 @@ def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
         return None
     heads, kv_heads, eps, scale = settings.pop()
     return NativeStack(weights, exps, heads, kv_heads, eps, scale, amx.ROWS_PATH_MAX)
+
+
+def avx2_coded(m: QuantizedLinear) -> bool:
+    """Whether m is an int4 matrix with the AVX2 kernel's codes (float32 activations)."""
+    return isinstance(m, Int4Linear) and m.avx2_scale_low is not None
+
+
+def attach_float32_copies(modules: Sequence[QuantizedLinear],
+                          deterministic: bool) -> dict[str, int]:
+    """Float32 activations where the int4 matrices carry the AVX2 kernel's codes
+    (engine/load/int4_avx2.py): they take it below a row count calibrated here against packed
+    float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), and no
+    copy where it wins at every row count tried up to 128. The other matrices (the int8 tied head:
+    torch's int8 kernel is slow with float32 activations) take their float32 copy at every row
+    count. Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
+    others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
+    model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
+    coded = [m for m in modules if avx2_coded(m)]
+    rest = [m for m in modules if not avx2_coded(m)]
+    copied = rest if deterministic else list(modules)
+    size = sum(m.shape()[0] * m.shape()[1] for m in copied) * 4
+    if size > PLAIN_MAX_BYTES:
+        log.info("int4 GEMMs on the AVX2 kernel at every row count; no packed float32 copies: they "
+                 "would take %.0f MiB", size / 2**20)
+        return {}
+    plain_from = None if deterministic else plain_from_rows(torch.float32)
+    for m in copied:
+        m.packed = PackedLinear(m.dequantized(), None, plain_from, pad_one_row=deterministic)
+        m.packed_from = 1
+    chosen = {kind_of(m): 1 for m in rest}
+    handover = (NEVER if deterministic
+                else calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], AVX512_CALIBRATION_ROWS))
+    for m in coded:  # the kernel from one row: its mm fuses the residual
+        m.packed_from, m.amx_from = handover, 1
+        if handover >= NEVER:
+            m.packed = None  # the kernel won at every row count tried: no copy
+    if handover < NEVER:
+        chosen["int4"] = handover
+    log.info("int4 GEMMs on the AVX2 kernel %s; packed float32 copies (%.0f MiB) from %s rows",
+             "at every row count" if handover >= NEVER
+             else f"below {handover} rows (measured at load)",
+             sum(m.shape()[0] * m.shape()[1] for m in modules if m.packed is not None) * 4 / 2**20,
+             chosen)
+    return chosen

@@ -237,8 +237,9 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
                           deterministic: bool) -> dict[str, int]:
     """Float32 activations where the int4 matrices carry the AVX2 kernel's codes
     (engine/load/int4_avx2.py): they take it below a row count calibrated here against packed
-    float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), and no
-    copy where it wins at every row count tried up to 128. The other matrices (the int8 tied head:
+    float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), 128 at
+    the latest: the two tie at 128 rows, so a calibration alone flipped between reloads, and the
+    copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the int8 tied head:
     torch's int8 kernel is slow with float32 activations) take their float32 copy at every row
     count. Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
     others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
@@ -256,8 +257,9 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
         m.packed = PackedLinear(m.dequantized(), None, plain_from, pad_one_row=deterministic)
         m.packed_from = 1
     chosen = {kind_of(m): 1 for m in rest}
+    rows = AVX512_CALIBRATION_ROWS
     handover = (NEVER if deterministic
-                else calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], AVX512_CALIBRATION_ROWS))
+                else min(calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], rows), rows[-1]))
     for m in coded:  # the kernel from one row: its mm fuses the residual
         m.packed_from, m.amx_from = handover, 1
         if handover >= NEVER:

@@ -99,7 +99,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, 
 def test_int4_linear_takes_the_kernel_below_the_handover_and_the_copy_from_it(monkeypatch) -> None:
     """Under float32 an Int4Linear keeps the AVX2 kernel's codes; attach_float32_copies gives it a
     float32 copy from the calibrated rows (both sides checked bit for bit against each path), the
-    int8 head its copy at every row count, and no copy where the kernel wins everywhere."""
+    int8 head its copy at every row count, and the copy from 128 rows at the latest."""
     m = Int4Linear(torch.randn(48, 64) * 0.05, None, torch.float32)
     head = Int8Linear(torch.randn(40, 64), None, torch.float32)
     assert m.avx2_scale_low is not None
@@ -119,10 +119,12 @@ def test_int4_linear_takes_the_kernel_below_the_handover_and_the_copy_from_it(mo
         assert torch.equal(m(x), want), rows
     # the copy holds W = q * scale + low, the reference's matrix
     torch.testing.assert_close(m(torch.eye(64)[:40]).t(), m.dequantized()[:, :40])
+    # a kernel that wins at every row count calibrated still hands 128 rows and more to the copy
     monkeypatch.setattr(kernel_choice, "calibrate", lambda modules, rows: NEVER)
     m = Int4Linear(torch.randn(48, 64) * 0.05, None, torch.float32)
-    assert kernel_choice.attach_float32_copies([m, head], deterministic=False) == {"int8": 1}
-    assert m.packed is None
+    assert kernel_choice.attach_float32_copies([m, head], deterministic=False) == {"int4": 128,
+                                                                                   "int8": 1}
+    assert m.packed is not None and m.packed_from == 128
     # deterministic: the kernel at every row count, no copy of the int4 matrices
     m = Int4Linear(torch.randn(48, 64) * 0.05, None, torch.float32)
     kernel_choice.attach_float32_copies([m], deterministic=True)

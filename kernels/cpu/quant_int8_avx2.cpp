@@ -19,12 +19,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kBlock = 8;     // output rows of a block: one register of float32
 constexpr int64_t kPanel = 8;     // blocks a thread's unit of work holds (64 outputs)
-constexpr int64_t kGroupRows = 6; // rows of x a register tile takes beyond 8 (6 x 2 blocks: 12 accumulators)
 constexpr int64_t kChunkRows = 32; // rows of x one pass over the codes takes
 
 bool avx2_usable() {
@@ -37,9 +37,15 @@ bool avx2_usable() {
 #pragma GCC target("avx2,fma,f16c")
 namespace {
 
-// Rows [0, M) of x times blocks [0, B) (codes at blocks, each [K][8]) -> y's M x 8B outputs, scaled.
-template <int M, int B>
-inline void tile(const float* x, int64_t ldx, const int8_t* blocks, int64_t k, const float* scale, float* y,
+// 8 weights of one k: codes converted in the register (exact), or a panel already converted.
+inline __m256 weights(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline __m256 weights(const float* w) { return _mm256_loadu_ps(w); }
+
+// Rows [0, M) of x times blocks [0, B) (at blocks, each [K][8]) -> y's M x 8B outputs, scaled.
+template <int M, int B, typename W>
+inline void tile(const float* x, int64_t ldx, const W* blocks, int64_t k, const float* scale, float* y,
                  int64_t ldy) {
   __m256 acc[M][B];
 #pragma GCC unroll 8
@@ -49,8 +55,7 @@ inline void tile(const float* x, int64_t ldx, const int8_t* blocks, int64_t k, c
   for (int64_t i = 0; i < k; ++i) {
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) {
-      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blocks + (b * k + i) * kBlock));
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+      const __m256 w = weights(blocks + (b * k + i) * kBlock);
 #pragma GCC unroll 8
       for (int r = 0; r < M; ++r) acc[r][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * ldx + i), w, acc[r][b]);
     }
@@ -72,6 +77,37 @@ void blocks_of(const float* x, int64_t ldx, const int8_t* codes, int64_t k, cons
     tile<M, B>(x, ldx, codes + j * k * kBlock, k, scale + j * kBlock, y + j * kBlock, ldy);
   for (; j < j0 + blocks; ++j)
     tile<M, 1>(x, ldx, codes + j * k * kBlock, k, scale + j * kBlock, y + j * kBlock, ldy);
+}
+
+// Rows [0, rows) against one or two blocks already converted (panel [blocks][K][8] float32): groups of 6 rows
+// x 2 blocks (12 accumulators), the last 7 or 8 rows as two groups.
+template <int B>
+void rows_of(const float* x, int64_t ldx, const float* panel, int64_t k, const float* scale, float* y,
+             int64_t ldy, int64_t rows) {
+  using Tile = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t);
+  constexpr Tile kTiles[6] = {tile<1, B, float>, tile<2, B, float>, tile<3, B, float>,
+                              tile<4, B, float>, tile<5, B, float>, tile<6, B, float>};
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t left = rows - r0, g = left <= 6 ? left : left <= 8 ? 4 : 6;
+    kTiles[g - 1](x + r0 * ldx, ldx, panel, k, scale, y + r0 * ldy, ldy);
+    r0 += g;
+  }
+}
+
+// Calls of more than 8 rows: per chunk of kChunkRows rows and pair of blocks, the pair's codes converted once
+// into a float32 panel (same values, so the same chains and bits as above), which every group of rows reads.
+void many_rows(const float* x, int64_t ldx, const int8_t* codes, int64_t k, const float* scale, float* y,
+               int64_t ldy, int64_t m, int64_t j0, int64_t j1, float* panel) {
+  for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
+    const int64_t rows = std::min(m - c0, kChunkRows);
+    for (int64_t j = j0; j < j1; j += 2) {
+      const int64_t pair = std::min<int64_t>(2, j1 - j);
+      const int8_t* src = codes + j * k * kBlock;
+      for (int64_t i = 0; i < pair * k; ++i) _mm256_storeu_ps(panel + i * kBlock, weights(src + i * kBlock));
+      (pair == 2 ? rows_of<2> : rows_of<1>)(x + c0 * ldx, ldx, panel, k, scale + j * kBlock,
+                                            y + c0 * ldy + j * kBlock, ldy, rows);
+    }
+  }
 }
 
 using Blocks = void (*)(const float*, int64_t, const int8_t*, int64_t, const float*, float*, int64_t, int64_t,
@@ -97,20 +133,16 @@ at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0), panels = (nb + kPanel - 1) / kPanel;
-  // A thread's panels pass over kChunkRows rows of x at a time (which stay in L2), and each panel's codes
-  // (64 outputs x K) stay in L1 while the chunk's groups of rows pass over them.
+  // Up to 8 rows: one pass over the codes, each converted once for all rows. More: a thread's blocks pass
+  // over kChunkRows rows of x at a time (which stay in L2), two blocks converted at a time.
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t c0 = 0; c0 < m; c0 += kChunkRows) {
-      const int64_t c1 = std::min(m, c0 + kChunkRows);
-      for (int64_t p = p0; p < p1; ++p) {
-        const int64_t j0 = p * kPanel, blocks = std::min(kPanel, nb - j0);
-        for (int64_t r0 = c0; r0 < c1;) {
-          const int64_t rows = c1 - r0 <= 8 ? c1 - r0 : kGroupRows;
-          kBlocks[rows - 1](xp + r0 * ldx, ldx, cp, k, sp, yp + r0 * n, n, j0, blocks);
-          r0 += rows;
-        }
-      }
+    const int64_t j0 = p0 * kPanel, j1 = std::min(nb, p1 * kPanel);
+    if (m <= 8) {
+      kBlocks[m - 1](xp, ldx, cp, k, sp, yp, n, j0, j1 - j0);
+      return;
     }
+    std::vector<float> panel(2 * k * kBlock);
+    many_rows(xp, ldx, cp, k, sp, yp, n, m, j0, j1, panel.data());
   });
   return y;
 }

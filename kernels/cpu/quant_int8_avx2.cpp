@@ -5,8 +5,8 @@
 //
 // Codes are repacked at load (engine/load/int8_avx2.py) into blocks of 8 output rows, k-major: block b holds
 // [K][8] int8, so one 8-byte load gives the 8 outputs' codes at one k, converted to float32 in a register
-// (an int8 is exact in float32) and multiplied into every row of x at once: each code is read once per call
-// and converted once per group of rows.
+// (an int8 is exact in float32) and multiplied into every row of x at once: each code is read from memory
+// once per call and converted once per call up to 8 rows, once per 32 rows beyond (many_rows).
 //
 // One arithmetic at every row count and thread count: each output of each row is one FMA chain from zero
 // over k = 0, 1, ..., K - 1 in order, then times its scale (a plain multiply, after the sum). How many rows

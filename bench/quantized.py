@@ -284,6 +284,7 @@ def head_fp32(args: argparse.Namespace) -> None:
 
     from engine import kernel_choice
     from engine.load.prepack import PackedLinear, plain_from_rows
+    from engine.load.quant import Int8Linear
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
@@ -292,7 +293,7 @@ def head_fp32(args: argparse.Namespace) -> None:
     m = next(m for m in kernel_choice.switched_modules(model) if kernel_choice.kind_of(m) == "int8")
     copy = PackedLinear(m.dequantized(), None, plain_from_rows(torch.float32))
     kernels = {"int8 AVX2": m.forward, "packed f32": copy.forward, "torch int8": m.quantized_mm}
-    if m.make_avx2():
+    if isinstance(m, Int8Linear) and m.make_avx2():
         m.amx_from = 1
     else:
         del kernels["int8 AVX2"]

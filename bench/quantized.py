@@ -14,7 +14,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
     python bench/quantized.py --gemm [--threads 2] [--activations float32]
-    python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64]
+    python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64] [--head-fp32]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
 --gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the
@@ -283,6 +283,51 @@ def head(args: argparse.Namespace) -> None:
         print(f"rows {r:>3}: " + "  ".join(f"{n} {t}" for n, t in zip(kernels, times)), flush=True)
 
 
+def head_fp32(args: argparse.Namespace) -> None:
+    """--head with float32 activations (--dtype auto on CPUs without native bfloat16): the int8
+    AVX2 kernel (engine/load/int8_avx2.py) against a float32 packed copy of q * scale (oneDNN;
+    MKL from plain_from_rows, as prepack serves float32) and torch's _weight_int8pack_mm (its
+    scalar path), the rows whose bits differ from the same row alone, then ms per call by rows:
+    the best of --reps, the kernels alternating within each rep (torch's at most 3 reps)."""
+    import torch
+
+    from engine import kernel_choice
+    from engine.load.prepack import PackedLinear, plain_from_rows
+    from engine.load.quant import Int8Linear
+    from engine.load.weights import load_model
+    from shared.model_source import resolve_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(resolve_model(args.model), "float32", "cpu", "int4", prepack=False)
+    m = next(m for m in kernel_choice.switched_modules(model) if kernel_choice.kind_of(m) == "int8")
+    copy = PackedLinear(m.dequantized(), None, plain_from_rows(torch.float32))
+    kernels = {"int8 AVX2": m.forward, "packed f32": copy.forward, "torch int8": m.quantized_mm}
+    if isinstance(m, Int8Linear) and m.make_avx2():
+        m.amx_from = 1
+    else:
+        del kernels["int8 AVX2"]
+    x = torch.randn(max(args.rows), m.shape()[1], generator=torch.Generator().manual_seed(0))
+    print(f"{args.model}'s tied int8 head {m.shape()}, float32 activations, {args.threads} "
+          f"threads; packed f32 takes MKL from {copy.plain_from} rows")
+    for name, f in kernels.items():
+        alone = torch.cat([f(x[i:i + 1]) for i in range(min(x.shape[0], 32))])
+        differ = {r: int((f(x[:r]) != alone[:r]).any(dim=1).sum()) for r in args.rows if r <= 32}
+        print(f"{name}: rows differing from the row alone, by call rows: {differ}", flush=True)
+    for r in args.rows:
+        best = {name: float("inf") for name in kernels}
+        for rep in range(args.reps):
+            for name, f in kernels.items():
+                if name == "torch int8" and rep >= 3:
+                    continue
+                t0 = time.perf_counter()
+                f(x[:r])
+                best[name] = min(best[name], time.perf_counter() - t0)
+        ms = "  ".join(f"{n} {t * 1e3:8.2f}" for n, t in best.items())
+        ratio = (f"  packed / AVX2 {best['packed f32'] / best['int8 AVX2']:5.2f}"
+                 if "int8 AVX2" in best else "")
+        print(f"rows {r:>3}: {ms}{ratio}", flush=True)
+
+
 def ab(args: argparse.Namespace) -> None:
     """The default configuration against --dtype bfloat16 --quantization none in one process, runs
     alternating (ABBA), so that a shared machine's drift falls on both alike."""
@@ -341,6 +386,9 @@ def parse_args() -> argparse.Namespace:
                    help="--gemm: float32 times the AVX2 int4 kernel against float32 copies")
     p.add_argument("--head", action="store_true",
                    help="the tied int8 head's kernels: row-invariant or not, ms")
+    p.add_argument("--head-fp32", action="store_true",
+                   help="--head with float32 activations (the default where bfloat16 is not "
+                        "native): the int8 AVX2 kernel, a float32 packed copy, torch's int8")
     p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")],
                    default=[1, 2, 4, 6, 8, 12, 16, 24, 32])
     p.add_argument("--reps", type=int, default=7)
@@ -366,6 +414,11 @@ def main() -> None:
     if args.gemm or args.ab or args.head:
         print(machine())
         print(cpu_features())
+        from engine.load.dtype import cpu_has_native_bf16
+
+        if args.head and (args.head_fp32 or not cpu_has_native_bf16()):
+            head_fp32(args)
+            return
         (gemm if args.gemm else head if args.head else ab)(args)
         return
     if args.one or args.load_only:

@@ -1,6 +1,6 @@
-"""Timing at load: from how many rows a quantized projection's packed bfloat16 copy beats the kernel
-below it, measured on the model's own matrices as a forward meets them (every layer in turn, so cold
-in cache), where no table holds for this CPU kind (engine/kernel_choice.py decides with it).
+"""Timing at load: from how many rows a quantized projection's packed copy beats the kernel below
+it, measured on the model's own matrices as a forward meets them (every layer in turn, so cold in
+cache), where no table holds for this CPU kind (engine/kernel_choice.py decides with it).
 """
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.load import amx
-from engine.load.quant import Int4Linear, QuantizedLinear
+from engine.load import amx, int8_avx2
+from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
 
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
@@ -18,14 +18,17 @@ CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 # the proxy (docs/kernels.md), up to 128; where it wins even there the copy still takes 128 rows and
 # more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
 AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
+# For the int8 AVX2 kernel (float32 activations) against a float32 packed copy: the copy takes over
+# from the first of these where it wins to the last; none: the kernel at every row count.
+INT8_AVX2_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
 
 
 def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
               reps: int = 3) -> int:
     """The first row count from which the packed copies, called in turn as a forward calls them,
-    are faster than the kernel below them (the int kernel, or the AVX-512 BF16 int4 kernel where
-    tiles_avx512) at that row count and every larger one tried; NEVER if none."""
+    are faster than the kernel below them (_below) at that row count and every larger one tried;
+    NEVER if none."""
     faster = [packed < quantized for _, quantized, packed, *_ in chain_times(modules, rows, reps)]
     for i, r in enumerate(rows):
         if all(faster[i:]):
@@ -36,18 +39,16 @@ def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRAT
 def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: int = 3,
                 clock: Callable[[], float] = time.perf_counter
                 ) -> list[tuple[int, float, float, float, float]]:
-    """-> (rows, seconds through the int kernels (the AVX-512 BF16 int4 kernel for modules that take
-    it below their copies), through the packed copies, through the AMX kernel's tiles, through its
-    rows path: inf where the modules have no AMX codes or the rows path does not take that many
-    rows), the best of reps, for one call of each module in turn (each module's weights leave the
-    cache before it comes round again, as in a forward). clock: a bench on a shared machine passes
-    time.thread_time (one thread)."""
+    """-> (rows, seconds through the kernels below the copies (_below), through the packed copies,
+    through the AMX kernel's tiles, through its rows path: inf where the modules have no AMX codes
+    or the rows path does not take that many rows), the best of reps, for one call of each module
+    in turn (each module's weights leave the cache before it comes round again, as in a forward).
+    clock: a bench on a shared machine passes time.thread_time (one thread)."""
     out = []
     # AMX columns only where AMX runs and the codes are not the AVX-512 BF16 kernel's
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None
              and not m.tiles_avx512 and amx.usable()]
-    below = [m.tile_mm if isinstance(m, Int4Linear) and m.tiles_avx512 else m.quantized_mm
-             for m in modules]
+    below = [_below(m) for m in modules]
     with torch.inference_mode():
         for r in rows:
             xs = [torch.randn(r, m.shape()[1], dtype=m.scales_dtype()) for m in modules]
@@ -61,6 +62,16 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
                         _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT
                         else float("inf")))
     return out
+
+
+def _below(m: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The kernel m takes below its packed copy: the AVX-512 BF16 int4 kernel where tiles_avx512,
+    the int8 AVX2 kernel where m has its codes, else torch's int kernel."""
+    if isinstance(m, Int4Linear) and m.tiles_avx512:
+        return m.tile_mm
+    if isinstance(m, Int8Linear) and (codes := m.avx2_codes) is not None:
+        return lambda x: int8_avx2.int8_mm(x, codes, m.scales)
+    return m.quantized_mm
 
 
 def _amx_call(m: Int4Linear, rows_path: bool) -> Callable[[torch.Tensor], torch.Tensor]:

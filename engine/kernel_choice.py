@@ -31,7 +31,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.kernel_calibration import AVX512_CALIBRATION_ROWS, NEVER, calibrate
+from engine.kernel_calibration import (
+    AVX512_CALIBRATION_ROWS,
+    INT8_AVX2_CALIBRATION_ROWS,
+    NEVER,
+    calibrate,
+)
 from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import (
@@ -187,6 +192,30 @@ def attach_int8_tiles(modules: Sequence[QuantizedLinear]) -> set[int]:
     if tiled:
         log.info("int8 GEMMs on AMX tiles at every row count")
     return {id(m) for m in tiled}
+
+
+def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
+                     deterministic: bool = False) -> int | None:
+    """Float32 int8 matrices (the tied head) on the int8 AVX2 kernel (engine/load/int8_avx2.py:
+    torch's int8 kernel is scalar with float32 activations) below the rows from which their float32
+    packed copy (attach_packed_copies) takes over, calibrated here; NEVER where the kernel wins to
+    INT8_AVX2_CALIBRATION_ROWS' last, or there is no copy, or deterministic (the kernel's
+    arithmetic does not depend on the rows; the copy's differs): then the copy is dropped. Called
+    after attach_packed_copies. -> that row count; None where no matrix takes the kernel."""
+    if dtype != torch.float32:
+        return None
+    mats = [m for m in switched_modules(model) if isinstance(m, Int8Linear) and m.make_avx2()]
+    copies = [m for m in mats if m.packed is not None]
+    handover = calibrate(copies, INT8_AVX2_CALIBRATION_ROWS) if copies and not deterministic \
+        else NEVER
+    for m in mats:
+        m.amx_from, m.packed_from = 1, handover
+        if handover >= NEVER:
+            m.packed = None
+    if mats:
+        log.info("int8 GEMMs with float32 activations on the AVX2 kernel%s", " at every row count"
+                 if handover >= NEVER else f", on packed copies from {handover} rows (calibrated)")
+    return handover if mats else None
 
 
 def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:

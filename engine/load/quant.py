@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.load import amx, int4_avx2, int4_avx512
+from engine.load import amx, int4_avx2, int4_avx512, int8_avx2
 from engine.load.prepack import PackedLinear
 
 if TYPE_CHECKING:
@@ -55,7 +55,8 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.packed: PackedLinear | None = None
         self.packed_from = 0
-        self.amx_from = NEVER  # rows from which an int4 matrix with AMX codes takes the AMX kernel
+        # rows from which a matrix with AMX (int8: or AVX2) codes takes that kernel
+        self.amx_from = NEVER
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """x @ W.T (+ residual) on AMX tiles where this matrix runs them at x's rows; else None."""
@@ -133,6 +134,8 @@ class Int8Linear(QuantizedLinear):
         # codes for the int8 AMX kernel, made after load for the matrices that multiply
         self.tile_codes: torch.Tensor | None = None
         self.tile_scale: torch.Tensor | None = None
+        self.avx2_codes: torch.Tensor | None  # make_avx2's
+        self.register_buffer("avx2_codes", None, persistent=False)
 
     def make_tiles(self) -> bool:
         """Repacks the codes for the int8 AMX kernel (engine/load/amx.py) where this CPU runs it
@@ -144,11 +147,25 @@ class Int8Linear(QuantizedLinear):
             self.tile_scale = self.scales.float()
         return self.tile_codes is not None
 
+    def make_avx2(self) -> bool:
+        """Repacks the codes for engine/load/int8_avx2.py where this CPU runs it and the
+        activations are float32. -> whether the matrix has them."""
+        if self.avx2_codes is None and self.scales.dtype == torch.float32 \
+                and int8_avx2.fits(self.qweight.shape[0]) and int8_avx2.usable():
+            self.avx2_codes = int8_avx2.pack(self.qweight)
+        return self.avx2_codes is not None
+
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        codes, scale = self.tile_codes, self.tile_scale
-        if codes is None or scale is None or x.shape[0] < self.amx_from:
+        """On the AMX kernel (make_tiles) or the AVX2 one (make_avx2) from amx_from rows."""
+        if x.shape[0] < self.amx_from:
             return None
-        y = amx.int8_mm(x, codes, scale)  # x is bfloat16, as the scales (make_tiles)
+        codes, scale = self.tile_codes, self.tile_scale
+        if codes is not None and scale is not None:
+            y = amx.int8_mm(x, codes, scale)  # x is bfloat16, as the scales (make_tiles)
+        elif self.avx2_codes is not None:
+            y = int8_avx2.int8_mm(x, self.avx2_codes, self.scales)  # float32 x
+        else:
+            return None
         return y if residual is None else residual + y
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernel_choice import attach_packed_copies, native_stack_of
+from engine.kernel_choice import attach_int8_avx2, attach_packed_copies, native_stack_of
 from engine.load import int4_avx2
 from engine.load.dtype import resolve_dtype
 from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
@@ -147,6 +147,7 @@ def build_model(cfg: ModelConfig, weights: Weights, device: torch.device,
             prepack_model(model, LAYER_PROJECTIONS, deterministic)
         else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
             attach_packed_copies(model, dtype, deterministic=deterministic)
+            attach_int8_avx2(model, dtype, deterministic)
     if isinstance(model, LlamaForCausalLM):  # the kernels are chosen: all layers in one call?
         model.native_stack = native_stack_of(model)
     _release_freed_memory()

@@ -129,10 +129,10 @@ inline void attend_row(const conveyor::Params& p, const float* qr, const float* 
                        const float* values, int64_t vstride, int64_t lo, int64_t hi, float* sr, float* m,
                        float* l, float* acc) {
   const int64_t BS = p.BS, D = p.D;
-  int64_t i8 = 0;
+  int64_t k8 = 0;
   if (D % 8 == 0)
-    for (; i8 + 8 <= BS; i8 += 8) dot8(qr, keys + i8 * kstride, kstride, D, sr + i8);
-  for (int64_t i = i8; i < BS; ++i) sr[i] = dot(qr, keys + i * kstride, D);
+    for (; k8 + 8 <= BS; k8 += 8) dot8(qr, keys + k8 * kstride, kstride, D, sr + k8);
+  for (int64_t i = k8; i < BS; ++i) sr[i] = dot(qr, keys + i * kstride, D);
   float block_max = -__builtin_inff();
   int64_t i0 = 0;
   if (!(p.cap > 0.f)) {  // the mask and the max eight keys at a time (a max's bits do not depend on order)

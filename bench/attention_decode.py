@@ -1,7 +1,7 @@
-"""bench/cpu_attention.py --decode: bfloat16 decode rows straight through the native kernel's op,
-this tree's kernel against the one at a git revision (built beside it under another op namespace),
-calls alternated one by one (each variant first in turn) in one process, so drift on a shared
-machine hits every variant alike.
+"""bench/cpu_attention.py --decode: decode rows (bfloat16; float32 with --dtype float32) straight
+through the native kernel's op, this tree's kernel against the one at a git revision (built beside
+it under another op namespace), calls alternated one by one (each variant first in turn) in one
+process, so drift on a shared machine hits every variant alike.
 
 Two tables. "Hot": one batch's K/V re-read call after call (32 decodes over 408 tokens, the same
 over a cache 20x larger, one decode over 200..2,000, 64 over 2,048): the host's large L3 keeps
@@ -71,14 +71,14 @@ def alternate(calls: dict[str, Callable[[int], None]], runs: int) -> dict[str, l
     return times
 
 
-def batch(lens: list[int], blocks: int, gen: Any) -> tuple[Any, ...]:
+def batch(lens: list[int], blocks: int, gen: Any, dtype: Any) -> tuple[Any, ...]:
     """q, the tables scattered over blocks, and the sequences' (start, q_len, seq_len)."""
     import torch
 
     h, _, d, bs = SHAPE
     b, need = len(lens), -(-max(lens) // SHAPE[3])
     tables = torch.randperm(blocks, generator=gen)[:b * need].view(b, need).to(torch.int32)
-    q = torch.randn(b, h, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(b, h, d, generator=gen).to(dtype)
     seqs = (torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
             torch.tensor(lens, dtype=torch.int32))
     return q, tables.contiguous(), seqs
@@ -105,7 +105,7 @@ def header(names: list[str]) -> str:
             + "".join(f" {'x ' + n[:11]:>12s}" for n in names[1:]) + f" {'GB/s':>6s}" * len(names))
 
 
-def hot(ops: dict[str, Any], runs: int) -> None:
+def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
     import torch
 
     h, hkv, d, bs = SHAPE
@@ -117,18 +117,18 @@ def hot(ops: dict[str, Any], runs: int) -> None:
                               ("1 x 1000", 1, 1000, 0), ("1 x 2000", 1, 2000, 0),
                               ("64 x 2048", 64, 2048, 0)]:
         blocks = b * -(-n // bs) * (1 + spare) + 1
-        q, tables, seqs = batch([n] * b, blocks, gen)
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16)
+        q, tables, seqs = batch([n] * b, blocks, gen, dtype)
+        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype)
                   for _ in range(2))
         outs = {k: torch.empty_like(q) for k in ops}
         times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
                            for k, op in ops.items()}, runs)
         first, *rest = outs.values()
         assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
-        print(row(name, times, b * n * hkv * d * 2 * 2))
+        print(row(name, times, b * n * hkv * d * 2 * dtype.itemsize))
 
 
-def dram(ops: dict[str, Any], runs: int) -> None:
+def dram(ops: dict[str, Any], runs: int, dtype: Any) -> None:
     import torch
 
     from engine.kv_cache import zeros_pool
@@ -141,10 +141,9 @@ def dram(ops: dict[str, Any], runs: int) -> None:
     for name, lens, layers in [("32 x 64..700 (step mix)", STEP_MIX, 30), ("1 x 2000", [2000], 30),
                                ("64 x 2048", [2048] * 64, 3)]:  # 100 MB a call: 3 pools of 200 MB
         blocks = 2 * sum(-(-n // bs) for n in lens)
-        q, tables, seqs = batch(lens, blocks, gen)
+        q, tables, seqs = batch(lens, blocks, gen, dtype)
         shape = (layers, 2, blocks, bs, hkv, d)
-        small, huge = zeros_pool(shape, torch.bfloat16, False), zeros_pool(shape, torch.bfloat16,
-                                                                            True)
+        small, huge = zeros_pool(shape, dtype, False), zeros_pool(shape, dtype, True)
         small.normal_(generator=gen)
         huge.copy_(small)
         fns = ops | {"this tree, 2 MB": ops["this tree"]}
@@ -159,19 +158,20 @@ def dram(ops: dict[str, Any], runs: int) -> None:
             call(0)  # every variant over layer 0, to compare
         first, *rest = outs.values()
         assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
-        print(row(name, times, sum(lens) * hkv * d * 2 * 2))
+        print(row(name, times, sum(lens) * hkv * d * 2 * dtype.itemsize))
         del small, huge
 
 
-def decode_rows(rev: str, runs: int) -> None:
-    """Both tables (the module docstring), this tree against rev."""
+def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16") -> None:
+    """Both tables (the module docstring), this tree against rev, q and cache in dtype_name."""
     import torch
 
     import kernels.cpu as native_cpu
 
     assert native_cpu.available(), "the native kernel did not build"
     ops = {rev: baseline_op(rev), "this tree": torch.ops.conveyor_cpu.paged_attention}
-    print(f"bfloat16 decode rows, H={SHAPE[0]} Hkv={SHAPE[1]} D={SHAPE[2]} block={SHAPE[3]}, "
+    dtype = getattr(torch, dtype_name)
+    print(f"{dtype_name} decode rows, H={SHAPE[0]} Hkv={SHAPE[1]} D={SHAPE[2]} block={SHAPE[3]}, "
           f"isa auto, {runs} calls each, alternated")
-    hot(ops, runs)
-    dram(ops, runs)
+    hot(ops, runs, dtype)
+    dram(ops, runs, dtype)

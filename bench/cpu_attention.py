@@ -22,11 +22,13 @@ over a cached 1024) on the native kernel's best path against SDPA, plus single d
 256..4096 (to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA
 shape.
 
-With --decode: bfloat16 decode rows straight through the kernel's op, this tree's kernel against the
-one at git revision --against, calls alternated in one process, over K/V the host's caches keep and
-over K/V from memory as in a served step (bench/attention_decode.py says how).
+With --decode: decode rows (bfloat16; float32 with --dtype float32) straight through the kernel's
+op, this tree's kernel against the one at git revision --against, calls alternated in one process,
+over K/V the host's caches keep and over K/V from memory as in a served step
+(bench/attention_decode.py says how).
 
-    python bench/cpu_attention.py [--native | --prompts | --decode [--against REV]] [--threads N]
+    python bench/cpu_attention.py [--native | --prompts | --decode [--against REV] [--dtype D]]
+                                  [--threads N]
 """
 from __future__ import annotations
 
@@ -196,7 +198,9 @@ def main() -> None:
     ap.add_argument("--prompts", action="store_true",
                     help="bfloat16 prompts: native kernel vs SDPA")
     ap.add_argument("--decode", action="store_true",
-                    help="bfloat16 decode rows: this kernel vs --against's")
+                    help="decode rows: this kernel vs --against's")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="--decode's q and cache dtype")
     ap.add_argument("--against", default="main", help="the git revision --decode compares with")
     args = ap.parse_args()
     pin_threads(args.threads)
@@ -215,7 +219,7 @@ def main() -> None:
         return
     if args.decode:
         from bench.attention_decode import decode_rows
-        decode_rows(args.against, args.runs)
+        decode_rows(args.against, args.runs, args.dtype)
         return
     src = torch.empty(1 << 26)  # 256 MiB
     dst = torch.empty_like(src)

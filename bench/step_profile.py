@@ -289,7 +289,7 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
                                    max_num_seqs=room, max_num_batched_tokens=2048,
                                    kv_cache_memory="2GiB", max_model_len=max(1024, longest),
                                    attention_backend=args.attention_backend,
-                                   quantization=quantization))
+                                   quantization=quantization, kv_cache_dtype=args.kv_cache_dtype))
     # what auto resolved to
     dtype, quantization = core.model_config.dtype, core.model_config.quantization
     if args.python_layers:
@@ -366,6 +366,8 @@ def main() -> None:
                     help="N > 0: a mixed step, every measured step also prefills a new N-token "
                          "prompt")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="auto | bfloat16 | ...: the KV cache's dtype (as the server's option)")
     ap.add_argument("--attention-backend", default="auto",
                     help="auto | cpu | torch (the native kernel's baseline)")
     ap.add_argument("--ops", action="store_true",

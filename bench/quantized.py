@@ -13,7 +13,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
 (ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
 
     python bench/quantized.py [--threads 2] [--model SmolLM2-135M-Instruct] [--streams 1]
-    python bench/quantized.py --gemm [--threads 2]
+    python bench/quantized.py --gemm [--threads 2] [--activations float32]
     python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
 
@@ -23,6 +23,11 @@ calls them, through torch's int kernels, through the packed bfloat16 copies and,
 through the AMX kernel's tiles ("AMX") and its rows path ("AMX rows", up to 8 rows: the same bits),
 by row count; each set of passes is taken when the machine is quiet (other processes under --quiet
 of the CPUs), the best of --reps.
+
+--gemm --activations float32: the int4 projections under float32 activations, through the AVX2
+int4 kernel (kernels/cpu/quant_gemm_avx2.cpp, what --quantization auto serves on CPUs without native
+bfloat16) against packed float32 copies (MKL's plain matrix from prepack.PLAIN_FROM_ROWS, as the
+float32 model), with each side's GFLOP/s.
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with
 native bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under
@@ -190,21 +195,24 @@ def gemm(args: argparse.Namespace) -> None:
 
     from engine import kernel_calibration, kernel_choice
     from engine.load.dtype import cpu_kind
-    from engine.load.prepack import PackedLinear
+    from engine.load.prepack import PackedLinear, plain_from_rows
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
     torch.set_num_threads(args.threads)
-    model, cfg = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
+    dtype = getattr(torch, args.activations)
+    model, cfg = load_model(resolve_model(args.model), dtype, "cpu", "int4", prepack=False)
     modules = kernel_choice.switched_modules(model)
     # a copy for every matrix (no table, no calibration), so both sides can be timed
     for m in modules:
-        m.packed = PackedLinear(m.dequantized(), None)
-    print(f"{args.model}, {cfg.quantization} projections + int8 tied head, bfloat16 activations, "
-          f"{args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of {args.reps}"
-          f"{', CPU time' if args.cpu_time else ', wall clock'}), 'x' = int / packed")
-    for kind in ("int4", "int8"):
+        m.packed = PackedLinear(m.dequantized(), None, plain_from_rows(dtype))
+    print(f"{args.model}, {cfg.quantization} projections + int8 tied head, {args.activations} "
+          f"activations, {args.threads} threads, CPU kind {cpu_kind()}; ms per pass (best of "
+          f"{args.reps}{', CPU time' if args.cpu_time else ', wall clock'}), 'x' = int / packed"
+          f"{'; int4: the AVX2 kernel' if dtype == torch.float32 else ''}")
+    for kind in (("int4",) if dtype == torch.float32 else ("int4", "int8")):
         group = [m for m in modules if kernel_choice.kind_of(m) == kind]
+        flop = 2 * sum(m.shape()[0] * m.shape()[1] for m in group)  # per row
         best: dict[int, list[float]] = {}
         for _ in range(args.reps):
             for r in args.rows:
@@ -219,7 +227,8 @@ def gemm(args: argparse.Namespace) -> None:
             amx += (f"  AMX rows {s * 1e3:8.2f}" if s < float("inf")
                     else "  AMX rows        -" if amx else "")
             print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed "
-                  f"{p * 1e3:8.2f}{amx}  x {q / p:5.2f}")
+                  f"{p * 1e3:8.2f}{amx}  x {q / p:5.2f}  GFLOP/s int {flop * r / q / 1e9:5.1f} "
+                  f"packed {flop * r / p / 1e9:5.1f}")
         faster = [r for r, (q, p, _, _) in best.items() if p < q]
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
         tiles = [r for r, (q, p, t, _) in best.items() if t < min(q, p)]
@@ -328,6 +337,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reference", help=argparse.SUPPRESS)
     p.add_argument("--gemm", action="store_true",
                    help="int kernels against packed copies by rows (see above)")
+    p.add_argument("--activations", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="--gemm: float32 times the AVX2 int4 kernel against float32 copies")
     p.add_argument("--head", action="store_true",
                    help="the tied int8 head's kernels: row-invariant or not, ms")
     p.add_argument("--rows", type=lambda v: [int(n) for n in v.split(",")],

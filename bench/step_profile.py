@@ -63,7 +63,9 @@ GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bm
             "conveyor_cpu::int4_gemm_amx", "conveyor_cpu::int4_gemm_rows",
             "conveyor_cpu::int8_gemm_amx", "conveyor_cpu::int8_gemm_rows",
             # int4 on AVX-512 BF16 without AMX (engine/load/int4_avx512.py)
-            "conveyor_cpu::int4_gemm_avx512"}
+            "conveyor_cpu::int4_gemm_avx512",
+            # int4 with float32 activations on AVX2 (engine/load/int4_avx2.py)
+            "conveyor_cpu::int4_gemm_avx2"}
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention",
                # the native kernel (kernels/cpu), alone or after its K/V write in one call
                "conveyor_cpu::paged_attention", "conveyor_cpu::write_and_attend")

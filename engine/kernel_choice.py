@@ -19,6 +19,8 @@ kernel) the int4 matrices take it at every row count instead (invariant_by_defau
 On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
 int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
 packed copies on prompt-sized calls, so it takes every row count only under --deterministic.
+With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
+float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
 """
 from __future__ import annotations
@@ -36,12 +38,11 @@ from engine.load.prepack import (
     PLAIN_MAX_BYTES,
     QUANTIZED_TILES_ROWS,
     PackedLinear,
+    plain_from_rows,
     quantized_packed_from,
     same_bits_rows,
 )
 from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.models.native_stack import INT4_AMX, PACKED, NativeStack, Projection
 
 log = logging.getLogger("conveyor.kernel_choice")
 # CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
@@ -49,6 +50,10 @@ log = logging.getLogger("conveyor.kernel_choice")
 # packed copies' time from 128 rows in `python bench/int4_avx512.py` (a proxy on the AMX Xeon's
 # AVX-512 units: docs/kernels.md), so there it is the default below a calibrated threshold only.
 INVARIANT_KINDS = frozenset({"AMX"})
+# The AVX2 int4 matrices a float32 calibration times (six layers' four projections: ~85 MB of
+# float32 copies, past this CPU's caches, so still cold as a forward meets them): all 120 took
+# 20.3 s at load against 3.0 s on the AVX2 EPYC, for the same choice (docs/kernels.md).
+FLOAT32_CALIBRATION_MATRICES = 24
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -72,6 +77,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
     not depend on the step's row count; the faster one for batches), one-row calls padded and,
     on AMX CPUs, larger ones cut into calls of ONEDNN_SAME_BITS_ROWS."""
     modules = switched_modules(model)
+    if dtype == torch.float32 and any(avx2_coded(m) for m in modules):
+        return attach_float32_copies(modules, deterministic)
     kind = kind or cpu_kind()
     if not deterministic and invariant_by_default(modules, dtype, kind):
         deterministic = True
@@ -180,61 +187,46 @@ def attach_int8_tiles(modules: Sequence[QuantizedLinear]) -> set[int]:
     return {id(m) for m in tiled}
 
 
-# The projection kinds (engine/models/native_stack.py) the native call takes, by the model's dtype:
-# what each dtype's default runs and tests/kernels/test_decoder_layers*.py compare with the Python.
-STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX}), torch.float32: frozenset({PACKED})}
+
+def avx2_coded(m: QuantizedLinear) -> bool:
+    """Whether m is an int4 matrix with the AVX2 kernel's codes (float32 activations)."""
+    return isinstance(m, Int4Linear) and m.avx2_scale_low is not None
 
 
-def _tiles(m: nn.Module) -> Projection | None:
-    """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
-    kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
-    call takes the kernel its forward takes; else None."""
-    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
-        return None
-    codes, scale_zero = m.tile_codes, m.tile_scale_zero
-    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
-        return None
-    if m.bias is not None:
-        return None
-    return Projection(INT4_AMX, [codes, scale_zero], [m.tile_min_exponent, amx.ROWS_PATH_MAX])
-
-
-def _packed(m: nn.Module) -> Projection | None:
-    """A prepacked projection without bias whose calls are neither padded nor cut
-    (--deterministic): its forward takes oneDNN's packed matrix, and MKL on the plain one from
-    plain_from rows, as the native call then does; else None."""
-    if (type(m) is not PackedLinear or m.bias is not None or m.pad_one_row
-            or m.max_rows is not None):
-        return None
-    plain_from = -1 if m.plain is None or m.plain_from is None else m.plain_from
-    return Projection(PACKED, [m.packed, m.packed if m.plain is None else m.plain], [plain_from])
-
-
-def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
-    """Every decoder layer in one native call (engine/models/native_stack.py), where each layer is
-    plain on the native small ops with norms of one eps in the model's dtype, every projection is
-    one of STACK_KINDS' for that dtype and the layers share their settings; else None. Called
-    once the kernels are chosen."""
-    weights: list[torch.Tensor] = []
-    projections: list[int] = []
-    settings = set()
-    for layer in model.model.layers:
-        if not isinstance(layer, DecoderLayer) or not layer.plain_on_native_ops():
-            return None
-        norm, post = layer.input_layernorm, layer.post_attention_layernorm
-        kinds = STACK_KINDS.get(norm.weight.dtype, frozenset())
-        projs = [_tiles(m) or _packed(m) for m in (layer.qkv_proj, layer.o_proj,
-                                                   layer.gate_up_proj, layer.down_proj)]
-        present = [p for p in projs if p is not None and p.kind in kinds]
-        if (norm.eps is None or post.eps != norm.eps or len(present) != len(projs)
-                or post.weight.dtype != norm.weight.dtype):
-            return None
-        qkv, o, gate_up, down = present
-        weights += [norm.weight, *qkv.tensors, *o.tensors, post.weight, *gate_up.tensors,
-                    *down.tensors]
-        projections += [n for p in present for n in (p.kind, *p.ints)]
-        settings.add((layer.num_heads, layer.num_kv_heads, norm.eps, layer.scale))
-    if len(settings) != 1:
-        return None
-    heads, kv_heads, eps, scale = settings.pop()
-    return NativeStack(weights, projections, heads, kv_heads, eps, scale)
+def attach_float32_copies(modules: Sequence[QuantizedLinear],
+                          deterministic: bool) -> dict[str, int]:
+    """Float32 activations where the int4 matrices carry the AVX2 kernel's codes
+    (engine/load/int4_avx2.py): they take it below a row count calibrated here against packed
+    float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), and no
+    copy where it wins at every row count tried up to 128. The other matrices (the int8 tied head:
+    torch's int8 kernel is slow with float32 activations) take their float32 copy at every row
+    count. Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
+    others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
+    model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
+    coded = [m for m in modules if avx2_coded(m)]
+    rest = [m for m in modules if not avx2_coded(m)]
+    copied = rest if deterministic else list(modules)
+    size = sum(m.shape()[0] * m.shape()[1] for m in copied) * 4
+    if size > PLAIN_MAX_BYTES:
+        log.info("int4 GEMMs on the AVX2 kernel at every row count; no packed float32 copies: they "
+                 "would take %.0f MiB", size / 2**20)
+        return {}
+    plain_from = None if deterministic else plain_from_rows(torch.float32)
+    for m in copied:
+        m.packed = PackedLinear(m.dequantized(), None, plain_from, pad_one_row=deterministic)
+        m.packed_from = 1
+    chosen = {kind_of(m): 1 for m in rest}
+    handover = (NEVER if deterministic
+                else calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], AVX512_CALIBRATION_ROWS))
+    for m in coded:  # the kernel from one row: its mm fuses the residual
+        m.packed_from, m.amx_from = handover, 1
+        if handover >= NEVER:
+            m.packed = None  # the kernel won at every row count tried: no copy
+    if handover < NEVER:
+        chosen["int4"] = handover
+    log.info("int4 GEMMs on the AVX2 kernel %s; packed float32 copies (%.0f MiB) from %s rows",
+             "at every row count" if handover >= NEVER
+             else f"below {handover} rows (measured at load)",
+             sum(m.shape()[0] * m.shape()[1] for m in modules if m.packed is not None) * 4 / 2**20,
+             chosen)
+    return chosen

@@ -10,10 +10,10 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
   (Q4_K, Q5_*, ...) and float checkpoints are quantized here per group of 32 from their min and max.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
-- torch's int kernels win only while a GEMM is bound by memory (a few rows): with 16-bit activations
-  a projection may also hold a oneDNN-packed copy of its dequantized matrix
-  (engine/kernel_choice.py), which calls of packed_from rows or more take instead, so a quantized
-  model is not slower than its bfloat16 form at any batch size.
+- The int kernels win only while a GEMM is bound by memory (a few rows): a projection may also hold
+  a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which calls of
+  packed_from rows or more take, so a quantized model is not slower than its float form at any
+  batch. Float32 activations take our AVX2 int4 kernel (engine/load/int4_avx2.py).
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from engine.load import amx, int4_avx512
+from engine.load import amx, int4_avx2, int4_avx512
 from engine.load.prepack import PackedLinear
 
 if TYPE_CHECKING:
@@ -184,6 +184,7 @@ class Int4Linear(QuantizedLinear):
         scales, lows, packed, tiles = [], [], [], []
         with_tiles = (dtype == torch.bfloat16 and amx.fits(n, k)
                       and (amx.usable() or int4_avx512.usable()))
+        with_avx2 = dtype == torch.float32 and int4_avx2.fits(n, k) and int4_avx2.usable()
         for r in range(0, n, CHUNK_ROWS):
             wg = w[r:r + CHUNK_ROWS].float().view(-1, k // GROUP, GROUP)
             if groups is None:  # from the values: the group's min to its max in 15 steps
@@ -194,7 +195,8 @@ class Int4Linear(QuantizedLinear):
                 low = groups[1][r:r + CHUNK_ROWS].float()
             q = torch.round((wg - low[..., None]) / scale[..., None]).clamp_(0, 15)
             q = q.to(torch.int32).view(-1, k)
-            packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+            packed.append(int4_avx2.pack_codes(q) if with_avx2
+                          else torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
             if with_tiles:
                 tiles.append(amx.pack_int4(q, scale, low + 8 * scale))
             scales.append(scale)
@@ -216,10 +218,16 @@ class Int4Linear(QuantizedLinear):
                                   if self.tile_codes is not None
                                   and self.tile_scale_zero is not None else 0)
         self.tiles_avx512 = False  # the codes multiply on the AVX-512 BF16 kernel, not on AMX
+        # set: qweight is in the AVX2 kernel's layout
+        self.avx2_scale_low: torch.Tensor | None
+        self.register_buffer("avx2_scale_low",
+                             int4_avx2.pack_scales(scale, low) if with_avx2 else None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        if self.avx2_scale_low is not None:
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low, residual)
         if self.tile_codes is None or x.shape[0] < self.amx_from:
             return None
         return self.tile_mm(x, residual)
@@ -236,6 +244,8 @@ class Int4Linear(QuantizedLinear):
         return amx.int4_mm(x, codes, scale_zero, self.tile_min_exponent, residual)
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.avx2_scale_low is not None:
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low)
         scales_zeros = self.scales_zeros
         if x.dtype != scales_zeros.dtype:
             x = x.to(scales_zeros.dtype)
@@ -252,7 +262,10 @@ class Int4Linear(QuantizedLinear):
 
     def dequantized(self) -> torch.Tensor:
         """The kernel's own dequantization, read back through it: I @ W.T = W.T, exact in float32
-        (one non-zero product per output), rounded once to the activations' dtype."""
+        (one non-zero product per output), rounded once to the activations' dtype; AVX2
+        codes: q * scale + low."""
+        if self.avx2_scale_low is not None:
+            return int4_avx2.unpack(self.qweight, self.avx2_scale_low)
         k = self.shape()[1]
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
         cols = [self.quantized_mm(eye[r:r + CHUNK_ROWS]) for r in range(0, k, CHUNK_ROWS)]

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernel_choice import attach_packed_copies, native_stack_of
+from engine.kernel_choice import attach_packed_copies
+from engine.load import int4_avx2
 from engine.load.dtype import resolve_dtype
 from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.load.prepack import prepack_model, usable
@@ -38,6 +39,7 @@ from engine.load.safetensors_files import load_order, read_copies, safetensors_f
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
+from engine.native_stack_choice import native_stack_of
 from kernels import cpu as cpu_kernels
 from shared.model_source import ModelSource
 
@@ -220,19 +222,28 @@ def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.de
     where PyTorch's kernels are fast: on the CPU, with 16-bit activations, where they take the calls
     of few rows and packed bfloat16 copies the rest, from row counts measured on this CPU kind
     (engine/kernel_choice.py), so the quantized default is not slower than the dequantized model at
-    any batch. With float32 activations the int kernels take a scalar path several times slower than
-    a float32 GEMM (docs/performance.md), so auto then dequantizes; int8 / int4 named explicitly are
-    honoured there too."""
+    any batch. With float32 activations torch's int kernels take a scalar path several times
+    slower than a float32 GEMM (docs/performance.md), so auto then dequantizes, except an int4 file
+    on a CPU with AVX2 and FMA: our AVX2 kernel (engine/load/int4_avx2.py) multiplies its codes,
+    reading 4 bits a weight where the dequantized model reads 32, below packed float32 copies
+    calibrated at load (engine/kernel_choice.py attach_float32_copies). int8 / int4 named
+    explicitly are honoured everywhere."""
     if asked != "auto":
         if asked != "none" and device.type != "cpu":
             raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu "
                              "or --quantization none")
         return asked
-    if in_file != "none" and (device.type != "cpu" or dtype == torch.float32):
+    float32_codes = in_file == "int4" and int4_avx2.usable()
+    if in_file != "none" and (device.type != "cpu" or (dtype == torch.float32
+                                                       and not float32_codes)):
         log.info("--quantization auto: serving the file's %s matrices dequantized to %s (the int "
-                 "kernels are fast only on the CPU with 16-bit activations; --quantization %s "
-                 "forces them)", in_file, str(dtype).removeprefix("torch."), in_file)
+                 "kernels are fast only on the CPU with 16-bit activations, or int4 with AVX2; "
+                 "--quantization %s forces them)", in_file, str(dtype).removeprefix("torch."),
+                 in_file)
         return "none"
+    if in_file != "none" and dtype == torch.float32:
+        log.info("--quantization auto: the file's int4 codes on the AVX2 kernel with float32 "
+                 "activations (packed float32 copies for large calls)")
     return in_file
 
 

@@ -4,8 +4,8 @@ projections are int4 on the AMX kernel at every row count (bfloat16) or oneDNN's
 (float32), every row of the step on the native attention kernel. The call runs the ops
 DecoderLayer.forward calls, in its order, without the Python between them (about 100 us a layer,
 a quarter of a one-row step); any other model or step runs each layer's forward. Loading decides
-whether a model has a stack (engine/kernel_choice.py native_stack_of), since it chose the GEMMs'
-kernels."""
+whether a model has a stack (engine/native_stack_choice.py native_stack_of), since it chose the
+GEMMs' kernels."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -15,7 +15,8 @@ import torch
 from kernels.torch_backend import NativeStep
 
 # A projection's kind in decoder_layers (its Kind enum): which kernel its module's forward takes
-# at each row count, so which tensors and ints describe it (engine/kernel_choice.py writes them).
+# at each row count, so which tensors and ints describe it (engine/native_stack_choice.py writes
+# them).
 INT4_AMX = 0  # tensors: tile codes, scales; ints: min_exponent, amx.ROWS_PATH_MAX
 PACKED = 1  # tensors: oneDNN's packed matrix, the plain one; ints: plain_from (-1: never)
 

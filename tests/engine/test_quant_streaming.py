@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import engine.load.gguf
 import engine.load.quant
 import engine.load.weights
+from engine.load import int4_avx2
 from engine.load.gguf import read_gguf
 from engine.load.quant import (
     GROUP,
@@ -79,7 +80,10 @@ def _int8_by_formula(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
 
 
-def _int4_by_formula(w: torch.Tensor, groups) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _int4_by_formula(w: torch.Tensor, groups, avx2: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (the codes as the module holds them: torch's int4pack, or the AVX2 kernel's layout
+    where avx2 (float32 activations on AVX2 CPUs), scale, zero)."""
     n, k = w.shape
     wg = w.view(n, k // GROUP, GROUP)
     if groups is None:
@@ -89,7 +93,9 @@ def _int4_by_formula(w: torch.Tensor, groups) -> tuple[torch.Tensor, torch.Tenso
         scale, low = groups
     q = torch.round((wg - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(n,
                                                                                                 k)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scale, low + 8 * scale
+    codes = (int4_avx2.pack_codes(q) if avx2
+             else torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+    return codes, scale, low + 8 * scale
 
 
 @pytest.mark.parametrize(("checkpoint", "mode", "dtype"), [
@@ -122,7 +128,8 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
     for path in targets:
         module, w = model.get_submodule(path), floats[f"{path}.weight"]
         if isinstance(module, Int4Linear):
-            packed, scale, zero = _int4_by_formula(w, groups.get(f"{path}.weight"))
+            packed, scale, zero = _int4_by_formula(w, groups.get(f"{path}.weight"),
+                                                   module.avx2_scale_low is not None)
             assert torch.equal(module.qweight, packed), path
             want = torch.stack((scale.t(), zero.t()), dim=-1).to(dtype)
             assert torch.equal(module.scales_zeros, want), path

@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from engine.kernel_choice import native_stack_of
 from engine.load import amx
 from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
+from engine.native_stack_choice import native_stack_of
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernel_choice import native_stack_of
 from engine.load.prepack import PackedLinear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.native_stack import PACKED
+from engine.native_stack_choice import native_stack_of
 from kernels import cpu
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource, resolve_model

@@ -11,8 +11,9 @@ decode steps twice:
    the native kernel), K/V gathers and writes (index_select & co. inside the attention backend),
    attention's other ops (layouts, copies), elementwise (RMSNorm, RoPE, SiLU-and-mul, residual adds,
    casts), the embedding, and dispatch/Python between ops. Where the decoder layers run in one
-   native call (the default on AMX CPUs: engine/models/llama.py NativeStack), that call is one row,
-   its ops and the C++ between them inside it, and the dispatch row is the Python around it;
+   native call (the default on AMX CPUs and in float32: engine/models/llama.py NativeStack), that
+   call is one row, its ops and the C++ between them inside it, and the dispatch row is the Python
+   around it;
    --python-layers runs each layer's Python forward instead, split as above.
 Then the arithmetic ceiling of one step: its model FLOPs (the linear layers and LM head for the rows
 computed, plus attention over each context) at the GEMM speed measured here in the same dtype.

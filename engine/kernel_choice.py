@@ -48,8 +48,6 @@ from engine.load.prepack import (
     same_bits_rows,
 )
 from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
-from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.models.native_stack import NativeStack
 
 log = logging.getLogger("conveyor.kernel_choice")
 # CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
@@ -218,44 +216,6 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
     return handover if mats else None
 
 
-def _tiles(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
-    kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
-    call takes the kernel its forward takes; else None."""
-    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
-        return None
-    codes, scale_zero = m.tile_codes, m.tile_scale_zero
-    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
-        return None
-    return None if m.bias is not None else (codes, scale_zero, m.tile_min_exponent)
-
-
-def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
-    """Every decoder layer in one native call (engine/models/native_stack.py), where each layer is
-    plain on the native small ops with bfloat16 norms of one eps, every projection is _tiles' case
-    and the layers share their settings; else None. Called once the kernels are chosen."""
-    weights: list[torch.Tensor] = []
-    exps: list[int] = []
-    settings = set()
-    for layer in model.model.layers:
-        if not isinstance(layer, DecoderLayer) or not layer.plain_on_native_ops():
-            return None
-        norm, post = layer.input_layernorm, layer.post_attention_layernorm
-        tiles = [_tiles(m) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                     layer.down_proj)]
-        present = [t for t in tiles if t is not None]
-        if (norm.eps is None or post.eps != norm.eps or len(present) != len(tiles)
-                or any(n.weight.dtype != torch.bfloat16 for n in (norm, post))):
-            return None
-        qkv, o, gate_up, down = present
-        weights += [norm.weight, *qkv[:2], *o[:2], post.weight, *gate_up[:2], *down[:2]]
-        exps += [t[2] for t in present]
-        settings.add((layer.num_heads, layer.num_kv_heads, norm.eps, layer.scale))
-    if len(settings) != 1:
-        return None
-    heads, kv_heads, eps, scale = settings.pop()
-    return NativeStack(weights, exps, heads, kv_heads, eps, scale, amx.ROWS_PATH_MAX)
-
 
 def avx2_coded(m: QuantizedLinear) -> bool:
     """Whether m is an int4 matrix with the AVX2 kernel's codes (float32 activations)."""
@@ -268,9 +228,9 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
     (engine/load/int4_avx2.py): they take it below a row count calibrated here against packed
     float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), 128 at
     the latest: the two tie at 128 rows, so a calibration alone flipped between reloads, and the
-    copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the int8 tied head:
-    torch's int8 kernel is slow with float32 activations) take their float32 copy at every row
-    count. Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
+    copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the
+    int8 tied head: torch's int8 kernel is slow with float32 activations) take their float32 copy
+    at every row count (attach_int8_avx2 then puts the head on its own kernel). Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
     others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
     model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
     coded = [m for m in modules if avx2_coded(m)]

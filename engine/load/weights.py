@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.kernel_choice import attach_int8_avx2, attach_packed_copies, native_stack_of
+from engine.kernel_choice import attach_int8_avx2, attach_packed_copies
 from engine.load import int4_avx2
 from engine.load.dtype import resolve_dtype
 from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
@@ -39,6 +39,7 @@ from engine.load.safetensors_files import load_order, read_copies, safetensors_f
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
+from engine.native_stack_choice import native_stack_of
 from kernels import cpu as cpu_kernels
 from shared.model_source import ModelSource
 

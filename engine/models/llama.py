@@ -193,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         local = rope_table(cfg, cfg.local_rope_theta) if cfg.local_rope_theta is not None else None
         self.register_buffer("rope_local", local, persistent=False)
         # the decoder layers in one native call, set by loading once it has chosen the GEMMs'
-        # kernels (engine/kernel_choice.py native_stack_of); None: each layer's forward
+        # kernels (engine/native_stack_choice.py native_stack_of); None: each layer's forward
         self.native_stack: NativeStack | None = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Every decoder layer in one native call (conveyor_cpu::decoder_layers,
-kernels/cpu/decoder_layers.cpp) for the CPU default's common case: plain Llama layers whose
-projections are int4 on the AMX kernel at every row count, bfloat16, every row of the step on the
-native attention kernel. The call runs the ops DecoderLayer.forward calls, in its order, without the
-Python between them (about 100 us a layer, a quarter of a one-row step); any other model or step
-runs each layer's forward. Loading decides whether a model has a stack
-(engine/kernel_choice.py native_stack_of), since it chose the GEMMs' kernels."""
+kernels/cpu/decoder_layers.cpp) for the CPU default's common cases: plain Llama layers whose
+projections are int4 on the AMX kernel at every row count (bfloat16) or oneDNN's packed matrices
+(float32), every row of the step on the native attention kernel. The call runs the ops
+DecoderLayer.forward calls, in its order, without the Python between them (about 100 us a layer,
+a quarter of a one-row step); any other model or step runs each layer's forward. Loading decides
+whether a model has a stack (engine/native_stack_choice.py native_stack_of), since it chose the
+GEMMs' kernels."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -13,19 +14,32 @@ import torch
 
 from kernels.torch_backend import NativeStep
 
+# A projection's kind in decoder_layers (its Kind enum): which kernel its module's forward takes
+# at each row count, so which tensors and ints describe it (engine/native_stack_choice.py writes
+# them).
+INT4_AMX = 0  # tensors: tile codes, scales; ints: min_exponent, amx.ROWS_PATH_MAX
+PACKED = 1  # tensors: oneDNN's packed matrix, the plain one; ints: plain_from (-1: never)
+
+
+class Projection(NamedTuple):
+    """How one projection multiplies in the native call: its kind, then its tensors and ints."""
+
+    kind: int
+    tensors: list[torch.Tensor]
+    ints: list[int]
+
 
 class NativeStack(NamedTuple):
     """Every layer's weights in the order decoder_layers takes them (per layer: the input norm,
-    qkv codes and scales, o's, the post-attention norm, gate_up's, down's), their min_exponents
-    (qkv, o, gate_up, down) and the settings the layers share."""
+    qkv's tensors, o's, the post-attention norm, gate_up's, down's), the projections' kinds each
+    followed by its ints (qkv, o, gate_up, down), and the settings the layers share."""
 
     weights: list[torch.Tensor]
-    min_exponents: list[int]
+    projections: list[int]
     num_heads: int
     num_kv_heads: int
     eps: float
     scale: float
-    rows_path_max: int  # engine/load/amx.py ROWS_PATH_MAX: the rows path up to this many rows
 
 
 def run_stack(stack: NativeStack, h: torch.Tensor, kv_cache: torch.Tensor, table: torch.Tensor,
@@ -33,6 +47,6 @@ def run_stack(stack: NativeStack, h: torch.Tensor, kv_cache: torch.Tensor, table
     """h [T, E] through every layer -> [T, E]; kv_cache [layers, 2, blocks, block_size, Hkv, D];
     the RoPE table and positions as rope_ takes them; step: TorchBackend.native_step."""
     out: torch.Tensor = torch.ops.conveyor_cpu.decoder_layers(
-        h, stack.weights, stack.min_exponents, kv_cache, table, positions, stack.num_heads,
-        stack.num_kv_heads, stack.eps, stack.scale, stack.rows_path_max, *step)
+        h, stack.weights, stack.projections, kv_cache, table, positions, stack.num_heads,
+        stack.num_kv_heads, stack.eps, stack.scale, *step)
     return out

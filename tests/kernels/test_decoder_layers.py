@@ -10,11 +10,11 @@ import random
 import pytest
 import torch
 
-from engine.kernel_choice import native_stack_of
 from engine.load import amx
 from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
+from engine.native_stack_choice import native_stack_of
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource
@@ -48,7 +48,7 @@ def forward(model: LlamaForCausalLM, backend: TorchBackend, lay: BatchLayout,
     """The residual stream after the last layer, for random tokens, with the layers in one native
     call or each through its Python forward."""
     gen = torch.Generator().manual_seed(len(lay.query_lens))
-    ids = torch.randint(3, 49152, (sum(lay.query_lens),), generator=gen)
+    ids = torch.randint(3, model.config.vocab_size, (sum(lay.query_lens),), generator=gen)
     positions = torch.cat([torch.arange(c, c + q)
                            for q, c in zip(lay.query_lens, lay.context_lens)])
     meta = backend.plan(lay)

@@ -1,0 +1,73 @@
+"""Whether a model's decoder layers run in one native call (engine/models/native_stack.py), decided
+once loading has chosen each projection's kernels (engine/kernel_choice.py): the call must take,
+for every projection, the kernel its module's forward takes at each row count, or the bits would
+differ from the Python layers'."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.load import amx
+from engine.load.prepack import PackedLinear
+from engine.load.quant import Int4Linear
+from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.native_stack import INT4_AMX, PACKED, NativeStack, Projection
+
+# The projection kinds (engine/models/native_stack.py) the native call takes, by the model's dtype:
+# what each dtype's default runs and tests/kernels/test_decoder_layers*.py compare with the Python.
+STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX}), torch.float32: frozenset({PACKED})}
+
+
+def _tiles(m: nn.Module) -> Projection | None:
+    """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
+    kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
+    call takes the kernel its forward takes; else None."""
+    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
+        return None
+    codes, scale_zero = m.tile_codes, m.tile_scale_zero
+    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
+        return None
+    if m.bias is not None:
+        return None
+    return Projection(INT4_AMX, [codes, scale_zero], [m.tile_min_exponent, amx.ROWS_PATH_MAX])
+
+
+def _packed(m: nn.Module) -> Projection | None:
+    """A prepacked projection without bias whose calls are neither padded nor cut
+    (--deterministic): its forward takes oneDNN's packed matrix, and MKL on the plain one from
+    plain_from rows, as the native call then does; else None."""
+    if (type(m) is not PackedLinear or m.bias is not None or m.pad_one_row
+            or m.max_rows is not None):
+        return None
+    plain_from = -1 if m.plain is None or m.plain_from is None else m.plain_from
+    return Projection(PACKED, [m.packed, m.packed if m.plain is None else m.plain], [plain_from])
+
+
+def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
+    """Every decoder layer in one native call (engine/models/native_stack.py), where each layer is
+    plain on the native small ops with norms of one eps in the model's dtype, every projection is
+    one of STACK_KINDS' for that dtype and the layers share their settings; else None. Called
+    once the kernels are chosen."""
+    weights: list[torch.Tensor] = []
+    projections: list[int] = []
+    settings = set()
+    for layer in model.model.layers:
+        if not isinstance(layer, DecoderLayer) or not layer.plain_on_native_ops():
+            return None
+        norm, post = layer.input_layernorm, layer.post_attention_layernorm
+        kinds = STACK_KINDS.get(norm.weight.dtype, frozenset())
+        projs = [_tiles(m) or _packed(m) for m in (layer.qkv_proj, layer.o_proj,
+                                                   layer.gate_up_proj, layer.down_proj)]
+        present = [p for p in projs if p is not None and p.kind in kinds]
+        if (norm.eps is None or post.eps != norm.eps or len(present) != len(projs)
+                or post.weight.dtype != norm.weight.dtype):
+            return None
+        qkv, o, gate_up, down = present
+        weights += [norm.weight, *qkv.tensors, *o.tensors, post.weight, *gate_up.tensors,
+                    *down.tensors]
+        projections += [n for p in present for n in (p.kind, *p.ints)]
+        settings.add((layer.num_heads, layer.num_kv_heads, norm.eps, layer.scale))
+    if len(settings) != 1:
+        return None
+    heads, kv_heads, eps, scale = settings.pop()
+    return NativeStack(weights, projections, heads, kv_heads, eps, scale)

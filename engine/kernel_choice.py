@@ -230,7 +230,8 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
     the latest: the two tie at 128 rows, so a calibration alone flipped between reloads, and the
     copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the
     int8 tied head: torch's int8 kernel is slow with float32 activations) take their float32 copy
-    at every row count (attach_int8_avx2 then puts the head on its own kernel). Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
+    at every row count (attach_int8_avx2 then puts the head on its own kernel).
+    Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
     others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
     model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
     coded = [m for m in modules if avx2_coded(m)]

@@ -11,11 +11,12 @@ from engine.load import amx
 from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.models.native_stack import INT4_AMX, PACKED, NativeStack, Projection
+from engine.models.native_stack import INT4_AMX, INT4_AVX2, PACKED, NativeStack, Projection
 
 # The projection kinds (engine/models/native_stack.py) the native call takes, by the model's dtype:
 # what each dtype's default runs and tests/kernels/test_decoder_layers*.py compare with the Python.
-STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX}), torch.float32: frozenset({PACKED})}
+STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX}),
+               torch.float32: frozenset({PACKED, INT4_AVX2})}
 
 
 def _tiles(m: nn.Module) -> Projection | None:
@@ -43,6 +44,22 @@ def _packed(m: nn.Module) -> Projection | None:
     return Projection(PACKED, [m.packed, m.packed if m.plain is None else m.plain], [plain_from])
 
 
+def _int4_avx2(m: nn.Module) -> Projection | None:
+    """An int4 projection on the AVX2 kernel (float32) from one row, without bias, whose packed
+    float32 copy, where it has one, is _packed's case: QuantizedLinear.mm takes the copy from
+    packed_from rows and the kernel below, as the native call then does; else None."""
+    if (type(m) is not Int4Linear or m.avx2_scale_low is None or m.bias is not None
+            or m.amx_from > 1):
+        return None
+    copy = None if m.packed is None else _packed(m.packed)
+    if m.packed is not None and copy is None:
+        return None
+    tensors = [m.qweight, m.avx2_scale_low]
+    if copy is None:
+        return Projection(INT4_AVX2, [*tensors, *tensors], [-1, -1])
+    return Projection(INT4_AVX2, [*tensors, *copy.tensors], [m.packed_from, *copy.ints])
+
+
 def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
     """Every decoder layer in one native call (engine/models/native_stack.py), where each layer is
     plain on the native small ops with norms of one eps in the model's dtype, every projection is
@@ -56,8 +73,8 @@ def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:
             return None
         norm, post = layer.input_layernorm, layer.post_attention_layernorm
         kinds = STACK_KINDS.get(norm.weight.dtype, frozenset())
-        projs = [_tiles(m) or _packed(m) for m in (layer.qkv_proj, layer.o_proj,
-                                                   layer.gate_up_proj, layer.down_proj)]
+        projs = [_tiles(m) or _packed(m) or _int4_avx2(m)
+                 for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
         present = [p for p in projs if p is not None and p.kind in kinds]
         if (norm.eps is None or post.eps != norm.eps or len(present) != len(projs)
                 or post.weight.dtype != norm.weight.dtype):

@@ -1,7 +1,8 @@
 // A stack of Llama decoder layers in one call, for the CPU default's common cases: every projection on one of
 // the kernels below (Kind), every row of the step on the native attention kernel, no bias, window,
-// soft-capping, q/k norm or MoE (engine/models/llama.py and engine/kernel_choice.py decide; everything else
-// runs its Python layer). bfloat16 with int4 on AMX tiles, or float32 with oneDNN's packed matrices.
+// soft-capping, q/k norm or MoE (engine/models/llama.py and engine/native_stack_choice.py decide; everything
+// else runs its Python layer). bfloat16 with int4 on AMX tiles, or float32 with oneDNN's packed matrices or
+// int4 on the AVX2 kernel.
 //
 // At one decode row a layer's ops are short (a GEMM of one row, a norm of 576 numbers), and the Python
 // between them (module lookups, argument parsing, the dispatcher: about 100 us a layer) was a quarter of
@@ -29,10 +30,14 @@ enum Kind : int64_t {
   // engine/load/prepack.py PackedLinear: tensors oneDNN's packed matrix, the plain one (any tensor where
   // unused); ints plain_from (F.linear / addmm on the plain matrix from that many rows; -1: never).
   kPacked = 1,
+  // engine/load/int4_avx2.py int4_mm (float32), with a PackedLinear copy from packed_from rows
+  // (QuantizedLinear.mm): tensors codes, scale_low, then the copy's two kPacked tensors (any tensors where
+  // there is no copy); ints packed_from (-1: no copy), then the copy's plain_from.
+  kInt4Avx2 = 2,
   kKinds
 };
-constexpr int64_t kTensorsOf[kKinds] = {2, 2};
-constexpr int64_t kIntsOf[kKinds] = {2, 1};
+constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4};
+constexpr int64_t kIntsOf[kKinds] = {2, 1, 2};
 constexpr int64_t kProjections = 4;  // a layer's, in order: qkv, o, gate_up, down
 
 struct Proj {
@@ -113,6 +118,10 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const c10::optional<at::T
       return int4_gemm(x, p.w[0], p.w[1], residual);
     case kPacked:
       return packed_linear(x, p, residual);
+    case kInt4Avx2:
+      if (p.arg[0] >= 0 && x.size(0) >= p.arg[0])
+        return packed_linear(x, Proj{kPacked, p.w + 2, p.arg + 1}, residual);
+      return int4_gemm_avx2(x, p.w[0], p.w[1], residual);
     default:
       TORCH_CHECK(false, "decoder_layers: no projection kind ", p.kind);
   }

@@ -11,6 +11,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // quant_gemm_rows.cpp: the same bits for a few rows on AVX-512 (conveyor_cpu::int4_gemm_rows).
 at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                           const c10::optional<at::Tensor>& residual, int64_t w_min_exponent);
+// quant_gemm_avx2.cpp: x [M, K] float32 @ W.T (+ residual) on AVX2 (conveyor_cpu::int4_gemm_avx2).
+at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
+                          const c10::optional<at::Tensor>& residual);
 
 // layer_ops.cpp: the ops of the same names in conveyor_cpu.
 namespace conveyor {

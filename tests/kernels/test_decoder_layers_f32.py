@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import kernel_choice
+from engine.load import int4_avx2
 from engine.load.prepack import PackedLinear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
-from engine.models.native_stack import PACKED
+from engine.models.native_stack import INT4_AVX2, PACKED
 from engine.native_stack_choice import native_stack_of
 from kernels import cpu
 from kernels.torch_backend import TorchBackend
@@ -42,6 +44,26 @@ def float32_model(source: ModelSource) -> LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir: Path) -> LlamaForCausalLM:
     return float32_model(resolve_model(str(tiny_llama_dir)))
+
+
+def int4_model(source: ModelSource, quantization: str) -> LlamaForCausalLM:
+    """int4 projections on the AVX2 kernel below 8 rows and their float32 copies from 8 (the
+    handover a calibration would measure, fixed here so both sides of it run)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernel_choice, "calibrate", lambda modules, rows: 8)
+        loaded, _ = load_model(source, torch.float32, "cpu", quantization)
+    lm = causal_lm(loaded)
+    assert lm.native_stack is not None, "int4 on the AVX2 kernel is the native call's case"
+    assert INT4_AVX2 in lm.native_stack.projections, "the int4 projections as such"
+    return lm
+
+
+needs_avx2 = pytest.mark.skipif(not int4_avx2.usable(), reason="no AVX2 + FMA + F16C here")
+
+
+@pytest.fixture(scope="module")
+def tiny_int4(tiny_llama_dir: Path) -> LlamaForCausalLM:
+    return int4_model(resolve_model(str(tiny_llama_dir)), "int4")
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +114,28 @@ def test_smollm2_one_native_call_equals_the_python_layers(smollm2: LlamaForCausa
                                                            query_lens: list[int]) -> None:
     """The same on the real model, 30 layers of its shapes (576 wide, 9 heads over 3)."""
     want, got, kv_python, kv = python_and_native(smollm2, query_lens)
+    assert torch.equal(got, want)
+    assert torch.equal(kv, kv_python)
+
+
+@needs_avx2
+@pytest.mark.parametrize("query_lens", QUERY_LENS, ids=IDS)
+def test_tiny_llama_int4_one_native_call_equals_the_python_layers(tiny_int4: LlamaForCausalLM,
+                                                                   query_lens: list[int]) -> None:
+    """The same with the AVX2 default's int4 projections: the kernel below the handover (1, 2
+    and 7 rows), the float32 copies from it (MKL's plain matrix at 150 rows on AVX2 CPUs)."""
+    want, got, kv_python, kv = python_and_native(tiny_int4, query_lens)
+    assert torch.equal(got, want)
+    assert torch.equal(kv, kv_python)
+
+
+@pytest.mark.slow
+@needs_avx2
+@pytest.mark.parametrize("query_lens", [[1], [1] * 32, [150, 1]], ids=["1", "32", "150-row-chunk"])
+def test_smollm2_int4_one_native_call_equals_the_python_layers(smollm2_source: ModelSource,
+                                                                query_lens: list[int]) -> None:
+    """SmolLM2's GGUF as --quantization auto serves it in float32 on AVX2 CPUs."""
+    want, got, kv_python, kv = python_and_native(int4_model(smollm2_source, "auto"), query_lens)
     assert torch.equal(got, want)
     assert torch.equal(kv, kv_python)
 

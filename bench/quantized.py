@@ -107,7 +107,7 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     """Runs in a child process: one configuration, every figure."""
     import torch
 
-    from engine.load.quant import weight_bytes
+    from engine.load.quantize import weight_bytes
     from engine.offline import LLM
     from shared.model_source import resolve_model
     from shared.sampling import SamplingParams

@@ -20,16 +20,12 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.load import amx, int4_avx2, int4_avx512, int8_avx2
 from engine.load.prepack import PackedLinear
-
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("conveyor.quant")
 
@@ -287,43 +283,3 @@ class Int4Linear(QuantizedLinear):
         eye = torch.eye(k, dtype=self.scales_zeros.dtype)
         cols = [self.quantized_mm(eye[r:r + CHUNK_ROWS]) for r in range(0, k, CHUNK_ROWS)]
         return torch.cat(cols).t().contiguous()
-
-
-def quantize(linear: nn.Linear | nn.Embedding, mode: str, dtype: torch.dtype,
-             groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> nn.Module:
-    """One float projection -> its int8 or int4 replacement (int8 where int4 does not apply)."""
-    module = quantize_matrix(linear.weight, mode if isinstance(linear, nn.Linear) else "int8",
-                             dtype, groups)
-    if isinstance(linear, nn.Linear) and linear.bias is not None:
-        module.bias = nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
-    return module
-
-
-def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
-                    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    absmax: torch.Tensor | None = None) -> Int8Linear | Int4Linear:
-    """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does
-    not apply). absmax: the whole rows' largest |w| for an int8 matrix that is a slice of
-    columns (Int8Linear)."""
-    if mode == "int4" and weight.shape[1] % GROUP == 0:
-        return Int4Linear(weight, None, dtype, groups)
-    return Int8Linear(weight, None, dtype, absmax)
-
-
-def quantized_targets(model: LlamaForCausalLM, mode: str) -> dict[str, str]:
-    """Module path -> int8 | int4 of what quantization replaces: each decoder layer's
-    projections and the LM head in mode, the embedding as int8 rows (see module doc). A tied LM
-    head is the embedding."""
-    targets = {f"model.layers.{i}.{name}": mode for i, layer in enumerate(model.model.layers)
-               for name in LAYER_PROJECTIONS if isinstance(getattr(layer, name, None), nn.Linear)}
-    if isinstance(model.lm_head, nn.Linear):
-        targets["lm_head"] = mode
-    targets["model.embed_tokens"] = "int8"
-    return targets
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer the model holds (quantized codes, scales, norms, RoPE
-    tables)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)

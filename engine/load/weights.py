@@ -28,13 +28,8 @@ from engine.load import int4_avx2
 from engine.load.dtype import resolve_dtype
 from engine.load.gguf import GROUPS_FILE, read_gguf, write_gguf_cache
 from engine.load.prepack import prepack_model, usable
-from engine.load.quant import (
-    LAYER_PROJECTIONS,
-    Groups,
-    quantize_matrix,
-    quantized_targets,
-    weight_bytes,
-)
+from engine.load.quant import LAYER_PROJECTIONS, Groups
+from engine.load.quantize import quantize_matrix, quantized_targets, weight_bytes
 from engine.load.safetensors_files import load_order, read_copies, safetensors_files
 from engine.models import ModelConfig, get_model_class
 from engine.models.convert import convert_hf_weights, iter_converted

@@ -19,14 +19,8 @@ import engine.load.quant
 import engine.load.weights
 from engine.load import int4_avx2
 from engine.load.gguf import read_gguf
-from engine.load.quant import (
-    GROUP,
-    Groups,
-    Int4Linear,
-    Int8Linear,
-    quantize,
-    quantized_targets,
-)
+from engine.load.quant import GROUP, Groups, Int4Linear, Int8Linear
+from engine.load.quantize import quantize, quantized_targets
 from engine.load.weights import _our_groups, dequantized_folder, load_model
 from engine.models.llama import LlamaForCausalLM
 from shared.model_source import resolve_model

@@ -19,7 +19,8 @@ from engine.core import EngineCore
 from engine.load import amx, int4_avx2, int4_avx512
 from engine.load.dtype import cpu_kind
 from engine.load.prepack import PackedLinear
-from engine.load.quant import Int4Linear, Int8Linear, weight_bytes
+from engine.load.quant import Int4Linear, Int8Linear
+from engine.load.quantize import weight_bytes
 from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
 from kernels.backend import BatchLayout

@@ -64,8 +64,8 @@ GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bm
             "conveyor_cpu::int8_gemm_amx", "conveyor_cpu::int8_gemm_rows",
             # int4 on AVX-512 BF16 without AMX (engine/load/int4_avx512.py)
             "conveyor_cpu::int4_gemm_avx512",
-            # int4 with float32 activations on AVX2 (engine/load/int4_avx2.py)
-            "conveyor_cpu::int4_gemm_avx2"}
+            # int4 and int8 with float32 activations on AVX2 (engine/load/int4_avx2.py, int8_avx2)
+            "conveyor_cpu::int4_gemm_avx2", "conveyor_cpu::int8_gemm_avx2"}
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention",
                # the native kernel (kernels/cpu), alone or after its K/V write in one call
                "conveyor_cpu::paged_attention", "conveyor_cpu::write_and_attend")
@@ -334,8 +334,9 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
     gemm_ms = prof.get(ROWS[0], 0.0) * scale
     linear_flops = flops - sum(4 * 30 * 576 * c
                                for c in contexts) - 2 * 30 * 576 * args.prompt_chunk**2
-    print(f"GEMMs in the forward: {linear_flops / 1e9:.2f} GFLOP in {gemm_ms:.2f} ms = "
-          f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
+    if gemm_ms > 0:  # none outside the native call where every GEMM runs inside it
+        print(f"GEMMs in the forward: {linear_flops / 1e9:.2f} GFLOP in {gemm_ms:.2f} ms = "
+              f"{linear_flops / (gemm_ms / 1e3) / 1e9:.0f} GFLOP/s")
     print(f"(profiled forward {prof_total:.1f} ms against {timed['forward']:.1f} ms unprofiled; "
           f"rows scaled by {scale:.2f})", flush=True)
     if args.ops:

@@ -19,8 +19,10 @@ CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 # more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
 AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
 # For the int8 AVX2 kernel (float32 activations) against a float32 packed copy: the copy takes over
-# from the first of these where it wins to the last; none: the kernel at every row count.
-INT8_AVX2_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+# from the first of these where it wins to the last; none: the kernel at every row count. Not 128:
+# there the copy is MKL's plain matrix, which lost (docs/kernels.md), and a head call that large
+# (a row per sequence whose logits a step needs) is rare, so it would decide the common sizes.
+INT8_AVX2_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
 
 

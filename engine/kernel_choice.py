@@ -247,9 +247,9 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
         m.packed = PackedLinear(m.dequantized(), None, plain_from, pad_one_row=deterministic)
         m.packed_from = 1
     chosen = {kind_of(m): 1 for m in rest}
-    rows = AVX512_CALIBRATION_ROWS
+    rows = AVX512_CALIBRATION_ROWS  # the last, 128, is the cap: a tie there must not decide
     handover = (NEVER if deterministic
-                else min(calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], rows), rows[-1]))
+                else min(calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], rows[:-1]), rows[-1]))
     for m in coded:  # the kernel from one row: its mm fuses the residual
         m.packed_from, m.amx_from = handover, 1
         if handover >= NEVER:

@@ -50,7 +50,7 @@ namespace {
 
 constexpr int kCols = 8, kGroup = 32, kChunk = 8, kChunks = kGroup / kChunk;
 constexpr int64_t kGroupWords = kChunks * kCols;  // 32 words (128 bytes) of codes per tile per group
-constexpr int kMaxC = 4, kMaxR = 6;
+constexpr int kMaxC = 2, kMaxR = 6;
 
 // Modes of a block: codes from memory; codes from memory, converted panel stored; converted panel read.
 enum Mode { kFresh = 0, kKeep = 1, kKept = 2 };
@@ -71,6 +71,8 @@ struct Panel {
   const S* sl;            // tile j's scales and lows at sl + j * tile_sl: per group 8 scales, 8 lows
   int64_t tile_words, tile_sl;
   float* kept;            // the converted panel: k-major, C tiles of 8 per k (kKeep writes, kKept reads)
+  const char* next;       // the thread's next panel's codes and scales (prefetched), or null
+  const char* next_sl;
 };
 
 // One k of the group chain: f (C tiles' converted codes at that k) times each row's scaled x.
@@ -93,6 +95,11 @@ template <int R, int C, int M, typename S, int... I>
 inline void chunk(__m256 (&g)[R][C], const float* xs, int64_t ldx, int64_t k0, int64_t word,
                   const Panel<S>& panel, std::integer_sequence<int, I...>) {
   __m256i w[C];
+  // The next panel's codes, a chunk's worth (C / 2 lines) a chunk: a panel is C short streams (a tile
+  // is K / 2 bytes) that the hardware prefetcher meets too late.
+  if constexpr (M != kKept)
+    if (panel.next)
+      for (int j = 0; j < C; j += 2) _mm_prefetch(panel.next + (word * C + j * kCols) * 4, _MM_HINT_T0);
   if constexpr (M != kKept)
     for (int j = 0; j < C; ++j)
       w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel.codes + j * panel.tile_words + word));
@@ -111,6 +118,10 @@ void block(const float* xs, int64_t ldx, const float* xsum, int64_t kt, const Pa
     for (int c = 0; c < kChunks; ++c)
       chunk<R, C, M>(g, xs, ldx, t * kGroup + c * kChunk, t * kGroupWords + c * kCols, panel,
                      std::make_integer_sequence<int, kChunk>{});
+    if constexpr (M != kKept)
+      if (panel.next_sl)
+        for (int64_t b = 0; b < C * 2 * kCols * int64_t(sizeof(S)); b += 64)
+          _mm_prefetch(panel.next_sl + t * C * 2 * kCols * sizeof(S) + b, _MM_HINT_T0);
     for (int j = 0; j < C; ++j) {
       const S* sl = panel.sl + j * panel.tile_sl + t * 2 * kCols;
       const __m256 scale = load8(sl), low = load8(sl + kCols);
@@ -172,16 +183,22 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nt, const ui
   const int64_t kt = k / kGroup, n = nt * kCols;
   std::vector<float> xs(m * k), xsum(m * kt);
   scaled_rows(x, ldx, m, k, xs.data(), xsum.data());
-  // Few rows: panels of 4 tiles (4 independent FMA chains per row); more: 2 tiles, blocks of 6 rows
-  // (12 chains, 2 weights and a broadcast: the 16 ymm registers). Either way the same sums.
-  const int cols = m <= 2 ? 4 : 2, rows = m <= 2 ? static_cast<int>(m) : kMaxR;
+  // Panels of 2 tiles; 1-2 rows a block, more: blocks of 6 rows (12 chains, 2 weights and a broadcast:
+  // the 16 ymm registers). Every shape gives the same sums. At 1-2 rows 2 tiles beat 1, 3 and 4 on Zen 1
+  // (fewer streams a panel; each group's chains start from zero, so the next group's overlap the last
+  // out of order and 2 chains hide the FMA latency): one row is bound by the and, convert and FMA per
+  // 8 weights, not by memory (docs/kernels.md).
+  const int cols = 2, rows = m <= 2 ? static_cast<int>(m) : kMaxR;
   const int64_t panels = (nt + cols - 1) / cols, tile_words = (k / kChunk) * kCols, tile_sl = kt * 2 * kCols;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     float* kept = m > rows ? static_cast<float*>(aligned_alloc(32, k * cols * kCols * sizeof(float))) : nullptr;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t tile0 = p * cols;
       const int c = static_cast<int>(std::min<int64_t>(cols, nt - tile0));
-      const Panel<S> panel{codes + tile0 * tile_words, sl + tile0 * tile_sl, tile_words, tile_sl, kept};
+      const bool more = p + 1 < p1;
+      const Panel<S> panel{codes + tile0 * tile_words, sl + tile0 * tile_sl, tile_words, tile_sl, kept,
+                           more ? reinterpret_cast<const char*>(codes + (tile0 + cols) * tile_words) : nullptr,
+                           more ? reinterpret_cast<const char*>(sl + (tile0 + cols) * tile_sl) : nullptr};
       for (int64_t r0 = 0; r0 < m; r0 += rows) {
         const int r = static_cast<int>(std::min<int64_t>(rows, m - r0));
         const int mode = r0 ? kKept : (kept ? kKeep : kFresh);

@@ -216,7 +216,6 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
     return handover if mats else None
 
 
-
 def avx2_coded(m: QuantizedLinear) -> bool:
     """Whether m is an int4 matrix with the AVX2 kernel's codes (float32 activations)."""
     return isinstance(m, Int4Linear) and m.avx2_scale_low is not None

@@ -99,10 +99,19 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     """Starts workers 1..N-1 and builds rank 0 here. -> (the runner, the full model's config)."""
     n = config.tensor_parallel_size
     folder = checkpoint_folder(source)
-    cfg = read_config(folder, config.dtype, device, config.quantization)
+    quantization = config.quantization
+    cfg = read_config(folder, config.dtype, device, quantization)
     check_divisible(cfg, n)
     if cfg.quantization == "int4":
-        check_int4(cfg, n, source.gguf_file is not None)
+        try:
+            check_int4(cfg, n, source.gguf_file is not None)
+        except ValueError as e:
+            if quantization != "auto":
+                raise
+            # auto takes what every rank can hold: the matrices dequantized
+            log.info("--quantization auto at tensor_parallel_size %d: dequantized (%s)", n, e)
+            quantization = "none"
+            cfg = read_config(folder, config.dtype, device, quantization)
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // n)
     shard0 = Shard(cfg, 0, n)
     # its block counts are every rank's
@@ -118,7 +127,7 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     port = sock.bind_to_random_port(f"tcp://{host if ray is None else '*'}")
 
     def spec(rank: int) -> RankSpec:
-        return RankSpec(str(folder), config.dtype, config.quantization,
+        return RankSpec(str(folder), config.dtype, quantization,
                         _device(device, rank, ray is not None), config.attention_backend,
                         kv.block_size, kv.num_blocks, kv.num_cpu_blocks,
                         config.cache.kv_cache_dtype, threads, config.seed, rank, n, host, comm.port,

@@ -70,7 +70,9 @@ class ShardedLlama(LlamaForCausalLM):
 
     def split_projections(self) -> None:
         """Wraps each layer's o_proj and down_proj, once loading, quantizing and prepacking have
-        made them what one engine would run."""
+        made them what one engine would run. The layers then run in Python: the one native call
+        for all layers (engine/models/native_stack.py) has no all-reduce between them."""
+        self.native_stack = None
         for layer in self.model.layers:
             for name in ROW_PARALLEL:
                 if hasattr(layer, name):  # an MoE layer has no down_proj

@@ -341,6 +341,10 @@ def main() -> None:
     ap.add_argument("--conveyor-args", default="",
                     help="more flags for Conveyor, one string (policy A/B runs)")
     args = ap.parse_args()
+    unknown = set(args.servers.split(",")) - {"vllm", "conveyor"}
+    if unknown:  # any other name would be started as Conveyor and labelled with it
+        ap.error(f"--servers: vllm and/or conveyor, not {', '.join(sorted(unknown))} (llama.cpp "
+                 "comes with --llama-server)")
     from bench.common import cpu_features, machine
     from shared.config import DEFAULT_MODEL
     from shared.model_source import resolve_model

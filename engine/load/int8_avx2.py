@@ -8,20 +8,17 @@ one arithmetic at every row count and thread count, so a row's bits do not depen
 """
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
-import kernels.cpu
+from engine.load import int4_avx2
 
 BLOCK = 8  # output rows the kernel's codes interleave (one AVX2 register of float32)
 
 
-@cache
 def usable() -> bool:
-    """Whether this CPU has AVX2 and FMA (checked by the kernel) and the native kernels are
-    built."""
-    return kernels.cpu.available() and bool(torch.ops.conveyor_cpu.int8_avx2_usable())
+    """Whether this CPU has AVX2 and FMA and the native kernels are built: int4_avx2's check
+    (F16C too, which every AVX2 CPU has)."""
+    return int4_avx2.usable()
 
 
 def fits(n: int) -> bool:

@@ -149,7 +149,6 @@ at::Tensor int8_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("int8_avx2_usable() -> bool", [] { return avx2_usable(); });
   m.def("int8_gemm_avx2(Tensor x, Tensor codes, Tensor scale) -> Tensor");
   m.impl("int8_gemm_avx2", c10::DispatchKey::CPU, &int8_gemm_avx2);
 }

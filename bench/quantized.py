@@ -16,6 +16,7 @@ Loading is measured apart, in a process that only loads the model: its peak resi
     python bench/quantized.py --gemm [--threads 2] [--activations float32]
     python bench/quantized.py --head [--threads 2] [--rows 1,2,32,64] [--head-fp32]
     python bench/quantized.py --ab [--threads 2] [--reps 7] [--cpu-time]
+    python bench/quantized.py --fbgemm [--threads 2] [--rows 32,512]
 
 --gemm measures what engine/load/prepack.py's QUANTIZED_PACKED_FROM_ROWS holds per CPU kind: the
 model's quantized projections (int4) and its tied LM head (int8), each called in turn as a forward
@@ -328,6 +329,45 @@ def head_fp32(args: argparse.Namespace) -> None:
         print(f"rows {r:>3}: {ms}{ratio}", flush=True)
 
 
+def fbgemm(args: argparse.Namespace) -> None:
+    """FBGEMM's dynamic int8 linear (activations rounded to uint8 per call, int8 weights per output
+    row) against MKL's float32 F.linear on SmolLM2's projection shapes with random weights, by
+    rows: what int8 arithmetic could buy a float32 model on CPUs without bfloat16 or VNNI, and the
+    relative error it costs (of the output's largest magnitude). Best of --reps."""
+    import torch
+    import torch.nn.functional as F
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    print(f"float32 F.linear (MKL) against FBGEMM dynamic int8, {args.threads} threads; GFLOP/s, "
+          f"best of {args.reps}")
+    for n, k, name in ((960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"),
+                       (576, 1536, "down")):
+        w = torch.randn(n, k, generator=gen) * 0.05
+        q = DynamicInt8Linear(k, n, bias_=False, dtype=torch.qint8)  # type: ignore[no-untyped-call]
+        q.set_weight_bias(torch.quantize_per_channel(w, w.abs().amax(1) / 127,
+                                                     torch.zeros(n, dtype=torch.long), 0,
+                                                     torch.qint8), None)
+        for rows in args.rows:
+            x = torch.randn(rows, k, generator=gen)
+            best = {}
+            for label, f in (("float32", lambda a: F.linear(a, w)), ("int8", q)):  # noqa: B023
+                f(x)
+                times = []
+                for _ in range(args.reps):
+                    t0 = time.perf_counter()
+                    f(x)
+                    times.append(time.perf_counter() - t0)
+                best[label] = min(times)
+            exact = F.linear(x, w)
+            err = float((q(x) - exact).abs().max() / exact.abs().max())
+            gflop = 2 * rows * n * k / 1e9
+            print(f"{name} {n}x{k} rows {rows:>4}: float32 {gflop / best['float32']:6.1f}  int8 "
+                  f"{gflop / best['int8']:6.1f}  int8 / float32 speed "
+                  f"{best['float32'] / best['int8']:5.2f}x  relative error {err:.4f}", flush=True)
+
+
 def ab(args: argparse.Namespace) -> None:
     """The default configuration against --dtype bfloat16 --quantization none in one process, runs
     alternating (ABBA), so that a shared machine's drift falls on both alike."""
@@ -396,6 +436,8 @@ def parse_args() -> argparse.Namespace:
                    help="only these rows (float32, the accuracy reference, always runs): "
                         "bfloat16,int8,int4,int4-int-only,default")
     p.add_argument("--int-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fbgemm", action="store_true",
+                   help="FBGEMM's dynamic int8 linear against float32 F.linear, by --rows")
     p.add_argument("--ab", action="store_true",
                    help="the default configuration against bfloat16/none, alternating in one "
                         "process")
@@ -411,7 +453,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     pin_threads(args.threads)
-    if args.gemm or args.ab or args.head:
+    if args.gemm or args.ab or args.head or args.fbgemm:
         print(machine())
         print(cpu_features())
         from engine.load.dtype import cpu_has_native_bf16
@@ -419,7 +461,7 @@ def main() -> None:
         if args.head and (args.head_fp32 or not cpu_has_native_bf16()):
             head_fp32(args)
             return
-        (gemm if args.gemm else head if args.head else ab)(args)
+        (gemm if args.gemm else head if args.head else fbgemm if args.fbgemm else ab)(args)
         return
     if args.one or args.load_only:
         print(json.dumps(one(args) if args.one else load_only(args)))

@@ -16,7 +16,7 @@ from engine import pooling
 from engine.admission import Limits
 from engine.block_manager import BlockManager
 from engine.kv_cache import KVCache
-from engine.load.weights import load_model
+from engine.load.weights import INVARIANT_QUANTIZATIONS, load_model
 from engine.models import ModelConfig
 from engine.runner import ModelRunner
 from engine.speculative import Proposer, make_proposer
@@ -68,7 +68,7 @@ def build(config: EngineConfig) -> EngineParts:
     source = resolve_model(config.model)
     tp_runner, model, kv, mc = _load(config, source, device)
     dtype = getattr(torch, mc.dtype)  # --dtype auto resolved against the checkpoint and the CPU
-    backend = _backend(config, kv, dtype, device)
+    backend = _backend(config, kv, dtype, device, mc.quantization in INVARIANT_QUANTIZATIONS)
     proposer = make_proposer(config.speculative, mc, kv.num_blocks, config.cache, dtype, device,
                              backend)
     draft_len = proposer.max_model_len if proposer is not None else None
@@ -125,10 +125,14 @@ def _load(config: EngineConfig, source: ModelSource,
     return None, model, kv, mc
 
 
-def _backend(config: EngineConfig, kv: KVCache, dtype: torch.dtype,
-             device: torch.device) -> AttentionBackend:
-    """The attention backend, refused where it cannot serve what the flags ask of it."""
-    backend = get_backend(config.attention_backend, device, dtype, config.deterministic)
+def _backend(config: EngineConfig, kv: KVCache, dtype: torch.dtype, device: torch.device,
+             invariant_gemms: bool = False) -> AttentionBackend:
+    """The attention backend, refused where it cannot serve what the flags ask of it.
+    invariant_gemms: the model's GEMMs are batch invariant without --deterministic (w4a8), so
+    prompt chunks take the native kernel too, as under the flag: one attention arithmetic for
+    every row (on the AVX2 EPYC it cost nothing measurable: docs/determinism.md)."""
+    backend = get_backend(config.attention_backend, device, dtype,
+                          config.deterministic or invariant_gemms)
     if config.deterministic and not one_attention_kernel(backend):
         raise ValueError("--deterministic needs one attention kernel for prompt and decode rows: "
                          "the native CPU kernel (--attention-backend cpu, and a C++ compiler at "

@@ -230,12 +230,16 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
     copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the
     int8 tied head: torch's int8 kernel is slow with float32 activations) take their float32 copy
     at every row count (attach_int8_avx2 then puts the head on its own kernel).
-    Deterministic: the AVX2 kernel at every row count (one arithmetic at any rows), the
+    Under w4a8 (activations rounded to 8 bits) the kernel at every row count: it beat the copies
+    at 1..512 rows (docs/kernels.md). Deterministic: the AVX2 kernel at every row count (one
+    arithmetic at any rows), the
     others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
     model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
     coded = [m for m in modules if avx2_coded(m)]
     rest = [m for m in modules if not avx2_coded(m)]
-    copied = rest if deterministic else list(modules)
+    # w4a8's kernel beats the copies at every row count measured (1..512): no copies for them
+    rounded = any(isinstance(m, Int4Linear) and m.avx2_q8 for m in coded)
+    copied = rest if deterministic or rounded else list(modules)
     size = sum(m.shape()[0] * m.shape()[1] for m in copied) * 4
     if size > PLAIN_MAX_BYTES:
         log.info("int4 GEMMs on the AVX2 kernel at every row count; no packed float32 copies: they "
@@ -247,7 +251,7 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
         m.packed_from = 1
     chosen = {kind_of(m): 1 for m in rest}
     rows = AVX512_CALIBRATION_ROWS  # the last, 128, is the cap: a tie there must not decide
-    handover = (NEVER if deterministic
+    handover = (NEVER if deterministic or rounded
                 else min(calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], rows[:-1]), rows[-1]))
     for m in coded:  # the kernel from one row: its mm fuses the residual
         m.packed_from, m.amx_from = handover, 1

@@ -54,10 +54,10 @@ def _int4_avx2(m: nn.Module) -> Projection | None:
     copy = None if m.packed is None else _packed(m.packed)
     if m.packed is not None and copy is None:
         return None
-    tensors = [m.qweight, m.avx2_scale_low]
+    tensors, x_bits = [m.qweight, m.avx2_scale_low], 8 if m.avx2_q8 else 32
     if copy is None:
-        return Projection(INT4_AVX2, [*tensors, *tensors], [-1, -1])
-    return Projection(INT4_AVX2, [*tensors, *copy.tensors], [m.packed_from, *copy.ints])
+        return Projection(INT4_AVX2, [*tensors, *tensors], [x_bits, -1, -1])
+    return Projection(INT4_AVX2, [*tensors, *copy.tensors], [x_bits, m.packed_from, *copy.ints])
 
 
 def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:

@@ -12,7 +12,9 @@ PREFILL_POLICIES = ("chunked", "prefill_first", "mixed")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "w4a8")
+# int4 weights in groups of 32; w4a8 also rounds the activations to 8 bits per group of 32
+INT4_QUANTIZATIONS = ("int4", "w4a8")
 PREEMPTION_MODES = ("auto", "swap", "recompute")
 POOLING_MODES = ("auto", "last", "mean", "cls", "none")  # how embeddings pool (engine/pooling.py)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"

@@ -50,7 +50,9 @@ def _model_args(p: Parser, with_model: bool) -> None:
            "without them; docs/performance.md)")
     a("--quantization", choices=QUANTIZATIONS,
       help="auto (default): a GGUF's 4-bit matrices run as int4 and Q8_0 as int8 weight-only GEMMs "
-           "(weights stay 4-8x smaller than float32); none: dequantize to --dtype")
+           "(weights stay 4-8x smaller than float32), as w4a8 under float32 on AVX2 CPUs; none: "
+           "dequantize to --dtype; w4a8: int4 weights times activations rounded to 8 bits per "
+           "group of 32, as llama.cpp multiplies Q4 files (float32 on AVX2 CPUs only)")
     a("--device", help="cpu (default) or cuda")
     a("--attention-backend", choices=ATTENTION_BACKENDS,
       help="auto: Triton on CUDA, cpu elsewhere (a native kernel for decodes and short queries, "

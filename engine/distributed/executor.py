@@ -30,7 +30,7 @@ from engine.load.weights import read_config
 from engine.models.config import ModelConfig
 from engine.runner import ModelRunner
 from engine.step import EngineFault, StepPlan
-from shared.config import EngineConfig
+from shared.config import INT4_QUANTIZATIONS, EngineConfig
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.tp")
@@ -102,7 +102,7 @@ def start_tensor_parallel(config: EngineConfig, source: ModelSource,
     quantization = config.quantization
     cfg = read_config(folder, config.dtype, device, quantization)
     check_divisible(cfg, n)
-    if cfg.quantization == "int4":
+    if cfg.quantization in INT4_QUANTIZATIONS:
         try:
             check_int4(cfg, n, source.gguf_file is not None)
         except ValueError as e:

@@ -105,13 +105,15 @@ def check_int4(cfg: ModelConfig, n: int, gguf: bool) -> None:
     int8 as every rank does). A GGUF's exact Q4 groups (engine/load/gguf.py) are not sliced: the
     ranks read its dequantized cache, whose values they would quantize again."""
     if gguf:
-        raise ValueError("--quantization int4 of a GGUF is not sharded (its Q4 groups are not "
-                         "sliced): use --quantization int8 or none, or --tensor-parallel-size 1")
+        raise ValueError(f"--quantization {cfg.quantization} of a GGUF is not sharded (its Q4 "
+                         "groups are not sliced): use --quantization int8 or none, or "
+                         "--tensor-parallel-size 1")
     columns = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
     bad = [f"{name} ({k // n} columns a rank)" for name, k in columns.items()
            if k % GROUP == 0 and k // n % GROUP]
     if bad:
-        raise ValueError(f"--quantization int4 is not sharded at tensor_parallel_size {n}: a "
+        raise ValueError(f"--quantization {cfg.quantization} is not sharded at "
+                         f"tensor_parallel_size {n}: a "
                          f"rank's groups of {GROUP} columns would not be one engine's in "
                          f"{', '.join(bad)}; use --quantization int8 or none")
 

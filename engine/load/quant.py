@@ -13,7 +13,8 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
 - The int kernels win only while a GEMM is bound by memory (a few rows): a projection may also hold
   a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which calls of
   packed_from rows or more take, so a quantized model is not slower than its float form at any
-  batch. Float32 activations take our AVX2 int4 kernel (engine/load/int4_avx2.py).
+  batch. Float32 activations take our AVX2 int4 kernel (engine/load/int4_avx2.py), under
+  --quantization w4a8 with the activations rounded to 8 bits.
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -189,7 +190,10 @@ class Int4Linear(QuantizedLinear):
     0..15."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 round_x: bool = False) -> None:
+        """round_x: where the AVX2 kernel takes the matrix, it multiplies activations rounded to
+        8 bits per group of 32 (--quantization w4a8; int4_avx2.int4_mm)."""
         super().__init__()
         # no autograd graph: it would keep the float matrix alive beside its codes
         w = weight.detach()
@@ -235,12 +239,13 @@ class Int4Linear(QuantizedLinear):
         self.avx2_scale_low: torch.Tensor | None
         self.register_buffer("avx2_scale_low",
                              int4_avx2.pack_scales(scale, low) if with_avx2 else None)
+        self.avx2_q8 = round_x and with_avx2
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.avx2_scale_low is not None:
-            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low, residual)
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low, residual, self.avx2_q8)
         if self.tile_codes is None or x.shape[0] < self.amx_from:
             return None
         return self.tile_mm(x, residual)
@@ -258,7 +263,7 @@ class Int4Linear(QuantizedLinear):
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.avx2_scale_low is not None:
-            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low)
+            return int4_avx2.int4_mm(x, self.qweight, self.avx2_scale_low, None, self.avx2_q8)
         scales_zeros = self.scales_zeros
         if x.dtype != scales_zeros.dtype:
             x = x.to(scales_zeros.dtype)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.load.quant import GROUP, LAYER_PROJECTIONS, Int4Linear, Int8Linear
+from shared.config import INT4_QUANTIZATIONS
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
@@ -30,8 +31,8 @@ def quantize_matrix(weight: torch.Tensor, mode: str, dtype: torch.dtype,
     """A float matrix [N, K] -> its int8 or int4 module, without bias (int8 where int4 does
     not apply). absmax: the whole rows' largest |w| for an int8 matrix that is a slice of
     columns (Int8Linear)."""
-    if mode == "int4" and weight.shape[1] % GROUP == 0:
-        return Int4Linear(weight, None, dtype, groups)
+    if mode in INT4_QUANTIZATIONS and weight.shape[1] % GROUP == 0:
+        return Int4Linear(weight, None, dtype, groups, round_x=mode == "w4a8")
     return Int8Linear(weight, None, dtype, absmax)
 
 

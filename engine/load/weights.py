@@ -36,9 +36,16 @@ from engine.models.convert import convert_hf_weights, iter_converted
 from engine.models.llama import LlamaForCausalLM
 from engine.native_stack_choice import native_stack_of
 from kernels import cpu as cpu_kernels
+from shared.config import INT4_QUANTIZATIONS
 from shared.model_source import ModelSource
 
 log = logging.getLogger("conveyor.weights")
+# what --quantization auto serves an int4 file as under float32 where the AVX2 kernel runs
+AUTO_FLOAT32_INT4 = "w4a8"
+# Quantizations whose GEMMs all run one arithmetic at every row count (w4a8: the int4 matrices on
+# its kernel, the int8 head on its AVX2 kernel, no copies), so the default is batch invariant
+# (docs/determinism.md): the engine then puts prompt chunks on the native attention kernel too.
+INVARIANT_QUANTIZATIONS = ("w4a8",)
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 # our name, matrix -> its int8 rows' absmax, or None
@@ -130,9 +137,10 @@ def build_model(cfg: ModelConfig, weights: Weights, device: torch.device,
         model.load_state_dict(model.convert_hf_weights(cast), strict=True, assign=True)
     else:
         if isinstance(groups, Path):
-            groups = dict(read_copies([groups])) if mode == "int4" else None
+            groups = dict(read_copies([groups])) if mode in INT4_QUANTIZATIONS else None
         _load_quantized(model, cfg, weights, mode, dtype,
-                        _our_groups(cfg, groups or {}) if mode == "int4" else {}, absmax)
+                        _our_groups(cfg, groups or {}) if mode in INT4_QUANTIZATIONS else {},
+                        absmax)
         groups = None
     model = model.requires_grad_(False).eval().to(device)  # .to moves the RoPE table buffer
     native_dtype = dtype in (torch.float32, torch.bfloat16)
@@ -143,7 +151,7 @@ def build_model(cfg: ModelConfig, weights: Weights, device: torch.device,
             prepack_model(model, LAYER_PROJECTIONS, deterministic)
         else:  # the int kernels where they win, packed copies of the dequantized matrices elsewhere
             attach_packed_copies(model, dtype, deterministic=deterministic)
-            attach_int8_avx2(model, dtype, deterministic)
+            attach_int8_avx2(model, dtype, deterministic or mode in INVARIANT_QUANTIZATIONS)
     if isinstance(model, LlamaForCausalLM):  # the kernels are chosen: all layers in one call?
         model.native_stack = native_stack_of(model)
     _release_freed_memory()
@@ -222,12 +230,17 @@ def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.de
     slower than a float32 GEMM (docs/performance.md), so auto then dequantizes, except an int4 file
     on a CPU with AVX2 and FMA: our AVX2 kernel (engine/load/int4_avx2.py) multiplies its codes,
     reading 4 bits a weight where the dequantized model reads 32, below packed float32 copies
-    calibrated at load (engine/kernel_choice.py attach_float32_copies). int8 / int4 named
-    explicitly are honoured everywhere."""
+    calibrated at load (engine/kernel_choice.py attach_float32_copies); there auto takes w4a8, the
+    same codes times activations rounded to 8 bits: faster at every row count (no copies), at an
+    accuracy cost docs/kernels.md measures. int8 / int4 named explicitly are honoured everywhere;
+    w4a8 where the AVX2 kernel runs."""
     if asked != "auto":
         if asked != "none" and device.type != "cpu":
             raise ValueError(f"--quantization {asked} runs PyTorch's CPU kernels: use --device cpu "
                              "or --quantization none")
+        if asked == "w4a8" and (dtype != torch.float32 or not int4_avx2.usable()):
+            raise ValueError("--quantization w4a8 runs the AVX2 int4 kernel: it needs --dtype "
+                             "float32 and a CPU with AVX2, FMA and F16C")
         return asked
     float32_codes = in_file == "int4" and int4_avx2.usable()
     if in_file != "none" and (device.type != "cpu" or (dtype == torch.float32
@@ -238,8 +251,9 @@ def _quantization(asked: str, in_file: str, dtype: torch.dtype, device: torch.de
                  in_file)
         return "none"
     if in_file != "none" and dtype == torch.float32:
-        log.info("--quantization auto: the file's int4 codes on the AVX2 kernel with float32 "
-                 "activations (packed float32 copies for large calls)")
+        log.info("--quantization auto: w4a8, the file's int4 codes on the AVX2 kernel with float32 "
+                 "activations rounded to 8 bits")
+        return AUTO_FLOAT32_INT4
     return in_file
 
 

@@ -1,7 +1,7 @@
 """Every decoder layer in one native call (conveyor_cpu::decoder_layers,
 kernels/cpu/decoder_layers.cpp) for the CPU default's common cases: plain Llama layers whose
 projections are int4 on the AMX kernel at every row count (bfloat16), oneDNN's packed matrices
-or int4 on the AVX2 kernel (float32), every row of the step on the native attention kernel. The
+or int4 on an AVX2 kernel (float32), every row of the step on the native attention kernel. The
 call runs the ops DecoderLayer.forward calls, in its order, without the Python between them
 (about 100 us a layer, a quarter of a one-row step); any other model or step runs each layer's
 forward. Loading decides whether a model has a stack (engine/native_stack_choice.py
@@ -19,8 +19,8 @@ from kernels.torch_backend import NativeStep
 # them).
 INT4_AMX = 0  # tensors: tile codes, scales; ints: min_exponent, amx.ROWS_PATH_MAX
 PACKED = 1  # tensors: oneDNN's packed matrix, the plain one; ints: plain_from (-1: never)
-# tensors: AVX2 codes, scale_low, then a PACKED copy's two; ints: packed_from (-1: no copy), the
-# copy's plain_from
+# tensors: AVX2 codes, scale_low, then a PACKED copy's two; ints: x_bits (8: activations rounded
+# to 8 bits, 32: float32), packed_from (-1: no copy), the copy's plain_from
 INT4_AVX2 = 2
 
 

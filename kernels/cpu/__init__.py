@@ -25,7 +25,7 @@ log = logging.getLogger("conveyor.kernels")
 SOURCES = [Path(__file__).with_name(n)
            for n in ("paged_attention.cpp", "layer_ops.cpp", "quant_gemm.cpp",
                       "quant_gemm_rows.cpp", "quant_int8.cpp", "quant_int8_avx2.cpp",
-                      "quant_gemm_avx512.cpp", "quant_gemm_avx2.cpp",
+                      "quant_gemm_avx512.cpp", "quant_gemm_avx2.cpp", "quant_gemm_avx2_q8.cpp",
                       "decoder_layers.cpp")]
 # included by the sources: part of the cache key
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))

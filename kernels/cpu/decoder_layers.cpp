@@ -2,7 +2,7 @@
 // the kernels below (Kind), every row of the step on the native attention kernel, no bias, window,
 // soft-capping, q/k norm or MoE (engine/models/llama.py and engine/native_stack_choice.py decide; everything
 // else runs its Python layer). bfloat16 with int4 on AMX tiles, or float32 with oneDNN's packed matrices or
-// int4 on the AVX2 kernel.
+// int4 on the AVX2 kernels.
 //
 // At one decode row a layer's ops are short (a GEMM of one row, a norm of 576 numbers), and the Python
 // between them (module lookups, argument parsing, the dispatcher: about 100 us a layer) was a quarter of
@@ -32,12 +32,13 @@ enum Kind : int64_t {
   kPacked = 1,
   // engine/load/int4_avx2.py int4_mm (float32), with a PackedLinear copy from packed_from rows
   // (QuantizedLinear.mm): tensors codes, scale_low, then the copy's two kPacked tensors (any tensors where
-  // there is no copy); ints packed_from (-1: no copy), then the copy's plain_from.
+  // there is no copy); ints x_bits (8: x rounded to 8 bits, int4_gemm_avx2_q8; 32: int4_gemm_avx2),
+  // packed_from (-1: no copy), then the copy's plain_from.
   kInt4Avx2 = 2,
   kKinds
 };
 constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4};
-constexpr int64_t kIntsOf[kKinds] = {2, 1, 2};
+constexpr int64_t kIntsOf[kKinds] = {2, 1, 3};
 constexpr int64_t kProjections = 4;  // a layer's, in order: qkv, o, gate_up, down
 
 struct Proj {
@@ -119,8 +120,9 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const c10::optional<at::T
     case kPacked:
       return packed_linear(x, p, residual);
     case kInt4Avx2:
-      if (p.arg[0] >= 0 && x.size(0) >= p.arg[0])
-        return packed_linear(x, Proj{kPacked, p.w + 2, p.arg + 1}, residual);
+      if (p.arg[1] >= 0 && x.size(0) >= p.arg[1])
+        return packed_linear(x, Proj{kPacked, p.w + 2, p.arg + 2}, residual);
+      if (p.arg[0] == 8) return int4_gemm_avx2_q8(x, p.w[0], p.w[1], residual);
       return int4_gemm_avx2(x, p.w[0], p.w[1], residual);
     default:
       TORCH_CHECK(false, "decoder_layers: no projection kind ", p.kind);

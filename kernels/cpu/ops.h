@@ -14,6 +14,9 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
 // quant_gemm_avx2.cpp: x [M, K] float32 @ W.T (+ residual) on AVX2 (conveyor_cpu::int4_gemm_avx2).
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
                           const c10::optional<at::Tensor>& residual);
+// quant_gemm_avx2_q8.cpp: the same with x rounded to 8 bits per group of 32 (conveyor_cpu::int4_gemm_avx2_q8).
+at::Tensor int4_gemm_avx2_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
+                             const c10::optional<at::Tensor>& residual);
 
 // layer_ops.cpp: the ops of the same names in conveyor_cpu.
 namespace conveyor {

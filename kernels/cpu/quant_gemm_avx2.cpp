@@ -34,21 +34,16 @@
 #include <utility>
 #include <vector>
 
-namespace {
-
-// Checked at run time from CPUID: the library is built with -march=native, but the AVX2 code is
-// compiled for AVX2 alone (the pragma below) and said usable only where the CPU has it.
-bool avx2_fma_usable() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-
-}  // namespace
+#include "quant_avx2.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace {
 
-constexpr int kCols = 8, kGroup = 32, kChunk = 8, kChunks = kGroup / kChunk;
+using avx2_int4::kChunk;
+using avx2_int4::kCols;
+using avx2_int4::kGroup;
+constexpr int kChunks = kGroup / kChunk;
 constexpr int64_t kGroupWords = kChunks * kCols;  // 32 words (128 bytes) of codes per tile per group
 constexpr int kMaxC = 2, kMaxR = 6;
 
@@ -217,28 +212,10 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nt, const ui
 // codes int32 [N/8, K/8, 8], scale_low float32 or float16 [N/8, K/32, 2, 8].
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
                           const c10::optional<at::Tensor>& residual) {
-  static const bool usable = avx2_fma_usable();
-  TORCH_CHECK(usable, "int4_gemm_avx2 needs AVX2, FMA and F16C");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: float32 [M, K], rows contiguous");
-  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kInt && codes.size(2) == kCols && codes.is_contiguous(),
-              "codes: int32 [N/8, K/8, 8]");
-  const int64_t nt = codes.size(0), k = codes.size(1) * kChunk, m = x.size(0), n = nt * kCols;
-  TORCH_CHECK(x.size(1) == k && k % kGroup == 0, "x's K must be the codes' (a multiple of 32)");
-  TORCH_CHECK(scale_low.is_contiguous() && scale_low.dim() == 4 && scale_low.size(0) == nt &&
-                  scale_low.size(1) == k / kGroup && scale_low.size(2) == 2 && scale_low.size(3) == kCols &&
-                  (scale_low.scalar_type() == at::kFloat || scale_low.scalar_type() == at::kHalf),
-              "scale_low: float32 or float16 [N/8, K/32, 2, 8]");
-  at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
-  const float* res = nullptr;
-  int64_t ldr = 0;
-  if (residual.has_value()) {
-    const at::Tensor& h = *residual;
-    TORCH_CHECK(h.dim() == 2 && h.size(0) == m && h.size(1) == n && h.scalar_type() == at::kFloat &&
-                    h.stride(1) == 1,
-                "residual: float32 [M, N], rows contiguous");
-    res = h.data_ptr<float>();
-    ldr = h.stride(0);
-  }
+  const avx2_int4::Call c = avx2_int4::checked("int4_gemm_avx2", x, codes, scale_low, residual);
+  const int64_t m = c.m, k = c.k, nt = c.nt, ldr = c.ldr;
+  const float* res = c.res;
+  at::Tensor y = c.y;
   if (m == 0) return y;
   const uint32_t* cp = reinterpret_cast<const uint32_t*>(codes.data_ptr<int32_t>());
   if (scale_low.scalar_type() == at::kHalf)
@@ -252,7 +229,7 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at
 #pragma GCC pop_options
 
 TORCH_LIBRARY_FRAGMENT(conveyor_cpu, m) {
-  m.def("avx2_fma_usable() -> bool", [] { return avx2_fma_usable(); });
+  m.def("avx2_fma_usable() -> bool", [] { return avx2_int4::usable(); });
   m.def("int4_gemm_avx2(Tensor x, Tensor codes, Tensor scale_low, Tensor? residual=None) -> Tensor");
   m.impl("int4_gemm_avx2", c10::DispatchKey::CPU, &int4_gemm_avx2);
 }

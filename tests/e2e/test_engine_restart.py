@@ -45,23 +45,28 @@ def server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory):
         yield srv
 
 
-@pytest.fixture(scope="module", params=["--deterministic", "default"])
+@pytest.fixture(scope="module", params=["--deterministic", "default", "w4a8"])
 def quantized_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory,
                      request: pytest.FixtureRequest):
-    """bfloat16 activations and int4 weights, the default model's configuration, with
-    --deterministic and without: the resubmitted prompt + delivered tokens are one prompt chunk,
-    computed at another row count than the decode steps that produced them, so they continue
-    exactly only where every row's arithmetic is its own (docs/determinism.md): under the flag on
-    every CPU, and by default on AMX CPUs."""
-    from engine.load import amx
+    """bfloat16 activations and int4 weights, the default model's configuration on CPUs with
+    native bfloat16, with --deterministic and without, and float32 with w4a8 weights, its
+    configuration on AVX2 CPUs, without the flag: the resubmitted prompt + delivered tokens are one
+    prompt chunk, computed at another row count than the decode steps that produced them, so they
+    continue exactly only where every row's arithmetic is its own (docs/determinism.md): under the
+    flag on every CPU, and by default on AMX CPUs and under w4a8."""
+    from engine.load import amx, int4_avx2
 
     if request.param == "default" and not amx.usable():
-        pytest.skip("the quantized default is invariant on AMX CPUs only (docs/determinism.md)")
-    flags = [request.param] if request.param != "default" else []
+        pytest.skip("the bfloat16 int4 default is invariant on AMX CPUs only (docs/determinism.md)")
+    if request.param == "w4a8" and not int4_avx2.usable():
+        pytest.skip("w4a8 runs on CPUs with AVX2, FMA and F16C")
+    flags = {"--deterministic": ["--deterministic", "--dtype", "bfloat16", "--quantization", "int4"],
+             "default": ["--dtype", "bfloat16", "--quantization", "int4"],
+             "w4a8": ["--dtype", "float32", "--quantization", "w4a8"]}[request.param]
     log = tmp_path_factory.mktemp("restart-int4") / "server.log"
     with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",
-                 "--kv-cache-memory", "32MiB", "--dtype", "bfloat16", "--quantization", "int4",
-                 *flags, "--log-level", "warning"], log_path=log) as srv:
+                 "--kv-cache-memory", "32MiB", *flags, "--log-level", "warning"],
+                log_path=log) as srv:
         yield srv
 
 
@@ -173,7 +178,7 @@ def test_streams_survive_an_engine_sigkill(server: Server) -> None:
     check_streams_survive_a_sigkill(server)
 
 
-def test_int4_streams_resume_exactly_in_bfloat16(quantized_server: Server) -> None:
+def test_int4_streams_resume_exactly(quantized_server: Server) -> None:
     """The same text, and each token's logprob with the same bits, as each request run alone: every
     row's arithmetic is its own, so neither the other streams nor the resubmission change it (the
     tiny model's text alone would survive a last-bit change)."""

@@ -1,5 +1,6 @@
 """The same request gives the same output whatever the traffic, under --deterministic, and by
-default for the quantized model on AMX CPUs (docs/determinism.md).
+default for the quantized model on AMX CPUs and under w4a8 (the quantized default on AVX2 CPUs
+without native bfloat16; docs/determinism.md).
 
 One target request runs alone, then inside batches of random other requests (1..32 rows, arriving
 at random steps), with its prompt cached or half cached, chunked at random token budgets, preempted
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.core import EngineCore
-from engine.load import amx
+from engine.load import amx, int4_avx2
 from shared.config import build_config
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
@@ -28,7 +29,8 @@ from shared.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 BLOCK = 8
 MAX_TOKENS = 20
-CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+CONFIGS = [("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4"),
+           *([("float32", "w4a8")] if int4_avx2.usable() else [])]
 SCENARIOS = ["batch", "cached", "half_cached", "chunked", "swap", "recompute", "resubmit"]
 # request id, prompt, params, the step it arrives at
 Job = tuple[str, list[int], SamplingParams, int]
@@ -140,4 +142,18 @@ def test_every_scenario_is_covered(tiny_llama_dir: Path, name: str, deterministi
     reference = alone(tiny_llama_dir, "bfloat16", "int4", 0.0, deterministic)
     got = scenario(tiny_llama_dir, name, random.Random(5), 0.0, reference,
                    **options("bfloat16", "int4", deterministic))
+    assert got == reference, name
+
+
+@pytest.mark.skipif(not int4_avx2.usable(), reason="w4a8 runs on CPUs with AVX2, FMA and F16C")
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_w4a8_is_invariant_without_the_flag(tiny_llama_dir: Path, name: str,
+                                            temperature: float) -> None:
+    """Each kind of traffic under w4a8 without --deterministic: what --quantization auto serves
+    in float32 on AVX2 CPUs is invariant by default (engine/load/weights.py
+    INVARIANT_QUANTIZATIONS), greedy and seeded."""
+    reference = alone(tiny_llama_dir, "float32", "w4a8", temperature, False)
+    got = scenario(tiny_llama_dir, name, random.Random(7), temperature, reference,
+                   **options("float32", "w4a8", False))
     assert got == reference, name

@@ -15,6 +15,7 @@ import torch
 from engine import kernel_choice
 from engine.load import int4_avx2
 from engine.load.prepack import PackedLinear
+from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
 from engine.models.native_stack import INT4_AVX2, PACKED
@@ -64,6 +65,14 @@ needs_avx2 = pytest.mark.skipif(not int4_avx2.usable(), reason="no AVX2 + FMA + 
 @pytest.fixture(scope="module")
 def tiny_int4(tiny_llama_dir: Path) -> LlamaForCausalLM:
     return int4_model(resolve_model(str(tiny_llama_dir)), "int4")
+
+
+@pytest.fixture(scope="module")
+def tiny_w4a8(tiny_llama_dir: Path) -> LlamaForCausalLM:
+    lm = int4_model(resolve_model(str(tiny_llama_dir)), "w4a8")
+    int4 = [m for m in lm.modules() if isinstance(m, Int4Linear)]
+    assert int4 and all(m.avx2_q8 and m.packed is None for m in int4), "x rounded, no copies"
+    return lm
 
 
 @pytest.fixture(scope="module")
@@ -129,12 +138,22 @@ def test_tiny_llama_int4_one_native_call_equals_the_python_layers(tiny_int4: Lla
     assert torch.equal(kv, kv_python)
 
 
+@needs_avx2
+@pytest.mark.parametrize("query_lens", QUERY_LENS, ids=IDS)
+def test_tiny_llama_w4a8_one_native_call_equals_the_python_layers(tiny_w4a8: LlamaForCausalLM,
+                                                                   query_lens: list[int]) -> None:
+    """The same under w4a8: every projection on the 8-bit-activation kernel at every row count."""
+    want, got, kv_python, kv = python_and_native(tiny_w4a8, query_lens)
+    assert torch.equal(got, want)
+    assert torch.equal(kv, kv_python)
+
+
 @pytest.mark.slow
 @needs_avx2
 @pytest.mark.parametrize("query_lens", [[1], [1] * 32, [150, 1]], ids=["1", "32", "150-row-chunk"])
 def test_smollm2_int4_one_native_call_equals_the_python_layers(smollm2_source: ModelSource,
                                                                 query_lens: list[int]) -> None:
-    """SmolLM2's GGUF as --quantization auto serves it in float32 on AVX2 CPUs."""
+    """SmolLM2's GGUF as --quantization auto serves it in float32 on AVX2 CPUs (w4a8)."""
     want, got, kv_python, kv = python_and_native(int4_model(smollm2_source, "auto"), query_lens)
     assert torch.equal(got, want)
     assert torch.equal(kv, kv_python)

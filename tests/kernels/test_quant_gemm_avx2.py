@@ -134,9 +134,10 @@ def test_int4_linear_takes_the_kernel_below_the_handover_and_the_copy_from_it(mo
 @needs_avx2
 def test_auto_keeps_int4_under_float32_where_the_kernel_runs(monkeypatch) -> None:
     """--quantization auto with float32 activations: the file's int4 codes where the AVX2 kernel
-    runs, dequantized where it does not (and for an int8 file, which has no float32 kernel)."""
+    runs (as w4a8: tests/kernels/test_quant_gemm_avx2_q8.py), dequantized where it does not (and
+    for an int8 file, which has no float32 kernel)."""
     cpu = torch.device("cpu")
-    assert weights._quantization("auto", "int4", torch.float32, cpu) == "int4"
+    assert weights._quantization("auto", "int4", torch.float32, cpu) == weights.AUTO_FLOAT32_INT4
     assert weights._quantization("auto", "int8", torch.float32, cpu) == "none"
     monkeypatch.setattr(int4_avx2, "usable", lambda: False)
     assert weights._quantization("auto", "int4", torch.float32, cpu) == "none"

@@ -7,7 +7,9 @@ at 1 stream (a 32-token prompt, 64 new tokens) and at 32 streams (32 such prompt
 each), wall time of the whole generate call, prefill included; and the accuracy cost against the
 float32 model on a fixed set of 8 prompts: greedy agreement (share of the 24 generated positions
 equal to float32's, position by position) and the mean log-probability difference of float32's own
-greedy continuation (teacher-forced through each model).
+greedy continuation (teacher-forced through each model); and, teacher-forced over --text's first
+1,024 tokens, the perplexity, the mean KL divergence from float32's next-token distributions and
+the share of positions where the most likely token is float32's.
 
 Loading is measured apart, in a process that only loads the model: its peak resident memory
 (ru_maxrss) and its resident memory once loaded, both over the interpreter with the engine imported.
@@ -26,9 +28,10 @@ by row count; each set of passes is taken when the machine is quiet (other proce
 of the CPUs), the best of --reps.
 
 --gemm --activations float32: the int4 projections under float32 activations, through the AVX2
-int4 kernel (kernels/cpu/quant_gemm_avx2.cpp, what --quantization auto serves on CPUs without native
-bfloat16) against packed float32 copies (MKL's plain matrix from prepack.PLAIN_FROM_ROWS, as the
-float32 model), with each side's GFLOP/s.
+int4 kernel (kernels/cpu/quant_gemm_avx2.cpp), the same with x rounded to 8 bits ("w4a8",
+kernels/cpu/quant_gemm_avx2_q8.cpp: what --quantization auto serves on CPUs without native
+bfloat16) and packed float32 copies (MKL's plain matrix from prepack.PLAIN_FROM_ROWS, as the float32
+model), with each one's GFLOP/s.
 
 int8 / int4 take bfloat16 activations (what --dtype auto picks for a quantized file on a CPU with
 native bfloat16, and where PyTorch's int kernels are fast); --with-fp32-activations adds them under
@@ -38,10 +41,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
 
@@ -49,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, machine, pin_threads
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from engine.models.config import ModelConfig
@@ -57,6 +65,7 @@ PROMPTS = ["The capital of France is", "Name three colors.", "def fibonacci(n):"
            "Once upon a time", "Water boils at", "The quick brown fox",
            "Photosynthesis is the process", "1, 2, 3, 4,"]
 ACCURACY_TOKENS = 24
+TEXT_TOKENS, TEXT_WINDOW = 1024, 512  # the perplexity / KL text: tokens, and tokens a forward
 
 
 def rss_bytes() -> int:
@@ -64,27 +73,59 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def teacher_forced_logprobs(model: nn.Module, cfg: ModelConfig, ids: list[int],
-                            continuation: list[int]) -> list[float]:
-    """log p(continuation[i] | ids + continuation[:i]) under model, one forward over the
-    paged cache."""
+def next_token_logprobs(model: nn.Module, cfg: ModelConfig, seq: list[int],
+                        first: int) -> torch.Tensor:
+    """log p(. | seq[:i + 1]) for i = first .. len(seq) - 2 under model, one forward of seq over
+    the paged cache. -> [len(seq) - 1 - first, vocab] float32."""
     import torch
 
     from kernels.backend import BatchLayout
     from kernels.torch_backend import TorchBackend
 
-    seq = ids + continuation
     n, bs = len(seq), 16
     blocks = (n + bs - 1) // bs
     backend = TorchBackend("cpu")
     kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim,
                      dtype=getattr(torch, cfg.dtype))
     layout = BatchLayout([n], [0], [list(range(blocks))], bs, torch.arange(n))
-    rows = torch.arange(len(ids) - 1, n - 1)
     with torch.inference_mode():
-        logits = model(torch.tensor(seq), torch.arange(n), kv, backend.plan(layout), backend, rows)
-    lp = torch.log_softmax(logits.float(), dim=-1)
+        logits = model(torch.tensor(seq), torch.arange(n), kv, backend.plan(layout), backend,
+                       torch.arange(first, n - 1))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def teacher_forced_logprobs(model: nn.Module, cfg: ModelConfig, ids: list[int],
+                            continuation: list[int]) -> list[float]:
+    """log p(continuation[i] | ids + continuation[:i]) under model."""
+    import torch
+
+    lp = next_token_logprobs(model, cfg, ids + continuation, len(ids) - 1)
     return lp[torch.arange(len(continuation)), torch.tensor(continuation)].tolist()
+
+
+def text_divergence(model: nn.Module, cfg: ModelConfig, ids: list[int],
+                    reference: str | None) -> dict[str, float]:
+    """Teacher-forced over ids in windows of TEXT_WINDOW tokens: the perplexity and, against the
+    float32 model's next-token distributions (saved at reference by the float32 child, which has
+    none to compare with), the mean KL divergence KL(float32 || this) and the share of positions
+    whose most likely token is float32's (llama.cpp's perplexity --kl-divergence figures)."""
+    import torch
+
+    windows = [ids[i:i + TEXT_WINDOW] for i in range(0, len(ids) - 1, TEXT_WINDOW)]
+    windows = [w for w in windows if len(w) > 1]
+    lp = torch.cat([next_token_logprobs(model, cfg, w, 0) for w in windows])
+    targets = torch.tensor([t for w in windows for t in w[1:]])
+    out = {"ppl": math.exp(-lp[torch.arange(len(targets)), targets].mean().item())}
+    if reference is None:
+        return out
+    path = Path(reference)
+    if not path.exists():
+        torch.save(lp, path)
+        return out
+    ref = torch.load(path)
+    out["kl"] = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+    out["top1"] = (ref.argmax(-1) == lp.argmax(-1)).float().mean().item()
+    return out
 
 
 def load_only(args: argparse.Namespace) -> dict[str, int]:
@@ -137,6 +178,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
     # through this model
     ref = json.loads(args.reference) if args.reference else result["greedy"]
     result["logprobs"] = [teacher_forced_logprobs(model, cfg, p, c) for p, c in zip(prompts, ref)]
+    text = tok.encode(Path(args.text).read_text())[:TEXT_TOKENS]
+    result.update(text_divergence(model, cfg, text, args.kl_reference))
     filler = [tok.encode(f"Write a long story about the number {i} and the sea. ")
               for i in range(32)]
     filler = [(ids * 8)[:32] for ids in filler]
@@ -162,6 +205,7 @@ def child(args: argparse.Namespace, dtype: str, quantization: str,
     cmd += ["--cpu-time"] * args.cpu_time + ["--int-only"] * int_only
     if reference is not None:
         cmd += ["--reference", json.dumps(reference)]
+    cmd += ["--text", args.text, "--kl-reference", args.kl_reference]
     result = {}
     for mode in ("--load-only", "--one"):
         out = subprocess.run([*cmd, mode], check=True, capture_output=True, text=True).stdout
@@ -197,6 +241,7 @@ def gemm(args: argparse.Namespace) -> None:
     from engine import kernel_calibration, kernel_choice
     from engine.load.dtype import cpu_kind
     from engine.load.prepack import PackedLinear, plain_from_rows
+    from engine.load.quant import Int4Linear
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
@@ -215,30 +260,41 @@ def gemm(args: argparse.Namespace) -> None:
         group = [m for m in modules if kernel_choice.kind_of(m) == kind]
         flop = 2 * sum(m.shape()[0] * m.shape()[1] for m in group)  # per row
         best: dict[int, list[float]] = {}
+        w4a8 = dtype == torch.float32  # the AVX2 kernel with x rounded to 8 bits, too
         for _ in range(args.reps):
             for r in args.rows:
                 quiet = args.quiet >= 1 or wait_quiet(args.quiet)
                 clock = time.thread_time if args.cpu_time else time.perf_counter
                 _, q, p, t, s = kernel_calibration.chain_times(group, [r], 1, clock)[0]
+                q8 = float("inf")
+                if w4a8:
+                    int4 = [m for m in group if isinstance(m, Int4Linear)]
+                    for m in int4:
+                        m.avx2_q8 = True
+                    q8 = kernel_calibration.chain_times(group, [r], 1, clock)[0][1]
+                    for m in int4:
+                        m.avx2_q8 = False
                 if quiet:
-                    old = best.setdefault(r, [q, p, t, s])
-                    best[r] = [min(a, b) for a, b in zip(old, (q, p, t, s))]
-        for r, (q, p, t, s) in sorted(best.items()):
+                    old = best.setdefault(r, [q, p, t, s, q8])
+                    best[r] = [min(a, b) for a, b in zip(old, (q, p, t, s, q8))]
+        for r, (q, p, t, s, q8) in sorted(best.items()):
             amx = f"  AMX {t * 1e3:8.2f}" if t < float("inf") else ""
             amx += (f"  AMX rows {s * 1e3:8.2f}" if s < float("inf")
                     else "  AMX rows        -" if amx else "")
+            rounded = (f"  w4a8 {q8 * 1e3:8.2f} (x {q8 / p:5.2f}, {flop * r / q8 / 1e9:5.1f} "
+                       "GFLOP/s)" if w4a8 else "")
             print(f"{kind} x{len(group)} rows {r:>3}: int {q * 1e3:8.2f}  packed "
                   f"{p * 1e3:8.2f}{amx}  x {q / p:5.2f}  GFLOP/s int {flop * r / q / 1e9:5.1f} "
-                  f"packed {flop * r / p / 1e9:5.1f}")
-        faster = [r for r, (q, p, _, _) in best.items() if p < q]
+                  f"packed {flop * r / p / 1e9:5.1f}{rounded}")
+        faster = [r for r, (q, p, *_) in best.items() if p < q]
         print(f"{kind}: packed faster at rows {sorted(faster)}", flush=True)
-        tiles = [r for r, (q, p, t, _) in best.items() if t < min(q, p)]
+        tiles = [r for r, (q, p, t, *_) in best.items() if t < min(q, p)]
         if tiles:
             print(f"{kind}: AMX tiles fastest at rows {sorted(tiles)}", flush=True)
-        by_rows = [r for r, (q, p, t, s) in best.items() if s < min(q, p, t)]
+        by_rows = [r for r, (q, p, t, s, _) in best.items() if s < min(q, p, t)]
         if by_rows:
             print(f"{kind}: AMX rows path fastest at rows {sorted(by_rows)}", flush=True)
-        beats = [r for r, (_, _, t, s) in best.items() if s < t]
+        beats = [r for r, (_, _, t, s, _) in best.items() if s < t]
         if beats:
             print(f"{kind}: AMX rows path faster than its tiles at rows {sorted(beats)}",
                   flush=True)
@@ -419,6 +475,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     p.add_argument("--quantization", default="none", help=argparse.SUPPRESS)
+    p.add_argument("--kl-reference", help=argparse.SUPPRESS)  # the float32 child's distributions
+    p.add_argument("--text", default=str(Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"),
+                   help="English text for the perplexity and KL figures (default: Python's own "
+                        f"LICENSE.txt, its first {TEXT_TOKENS} tokens)")
     p.add_argument("--reference", help=argparse.SUPPRESS)
     p.add_argument("--gemm", action="store_true",
                    help="int kernels against packed copies by rows (see above)")
@@ -470,14 +530,23 @@ def main() -> None:
     print(cpu_features())
     # default: what `conveyor serve` runs (--dtype auto --quantization auto); int4 int-only: torch's
     # int4 kernel at every row count (the default before packed copies, engine/kernel_choice.py).
+    # int4-fp32 / w4a8: the AVX2 int4 kernels under float32 activations, as they are and rounded
+    # to 8 bits (what --quantization auto serves on AVX2 CPUs without native bfloat16).
     configs = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
                ("int8", "bfloat16", "int8"), ("int4", "bfloat16", "int4"),
-               ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto")]
-    configs = [c for c in configs if c[0] == "float32" or args.configs is None
-               or c[0] in args.configs]
-    if args.with_fp32_activations:  # the int kernels' slow path: tens of minutes on 2 cores
-        configs += [("int8-fp32", "float32", "int8"), ("int4-fp32", "float32", "int4")]
+               ("int4-int-only", "bfloat16", "int4"), ("default", "auto", "auto"),
+               ("int4-fp32", "float32", "int4"), ("w4a8", "float32", "w4a8")]
+    from engine.load import int4_avx2
+
+    avx2 = int4_avx2.usable()
+    configs = [c for c in configs if c[0] == "float32" or (args.configs is None and (
+        avx2 or c[0] not in ("int4-fp32", "w4a8"))) or c[0] in (args.configs or ())]
+    if args.with_fp32_activations:  # torch's int kernels' slow path: tens of minutes on 2 cores
+        configs += [("int8-fp32", "float32", "int8")] + [("int4-fp32", "float32", "int4")] * (
+            not avx2)
     results: dict[str, dict[str, Any]] = {}
+    scratch = tempfile.TemporaryDirectory()
+    args.kl_reference = str(Path(scratch.name) / "float32-logprobs.pt")
     for name, dtype, quant in configs:
         ref = results["float32"]["greedy"] if results else None
         results[name] = child(args, dtype, quant, ref, name.endswith("int-only"))
@@ -487,14 +556,15 @@ def main() -> None:
     clock = "this process's CPU time" if args.cpu_time else "wall time"
     print(f"\n{args.model}, {args.threads} threads; decode tok/s = new tokens / {clock} of "
           f"generate (prefill of 32-token prompts included); accuracy on {len(PROMPTS)} prompts x "
-          f"{ACCURACY_TOKENS} greedy tokens against float32")
+          f"{ACCURACY_TOKENS} greedy tokens against float32; perplexity, KL(float32 || it) and "
+          f"top-1 agreement teacher-forced over {args.text}'s first {TEXT_TOKENS} tokens")
 
     def ratio(r: dict[str, Any], key: str) -> str:
         return f"{r[key]:>8.1f} {r[key] / base[key]:>6.2f}" if key in r else f"{'-':>8} {'-':>6}"
 
     print(f"{'weights':<10} {'quant':>6} {'weight MiB':>10} {'load peak':>9} {'loaded':>7} "
           f"{'RSS MiB':>8} {'tok/s 1':>8} {'x fp32':>6} {'tok/s 32':>8} {'x fp32':>6} "
-          f"{'greedy agree':>12} {'mean dlogprob':>13}")
+          f"{'greedy agree':>12} {'mean dlogprob':>13} {'ppl':>7} {'KL':>8} {'top-1':>6}")
     for name, r in results.items():
         agree = sum(a == b for x, y in zip(r["greedy"], base["greedy"]) for a, b in zip(x, y))
         total = sum(len(x) for x in base["greedy"])
@@ -502,7 +572,8 @@ def main() -> None:
         print(f"{name:<10} {r['quantization']:>6} {r['weights'] / 2**20:>10.0f} "
               f"{r['load_peak'] / 2**20:>9.0f} {r['load_rss'] / 2**20:>7.0f} "
               f"{r['rss'] / 2**20:>8.0f} {ratio(r, 'tok_s_1')} {ratio(r, 'tok_s_32')} "
-              f"{agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f}")
+              f"{agree / total:>12.1%} {sum(dlp) / len(dlp):>+13.4f} {r['ppl']:>7.3f} "
+              f"{r.get('kl', 0.0):>8.5f} {r.get('top1', 1.0):>6.1%}")
 
 
 if __name__ == "__main__":

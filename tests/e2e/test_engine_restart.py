@@ -60,8 +60,8 @@ def quantized_server(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFac
         pytest.skip("the bfloat16 int4 default is invariant on AMX CPUs only (docs/determinism.md)")
     if request.param == "w4a8" and not int4_avx2.usable():
         pytest.skip("w4a8 runs on CPUs with AVX2, FMA and F16C")
-    flags = {"--deterministic": ["--deterministic", "--dtype", "bfloat16", "--quantization", "int4"],
-             "default": ["--dtype", "bfloat16", "--quantization", "int4"],
+    bf16_int4 = ["--dtype", "bfloat16", "--quantization", "int4"]
+    flags = {"--deterministic": ["--deterministic", *bf16_int4], "default": bf16_int4,
              "w4a8": ["--dtype", "float32", "--quantization", "w4a8"]}[request.param]
     log = tmp_path_factory.mktemp("restart-int4") / "server.log"
     with Server(["serve", "--model", str(tiny_chat_model), "--num-threads", "1",

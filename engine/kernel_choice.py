@@ -232,9 +232,9 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
     at every row count (attach_int8_avx2 then puts the head on its own kernel).
     Under w4a8 (activations rounded to 8 bits) the kernel at every row count: it beat the copies
     at 1..512 rows (docs/kernels.md). Deterministic: the AVX2 kernel at every row count (one
-    arithmetic at any rows), the
-    others' copies with one-row calls padded. No copies at all beyond PLAIN_MAX_BYTES (a large
-    model keeps its codes only). -> int4 / int8 -> the rows from which that kind takes its copy."""
+    arithmetic at any rows), the others' copies with one-row calls padded. No copies at all
+    beyond PLAIN_MAX_BYTES (a large model keeps its codes only). -> int4 / int8 -> the rows from
+    which that kind takes its copy."""
     coded = [m for m in modules if avx2_coded(m)]
     rest = [m for m in modules if not avx2_coded(m)]
     # w4a8's kernel beats the copies at every row count measured (1..512): no copies for them

@@ -1,6 +1,6 @@
 // What the two AVX2 int4 GEMMs share (quant_gemm_avx2.cpp: float32 activations; quant_gemm_avx2_q8.cpp:
-// activations rounded to 8 bits): the CPU check, the packed layout's shape (engine/load/int4_avx2.py) and a
-// call's checks, so both take exactly the same tensors.
+// activations rounded to 8 bits): the CPU check, the packed layout's shape (engine/load/int4_avx2.py), and a
+// call's checks and dispatch on the scales' type, so both take exactly the same tensors.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,17 +20,13 @@ inline bool usable() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// A checked call: y (uninitialised, [M, N]), the residual's rows and stride (null where none), M, K and N / 8.
-struct Call {
-  at::Tensor y;
-  const float* res;
-  int64_t ldr, m, k, nt;
-};
-
-// x float32 [M, K] rows; codes int32 [N/8, K/8, 8]; scale_low float32 or float16 [N/8, K/32, 2, 8];
-// residual float32 [M, N] rows.
-inline Call checked(const char* name, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
-                    const c10::optional<at::Tensor>& residual) {
+// y = x @ W.T (+ residual) through run(x, ldx, M, K, N / 8, codes, scales, y, residual, ldr), after the checks
+// below; scales as float32 or as float16 bits (uint16_t), as scale_low holds them, so run is a generic lambda
+// over the kernel's run<S>. x float32 [M, K] rows; codes int32 [N/8, K/8, 8]; scale_low float32 or float16
+// [N/8, K/32, 2, 8]; residual float32 [M, N] rows.
+template <typename Run>
+at::Tensor multiply(const char* name, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
+                    const c10::optional<at::Tensor>& residual, Run run) {
   TORCH_CHECK(usable(), name, " needs AVX2, FMA and F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: float32 [M, K], rows contiguous");
   TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kInt && codes.size(2) == kCols && codes.is_contiguous(),
@@ -51,7 +47,15 @@ inline Call checked(const char* name, const at::Tensor& x, const at::Tensor& cod
     res = h.data_ptr<float>();
     ldr = h.stride(0);
   }
-  return {at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous)), res, ldr, m, k, nt};
+  at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (m == 0) return y;
+  const uint32_t* cp = reinterpret_cast<const uint32_t*>(codes.data_ptr<int32_t>());
+  if (scale_low.scalar_type() == at::kHalf)
+    run(x.data_ptr<float>(), x.stride(0), m, k, nt, cp,
+        reinterpret_cast<const uint16_t*>(scale_low.data_ptr<at::Half>()), y.data_ptr<float>(), res, ldr);
+  else
+    run(x.data_ptr<float>(), x.stride(0), m, k, nt, cp, scale_low.data_ptr<float>(), y.data_ptr<float>(), res, ldr);
+  return y;
 }
 
 }  // namespace avx2_int4

@@ -212,18 +212,7 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nt, const ui
 // codes int32 [N/8, K/8, 8], scale_low float32 or float16 [N/8, K/32, 2, 8].
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
                           const c10::optional<at::Tensor>& residual) {
-  const avx2_int4::Call c = avx2_int4::checked("int4_gemm_avx2", x, codes, scale_low, residual);
-  const int64_t m = c.m, k = c.k, nt = c.nt, ldr = c.ldr;
-  const float* res = c.res;
-  at::Tensor y = c.y;
-  if (m == 0) return y;
-  const uint32_t* cp = reinterpret_cast<const uint32_t*>(codes.data_ptr<int32_t>());
-  if (scale_low.scalar_type() == at::kHalf)
-    run(x.data_ptr<float>(), x.stride(0), m, k, nt, cp,
-        reinterpret_cast<const uint16_t*>(scale_low.data_ptr<at::Half>()), y.data_ptr<float>(), res, ldr);
-  else
-    run(x.data_ptr<float>(), x.stride(0), m, k, nt, cp, scale_low.data_ptr<float>(), y.data_ptr<float>(), res, ldr);
-  return y;
+  return avx2_int4::multiply("int4_gemm_avx2", x, codes, scale_low, residual, [](auto... a) { run(a...); });
 }
 
 #pragma GCC pop_options

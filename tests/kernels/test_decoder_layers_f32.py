@@ -129,21 +129,15 @@ def test_smollm2_one_native_call_equals_the_python_layers(smollm2: LlamaForCausa
 
 @needs_avx2
 @pytest.mark.parametrize("query_lens", QUERY_LENS, ids=IDS)
-def test_tiny_llama_int4_one_native_call_equals_the_python_layers(tiny_int4: LlamaForCausalLM,
-                                                                   query_lens: list[int]) -> None:
-    """The same with the AVX2 default's int4 projections: the kernel below the handover (1, 2
-    and 7 rows), the float32 copies from it (MKL's plain matrix at 150 rows on AVX2 CPUs)."""
-    want, got, kv_python, kv = python_and_native(tiny_int4, query_lens)
-    assert torch.equal(got, want)
-    assert torch.equal(kv, kv_python)
-
-
-@needs_avx2
-@pytest.mark.parametrize("query_lens", QUERY_LENS, ids=IDS)
-def test_tiny_llama_w4a8_one_native_call_equals_the_python_layers(tiny_w4a8: LlamaForCausalLM,
-                                                                   query_lens: list[int]) -> None:
-    """The same under w4a8: every projection on the 8-bit-activation kernel at every row count."""
-    want, got, kv_python, kv = python_and_native(tiny_w4a8, query_lens)
+@pytest.mark.parametrize("model", ["tiny_int4", "tiny_w4a8"])
+def test_tiny_llama_int4_one_native_call_equals_the_python_layers(model: str,
+                                                                   query_lens: list[int],
+                                                                   request: pytest.FixtureRequest
+                                                                   ) -> None:
+    """The same with the AVX2 kernels' int4 projections: float32 x below the handover (1, 2 and
+    7 rows) and the float32 copies from it (MKL's plain matrix at 150 rows on AVX2 CPUs); under
+    w4a8 the 8-bit-activation kernel at every row count."""
+    want, got, kv_python, kv = python_and_native(request.getfixturevalue(model), query_lens)
     assert torch.equal(got, want)
     assert torch.equal(kv, kv_python)
 

@@ -73,24 +73,31 @@ def test_unpack_inverts_pack() -> None:
 
 @needs_avx2
 @pytest.mark.parametrize("n,k", [(576, 576), (24, 96)])
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, k: int) -> None:
-    """A row alone, and inside calls of 2..300 rows (the few-row panels, full and partial row
-    blocks, kept panels), at one and two threads: the same bits (issue #30)."""
+@pytest.mark.parametrize("round_x", [False, True], ids=["float-x", "w4a8"])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, k: int,
+                                                                        round_x: bool) -> None:
+    """A row alone, and inside calls of 2..300 rows (the float kernel's few-row panels, full and
+    partial row blocks, kept panels; w4a8's blocks of 6), at one and two threads: the same bits
+    (issue #30)."""
     q, scale, low = drawn(n, k, seed=1)
     codes, scale_low = int4_avx2.pack_codes(q), int4_avx2.pack_scales(scale, low)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
+
+    def mm(rows: torch.Tensor) -> torch.Tensor:
+        return int4_avx2.int4_mm(rows, codes, scale_low, round_x=round_x)
+
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = [int4_avx2.int4_mm(x[i:i + 1], codes, scale_low) for i in (0, 5, 299)]
+        alone = [mm(x[i:i + 1]) for i in (0, 5, 299)]
         for t in (1, 2):
             torch.set_num_threads(t)
             for rows in (2, 3, 5, 6, 7, 12, 13, 32, 100, 300):
-                got = int4_avx2.int4_mm(x[:rows], codes, scale_low)
+                got = mm(x[:rows])
                 assert torch.equal(got[:1], alone[0]), (t, rows)
                 if rows > 5:
                     assert torch.equal(got[5:6], alone[1]), (t, rows)
-            assert torch.equal(int4_avx2.int4_mm(x[250:300], codes, scale_low)[49:], alone[2]), t
+            assert torch.equal(mm(x[250:300])[49:], alone[2]), t
     finally:
         torch.set_num_threads(threads)
 

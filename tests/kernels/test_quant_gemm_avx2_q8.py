@@ -1,8 +1,9 @@
 """The int4 GEMM with activations rounded to 8 bits on AVX2 (kernels/cpu/quant_gemm_avx2_q8.cpp,
 --quantization w4a8): x's rounding against gguf's Q8_0 (llama.cpp's own quantizer), the kernel
-against a float64 product of the rounded x and the dequantized weights, each row's bits
-independent of the rows beside it and of the thread count, and the module and load choices around
-it. Skipped, with the reason, where the CPU lacks AVX2 / FMA / F16C."""
+against a float64 product of the rounded x and the dequantized weights, and the module and load
+choices around it (each row's bits independent of the rows beside it and of the thread count:
+test_quant_gemm_avx2.py, for both kernels). Skipped, with the reason, where the CPU lacks AVX2 /
+FMA / F16C."""
 from __future__ import annotations
 
 import numpy as np
@@ -27,11 +28,22 @@ TOLERANCE = 1e-5
 ROUNDING_TOLERANCE = 2e-2
 
 
+def round_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 as int4_gemm_avx2_q8 rounds it: per group of 32, d = max |x| / 127 and
+    q = round-half-even(x * (127 / max |x|)) in -127..127 (0 where the group is all zero).
+    -> (q float32 [M, K], d float32 [M, K/32])."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // 32, 32)
+    amax = g.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(g * inv[..., None]).reshape(m, k), amax / 127
+
+
 def rounded_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                       low: torch.Tensor) -> torch.Tensor:
     """(rounded x) @ W.T in float64, except the low term, which the kernel takes from x's own
     group sums: sum_k x[k] * (q scale + low) = scale * d * sum(q_x q) + low * sum(x)."""
-    qx, d = int4_avx2.round_x(x)
+    qx, d = round_x(x)
     m, k = x.shape
     xr = (qx.double().view(m, k // 32, 32) * d.double()[..., None]).view(m, k)
     qs = (q.double() * scale.double().repeat_interleave(32, 1))
@@ -45,7 +57,7 @@ def test_round_x_is_q8_0_within_one_step() -> None:
     lies within rounding of a half, and the same values within one step d."""
     x = torch.randn(64, 576, generator=torch.Generator().manual_seed(4)) * 3
     x[3, :32] = 0  # an all-zero group: codes 0, d 0
-    qx, d = int4_avx2.round_x(x)
+    qx, d = round_x(x)
     assert qx.abs().max() <= 127 and torch.equal(qx[3, :32], torch.zeros(32)) and d[3, 0] == 0
     blocks = quantize(x.numpy(), GGMLQuantizationType.Q8_0)
     theirs = torch.from_numpy(np.asarray(dequantize(blocks, GGMLQuantizationType.Q8_0)))
@@ -77,31 +89,6 @@ def test_equals_the_rounded_product_and_is_close_to_the_exact_one(n: int, k: int
         with_residual = want + residual.double()
         got = int4_avx2.int4_mm(x, codes, scale_low, residual, round_x=True)
         assert (got.double() - with_residual).abs().max() <= TOLERANCE * with_residual.abs().max()
-
-
-@needs_avx2
-@pytest.mark.parametrize("n,k", [(576, 576), (24, 96)])
-def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, k: int) -> None:
-    """A row alone, and inside calls of 2..300 rows (full and partial blocks of 6), at one and two
-    threads: the same bits (issue #30)."""
-    q, scale, low = drawn(n, k, seed=1)
-    codes, scale_low = int4_avx2.pack_codes(q), int4_avx2.pack_scales(scale, low)
-    x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = [int4_avx2.int4_mm(x[i:i + 1], codes, scale_low, round_x=True) for i in (0, 5, 299)]
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            for rows in (2, 3, 5, 6, 7, 12, 13, 32, 100, 300):
-                got = int4_avx2.int4_mm(x[:rows], codes, scale_low, round_x=True)
-                assert torch.equal(got[:1], alone[0]), (t, rows)
-                if rows > 5:
-                    assert torch.equal(got[5:6], alone[1]), (t, rows)
-            last = int4_avx2.int4_mm(x[250:300], codes, scale_low, round_x=True)[49:]
-            assert torch.equal(last, alone[2]), t
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_avx2

@@ -2,10 +2,11 @@
 // same text compiles for any x86 level. paged_attention.cpp includes it once per level inside a
 // `#pragma GCC target("arch=...")` region and its own namespace (portable, avx2, avx512), so each copy
 // uses only that level's instructions and runs where the CPU has them (checked at run time).
-// Float32 math throughout: a bfloat16 cache is widened into scratch once per call, the queries are
+// Float32 math throughout: a bfloat16 cache is widened into scratch once per unit, the queries are
 // widened and scaled; a block's scores eight keys at a time (eight accumulators, one transposing
-// reduction), the mask, max and exponentials eight keys at a time (the weights summed in key order), each
-// row's V update with its accumulator in registers across the keys it sees.
+// reduction), the mask, max and exponentials eight keys at a time (the weights summed in eight lanes by
+// key offset), one online-softmax update per row per unit, each row's V update with its accumulator in
+// registers across the keys it sees.
 
 using v8 = float __attribute__((vector_size(32)));
 using i8 = int __attribute__((vector_size(32)));
@@ -123,23 +124,33 @@ inline v8 exp8_nonpositive(v8 x) {
   return low ? splat8(0.f) : y * scale;
 }
 
-// One row's scores against the whole block (every key, seen or not: the arithmetic of a key's score
-// never depends on which keys the row sees), then the masked online-softmax update and its V rows.
-inline void attend_row(const conveyor::Params& p, const float* qr, const float* keys, int64_t kstride,
-                       const float* values, int64_t vstride, int64_t lo, int64_t hi, float* sr, float* m,
-                       float* l, float* acc) {
-  const int64_t BS = p.BS, D = p.D;
-  int64_t k8 = 0;
-  if (D % 8 == 0)
-    for (; k8 + 8 <= BS; k8 += 8) dot8(qr, keys + k8 * kstride, kstride, D, sr + k8);
-  for (int64_t i = k8; i < BS; ++i) sr[i] = dot(qr, keys + i * kstride, D);
+
+
+
+// One row against one softmax unit (the span's nb blocks, keys lo..hi of the unit visible): the scores of
+// every key of each block it sees (seen or not: a key's score never depends on which keys the row sees),
+// the mask, one online-softmax update for the whole unit, then V over the keys it sees in key order. The
+// weights are summed eight lanes by key offset in the unit: keys it does not see weigh exactly 0 and add
+// nothing, so the sum's bits depend on the keys it sees only.
+inline void attend_unit(const conveyor::Params& p, const float* qr, const float* const* keys, int64_t kstride,
+                        const float* const* values, int64_t vstride, int64_t lo, int64_t hi, float* sr, float* m,
+                        float* l, float* acc) {
+  const int64_t BS = p.BS, D = p.D, b_lo = lo / BS, b_hi = hi / BS;
+  const int64_t k_lo = b_lo * BS, k_end = (b_hi + 1) * BS;  // the keys scored: whole blocks
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    float* sb = sr + b * BS;
+    int64_t k8 = 0;
+    if (D % 8 == 0)
+      for (; k8 + 8 <= BS; k8 += 8) dot8(qr, keys[b] + k8 * kstride, kstride, D, sb + k8);
+    for (int64_t i = k8; i < BS; ++i) sb[i] = dot(qr, keys[b] + i * kstride, D);
+  }
   float block_max = -__builtin_inff();
-  int64_t i0 = 0;
+  int64_t i0 = k_lo;
   if (!(p.cap > 0.f)) {  // the mask and the max eight keys at a time (a max's bits do not depend on order)
     const v8 none = splat8(-__builtin_inff());
     const i8 lane{0, 1, 2, 3, 4, 5, 6, 7};
     v8 top = none;
-    for (; i0 + 8 <= BS; i0 += 8) {
+    for (; i0 + 8 <= k_end; i0 += 8) {
       const i8 key = lane + static_cast<int>(i0);
       const v8 score = (key >= static_cast<int>(lo)) & (key <= static_cast<int>(hi)) ? load8(sr + i0) : none;
       store8(sr + i0, score);
@@ -147,68 +158,82 @@ inline void attend_row(const conveyor::Params& p, const float* qr, const float* 
     }
     for (int k = 0; k < 8; ++k) block_max = max_(block_max, top[k]);
   }
-  for (int64_t i = i0; i < BS; ++i) {
+  for (int64_t i = i0; i < k_end; ++i) {
     float score = sr[i];
     if (p.cap > 0.f) score = p.cap * __builtin_tanhf(score / p.cap);
     sr[i] = i >= lo && i <= hi ? score : -__builtin_inff();
     block_max = max_(block_max, sr[i]);
   }
   const float new_max = max_(*m, block_max);
-  const float alpha = __builtin_expf(*m - new_max);  // exp(-inf) = 0 on a row's first block
+  const float alpha = __builtin_expf(*m - new_max);  // exp(-inf) = 0 on a row's first unit
   *m = new_max;
-  int64_t i = 0;
-  for (; i + 8 <= BS; i += 8) store8(sr + i, exp8_nonpositive(load8(sr + i) - splat8(new_max)));
-  for (; i < BS; ++i) sr[i] = exp_nonpositive(sr[i] - new_max);
-  float sum = 0.f;
-  for (i = 0; i < BS; ++i) sum += sr[i];  // in key order, as the scalar loop added them
-  *l = *l * alpha + sum;
+  // the weights, and their sum in eight lanes by key offset (i % 8) in the unit, lanes added as hsum does
+  v8 lanes{};
+  int64_t i = k_lo;
+  if (k_lo % 8 == 0)
+    for (; i + 8 <= k_end; i += 8) {
+      const v8 w = exp8_nonpositive(load8(sr + i) - splat8(new_max));
+      store8(sr + i, w);
+      lanes += w;
+    }
+  for (; i < k_end; ++i) {
+    sr[i] = exp_nonpositive(sr[i] - new_max);
+    lanes[i % 8] += sr[i];
+  }
+  *l = *l * alpha + hsum(lanes);
   if (alpha != 1.f) {
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
   }
-  accumulate(acc, sr + lo, values + lo * vstride, vstride, hi - lo + 1, D);
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const int64_t a = std::max(lo, b * BS) - b * BS, z = std::min(hi, b * BS + BS - 1) - b * BS;
+    accumulate(acc, sr + b * BS + a, values[b] + a * vstride, vstride, z - a + 1, D);
+  }
 }
 
-// The generic paths keep one online-softmax update per block: a unit's blocks go through one by one.
+// The generic paths make one online-softmax update per row per unit (the span's blocks, kUnitTokens
+// positions at most): the scores of the unit's keys the row sees, then their weights and V.
 template <typename Q, typename KV>
 void block(const conveyor::Params& p, const conveyor::Span& s) {
-  const int64_t BS = p.BS, D = p.D, G = p.G, stride = p.Hkv * D;
-  thread_local float* scratch = nullptr;  // kf, vf [BS * D] each, q [D], scores [BS]: grown, never freed
+  const int64_t BS = p.BS, D = p.D, G = p.G, stride = p.Hkv * D, len = s.nb * BS;
+  thread_local float* scratch = nullptr;  // kf, vf [len * D] each, q [D], scores [len]: grown, never freed
   thread_local int64_t capacity = 0;
-  const int64_t need = 2 * BS * D + D + BS;
+  const int64_t need = 2 * len * D + D + len;
   if (capacity < need) {
     delete[] scratch;
     scratch = new float[need];
     capacity = need;
   }
-  float *kf = scratch, *vf = kf + BS * D, *qf = vf + BS * D, *sr = qf + D;
+  float *kf = scratch, *vf = kf + len * D, *qf = vf + len * D, *sr = qf + D;
+  constexpr int64_t kMaxBlocks = 64;  // a unit's blocks (kUnitTokens positions, blocks of one or more)
+  const float* keys[kMaxBlocks];
+  const float* values[kMaxBlocks];
+  int64_t kstride = D;
   for (int64_t b = 0; b < s.nb; ++b) {
-    const int64_t b0 = s.b0 + b * BS;
-    const float *keys = kf, *values = vf;
-    int64_t kstride = D;
     if constexpr (sizeof(KV) == sizeof(float)) {
-      keys = static_cast<const float*>(s.k[b]), values = static_cast<const float*>(s.v[b]), kstride = stride;
+      keys[b] = static_cast<const float*>(s.k[b]), values[b] = static_cast<const float*>(s.v[b]), kstride = stride;
     } else {
-      if (s.pos0 + s.n - 1 < b0) break;  // no token sees this block (nor the next): do not widen it
+      keys[b] = kf + b * BS * D, values[b] = vf + b * BS * D;
+      if (s.pos0 + s.n - 1 < s.b0 + b * BS) continue;  // no token sees this block: do not widen it
       const KV* kb = static_cast<const KV*>(s.k[b]);
       const KV* vb = static_cast<const KV*>(s.v[b]);
       for (int64_t i = 0; i < BS; ++i)
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
-          kf[i * D + d] = widen_(kb[i * stride + d]);
-          vf[i * D + d] = widen_(vb[i * stride + d]);
+          kf[(b * BS + i) * D + d] = widen_(kb[i * stride + d]);
+          vf[(b * BS + i) * D + d] = widen_(vb[i * stride + d]);
         }
     }
-    for (int64_t j = 0; j < s.n; ++j) {
-      int64_t lo, hi;
-      conveyor::visible_keys(p, s.pos0 + j, b0, BS, &lo, &hi);
-      if (lo > hi) continue;  // a block after the token (causal) or before its window
-      for (int64_t g = 0; g < G; ++g) {
-        const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
-        for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
-        const int64_t r = j * G + g;
-        attend_row(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
-      }
+  }
+  for (int64_t j = 0; j < s.n; ++j) {
+    int64_t lo, hi;
+    conveyor::visible_keys(p, s.pos0 + j, s.b0, len, &lo, &hi);
+    if (lo > hi) continue;  // a unit after the token (causal) or before its window
+    for (int64_t g = 0; g < G; ++g) {
+      const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
+      for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
+      const int64_t r = j * G + g;
+      attend_unit(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
     }
   }
 }

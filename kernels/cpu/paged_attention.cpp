@@ -66,8 +66,7 @@ using conveyor::Span;
 
 constexpr int64_t kChunkTokens = 16;  // tokens per task of a prompt chunk; fewer: one task per partition
 // Positions per softmax unit (fewer where the partition or block size says so, unit_tokens): one online-
-// softmax update per row per unit instead of per block. The bf16 path rescales once per unit; the generic
-// paths still update per block within it.
+// softmax update per row per unit instead of per block, on every path.
 constexpr int64_t kUnitTokens = 64;
 // Fewer partition tasks than this per thread: each is cut per KV head (plan).
 constexpr int64_t kSplitHeadsBelow = 4;

@@ -130,11 +130,12 @@ inline v8 exp8_nonpositive(v8 x) {
 // One row against one softmax unit (the span's nb blocks, keys lo..hi of the unit visible): the scores of
 // every key of each block it sees (seen or not: a key's score never depends on which keys the row sees),
 // the mask, one online-softmax update for the whole unit, then V over the keys it sees in key order. The
-// weights are summed eight lanes by key offset in the unit: keys it does not see weigh exactly 0 and add
-// nothing, so the sum's bits depend on the keys it sees only.
+// weights are summed in eight lanes by absolute position (b0 + i) % 8, b0 the span's first position (a
+// span may start inside a unit, at a windowed row's oldest block): keys it does not see weigh exactly 0
+// and add nothing, so the sum's bits depend on the keys it sees only.
 inline void attend_unit(const conveyor::Params& p, const float* qr, const float* const* keys, int64_t kstride,
-                        const float* const* values, int64_t vstride, int64_t lo, int64_t hi, float* sr, float* m,
-                        float* l, float* acc) {
+                        const float* const* values, int64_t vstride, int64_t b0, int64_t lo, int64_t hi, float* sr,
+                        float* m, float* l, float* acc) {
   const int64_t BS = p.BS, D = p.D, b_lo = lo / BS, b_hi = hi / BS;
   const int64_t k_lo = b_lo * BS, k_end = (b_hi + 1) * BS;  // the keys scored: whole blocks
   for (int64_t b = b_lo; b <= b_hi; ++b) {
@@ -167,10 +168,10 @@ inline void attend_unit(const conveyor::Params& p, const float* qr, const float*
   const float new_max = max_(*m, block_max);
   const float alpha = __builtin_expf(*m - new_max);  // exp(-inf) = 0 on a row's first unit
   *m = new_max;
-  // the weights, and their sum in eight lanes by key offset (i % 8) in the unit, lanes added as hsum does
+  // the weights, and their sum in eight lanes by absolute position, lanes added as hsum does
   v8 lanes{};
   int64_t i = k_lo;
-  if (k_lo % 8 == 0)
+  if ((b0 + k_lo) % 8 == 0)
     for (; i + 8 <= k_end; i += 8) {
       const v8 w = exp8_nonpositive(load8(sr + i) - splat8(new_max));
       store8(sr + i, w);
@@ -178,7 +179,7 @@ inline void attend_unit(const conveyor::Params& p, const float* qr, const float*
     }
   for (; i < k_end; ++i) {
     sr[i] = exp_nonpositive(sr[i] - new_max);
-    lanes[i % 8] += sr[i];
+    lanes[(b0 + i) % 8] += sr[i];
   }
   *l = *l * alpha + hsum(lanes);
   if (alpha != 1.f) {
@@ -233,7 +234,7 @@ void block(const conveyor::Params& p, const conveyor::Span& s) {
       const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
       for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
       const int64_t r = j * G + g;
-      attend_unit(p, qf, keys, kstride, values, kstride, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
+      attend_unit(p, qf, keys, kstride, values, kstride, s.b0, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
     }
   }
 }

@@ -220,25 +220,31 @@ def test_a_query_heads_bits_do_not_depend_on_its_place_in_its_group(isa, group, 
         assert torch.equal(rolled, out[:, roll]), softcap
 
 
+# float32 runs the generic paths only: block sizes off their eight-key lanes (4; 1, 64 blocks a
+# unit) take the scalar tails
+UNIT_CASES = [(torch.bfloat16, 8, 3, 64, 0), (torch.bfloat16, 32, 4, 128, 0),
+              (torch.bfloat16, 16, 2, 96, 70), (torch.float32, 16, 3, 64, 0),
+              (torch.float32, 4, 3, 64, 0), (torch.float32, 1, 2, 64, 70)]
+
+
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("block_size,group,head_dim,window",
-                         [(8, 3, 64, 0), (32, 4, 128, 0), (16, 2, 96, 70)])
-def test_prompt_and_decode_rows_agree_across_softmax_units(isa, block_size, group, head_dim, window,
-                                                           runnable):
+@pytest.mark.parametrize("dtype,block_size,group,head_dim,window", UNIT_CASES)
+def test_prompt_and_decode_rows_agree_across_softmax_units(isa, dtype, block_size, group, head_dim,
+                                                           window, runnable):
     """A row's online softmax runs once per 64-position unit (fewer positions where a block is
     larger), and on the avx512_bf16 path spans of 8..16 tokens score with tokens as lanes while
     shorter ones score with keys as lanes: two layouts of one arithmetic. Per block size (smaller
     than 16, which pads the kernel's 16-key groups, and larger), head dim and window: the whole
     prompt against attention in float64, and pieces of 1..40 tokens cut across unit and partition
     edges, and decode rows, give the whole prompt's bits."""
-    native(isa, runnable, torch.bfloat16)
+    native(isa, runnable, dtype)
     gen = torch.Generator().manual_seed(block_size)
     length, hkv = 300, 2
     blocks = -(-length // block_size) + 3
     table = torch.randperm(blocks, generator=gen)[: -(-length // block_size)].tolist()
-    kc, vc = (torch.randn(blocks, block_size, hkv, head_dim, generator=gen).to(torch.bfloat16)
+    kc, vc = (torch.randn(blocks, block_size, hkv, head_dim, generator=gen).to(dtype)
               for _ in range(2))
-    q = torch.randn(length, hkv * group, head_dim, generator=gen).to(torch.bfloat16)
+    q = torch.randn(length, hkv * group, head_dim, generator=gen).to(dtype)
     whole = attend(isa, q, kc, vc, table, [(0, length)], window, 0.0)
     keys, vals = (c[table].flatten(0, 1)[:length].double().repeat_interleave(group, dim=1)
                   for c in (kc, vc))

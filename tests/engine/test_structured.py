@@ -22,9 +22,13 @@ from tests.fakes import smollm2_tokenizer
 
 pytestmark = pytest.mark.slow
 
-S = {"type": "string", "maxLength": 12}  # bounded strings keep outputs short under max_tokens
+# bounded strings and integers keep outputs short under max_tokens: an unbounded integer let one
+# sampled row write digits until max_tokens (finish reason "length") once the arithmetic moved a bit
+S = {"type": "string", "maxLength": 12}
+N = {"type": "integer", "minimum": -1000, "maximum": 1000}
 SCHEMAS: list[dict] = [
-    {"type": "object", "properties": {"name": S, "age": {"type": "integer"}},
+    {"type": "object", "properties": {"name": S, "age": {"type": "integer", "minimum": 0,
+                                                         "maximum": 150}},
      "required": ["name", "age"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
      "additionalProperties": False},
@@ -46,7 +50,7 @@ SCHEMAS: list[dict] = [
      "maxItems": 4},
     {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
      "required": ["id"]},
-    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+    {"type": "object", "properties": {"v": {"anyOf": [N, {"type": "null"}]}},
      "required": ["v"]},
     {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "integer"},
                                       "y": {"type": "integer"}},

@@ -50,6 +50,7 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import cpu_features, gemm_gflops, machine, pin_threads
 from bench.scheduler_policies import Timed
+from shared.config import QUANTIZATIONS
 
 # Labels of the ranges this bench opens around the runner's parts.
 MODEL, SAMPLING = "bench::model", "bench::sampling"
@@ -64,8 +65,10 @@ GEMM_OPS = {"aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bm
             "conveyor_cpu::int8_gemm_amx", "conveyor_cpu::int8_gemm_rows",
             # int4 on AVX-512 BF16 without AMX (engine/load/int4_avx512.py)
             "conveyor_cpu::int4_gemm_avx512",
-            # int4 and int8 with float32 activations on AVX2 (engine/load/int4_avx2.py, int8_avx2)
-            "conveyor_cpu::int4_gemm_avx2", "conveyor_cpu::int8_gemm_avx2"}
+            # int4 and int8 with float32 activations on AVX2 (engine/load/int4_avx2.py, int8_avx2),
+            # and int4 with 8-bit activations (w4a8)
+            "conveyor_cpu::int4_gemm_avx2", "conveyor_cpu::int8_gemm_avx2",
+            "conveyor_cpu::int4_gemm_avx2_q8"}
 SDPA_PREFIX = ("aten::scaled_dot_product", "aten::_scaled_dot_product", "aten::_flash_attention",
                # the native kernel (kernels/cpu), alone or after its K/V write in one call
                "conveyor_cpu::paged_attention", "conveyor_cpu::write_and_attend")
@@ -352,11 +355,11 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--configs", type=lambda v: [tuple(c.split(":")) for c in v.split(",")],
                     default=[("auto", "auto")],
-                    help="dtype:quantization pairs (auto|float32|bfloat16 : auto|none|int8|int4); "
-                         "default auto:auto, the server's default")
+                    help="dtype:quantization pairs (auto|float32|bfloat16 : "
+                         "auto|none|int8|int4|w4a8); default auto:auto, the server's default")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "both"],
                     help="shorthand for --configs DTYPE:QUANTIZATION (both: float32 and bfloat16)")
-    ap.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+    ap.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),
                     help="with --dtype: the quantization (default auto, as the server)")
     ap.add_argument("--num-seqs", type=lambda v: [int(n) for n in v.split(",")], default=[32],
                     help="decoding sequences in a step: one number or a list (1,32)")

@@ -5,7 +5,7 @@
 // Float32 math throughout: a bfloat16 cache is widened into scratch once per unit, the queries are
 // widened and scaled; a block's scores eight keys at a time (eight accumulators, one transposing
 // reduction), the mask, max and exponentials eight keys at a time (the weights summed in eight lanes by
-// key offset), one online-softmax update per row per unit, each row's V update with its accumulator in
+// absolute position), one online-softmax update per row per unit, each row's V update with its accumulator in
 // registers across the keys it sees.
 
 using v8 = float __attribute__((vector_size(32)));
@@ -123,9 +123,6 @@ inline v8 exp8_nonpositive(v8 x) {
   const v8 scale = (v8)((__builtin_convertvector(n, i8) + 127) << 23);
   return low ? splat8(0.f) : y * scale;
 }
-
-
-
 
 // One row against one softmax unit (the span's nb blocks, keys lo..hi of the unit visible): the scores of
 // every key of each block it sees (seen or not: a key's score never depends on which keys the row sees),

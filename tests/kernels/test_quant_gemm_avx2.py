@@ -77,7 +77,7 @@ def test_unpack_inverts_pack() -> None:
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, k: int,
                                                                         round_x: bool) -> None:
     """A row alone, and inside calls of 2..300 rows (the float kernel's few-row panels, full and
-    partial row blocks, kept panels; w4a8's blocks of 6), at one and two threads: the same bits
+    partial row blocks, kept panels; w4a8's blocks of 5), at one and two threads: the same bits
     (issue #30)."""
     q, scale, low = drawn(n, k, seed=1)
     codes, scale_low = int4_avx2.pack_codes(q), int4_avx2.pack_scales(scale, low)

@@ -73,18 +73,33 @@ class Hub:
 
     async def _renew(self) -> None:
         """Keep the engine's OBSERVE alive while anyone views; end it when the last viewer
-        leaves."""
+        leaves.
+
+        A viewer that joins while the stop is being sent finds this task not done, so join()
+        starts no other: the task looks at the viewers again after the stop and goes on for
+        them. Only the check and the return, with no await between them, end it."""
         try:
-            while self.viewers:
-                if self.client.connected:
-                    with contextlib.suppress(ConveyorError):
-                        await self.client.observe(SUBSCRIPTION)
-                await asyncio.sleep(RENEW_EVERY)
-            if self.client.connected:
-                with contextlib.suppress(ConveyorError):
-                    await self.client.observe(0)
+            while True:
+                while self.viewers:
+                    await self._observe(SUBSCRIPTION)
+                    await asyncio.sleep(RENEW_EVERY)
+                await self._observe(0)
+                if not self.viewers:
+                    return
         finally:
             self._renewer = None
+
+    async def _observe(self, seconds: float) -> None:
+        """One OBSERVE, if the engine is there; a failed one is retried at the next renewal, so
+        nothing it raises may end the task while viewers wait."""
+        if not self.client.connected:
+            return
+        try:
+            await self.client.observe(seconds)
+        except ConveyorError:
+            pass
+        except Exception:  # a dead renewer would leave every viewer without data
+            log.exception("OBSERVE(%g) failed; retrying at the next renewal", seconds)
 
     async def close(self) -> None:
         self.viewers.clear()

@@ -2,11 +2,11 @@
 // same text compiles for any x86 level. paged_attention.cpp includes it once per level inside a
 // `#pragma GCC target("arch=...")` region and its own namespace (portable, avx2, avx512), so each copy
 // uses only that level's instructions and runs where the CPU has them (checked at run time).
-// Float32 math throughout: a bfloat16 cache is widened into scratch once per unit, the queries are
-// widened and scaled; a block's scores eight keys at a time (eight accumulators, one transposing
-// reduction), the mask, max and exponentials eight keys at a time (the weights summed in eight lanes by
-// absolute position), one online-softmax update per row per unit, each row's V update with its accumulator in
-// registers across the keys it sees.
+// Float32 math throughout: a bfloat16 cache is widened into scratch once per unit, the queries are widened
+// and scaled. A prompt token's query heads (up to three) share each load of K and V: their scores four keys at
+// a time (a decode row's eight at a time, alone: the same sums). Per row, the mask, max and exponentials eight
+// keys at a time (the weights summed in eight lanes by absolute position), one online-softmax update per unit,
+// and the V update with the accumulators in registers across the keys seen.
 
 using v8 = float __attribute__((vector_size(32)));
 using i8 = int __attribute__((vector_size(32)));
@@ -37,26 +37,10 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// Lane i of the result: the sum of a_i's lanes (pairwise adds, one transposing reduction for eight keys).
+// Lanes 0-3: a's lanes (0, 1) and (2, 3) summed, then b's; lanes 4-7: the same for lanes 4-7.
 inline v8 hadd8(v8 a, v8 b) {
   return __builtin_shuffle(a, b, i8{0, 2, 8, 10, 4, 6, 12, 14}) +
          __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
-}
-inline v8 reduce8(const v8* a) {
-  const v8 lo = hadd8(hadd8(a[0], a[1]), hadd8(a[2], a[3]));
-  const v8 hi = hadd8(hadd8(a[4], a[5]), hadd8(a[6], a[7]));
-  return __builtin_shuffle(lo, hi, i8{0, 1, 2, 3, 8, 9, 10, 11}) +
-         __builtin_shuffle(lo, hi, i8{4, 5, 6, 7, 12, 13, 14, 15});
-}
-
-// out[0:8] = q . k_i for the eight keys k_i = k + i * stride (D a multiple of 8).
-inline void dot8(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
-  v8 acc[8] = {};
-  for (int64_t d = 0; d < D; d += 8) {
-    const v8 qd = load8(q + d);
-    for (int i = 0; i < 8; ++i) acc[i] += qd * load8(k + i * stride + d);
-  }
-  store8(out, reduce8(acc));
 }
 
 // acc[0:D] += sum_i w[i] * v[i * stride :][:D] over the keys given, the accumulator in registers.
@@ -124,24 +108,72 @@ inline v8 exp8_nonpositive(v8 x) {
   return low ? splat8(0.f) : y * scale;
 }
 
-// One row against one softmax unit (the span's nb blocks, keys lo..hi of the unit visible): the scores of
-// every key of each block it sees (seen or not: a key's score never depends on which keys the row sees),
-// the mask, one online-softmax update for the whole unit, then V over the keys it sees in key order. The
-// weights are summed in eight lanes by absolute position (b0 + i) % 8, b0 the span's first position (a
-// span may start inside a unit, at a windowed row's oldest block): keys it does not see weigh exactly 0
-// and add nothing, so the sum's bits depend on the keys it sees only.
-inline void attend_unit(const conveyor::Params& p, const float* qr, const float* const* keys, int64_t kstride,
-                        const float* const* values, int64_t vstride, int64_t b0, int64_t lo, int64_t hi, float* sr,
-                        float* m, float* l, float* acc) {
-  const int64_t BS = p.BS, D = p.D, b_lo = lo / BS, b_hi = hi / BS;
-  const int64_t k_lo = b_lo * BS, k_end = (b_hi + 1) * BS;  // the keys scored: whole blocks
-  for (int64_t b = b_lo; b <= b_hi; ++b) {
-    float* sb = sr + b * BS;
-    int64_t k8 = 0;
-    if (D % 8 == 0)
-      for (; k8 + 8 <= BS; k8 += 8) dot8(qr, keys[b] + k8 * kstride, kstride, D, sb + k8);
-    for (int64_t i = k8; i < BS; ++i) sb[i] = dot(qr, keys[b] + i * kstride, D);
+// out[0:8] = q . k_i for the eight keys k_i = k + i * stride (D a multiple of 8): dots4's sums for one row,
+// eight keys at a time (more cache lines in flight: a decode row's keys come from memory).
+inline void dot8(const float* q, const float* k, int64_t stride, int64_t D, float* out) {
+  v8 acc[8] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const v8 qd = load8(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] += qd * load8(k + i * stride + d);
   }
+  const v8 lo = hadd8(hadd8(acc[0], acc[1]), hadd8(acc[2], acc[3]));
+  const v8 hi = hadd8(hadd8(acc[4], acc[5]), hadd8(acc[6], acc[7]));
+  for (int i = 0; i < 4; ++i) out[i] = lo[i] + lo[i + 4], out[i + 4] = hi[i] + hi[i + 4];
+}
+
+// The scores of R rows (query heads of one token) for four keys k_i = k + i * stride (D a multiple of 8):
+// each key's K loaded once for the R rows; each score's eight lanes summed over d in order, then added as
+// ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), so a row's bits do not depend on R or its partners.
+template <int R>
+inline void dots4(const float* const* q, const float* k, int64_t stride, int64_t D, float* const* out) {
+  v8 acc[R][4] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    v8 qd[R];
+    for (int r = 0; r < R; ++r) qd[r] = load8(q[r] + d);
+    for (int i = 0; i < 4; ++i) {
+      const v8 ki = load8(k + i * stride + d);
+      for (int r = 0; r < R; ++r) acc[r][i] += qd[r] * ki;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const v8 h = hadd8(hadd8(acc[r][0], acc[r][1]), hadd8(acc[r][2], acc[r][3]));
+    for (int i = 0; i < 4; ++i) out[r][i] = h[i] + h[i + 4];
+  }
+}
+
+// acc_r[0:D] += sum_i w_r[i] * v[i * stride :][:D] for R rows over the same keys: each V vector loaded once
+// for the R rows; per element the same sequence of multiply-adds as accumulate, so the same bits.
+template <int R>
+inline void accumulate_rows(float* const* acc, const float* const* w, const float* v, int64_t stride, int64_t n,
+                            int64_t D) {
+  int64_t d = 0;
+  for (; d + 32 <= D; d += 32) {
+    v8 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < 4; ++x) a[r][x] = load8(acc[r] + d + 8 * x);
+    for (int64_t i = 0; i < n; ++i) {
+      v8 wi[R];
+      for (int r = 0; r < R; ++r) wi[r] = splat8(w[r][i]);
+      for (int x = 0; x < 4; ++x) {
+        const v8 vx = load8(v + i * stride + d + 8 * x);
+        for (int r = 0; r < R; ++r) a[r][x] += wi[r] * vx;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < 4; ++x) store8(acc[r] + d + 8 * x, a[r][x]);
+  }
+  for (int r = 0; r < R; ++r) accumulate(acc[r] + d, w[r], v + d, stride, n, D - d);
+}
+
+// One row's weights over a unit's scored keys k_lo..k_end - 1 (scores at sr, keys lo..hi visible): the mask,
+// one online-softmax update for the whole unit (m, l; acc rescaled), the weights in place of the scores. The
+// weights are summed in eight lanes by absolute position (b0 + i) % 8, b0 the span's first position (a span
+// may start inside a unit, at a windowed row's oldest block): keys it does not see weigh exactly 0 and add
+// nothing, so the sum's bits depend on the keys it sees only.
+// Inlined, as it was inside the one-row function this replaced: decode rows keep the code they ran.
+__attribute__((always_inline)) inline void unit_weights(const conveyor::Params& p, int64_t b0, int64_t lo,
+                                                        int64_t hi, int64_t k_lo, int64_t k_end, float* sr,
+                                                        float* m, float* l, float* acc) {
   float block_max = -__builtin_inff();
   int64_t i0 = k_lo;
   if (!(p.cap > 0.f)) {  // the mask and the max eight keys at a time (a max's bits do not depend on order)
@@ -181,28 +213,62 @@ inline void attend_unit(const conveyor::Params& p, const float* qr, const float*
   *l = *l * alpha + hsum(lanes);
   if (alpha != 1.f) {
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
-  }
-  for (int64_t b = b_lo; b <= b_hi; ++b) {
-    const int64_t a = std::max(lo, b * BS) - b * BS, z = std::min(hi, b * BS + BS - 1) - b * BS;
-    accumulate(acc, sr + b * BS + a, values[b] + a * vstride, vstride, z - a + 1, D);
+    for (int64_t d = 0; d < p.D; ++d) acc[d] *= alpha;
   }
 }
+
+// R rows of one token (its query heads r: query q[r], scores sr[r], state m[r], l[r], acc[r]) against one
+// softmax unit (the span's nb blocks, keys lo..hi of the unit visible): the scores of every key of each block
+// they see (seen or not: a key's score never depends on which keys the row sees), each row's weights
+// (unit_weights), then V over the keys they see in key order. K and V are loaded once for the R rows; each
+// row's arithmetic is the same whatever R, so its bits are too.
+template <int R>
+inline void attend_rows(const conveyor::Params& p, const float* const* q, const float* const* keys, int64_t kstride,
+                        const float* const* values, int64_t vstride, int64_t b0, int64_t lo, int64_t hi,
+                        float* const* sr, float* const* m, float* const* l, float* const* acc) {
+  const int64_t BS = p.BS, D = p.D, b_lo = lo / BS, b_hi = hi / BS;
+  const int64_t k_lo = b_lo * BS, k_end = (b_hi + 1) * BS;  // the keys scored: whole blocks
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    int64_t k4 = 0;  // the keys of whole groups of eight four at a time, as dots of eight went; the rest one by one
+    if (D % 8 == 0 && R == 1)
+      for (; k4 + 8 <= BS; k4 += 8) dot8(q[0], keys[b] + k4 * kstride, kstride, D, sr[0] + b * BS + k4);
+    else if (D % 8 == 0)
+      for (; k4 + 4 <= BS / 8 * 8; k4 += 4) {
+        float* out[R];
+        for (int r = 0; r < R; ++r) out[r] = sr[r] + b * BS + k4;
+        dots4<R>(q, keys[b] + k4 * kstride, kstride, D, out);
+      }
+    for (int r = 0; r < R; ++r)
+      for (int64_t i = k4; i < BS; ++i) sr[r][b * BS + i] = dot(q[r], keys[b] + i * kstride, D);
+  }
+  for (int r = 0; r < R; ++r) unit_weights(p, b0, lo, hi, k_lo, k_end, sr[r], m[r], l[r], acc[r]);
+  for (int64_t b = b_lo; b <= b_hi; ++b) {
+    const int64_t a = std::max(lo, b * BS) - b * BS, z = std::min(hi, b * BS + BS - 1) - b * BS;
+    const float* w[R];
+    for (int r = 0; r < R; ++r) w[r] = sr[r] + b * BS + a;
+    accumulate_rows<R>(acc, w, values[b] + a * vstride, vstride, z - a + 1, D);
+  }
+}
+
+// A token's query heads go through a unit together, this many at a time (their scores four keys at a time:
+// 4 x 3 accumulators, three queries and a key fill AVX2's sixteen registers).
+constexpr int64_t kMaxRows = 3;
 
 // The generic paths make one online-softmax update per row per unit (the span's blocks, kUnitTokens
 // positions at most): the scores of the unit's keys the row sees, then their weights and V.
 template <typename Q, typename KV>
 void block(const conveyor::Params& p, const conveyor::Span& s) {
   const int64_t BS = p.BS, D = p.D, G = p.G, stride = p.Hkv * D, len = s.nb * BS;
-  thread_local float* scratch = nullptr;  // kf, vf [len * D] each, q [D], scores [len]: grown, never freed
+  // kf, vf [len * D] each, q [kMaxRows * D], scores [kMaxRows * len]: grown, never freed
+  thread_local float* scratch = nullptr;
   thread_local int64_t capacity = 0;
-  const int64_t need = 2 * len * D + D + len;
+  const int64_t need = 2 * len * D + kMaxRows * (D + len);
   if (capacity < need) {
     delete[] scratch;
     scratch = new float[need];
     capacity = need;
   }
-  float *kf = scratch, *vf = kf + len * D, *qf = vf + len * D, *sr = qf + D;
+  float *kf = scratch, *vf = kf + len * D, *qf = vf + len * D, *sr = qf + kMaxRows * D;
   constexpr int64_t kMaxBlocks = 64;  // a unit's blocks (kUnitTokens positions, blocks of one or more)
   const float* keys[kMaxBlocks];
   const float* values[kMaxBlocks];
@@ -227,11 +293,26 @@ void block(const conveyor::Params& p, const conveyor::Span& s) {
     int64_t lo, hi;
     conveyor::visible_keys(p, s.pos0 + j, s.b0, len, &lo, &hi);
     if (lo > hi) continue;  // a unit after the token (causal) or before its window
-    for (int64_t g = 0; g < G; ++g) {
-      const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
-      for (int64_t d = 0; d < D; ++d) qf[d] = widen_(qr[d]) * p.scale;
-      const int64_t r = j * G + g;
-      attend_unit(p, qf, keys, kstride, values, kstride, s.b0, lo, hi, sr, s.m + r, s.l + r, s.acc + r * D);
+    // the token's query heads in groups of at most kMaxRows, as even as they go (a decode row's alone: its
+    // keys come from memory, and eight keys' lines in flight at a time beat shared loads there)
+    const int64_t max_rows = s.n > 1 ? kMaxRows : 1, groups = (G + max_rows - 1) / max_rows;
+    for (int64_t g0 = 0, k = 0; k < groups; ++k) {
+      const int64_t rows = (G - g0) / (groups - k);
+      const float* qs[kMaxRows];
+      float *srs[kMaxRows], *ms[kMaxRows], *ls[kMaxRows], *accs[kMaxRows];
+      for (int64_t x = 0; x < rows; ++x) {
+        const int64_t g = g0 + x, r = j * G + g;
+        const Q* qr = static_cast<const Q*>(s.q) + j * p.q_row + g * p.q_head;
+        float* qx = qf + x * D;
+        for (int64_t d = 0; d < D; ++d) qx[d] = widen_(qr[d]) * p.scale;
+        qs[x] = qx, srs[x] = sr + x * len, ms[x] = s.m + r, ls[x] = s.l + r, accs[x] = s.acc + r * D;
+      }
+      switch (rows) {
+        case 3: attend_rows<3>(p, qs, keys, kstride, values, kstride, s.b0, lo, hi, srs, ms, ls, accs); break;
+        case 2: attend_rows<2>(p, qs, keys, kstride, values, kstride, s.b0, lo, hi, srs, ms, ls, accs); break;
+        default: attend_rows<1>(p, qs, keys, kstride, values, kstride, s.b0, lo, hi, srs, ms, ls, accs); break;
+      }
+      g0 += rows;
     }
   }
 }

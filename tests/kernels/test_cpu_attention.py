@@ -224,7 +224,8 @@ def test_a_query_heads_bits_do_not_depend_on_its_place_in_its_group(isa, group, 
 # unit) take the scalar tails
 UNIT_CASES = [(torch.bfloat16, 8, 3, 64, 0), (torch.bfloat16, 32, 4, 128, 0),
               (torch.bfloat16, 16, 2, 96, 70), (torch.float32, 16, 3, 64, 0),
-              (torch.float32, 4, 3, 64, 0), (torch.float32, 1, 2, 64, 70)]
+              (torch.float32, 4, 3, 64, 0), (torch.float32, 1, 2, 64, 70),
+              (torch.float32, 8, 8, 64, 0), (torch.float32, 16, 4, 80, 70)]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -233,7 +234,9 @@ def test_prompt_and_decode_rows_agree_across_softmax_units(isa, dtype, block_siz
                                                            window, runnable):
     """A row's online softmax runs once per 64-position unit (fewer positions where a block is
     larger), and on the avx512_bf16 path spans of 8..16 tokens score with tokens as lanes while
-    shorter ones score with keys as lanes: two layouts of one arithmetic. Per block size (smaller
+    shorter ones score with keys as lanes: two layouts of one arithmetic. On the float32 paths a
+    prompt token's query heads share K and V loads in groups of up to three (8 heads: 3 + 3 + 2),
+    a decode row goes alone: the same sums. Per block size (smaller
     than 16, which pads the kernel's 16-key groups, and larger), head dim and window: the whole
     prompt against attention in float64, and pieces of 1..40 tokens cut across unit and partition
     edges, and decode rows, give the whole prompt's bits."""

@@ -3,12 +3,14 @@ through the native kernel's op, this tree's kernel against the one at a git revi
 it under another op namespace), calls alternated one by one (each variant first in turn) in one
 process, so drift on a shared machine hits every variant alike.
 
-Two tables. "Hot": one batch's K/V re-read call after call (32 decodes over 408 tokens, the same
+Three tables. "Hot": one batch's K/V re-read call after call (32 decodes over 408 tokens, the same
 over a cache 20x larger, one decode over 200..2,000, 64 over 2,048): the host's large L3 keeps
 much of it. "DRAM": what a served step does, each call reading the next of 30 layers' pools laid
 out as the engine lays them (one [layers, 2, blocks, block, heads, dim] tensor, tables scattered
 over twice the blocks needed), so K/V comes from memory as in a step (~300 MB a step); with a third
 variant, this tree's kernel over the same pool allocated on 2 MB pages (engine.kv_cache.zeros_pool).
+Between them, "prompt chunks": prompts of 256 and 512 tokens, a chunk of 128 over a cached 384 and
+a served step's mix (31 decodes over 408 beside a 256-token prompt), K/V hot as in the first.
 GB/s: the K/V bytes a call must read over its min time.
 """
 from __future__ import annotations
@@ -71,16 +73,19 @@ def alternate(calls: dict[str, Callable[[int], None]], runs: int) -> dict[str, l
     return times
 
 
-def batch(lens: list[int], blocks: int, gen: Any, dtype: Any) -> tuple[Any, ...]:
-    """q, the tables scattered over blocks, and the sequences' (start, q_len, seq_len)."""
+def batch(lens: list[int], blocks: int, gen: Any, dtype: Any,
+          qlens: list[int] | None = None) -> tuple[Any, ...]:
+    """q, the tables scattered over blocks, and the sequences' (start, q_len, seq_len); one query
+    row a sequence unless qlens says more (a prompt chunk: the last qlens[i] of its lens[i])."""
     import torch
 
     h, _, d, bs = SHAPE
+    qlens = qlens or [1] * len(lens)
     b, need = len(lens), -(-max(lens) // SHAPE[3])
     tables = torch.randperm(blocks, generator=gen)[:b * need].view(b, need).to(torch.int32)
-    q = torch.randn(b, h, d, generator=gen).to(dtype)
-    seqs = (torch.arange(b, dtype=torch.int32), torch.ones(b, dtype=torch.int32),
-            torch.tensor(lens, dtype=torch.int32))
+    q = torch.randn(sum(qlens), h, d, generator=gen).to(dtype)
+    starts = torch.tensor([0, *qlens[:-1]], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    seqs = (starts, torch.tensor(qlens, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32))
     return q, tables.contiguous(), seqs
 
 
@@ -100,9 +105,9 @@ def row(name: str, times: dict[str, list[float]], nbytes: int) -> str:
     return text + "".join(f" {nbytes / lo / 1e6:6.1f}" for lo, _ in cols)
 
 
-def header(names: list[str]) -> str:
+def header(names: list[str], unit: str = "GB/s") -> str:
     return (f"{'case':34s}" + "".join(f" {n[:17]:>17s}" for n in names)
-            + "".join(f" {'x ' + n[:11]:>12s}" for n in names[1:]) + f" {'GB/s':>6s}" * len(names))
+            + "".join(f" {'x ' + n[:11]:>12s}" for n in names[1:]) + f" {unit:>6s}" * len(names))
 
 
 def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
@@ -126,6 +131,30 @@ def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
         first, *rest = outs.values()
         assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
         print(row(name, times, b * n * hkv * d * 2 * dtype.itemsize))
+
+
+def prompts(ops: dict[str, Any], runs: int, dtype: Any) -> None:
+    """Prompt chunks, alone and in a served step's mix (decodes beside one), K/V hot as above."""
+    import torch
+
+    h, hkv, d, bs = SHAPE
+    print("prompt chunks, hot: ms min, median; ratios to the first; GFLOP/s of each at its min")
+    print(header(list(ops), "GFLOP/s"))
+    gen = torch.Generator().manual_seed(2)
+    for name, lens, qlens in [("prompt 256", [256], [256]), ("prompt 512", [512], [512]),
+                              ("chunk 128 over 384", [512], [128]),
+                              ("31 x 408 + prompt 256", [408] * 31 + [256], [1] * 31 + [256])]:
+        blocks = len(lens) * -(-max(lens) // bs) + 1
+        q, tables, seqs = batch(lens, blocks, gen, dtype, qlens)
+        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
+        outs = {k: torch.empty_like(q) for k in ops}
+        times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
+                           for k, op in ops.items()}, runs)
+        first, *rest = outs.values()
+        assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+        # QK and PV, 2 flops a multiply-add, per query head and key each token sees
+        flops = sum(4 * h * d * (n - q + t + 1) for n, q in zip(lens, qlens) for t in range(q))
+        print(row(name, times, flops))
 
 
 def dram(ops: dict[str, Any], runs: int, dtype: Any) -> None:
@@ -163,7 +192,7 @@ def dram(ops: dict[str, Any], runs: int, dtype: Any) -> None:
 
 
 def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16") -> None:
-    """Both tables (the module docstring), this tree against rev, q and cache in dtype_name."""
+    """The three tables (the module docstring), this tree against rev, q and cache in dtype_name."""
     import torch
 
     import kernels.cpu as native_cpu
@@ -174,4 +203,5 @@ def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16") -> None:
     print(f"{dtype_name} decode rows, H={SHAPE[0]} Hkv={SHAPE[1]} D={SHAPE[2]} block={SHAPE[3]}, "
           f"isa auto, {runs} calls each, alternated")
     hot(ops, runs, dtype)
+    prompts(ops, runs, dtype)
     dram(ops, runs, dtype)

@@ -22,10 +22,10 @@ over a cached 1024) on the native kernel's best path against SDPA, plus single d
 256..4096 (to see that decode did not get slower), at SmolLM2-135M's shape and a head-dim-128 GQA
 shape.
 
-With --decode: decode rows (bfloat16; float32 with --dtype float32) straight through the kernel's
-op, this tree's kernel against the one at git revision --against, calls alternated in one process,
-over K/V the host's caches keep and over K/V from memory as in a served step
-(bench/attention_decode.py says how).
+With --decode: decode rows and prompt chunks (bfloat16; float32 with --dtype float32) straight
+through the kernel's op, this tree's kernel against the one at git revision --against, calls
+alternated in one process, over K/V the host's caches keep and over K/V from memory as in a served
+step (bench/attention_decode.py says how).
 
     python bench/cpu_attention.py [--native | --prompts | --decode [--against REV] [--dtype D]]
                                   [--threads N]

@@ -39,6 +39,8 @@ AUTH = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 PREFIX = list(range(1000, 1024))
 DEADLINE = 60.0
 NUM_BLOCKS = 64
+# the page's uncaught exceptions and console errors, for failure messages
+PAGE_ERRORS: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,8 @@ def page(server: Server) -> Iterator[Any]:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             pg = browser.new_page(viewport={"width": 1500, "height": 1100})
+            pg.on("pageerror", lambda e: PAGE_ERRORS.append(f"uncaught: {e}"))
+            pg.on("console", console_error)
             pg.goto(f"{server.url}/dashboard?api_key={KEY}")
             wait_until(lambda: pg.text_content("#status") == "live",
                        "the page's socket never opened")
@@ -93,14 +97,24 @@ def page(server: Server) -> Iterator[Any]:
             browser.close()
 
 
-def wait_until(cond: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
+def console_error(msg: Any) -> None:
+    if msg.type == "error":
+        PAGE_ERRORS.append(msg.text)
+
+
+def wait_until(cond: Callable[[], Any], what: str, timeout: float = DEADLINE,
+               server: Server | None = None) -> Any:
+    """Polls cond; on timeout fails naming `what`, with the page's errors and (given the server)
+    the end of its log: a page that never updates is otherwise a mystery in CI."""
     deadline = time.monotonic() + timeout
     while True:
         got = cond()
         if got:
             return got
         if time.monotonic() > deadline:
-            raise AssertionError(f"within {timeout:g}s: {what}")
+            log = f"\nserver log:\n{server.log()[-2000:]}" if server is not None else ""
+            raise AssertionError(f"within {timeout:g}s: {what}; page errors: {PAGE_ERRORS[-5:]}"
+                                 f"{log}")
         time.sleep(0.05)
 
 
@@ -192,14 +206,17 @@ def test_engine_outputs_are_the_same_with_a_viewer_connected(server: Server, pag
     wait_until(lambda: page.text_content("#status") == "live", "the page's socket never opened")
     first = dom(page)["step"]
     viewed = in_thread(lambda: short_workload(server.url))
-    wait_until(lambda: dom(page)["step"] > first, "the step counter never advanced")
+    wait_until(lambda: dom(page)["step"] > first, "the step counter never advanced",
+               server=server)
     assert viewed.result(timeout=120) == without
 
 
 def test_dashboard_shows_queues_blocks_and_steps_live(server: Server, page: Any,
                                                       tmp_path: Path) -> None:
-    start = dom(page)
-    assert start["cells"] == start["kv_total"] == NUM_BLOCKS
+    # the first snapshot after the page (re)connected
+    start = wait_until(lambda: (d := dom(page))["kv_total"] == NUM_BLOCKS and d,
+                       "the page never showed the KV pool", server=server)
+    assert start["cells"] == NUM_BLOCKS
     load = in_thread(lambda: workload(server.url))
 
     def swapped(d: dict[str, Any]) -> bool:

@@ -110,6 +110,22 @@ def header(names: list[str], unit: str = "GB/s") -> str:
             + "".join(f" {'x ' + n[:11]:>12s}" for n in names[1:]) + f" {unit:>6s}" * len(names))
 
 
+def timed_hot(ops: dict[str, Any], runs: int, q: Any, blocks: int, tables: Any,
+              seqs: tuple[Any, ...], gen: Any) -> dict[str, list[float]]:
+    """Each op's ms per call over one random pool of blocks (q's dtype) that every call re-reads;
+    asserts that the ops agree bit for bit."""
+    import torch
+
+    _, hkv, d, bs = SHAPE
+    kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(q.dtype) for _ in range(2))
+    outs = {k: torch.empty_like(q) for k in ops}
+    times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
+                       for k, op in ops.items()}, runs)
+    first, *rest = outs.values()
+    assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+    return times
+
+
 def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
     import torch
 
@@ -123,13 +139,7 @@ def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
                               ("64 x 2048", 64, 2048, 0)]:
         blocks = b * -(-n // bs) * (1 + spare) + 1
         q, tables, seqs = batch([n] * b, blocks, gen, dtype)
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype)
-                  for _ in range(2))
-        outs = {k: torch.empty_like(q) for k in ops}
-        times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
-                           for k, op in ops.items()}, runs)
-        first, *rest = outs.values()
-        assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen)
         print(row(name, times, b * n * hkv * d * 2 * dtype.itemsize))
 
 
@@ -146,12 +156,7 @@ def prompts(ops: dict[str, Any], runs: int, dtype: Any) -> None:
                               ("31 x 408 + prompt 256", [408] * 31 + [256], [1] * 31 + [256])]:
         blocks = len(lens) * -(-max(lens) // bs) + 1
         q, tables, seqs = batch(lens, blocks, gen, dtype, qlens)
-        kc, vc = (torch.randn(blocks, bs, hkv, d, generator=gen).to(dtype) for _ in range(2))
-        outs = {k: torch.empty_like(q) for k in ops}
-        times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
-                           for k, op in ops.items()}, runs)
-        first, *rest = outs.values()
-        assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen)
         # QK and PV, 2 flops a multiply-add, per query head and key each token sees
         flops = sum(4 * h * d * (n - q + t + 1) for n, q in zip(lens, qlens) for t in range(q))
         print(row(name, times, flops))

@@ -355,8 +355,8 @@ def main() -> None:
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--configs", type=lambda v: [tuple(c.split(":")) for c in v.split(",")],
                     default=[("auto", "auto")],
-                    help="dtype:quantization pairs (auto|float32|bfloat16 : "
-                         "auto|none|int8|int4|w4a8); default auto:auto, the server's default")
+                    help=f"dtype:quantization pairs (auto|float32|bfloat16 : "
+                         f"{'|'.join(QUANTIZATIONS)}); default auto:auto, the server's default")
     ap.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "both"],
                     help="shorthand for --configs DTYPE:QUANTIZATION (both: float32 and bfloat16)")
     ap.add_argument("--quantization", default="auto", choices=list(QUANTIZATIONS),

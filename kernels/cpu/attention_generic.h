@@ -43,18 +43,10 @@ inline v8 hadd8(v8 a, v8 b) {
          __builtin_shuffle(a, b, i8{1, 3, 9, 11, 5, 7, 13, 15});
 }
 
-// acc[0:D] += sum_i w[i] * v[i * stride :][:D] over the keys given, the accumulator in registers.
-inline void accumulate(float* acc, const float* w, const float* v, int64_t stride, int64_t n, int64_t D) {
+// acc[0:D] += sum_i w[i] * v[i * stride :][:D] over the keys given, for the dims accumulate_rows leaves (under
+// 32): eight at a time, then one by one; per element the same multiply-adds in key order.
+inline void accumulate_tail(float* acc, const float* w, const float* v, int64_t stride, int64_t n, int64_t D) {
   int64_t d = 0;
-  for (; d + 32 <= D; d += 32) {
-    v8 a0 = load8(acc + d), a1 = load8(acc + d + 8), a2 = load8(acc + d + 16), a3 = load8(acc + d + 24);
-    for (int64_t i = 0; i < n; ++i) {
-      const v8 wi = splat8(w[i]);
-      const float* vi = v + i * stride + d;
-      a0 += wi * load8(vi), a1 += wi * load8(vi + 8), a2 += wi * load8(vi + 16), a3 += wi * load8(vi + 24);
-    }
-    store8(acc + d, a0), store8(acc + d + 8, a1), store8(acc + d + 16, a2), store8(acc + d + 24, a3);
-  }
   for (; d + 8 <= D; d += 8) {
     v8 a0 = load8(acc + d);
     for (int64_t i = 0; i < n; ++i) a0 += splat8(w[i]) * load8(v + i * stride + d);
@@ -142,7 +134,7 @@ inline void dots4(const float* const* q, const float* k, int64_t stride, int64_t
 }
 
 // acc_r[0:D] += sum_i w_r[i] * v[i * stride :][:D] for R rows over the same keys: each V vector loaded once
-// for the R rows; per element the same sequence of multiply-adds as accumulate, so the same bits.
+// for the R rows; per element the same multiply-adds in key order whatever R, so the same bits.
 template <int R>
 inline void accumulate_rows(float* const* acc, const float* const* w, const float* v, int64_t stride, int64_t n,
                             int64_t D) {
@@ -162,7 +154,7 @@ inline void accumulate_rows(float* const* acc, const float* const* w, const floa
     for (int r = 0; r < R; ++r)
       for (int x = 0; x < 4; ++x) store8(acc[r] + d + 8 * x, a[r][x]);
   }
-  for (int r = 0; r < R; ++r) accumulate(acc[r] + d, w[r], v + d, stride, n, D - d);
+  for (int r = 0; r < R; ++r) accumulate_tail(acc[r] + d, w[r], v + d, stride, n, D - d);
 }
 
 // One row's weights over a unit's scored keys k_lo..k_end - 1 (scores at sr, keys lo..hi visible): the mask,
@@ -229,7 +221,9 @@ inline void attend_rows(const conveyor::Params& p, const float* const* q, const 
   const int64_t BS = p.BS, D = p.D, b_lo = lo / BS, b_hi = hi / BS;
   const int64_t k_lo = b_lo * BS, k_end = (b_hi + 1) * BS;  // the keys scored: whole blocks
   for (int64_t b = b_lo; b <= b_hi; ++b) {
-    int64_t k4 = 0;  // the keys of whole groups of eight four at a time, as dots of eight went; the rest one by one
+    // keys in whole groups of eight: one row eight at a time, several four at a time (the same sums); the
+    // rest one by one
+    int64_t k4 = 0;
     if (D % 8 == 0 && R == 1)
       for (; k4 + 8 <= BS; k4 += 8) dot8(q[0], keys[b] + k4 * kstride, kstride, D, sr[0] + b * BS + k4);
     else if (D % 8 == 0)

@@ -87,7 +87,8 @@ def plain_from_rows(dtype: torch.dtype) -> int | None:
 
 
 # On AMX CPUs oneDNN's packed bfloat16 calls of up to this many rows give each row the same
-# bits; larger calls round a few rows otherwise (tests/kernels/test_quant_gemm.py).
+# bits; larger calls round a few rows otherwise (tests/kernels/test_quant_gemm.py). A fact of the
+# pinned torch 2.13.0's oneDNN: torch 2.11's already differs at 32 rows (docs/kernels.md).
 ONEDNN_SAME_BITS_ROWS = 32
 
 

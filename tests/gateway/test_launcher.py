@@ -78,8 +78,9 @@ def test_engine_that_dies_while_loading_fails_fast(tmp_path: Path) -> None:
 
 
 def test_engine_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
-    armed = tmp_path / "armed"  # written once SIGTERM is ignored: a SIGTERM before that would end it
-    ignore_sigterm = ("import pathlib, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    armed = tmp_path / "armed"  # written once SIGTERM is ignored: one before that would end it
+    ignore_sigterm = ("import pathlib, signal, time; "
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                       f"pathlib.Path({str(armed)!r}).touch(); time.sleep(60)")
     engine = fake_engine_process(tmp_path, ignore_sigterm, stop_timeout=0.5)
     engine.start()

@@ -198,8 +198,9 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
     torch's int8 kernel is scalar with float32 activations) below the rows from which their float32
     packed copy (attach_packed_copies) takes over, calibrated here; NEVER where the kernel wins to
     INT8_AVX2_CALIBRATION_ROWS' last, or there is no copy, or deterministic (the kernel's
-    arithmetic does not depend on the rows; the copy's differs): then the copy is dropped. Called
-    after attach_packed_copies. -> that row count; None where no matrix takes the kernel."""
+    arithmetic does not depend on the rows; the copy's differs): then the copy is dropped. The
+    codes' [N, K] layout goes too: only the kernel's is kept. Called after attach_packed_copies.
+    -> that row count; None where no matrix takes the kernel."""
     if dtype != torch.float32:
         return None
     mats = [m for m in switched_modules(model) if isinstance(m, Int8Linear) and m.make_avx2()]
@@ -210,6 +211,7 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
         m.amx_from, m.packed_from = 1, handover
         if handover >= NEVER:
             m.packed = None
+        m.keep_avx2_codes_only()  # torch's int8 kernel never runs now
     if mats:
         log.info("int8 GEMMs with float32 activations on the AVX2 kernel%s", " at every row count"
                  if handover >= NEVER else f", on packed copies from {handover} rows (calibrated)")

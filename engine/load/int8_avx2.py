@@ -32,6 +32,12 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return q.view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
+def unpack(codes: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: [N/8, K, 8] -> int8 codes [N, K]."""
+    blocks, k, _ = codes.shape
+    return codes.transpose(1, 2).reshape(blocks * BLOCK, k)
+
+
 def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ (q * scale[:, None]).T -> [M, N] float32; codes from pack, scale
     float32 [N]."""

@@ -122,7 +122,7 @@ class Int8Linear(QuantizedLinear):
             s = (peak / 127).clamp(min=1e-12)  # [rows]
             scale[r:r + CHUNK_ROWS] = s
             q[r:r + CHUNK_ROWS] = torch.round(rows / s[:, None]).clamp_(-127, 127)
-        self.qweight: torch.Tensor
+        self.qweight: torch.Tensor | None  # None once only the AVX2 kernel's layout is kept
         self.scales: torch.Tensor
         self.register_buffer("qweight", q)
         self.register_buffer("scales", scale.to(dtype))
@@ -134,13 +134,28 @@ class Int8Linear(QuantizedLinear):
         self.avx2_codes: torch.Tensor | None  # make_avx2's
         self.register_buffer("avx2_codes", None, persistent=False)
 
+    def codes(self) -> torch.Tensor:
+        """q int8 [N, K], from the AVX2 kernel's layout where only that is kept."""
+        if self.qweight is not None:
+            return self.qweight
+        assert self.avx2_codes is not None
+        return int8_avx2.unpack(self.avx2_codes)
+
+    def keep_avx2_codes_only(self) -> None:
+        """Drops q in its [N, K] layout where the AVX2 kernel takes every call that reaches
+        the codes (amx_from 1, as engine/kernel_choice.py attach_int8_avx2 sets it): torch's int8
+        kernel never runs then, and lookups read the kernel's layout. Halves what the codes take
+        (the tied head: 28 MB for SmolLM2)."""
+        assert self.avx2_codes is not None and self.amx_from == 1
+        self.qweight = None
+
     def make_tiles(self) -> bool:
         """Repacks the codes for the int8 AMX kernel (engine/load/amx.py) where this CPU runs it
         and the activations are bfloat16. -> whether the matrix has them."""
-        n, k = self.qweight.shape
+        n, k = self.shape()
         if self.tile_codes is None and self.scales.dtype == torch.bfloat16 and amx.fits(n, k) \
                 and amx.usable():
-            self.tile_codes = amx.pack_int8(self.qweight)
+            self.tile_codes = amx.pack_int8(self.codes())
             self.tile_scale = self.scales.float()
         return self.tile_codes is not None
 
@@ -148,8 +163,8 @@ class Int8Linear(QuantizedLinear):
         """Repacks the codes for engine/load/int8_avx2.py where this CPU runs it and the
         activations are float32. -> whether the matrix has them."""
         if self.avx2_codes is None and self.scales.dtype == torch.float32 \
-                and int8_avx2.fits(self.qweight.shape[0]) and int8_avx2.usable():
-            self.avx2_codes = int8_avx2.pack(self.qweight)
+                and int8_avx2.fits(self.shape()[0]) and int8_avx2.usable():
+            self.avx2_codes = int8_avx2.pack(self.codes())
         return self.avx2_codes is not None
 
     def amx_mm(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -166,11 +181,15 @@ class Int8Linear(QuantizedLinear):
         return y if residual is None else residual + y
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes(),
                                                              self.scales)
         return y
 
     def shape(self) -> tuple[int, int]:
+        if self.qweight is None:
+            assert self.avx2_codes is not None
+            blocks, k, block = self.avx2_codes.shape
+            return blocks * block, k
         n, k = self.qweight.shape
         return n, k
 
@@ -179,10 +198,15 @@ class Int8Linear(QuantizedLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: -> [len(ids), K] dequantized rows."""
-        return self.qweight[ids].to(self.scales.dtype) * self.scales[ids, None]
+        if self.qweight is not None:
+            q = self.qweight[ids]
+        else:  # the AVX2 layout [N/8, K, 8]: row n at block n // 8, lane n % 8
+            assert self.avx2_codes is not None
+            q = self.avx2_codes[ids // int8_avx2.BLOCK, :, ids % int8_avx2.BLOCK]
+        return q.to(self.scales.dtype) * self.scales[ids, None]
 
     def dequantized(self) -> torch.Tensor:
-        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        return self.codes().to(self.scales.dtype) * self.scales[:, None]
 
 
 class Int4Linear(QuantizedLinear):

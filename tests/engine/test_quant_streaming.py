@@ -112,9 +112,13 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
     assert cfg.quantization == mode
     ref, floats, groups, targets = _reference(source, mode, dtype)
     ours, theirs = model.state_dict(), ref.state_dict()
-    assert ours.keys() == theirs.keys()
+    # int8 matrices on the AVX2 kernel keep only its layout of their codes: compared below
+    dropped = {f"{name}.qweight" for name, m in model.named_modules()
+               if isinstance(m, Int8Linear) and m.qweight is None}
+    assert ours.keys() == theirs.keys() - dropped
     for name, t in theirs.items():
-        assert t.dtype == ours[name].dtype and torch.equal(ours[name], t), name
+        if name not in dropped:
+            assert t.dtype == ours[name].dtype and torch.equal(ours[name], t), name
     # The codes and scales, against the formulas applied to each whole dequantized float32 matrix.
     # layers with gate_up and down (not a mixture of experts)
     dense = cfg.num_layers - len(cfg.sparse_layers)
@@ -130,7 +134,7 @@ def test_streamed_quantization_equals_quantizing_the_float_model(checkpoint, mod
         else:
             assert isinstance(module, Int8Linear)
             q, scale = _int8_by_formula(w)
-            assert torch.equal(module.qweight, q), path
+            assert torch.equal(module.codes(), q), path
             assert torch.equal(module.scales, scale.to(dtype)), path
         bias = floats.get(f"{path}.bias")
         assert (module.bias is None) == (bias is None), path

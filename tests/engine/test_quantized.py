@@ -126,10 +126,12 @@ def test_qwen3_gguf_loads_through_llama_cpp_names(tmp_path, make_tiny_checkpoint
 
 def kernel_copy_bytes(model: torch.nn.Module) -> int:
     """Bytes of the copies a quantized model holds for its kernels, beside its codes: packed float
-    copies and the int8 AVX2 kernel's repacked codes. Which exist depends on the CPU kind."""
+    copies, and the int8 AVX2 kernel's repacked codes where the [N, K] ones stay too. Which exist
+    depends on the CPU kind."""
     packed = sum(weight_bytes(m) for m in model.modules() if isinstance(m, PackedLinear))
-    return packed + sum(t.numel() * t.element_size() for name, t in model.named_buffers()
-                        if name.endswith("avx2_codes"))
+    return packed + sum(m.avx2_codes.numel() for m in model.modules()
+                        if isinstance(m, Int8Linear) and m.avx2_codes is not None
+                        and m.qweight is not None)
 
 
 def dense_bytes(model: torch.nn.Module) -> int:
@@ -259,7 +261,7 @@ def _int4_layer(n: int = 96, k: int = 128, seed: int = 0) -> tuple[Int4Linear, t
 def _int8_layer(n: int = 96, k: int = 128, seed: int = 0) -> tuple[Int8Linear, torch.Tensor]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     module = Int8Linear(w, None, torch.bfloat16)
-    return module, module.qweight.float() * module.scales.float()[:, None]
+    return module, module.codes().float() * module.scales.float()[:, None]
 
 
 def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:

@@ -49,7 +49,7 @@ def test_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
     m = module(n, k)
     m.amx_from = 1
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-    w = m.qweight.float() * m.scales.float()[:, None]  # [N, K]
+    w = m.codes().float() * m.scales.float()[:, None]  # [N, K]
     want = x.float() @ w.t()
     got = m.forward(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)

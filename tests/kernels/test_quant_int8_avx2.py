@@ -59,7 +59,7 @@ def test_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
     m = module(n, k)
     m.amx_from = 1
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    w = m.qweight.double() * m.scales.double()[:, None]  # [N, K]
+    w = m.codes().double() * m.scales.double()[:, None]  # [N, K]
     want = x.double() @ w.t()
     got = m.forward(x)
     assert got.dtype == torch.float32 and got.shape == (rows, n)
@@ -118,6 +118,23 @@ def test_int8linear_takes_the_kernel_below_its_handover(monkeypatch) -> None:
     assert kernel_choice.attach_int8_avx2(TiedHead(m), torch.float32, deterministic=True) == NEVER
     assert m.packed is None and torch.equal(m.forward(x), int8_avx2.int8_mm(x, codes, m.scales))
     assert kernel_choice.attach_int8_avx2(TiedHead(module(136, 96)), torch.float32) == NEVER
+
+
+@needs_avx2
+def test_the_head_keeps_only_the_kernels_layout_of_its_codes() -> None:
+    """Once attach_int8_avx2 has put the matrix on the kernel, its [N, K] codes are dropped (the
+    tied head's codes took twice their size): embedding lookups, the dequantized matrix (what
+    packed copies are made from) and every product are the same as with them."""
+    m = module(136, 96)
+    ids = torch.tensor([0, 7, 8, 135, 64, 7])
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
+    q, rows, matrix = m.codes().clone(), m.rows(ids), m.dequantized()
+    assert kernel_choice.attach_int8_avx2(TiedHead(m), torch.float32, deterministic=True) == NEVER
+    before = m.forward(x)
+    assert m.qweight is None and m.shape() == (136, 96)
+    assert torch.equal(m.codes(), q) and torch.equal(m.rows(ids), rows)
+    assert torch.equal(m.dequantized(), matrix) and torch.equal(m.forward(x), before)
+    assert torch.equal(int8_avx2.unpack(int8_avx2.pack(q)), q)
 
 
 def test_attach_leaves_other_activations_and_widths_alone() -> None:

@@ -181,7 +181,10 @@ class Int8Linear(QuantizedLinear):
         return y if residual is None else residual + y
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes(),
+        if self.qweight is None:  # only the AVX2 layout is kept: calls below amx_from (0 rows)
+            assert self.avx2_codes is not None
+            return int8_avx2.int8_mm(x, self.avx2_codes, self.scales)
+        y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,
                                                              self.scales)
         return y
 

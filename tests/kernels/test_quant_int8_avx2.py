@@ -134,6 +134,7 @@ def test_the_head_keeps_only_the_kernels_layout_of_its_codes() -> None:
     assert m.qweight is None and m.shape() == (136, 96)
     assert torch.equal(m.codes(), q) and torch.equal(m.rows(ids), rows)
     assert torch.equal(m.dequantized(), matrix) and torch.equal(m.forward(x), before)
+    assert m.forward(x[:0]).shape == (0, 136)  # a step with no rows for the head
     assert torch.equal(int8_avx2.unpack(int8_avx2.pack(q)), q)
 
 

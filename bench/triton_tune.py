@@ -12,7 +12,7 @@ Triton's default num_stages is 3 on CUDA, so the grid's row equal to the current
 is the same kernel: the gap between it and "current" is the run-to-run noise (up to ~15% on the
 small SmolLM2 shape on an H100).
 
-    python bench/triton_tune.py --quick --max-seconds 120  # bench/gpu_check.sh runs this
+    python bench/triton_tune.py --quick --max-seconds 120  # bench/gpu_check.sh --bench runs this
     python bench/triton_tune.py                   # the full grid (about 150 s on an H100)
     python bench/triton_tune.py --smoke           # tiny, 2 configs, CPU under TRITON_INTERPRET=1
 

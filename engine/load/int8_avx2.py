@@ -38,6 +38,11 @@ def unpack(codes: torch.Tensor) -> torch.Tensor:
     return codes.transpose(1, 2).reshape(blocks * BLOCK, k)
 
 
+def rows(codes: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of the codes [N, K] from pack's layout: row n at block n // 8, lane n % 8."""
+    return codes[ids // BLOCK, :, ids % BLOCK]
+
+
 def int8_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float32 @ (q * scale[:, None]).T -> [M, N] float32; codes from pack, scale
     float32 [N]."""

@@ -135,18 +135,17 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("avx2_codes", None, persistent=False)
 
     def codes(self) -> torch.Tensor:
-        """q int8 [N, K], from the AVX2 kernel's layout where only that is kept."""
-        if self.qweight is not None:
-            return self.qweight
+        """q int8 [N, K]."""
+        return self.qweight if self.qweight is not None else int8_avx2.unpack(self._avx2())
+
+    def _avx2(self) -> torch.Tensor:
         assert self.avx2_codes is not None
-        return int8_avx2.unpack(self.avx2_codes)
+        return self.avx2_codes
 
     def keep_avx2_codes_only(self) -> None:
-        """Drops q in its [N, K] layout where the AVX2 kernel takes every call that reaches
-        the codes (amx_from 1, as engine/kernel_choice.py attach_int8_avx2 sets it): torch's int8
-        kernel never runs then, and lookups read the kernel's layout. Halves what the codes take
-        (the tied head: 28 MB for SmolLM2)."""
-        assert self.avx2_codes is not None and self.amx_from == 1
+        """Drops the [N, K] codes once the AVX2 kernel takes every call (amx_from 1, as
+        kernel_choice.attach_int8_avx2 sets it): the tied head's codes took twice their size."""
+        assert self._avx2() is not None and self.amx_from == 1
         self.qweight = None
 
     def make_tiles(self) -> bool:
@@ -181,17 +180,15 @@ class Int8Linear(QuantizedLinear):
         return y if residual is None else residual + y
 
     def quantized_mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is None:  # only the AVX2 layout is kept: calls below amx_from (0 rows)
-            assert self.avx2_codes is not None
-            return int8_avx2.int8_mm(x, self.avx2_codes, self.scales)
+        if self.qweight is None:  # only the AVX2 layout: a 0-row call
+            return int8_avx2.int8_mm(x, self._avx2(), self.scales)
         y: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.qweight,
                                                              self.scales)
         return y
 
     def shape(self) -> tuple[int, int]:
         if self.qweight is None:
-            assert self.avx2_codes is not None
-            blocks, k, block = self.avx2_codes.shape
+            blocks, k, block = self._avx2().shape
             return blocks * block, k
         n, k = self.qweight.shape
         return n, k
@@ -201,11 +198,7 @@ class Int8Linear(QuantizedLinear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: -> [len(ids), K] dequantized rows."""
-        if self.qweight is not None:
-            q = self.qweight[ids]
-        else:  # the AVX2 layout [N/8, K, 8]: row n at block n // 8, lane n % 8
-            assert self.avx2_codes is not None
-            q = self.avx2_codes[ids // int8_avx2.BLOCK, :, ids % int8_avx2.BLOCK]
+        q = self.qweight[ids] if self.qweight is not None else int8_avx2.rows(self._avx2(), ids)
         return q.to(self.scales.dtype) * self.scales[ids, None]
 
     def dequantized(self) -> torch.Tensor:

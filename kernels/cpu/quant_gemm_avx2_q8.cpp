@@ -12,8 +12,9 @@
 // - per output and group t: s = the exact integer sum of q * xq over the group's 32 k (16-bit lanes hold at
 //   most 16 products of 15 * 127 = 30,480 before one `vpmaddwd` widens them), then acc = fma(float(s), scale
 //   * d, acc) and acc = fma(xsum, low, acc), xsum the row's float32 sum of its group's x in one fixed order
-//   (eight lanes of k = j mod 8, then a fixed tree); the residual is added last. A row's bits so depend on its x and the weights only:
-//   not on M, the block shape or the thread count (threads take whole tiles of 8 output columns, never k).
+//   (eight lanes of k = j mod 8, then a fixed tree); the residual is added last. A row's bits so depend on
+//   its x and the weights only: not on M, the block shape or the thread count (threads take whole tiles of 8
+//   output columns, never k).
 // Its results differ from the float kernel's by x's rounding to 8 bits (a relative error near 2^-8 a
 // group); engine/load/int4_avx2.py says where the engine takes it.
 #include <ATen/Parallel.h>

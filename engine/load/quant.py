@@ -145,7 +145,7 @@ class Int8Linear(QuantizedLinear):
     def keep_avx2_codes_only(self) -> None:
         """Drops the [N, K] codes once the AVX2 kernel takes every call (amx_from 1, as
         kernel_choice.attach_int8_avx2 sets it): the tied head's codes took twice their size."""
-        assert self._avx2() is not None and self.amx_from == 1
+        assert self.avx2_codes is not None and self.amx_from == 1
         self.qweight = None
 
     def make_tiles(self) -> bool:

@@ -128,9 +128,9 @@ def test_the_head_keeps_only_the_kernels_layout_of_its_codes() -> None:
     m = module(136, 96)
     ids = torch.tensor([0, 7, 8, 135, 64, 7])
     x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))
-    q, rows, matrix = m.codes().clone(), m.rows(ids), m.dequantized()
+    m.amx_from = 1  # the kernel, as after the attach: its products with the [N, K] codes still held
+    q, rows, matrix, before = m.codes().clone(), m.rows(ids), m.dequantized(), m.forward(x)
     assert kernel_choice.attach_int8_avx2(TiedHead(m), torch.float32, deterministic=True) == NEVER
-    before = m.forward(x)
     assert m.qweight is None and m.shape() == (136, 96)
     assert torch.equal(m.codes(), q) and torch.equal(m.rows(ids), rows)
     assert torch.equal(m.dequantized(), matrix) and torch.equal(m.forward(x), before)

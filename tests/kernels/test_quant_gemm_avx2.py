@@ -77,8 +77,8 @@ def test_unpack_inverts_pack() -> None:
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, k: int,
                                                                         round_x: bool) -> None:
     """A row alone, and inside calls of 2..300 rows (the float kernel's few-row panels, full and
-    partial row blocks, kept panels; w4a8's blocks of 5), at one and two threads: the same bits
-    (issue #30)."""
+    partial row blocks, kept panels; w4a8's blocks of 5 and, at k = 576, its panels of 225 rows:
+    row 299 lies in the second), at one and two threads: the same bits (issue #30)."""
     q, scale, low = drawn(n, k, seed=1)
     codes, scale_low = int4_avx2.pack_codes(q), int4_avx2.pack_scales(scale, low)
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(3))
@@ -97,6 +97,8 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it_or_the_threads(n: int, 
                 assert torch.equal(got[:1], alone[0]), (t, rows)
                 if rows > 5:
                     assert torch.equal(got[5:6], alone[1]), (t, rows)
+                if rows == 300:
+                    assert torch.equal(got[299:], alone[2]), t
             assert torch.equal(mm(x[250:300])[49:], alone[2]), t
     finally:
         torch.set_num_threads(threads)

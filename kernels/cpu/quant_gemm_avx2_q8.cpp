@@ -160,14 +160,16 @@ void run(const float* x, int64_t ldx, int64_t m, int64_t k, int64_t nt, const ui
   // served burst's steps are 2,048 rows). Rows still go through blocks alone, so no row's bits move.
   const int64_t panel = std::max<int64_t>(kMaxR, kPanelBytes / k / kMaxR * kMaxR);
   at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t p0 = 0; p0 < m; p0 += panel)
+    for (int64_t p0 = 0; p0 < m; p0 += panel) {
+      const int64_t p1 = std::min(m, p0 + panel);
       for (int64_t tile = t0; tile < t1; ++tile)
-        for (int64_t r0 = p0; r0 < std::min(m, p0 + panel); r0 += kMaxR) {
-          const int r = static_cast<int>(std::min<int64_t>(kMaxR, std::min(m, p0 + panel) - r0));
+        for (int64_t r0 = p0; r0 < p1; r0 += kMaxR) {
+          const int r = static_cast<int>(std::min<int64_t>(kMaxR, p1 - r0));
           const Rows rows{xq.data() + r0 * k, d.data() + r0 * kt, xsum.data() + r0 * kt, k, kt};
           kBlocks<S>[r - 1](rows, codes + tile * tile_words, sl + tile * tile_sl, y + r0 * n + tile * kCols, n,
                             res ? res + r0 * ldr + tile * kCols : nullptr, ldr);
         }
+    }
   });
 }
 

@@ -19,42 +19,21 @@ import uuid
 from typing import Any
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from gateway.openai_output import error_body
 from gateway.responses import Render, parse
 from gateway.responses_store import ResponseStore
-from gateway.state import CONFIG, TENANT, PayloadTooLarge
+from gateway.socket_messages import serve_socket
 from shared.errors import ConveyorError, InvalidRequest
 
 KEPT = 64  # responses each socket keeps for previous_response_id, whatever their `store`
 
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
-    limit = request.app[CONFIG].max_body_size
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * limit + 65536)
-    if not ws.can_prepare(request).ok:
-        raise InvalidRequest(
-            "GET /v1/responses is the Responses API's WebSocket mode: open a WebSocket and "
-            "send response.create messages (POST /v1/responses creates one over HTTP)"
-        )
-    await ws.prepare(request)
-    session = _Session(request.app, ws, request.get(TENANT))
-    try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
-                await session.error(
-                    None, PayloadTooLarge(f"the message is larger than {limit} bytes")
-                )
-            elif msg.type == WSMsgType.TEXT:
-                await session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await session.error(
-                    None, InvalidRequest("binary messages are not accepted: send JSON text")
-                )
-    finally:
-        await session.close()
-    return ws
+    return await serve_socket(request, _Session, not_a_socket=(
+        "GET /v1/responses is the Responses API's WebSocket mode: open a WebSocket and send "
+        "response.create messages (POST /v1/responses creates one over HTTP)"))
 
 
 class _Session:

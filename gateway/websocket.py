@@ -25,12 +25,13 @@ import uuid
 from typing import Any
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import web
 
 from gateway.completions import parse_completion
 from gateway.openai_output import error_body
 from gateway.openai_schema import parse_chat
-from gateway.state import CONFIG, SERVED, TENANT, PayloadTooLarge
+from gateway.socket_messages import serve_socket
+from gateway.state import SERVED
 from gateway.streaming import chunks
 from shared.errors import ConveyorError, InvalidRequest, Overloaded
 
@@ -40,27 +41,7 @@ MAX_ID_LEN = 256
 
 
 async def websocket_handler(request: web.Request) -> web.WebSocketResponse:
-    limit = request.app[CONFIG].max_body_size
-    # aiohttp closes the socket on a frame over max_msg_size; up to twice the limit we answer
-    # instead.
-    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=2 * limit + 65536)
-    await ws.prepare(request)
-    session = _Session(request.app, ws, request.get(TENANT))
-    try:
-        async for msg in ws:
-            if msg.type == WSMsgType.TEXT and len(msg.data) > limit:
-                await session.error(None,
-                                    PayloadTooLarge("the message is larger than this server's "
-                                                    f"limit of {limit} bytes"))
-            elif msg.type == WSMsgType.TEXT:
-                await session.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
-                await session.error(None,
-                                    InvalidRequest("binary frames are not accepted: send JSON text "
-                                                   "frames"))
-    finally:
-        await session.close()
-    return ws
+    return await serve_socket(request, _Session)
 
 
 class _Session:

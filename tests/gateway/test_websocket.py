@@ -94,3 +94,30 @@ def test_closing_the_socket_aborts_its_requests() -> None:
                 metrics = await (await http.get("/metrics")).text()
                 assert 'conveyor_requests_total{finish_reason="abort"} 3.0' in metrics
     run(main())
+
+
+def test_responses_websocket_mode_answers_oversized_and_binary_messages_and_lives() -> None:
+    """GET /v1/responses upgraded (OpenAI's WebSocket mode) shares /v1/ws's message loop
+    (gateway/socket_messages.py): a message over the body limit is a 413 error event, a binary one
+    a 400, and the socket then still serves a response.create."""
+    async def main() -> None:
+        with FakeEngine() as eng:
+            async with gateway(eng, max_body_size=2000) as http:
+                ws = await http.ws_connect("/v1/responses")
+                await ws.send_json({"type": "response.create", "input": "x" * 3000})
+                err = await ws.receive_json()
+                assert err["type"] == "error" and err["status"] == 413
+                assert "limit of 2000 bytes" in err["error"]["message"]
+                await ws.send_bytes(b"\x00binary")
+                err = await ws.receive_json()
+                assert err["type"] == "error" and err["status"] == 400
+                assert "binary frames" in err["error"]["message"]
+                await ws.send_json({"type": "response.create", "input": "hi",
+                                    "max_output_tokens": 2})
+                events = []
+                while not events or events[-1]["type"] not in ("response.completed",
+                                                               "response.incomplete"):
+                    events.append(await asyncio.wait_for(ws.receive_json(), 10))
+                assert events[0]["type"] == "response.created"
+                await ws.close()
+    run(main())

@@ -114,7 +114,7 @@ def test_responses_websocket_mode_answers_oversized_and_binary_messages_and_live
                 assert "binary frames" in err["error"]["message"]
                 await ws.send_json({"type": "response.create", "input": "hi",
                                     "max_output_tokens": 2})
-                events = []
+                events: list[dict[str, Any]] = []
                 while not events or events[-1]["type"] not in ("response.completed",
                                                                "response.incomplete"):
                     events.append(await asyncio.wait_for(ws.receive_json(), 10))

@@ -21,7 +21,7 @@ class Session(Protocol):
     async def close(self) -> None: ...
 
 
-SessionFactory = Callable[[web.Application, web.WebSocketResponse, "str | None"], Session]
+SessionFactory = Callable[[web.Application, web.WebSocketResponse, str | None], Session]
 
 
 async def serve_socket(request: web.Request, session_for: SessionFactory,

@@ -110,10 +110,23 @@ def header(names: list[str], unit: str = "GB/s") -> str:
             + "".join(f" {'x ' + n[:11]:>12s}" for n in names[1:]) + f" {unit:>6s}" * len(names))
 
 
+def check_agree(outs: list[Any], exact: bool) -> None:
+    """The variants' outputs agree bit for bit; where a change means to move the bits (exact False),
+    within bfloat16's rounding of the output instead."""
+    import torch
+
+    first, *rest = outs
+    for o in rest:
+        if exact:
+            assert torch.equal(first, o), "the kernels disagree"
+        else:
+            torch.testing.assert_close(o.float(), first.float(), atol=2e-2, rtol=2e-2)
+
+
 def timed_hot(ops: dict[str, Any], runs: int, q: Any, blocks: int, tables: Any,
-              seqs: tuple[Any, ...], gen: Any) -> dict[str, list[float]]:
+              seqs: tuple[Any, ...], gen: Any, exact: bool) -> dict[str, list[float]]:
     """Each op's ms per call over one random pool of blocks (q's dtype) that every call re-reads;
-    asserts that the ops agree bit for bit."""
+    checks that the ops agree (check_agree)."""
     import torch
 
     _, hkv, d, bs = SHAPE
@@ -121,12 +134,11 @@ def timed_hot(ops: dict[str, Any], runs: int, q: Any, blocks: int, tables: Any,
     outs = {k: torch.empty_like(q) for k in ops}
     times = alternate({k: functools.partial(attend, op, outs[k], q, [(kc, vc)], tables, seqs)
                        for k, op in ops.items()}, runs)
-    first, *rest = outs.values()
-    assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+    check_agree(list(outs.values()), exact)
     return times
 
 
-def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
+def hot(ops: dict[str, Any], runs: int, dtype: Any, exact: bool) -> None:
     import torch
 
     h, hkv, d, bs = SHAPE
@@ -139,11 +151,11 @@ def hot(ops: dict[str, Any], runs: int, dtype: Any) -> None:
                               ("64 x 2048", 64, 2048, 0)]:
         blocks = b * -(-n // bs) * (1 + spare) + 1
         q, tables, seqs = batch([n] * b, blocks, gen, dtype)
-        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen)
+        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen, exact)
         print(row(name, times, b * n * hkv * d * 2 * dtype.itemsize))
 
 
-def prompts(ops: dict[str, Any], runs: int, dtype: Any) -> None:
+def prompts(ops: dict[str, Any], runs: int, dtype: Any, exact: bool) -> None:
     """Prompt chunks, alone and in a served step's mix (decodes beside one), K/V hot as above."""
     import torch
 
@@ -156,13 +168,13 @@ def prompts(ops: dict[str, Any], runs: int, dtype: Any) -> None:
                               ("31 x 408 + prompt 256", [408] * 31 + [256], [1] * 31 + [256])]:
         blocks = len(lens) * -(-max(lens) // bs) + 1
         q, tables, seqs = batch(lens, blocks, gen, dtype, qlens)
-        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen)
+        times = timed_hot(ops, runs, q, blocks, tables, seqs, gen, exact)
         # QK and PV, 2 flops a multiply-add, per query head and key each token sees
         flops = sum(4 * h * d * (n - q + t + 1) for n, q in zip(lens, qlens) for t in range(q))
         print(row(name, times, flops))
 
 
-def dram(ops: dict[str, Any], runs: int, dtype: Any) -> None:
+def dram(ops: dict[str, Any], runs: int, dtype: Any, exact: bool) -> None:
     import torch
 
     from engine.kv_cache import zeros_pool
@@ -190,14 +202,15 @@ def dram(ops: dict[str, Any], runs: int, dtype: Any) -> None:
         times = alternate(calls, runs)
         for call in calls.values():
             call(0)  # every variant over layer 0, to compare
-        first, *rest = outs.values()
-        assert all(torch.equal(first, o) for o in rest), "the kernels disagree"
+        check_agree(list(outs.values()), exact)
         print(row(name, times, sum(lens) * hkv * d * 2 * dtype.itemsize))
         del small, huge
 
 
-def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16") -> None:
-    """The three tables (the module docstring), this tree against rev, q and cache in dtype_name."""
+def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16", exact: bool = True) -> None:
+    """The three tables (the module docstring), this tree against rev, q and cache in dtype_name;
+    exact: the two must agree bit for bit (else within the output's rounding: a change of
+    arithmetic)."""
     import torch
 
     import kernels.cpu as native_cpu
@@ -207,6 +220,6 @@ def decode_rows(rev: str, runs: int, dtype_name: str = "bfloat16") -> None:
     dtype = getattr(torch, dtype_name)
     print(f"{dtype_name} decode rows, H={SHAPE[0]} Hkv={SHAPE[1]} D={SHAPE[2]} block={SHAPE[3]}, "
           f"isa auto, {runs} calls each, alternated")
-    hot(ops, runs, dtype)
-    prompts(ops, runs, dtype)
-    dram(ops, runs, dtype)
+    hot(ops, runs, dtype, exact)
+    prompts(ops, runs, dtype, exact)
+    dram(ops, runs, dtype, exact)

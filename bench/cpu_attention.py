@@ -27,7 +27,8 @@ through the kernel's op, this tree's kernel against the one at git revision --ag
 alternated in one process, over K/V the host's caches keep and over K/V from memory as in a served
 step (bench/attention_decode.py says how).
 
-    python bench/cpu_attention.py [--native | --prompts | --decode [--against REV] [--dtype D]]
+    python bench/cpu_attention.py [--native | --prompts | --decode [--against REV] [--dtype D]
+                                                                    [--new-arithmetic]]
                                   [--threads N]
 """
 from __future__ import annotations
@@ -202,6 +203,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="--decode's q and cache dtype")
     ap.add_argument("--against", default="main", help="the git revision --decode compares with")
+    ap.add_argument("--new-arithmetic", action="store_true",
+                    help="--decode: the two revisions compute differently on purpose, so their "
+                         "outputs agree within bfloat16's rounding, not bit for bit")
     args = ap.parse_args()
     pin_threads(args.threads)
     import torch
@@ -219,7 +223,7 @@ def main() -> None:
         return
     if args.decode:
         from bench.attention_decode import decode_rows
-        decode_rows(args.against, args.runs, args.dtype)
+        decode_rows(args.against, args.runs, args.dtype, not args.new_arithmetic)
         return
     src = torch.empty(1 << 26)  # 256 MiB
     dst = torch.empty_like(src)

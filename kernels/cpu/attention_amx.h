@@ -4,7 +4,8 @@
 // B tile (pairs of dims as tile rows, one query row per column, transposed once per span and head); C holds
 // [key][query row]. A C element is one chain over the head dim's pairs, whatever the other rows and
 // columns hold (the hardware's own order: not the vdpbf16ps lane tree, so the path has its own bits). The
-// softmax and the V update are the AVX-512 BF16 path's. Included by attention_bf16.h inside namespace bf16.
+// softmax is the AVX-512 BF16 path's; the V update too at block sizes under 16, else TDPBF16PS's
+// (attention_amx_pv.h). Included by attention_bf16.h inside namespace bf16.
 
 // 16 rows of 16 dwords transposed in place (r[i] lane c -> r[c] lane i): moves bits only.
 inline void transpose16(__m512i* r) {

@@ -1,5 +1,6 @@
 // The AVX-512 BF16 path: bfloat16 queries against a bfloat16 cache, scored with vdpbf16ps straight on
-// the cache's rows (no widened copy), float32 softmax and V accumulation (16 lanes). paged_attention.cpp
+// the cache's rows (no widened copy), float32 softmax and V accumulation (16 lanes; the amx path's V update
+// in attention_amx_pv.h). paged_attention.cpp
 // includes it inside a `#pragma GCC target` region with avx512bf16, and calls it only where the CPU
 // reports avx512_bf16 and the head dim is a multiple of 32.
 // One call is one softmax unit (up to 64 positions, several blocks) of one KV head: one online-softmax
@@ -44,6 +45,8 @@ inline __m512 widen16(const bf* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+#include "attention_amx_pv.h"
 
 // Soft-capping, lane by lane: cap * tanh(s / cap).
 inline __m512 cap16(__m512 s, float cap) {
@@ -263,7 +266,8 @@ void block_keys(const conveyor::Params& p, const conveyor::Span& s) {
     }
     for (int64_t g = 0; g < G; ++g)
       alpha[g] = softmax_update(sr.data() + g * row + blo * n16, (bhi - blo + 1) * n16, s.m + r0 + g, s.l + r0 + g);
-    pv_token(p, s, sr.data(), row, 1, alpha, s.acc + r0 * p.D, lo, hi);
+    if (kAmx && amx_pv(p)) amx_pv_token(p, s, sr.data(), row, alpha, s.acc + r0 * p.D, lo, hi);
+    else pv_token(p, s, sr.data(), row, 1, alpha, s.acc + r0 * p.D, lo, hi);
   }
 }
 

@@ -131,6 +131,8 @@ void block_rows(const conveyor::Params& p, const conveyor::Span& s) {
       alpha[j][g] = al[j];
     }
   }
+  if constexpr (kAmx)
+    if (amx_pv(p)) return amx_pv_rows<C>(p, s, wt.data(), keys, lo, hi, kmin, kmax, alpha);
   // The V update, rows (token, head) in groups of up to 6 over the union of their keys: a key a row does
   // not see weighs +0 there, and adding +0 * v (v finite: every key of the span's range is written)
   // leaves its accumulator, never -0, unchanged.

@@ -34,6 +34,7 @@
 #include "amx_usable.h"
 
 #include "attention_common.h"
+#include "tile_csr.h"
 
 #pragma GCC push_options
 #pragma GCC target("arch=x86-64")

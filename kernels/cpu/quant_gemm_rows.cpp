@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "quant_int4.h"
+#include "tile_csr.h"
 
 namespace {
 
@@ -36,20 +37,14 @@ bool cpu_runs_rows() {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")
 namespace {
 
-constexpr unsigned kDazFtz = 0x8040;    // MXCSR: denormals are zero, flush to zero
-constexpr unsigned kRounding = 0x6000;  // MXCSR: the rounding mode (0: to nearest even, as the tiles round)
+using conveyor::switch_csr;
+using conveyor::tile_csr;
 
 // The compiler does not know that MXCSR changes arithmetic and may move it across _mm_setcsr: a value
 // pinned on both sides of the switch is computed before it and used only after it.
 template <typename V>
 inline void pin(V& v) {
   asm volatile("" : "+v"(v));
-}
-
-inline void switch_csr(unsigned csr) {
-  asm volatile("" ::: "memory");
-  _mm_setcsr(csr);
-  asm volatile("" ::: "memory");
 }
 
 // TDPBF16PS's arithmetic for rows of a few-row x against a panel of `cols` (1 or 2) 16-column tiles of int4
@@ -79,7 +74,7 @@ void rows_tiles(const float* xs, int64_t kh, int64_t kt, const uint8_t* codes, c
     __builtin_prefetch(ts + ahead / 8);  // 64 bytes of scales per 256 of codes
     if (!plain) {
       for (int j = 0; j < cols; ++j) dequant_int4(tc + j * tile_bytes, ts + j * sz_size, buffer + j * kTileRows * kTileK);
-      switch_csr((csr & ~kRounding) | kDazFtz);
+      switch_csr(tile_csr(csr));
     }
     const Int4Tile t0(tc, ts), t1(cols == 2 ? tc + tile_bytes : tc, cols == 2 ? ts + sz_size : ts);
     __m512 even[M][2], odd[M][2];
@@ -191,7 +186,7 @@ at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float c[kMaxRows * kPanelN];
     const unsigned csr = _mm_getcsr();  // this thread's, under which the tiles would dequantize
-    const RowsTiles multiply = kRowsTiles[plain && (csr & kRounding) == 0][m - 1];
+    const RowsTiles multiply = kRowsTiles[plain && (csr & conveyor::kRounding) == 0][m - 1];
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (2 * p + 1 < nt) ? 2 : 1;
       multiply(xs.data(), kh, kt, cp + 2 * p * codes_step, sp + 2 * p * sz_step, cols, csr, c);

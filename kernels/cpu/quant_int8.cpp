@@ -24,6 +24,7 @@
 
 #include "amx_usable.h"
 #include "quant_int4.h"
+#include "tile_csr.h"
 
 namespace {
 
@@ -150,13 +151,8 @@ void multiply_panel(const bf* x, int64_t m, int64_t ldx, const Int8Matrix& w, in
   }
 }
 
-constexpr unsigned kTileCsr = 0x1F80 | 0x8040;  // all exceptions masked, DAZ and FTZ, nearest even
-
-inline void switch_csr(unsigned csr) {
-  asm volatile("" ::: "memory");
-  _mm_setcsr(csr);
-  asm volatile("" ::: "memory");
-}
+constexpr unsigned kTileCsr = 0x1F80 | conveyor::kDazFtz;  // all exceptions masked, DAZ and FTZ, nearest even
+using conveyor::switch_csr;
 
 // TDPBF16PS's arithmetic for M rows against panel p: xs holds x's even k [M][kh], then its odd k, as
 // float32; per 32-k tile and output an FMA chain from zero over the even k and one over the odd k, in k

@@ -53,18 +53,18 @@ int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems 
 struct Pair {
   Vec a, b;
 };
-Pair load2(const float* p, int64_t n) {
+[[gnu::always_inline]] inline Pair load2(const float* p, int64_t n) {
   return {Vec::loadu(p, std::min(n, W)), Vec::loadu(p + W, std::clamp<int64_t>(n - W, 0, W))};
 }
-Pair load2(const BF16* p, int64_t n) {
+[[gnu::always_inline]] inline Pair load2(const BF16* p, int64_t n) {
   auto [a, b] = at::vec::convert_to_float<BF16>(at::vec::Vectorized<BF16>::loadu(p, std::min(n, 2 * W)));
   return {a, b};
 }
-void store2(float* p, const Pair& v, int64_t n) {
+[[gnu::always_inline]] inline void store2(float* p, const Pair& v, int64_t n) {
   v.a.store(p, std::min(n, W));
   v.b.store(p + W, std::clamp<int64_t>(n - W, 0, W));
 }
-void store2(BF16* p, const Pair& v, int64_t n) {
+[[gnu::always_inline]] inline void store2(BF16* p, const Pair& v, int64_t n) {
   at::vec::convert_from_float<BF16>(v.a, v.b).store(p, std::min(n, 2 * W));
 }
 // exp for SiLU: Sleef's (1 ulp, F.silu's) in float32; in bfloat16 ATen's 20-ulp polynomial (the one its
@@ -73,8 +73,8 @@ void store2(BF16* p, const Pair& v, int64_t n) {
 Vec silu_exp(const Vec& v, const float*) { return v.exp(); }
 Vec silu_exp(const Vec& v, const BF16*) { return v.exp_u20(); }
 // v as it reads back after a store in T: what the next op of a PyTorch chain sees.
-Pair rounded(const Pair& v, const float*) { return v; }
-Pair rounded(const Pair& v, const BF16*) {
+[[gnu::always_inline]] inline Pair rounded(const Pair& v, const float*) { return v; }
+[[gnu::always_inline]] inline Pair rounded(const Pair& v, const BF16*) {
   auto [a, b] = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(v.a, v.b));
   return {a, b};
 }
@@ -85,24 +85,30 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double 
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  constexpr int64_t kRows = 4;  // rows whose sums of squares run side by side: each is one chain of FMAs
   at::parallel_for(0, x.size(0), grain_rows(D), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* row = xp + r * xs;
-      Vec acc(0.f);  // lane l sums elements l, l + W, ...; the lanes then in order
-      for (int64_t i = 0; i < D; i += 2 * W) {
-        const Pair v = load2(row + i, D - i);
-        acc = at::vec::fmadd(v.b, v.b, at::vec::fmadd(v.a, v.a, acc));
-      }
-      __at_align__ float lanes[W];
-      acc.store(lanes);
-      float ss = 0.f;
-      for (int64_t l = 0; l < W; ++l) ss += lanes[l];
-      const Vec inv(1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps)));
-      T* o = op + r * D;
-      // As torch's own kernel: x * inv * weight in float32, rounded once to the input's dtype.
-      for (int64_t i = 0; i < D; i += 2 * W) {
-        const Pair v = load2(row + i, D - i), g = load2(wp + i, D - i);
-        store2(o + i, {v.a * inv * g.a, v.b * inv * g.b}, D - i);
+    for (int64_t q = r0; q < r1; q += kRows) {
+      const int64_t n = std::min(kRows, r1 - q);
+      Vec acc[kRows];  // row k's lane l sums elements l, l + W, ...; the lanes then in order
+      for (int64_t k = 0; k < kRows; ++k) acc[k] = Vec(0.f);
+      for (int64_t i = 0; i < D; i += 2 * W)
+        for (int64_t k = 0; k < n; ++k) {
+          const Pair v = load2(xp + (q + k) * xs + i, D - i);
+          acc[k] = at::vec::fmadd(v.b, v.b, at::vec::fmadd(v.a, v.a, acc[k]));
+        }
+      for (int64_t k = 0; k < n; ++k) {
+        const T* row = xp + (q + k) * xs;
+        __at_align__ float lanes[W];
+        acc[k].store(lanes);
+        float ss = 0.f;
+        for (int64_t l = 0; l < W; ++l) ss += lanes[l];
+        const Vec inv(1.f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps)));
+        T* o = op + (q + k) * D;
+        // As torch's own kernel: x * inv * weight in float32, rounded once to the input's dtype.
+        for (int64_t i = 0; i < D; i += 2 * W) {
+          const Pair v = load2(row + i, D - i), g = load2(wp + i, D - i);
+          store2(o + i, {v.a * inv * g.a, v.b * inv * g.b}, D - i);
+        }
       }
     }
   });

@@ -4,14 +4,15 @@
 // A tile's rows) run the tiles, 4-5x fewer instructions than 4 float32 FMAs per row and key; decode rows
 // (block_keys) run TDPBF16PS's own arithmetic on AVX-512 FMAs (bench/tdpbf16ps_probe.cpp: per instruction
 // and output, an FMA chain from zero over the even keys and one over the odd keys, in key order, then
-// sum += even + odd, under DAZ and FTZ), as fast as the float32 update they replace, so both kinds of row
-// keep the same bits, as the scores do. The 32-key chunks sit on a grid of absolute positions, so a row
+// sum += even + odd, under DAZ and FTZ; 0.88-1.00x the float32 update they replace, docs/kernels.md
+// version 10), so both kinds of row keep the same bits, as the scores do. The 32-key chunks sit on a grid of absolute positions, so a row
 // meets the same chunks whatever its span; a key the row does not see weighs +0 (or is left out: the same
 // sums), and V rows no row of the call sees are zeros in the tiles, never read from the cache.
 // Included by attention_bf16.h inside namespace bf16, after widen16.
 
 constexpr int64_t kPvKeys = 32;       // keys per TDPBF16PS: 16 pairs
-constexpr int64_t kPvMaxChunks = 3;   // a unit's 64 keys on the 32-key grid, from a 16-key offset
+constexpr int64_t kPvMaxChunks = 3;   // a unit's at most 64 keys (the amx path's blocks are at most 64)
+                                      // on the 32-key grid, from a 16-key offset
 
 inline bool amx_pv(const conveyor::Params& p) { return p.BS % 16 == 0; }
 

@@ -5,8 +5,8 @@
 // (block_keys) run TDPBF16PS's own arithmetic on AVX-512 FMAs (bench/tdpbf16ps_probe.cpp: per instruction
 // and output, an FMA chain from zero over the even keys and one over the odd keys, in key order, then
 // sum += even + odd, under DAZ and FTZ; 0.88-1.00x the float32 update they replace, docs/kernels.md
-// version 10), so both kinds of row keep the same bits, as the scores do. The 32-key chunks sit on a grid of absolute positions, so a row
-// meets the same chunks whatever its span; a key the row does not see weighs +0 (or is left out: the same
+// version 10), so both kinds of row keep the same bits, as the scores do. The 32-key chunks sit on a grid
+// of absolute positions, so a row meets the same chunks whatever its span; a key the row does not see weighs +0 (or is left out: the same
 // sums), and V rows no row of the call sees are zeros in the tiles, never read from the cache.
 // Included by attention_bf16.h inside namespace bf16, after widen16.
 
@@ -26,19 +26,25 @@ inline PvChunks pv_chunks(const conveyor::Span& s, int64_t x0, int64_t x1) {
   return {lead, (x0 + lead) / kPvKeys, (x1 + lead) / kPvKeys - (x0 + lead) / kPvKeys + 1};
 }
 
-// 16-bit word indices 0, at, 1, at + 1, ..., 15, at + 15: words i of two sources side by side.
-inline __m512i interleaving(int16_t at) {
-  alignas(64) int16_t idx[32];
-  for (int16_t i = 0; i < 16; ++i) idx[2 * i] = i, idx[2 * i + 1] = static_cast<int16_t>(at + i);
-  return _mm512_load_si512(idx);
+// 16-bit word indices 0, at, 1, at + 1, ..., 15, at + 15: words i of two sources side by side (vpermw's
+// and vpermt2w's index vectors, built once at compile time).
+struct alignas(64) WordIndex {
+  int16_t w[32];
+};
+constexpr WordIndex interleaving(int16_t at) {
+  WordIndex r{};
+  for (int16_t i = 0; i < 16; ++i) r.w[2 * i] = i, r.w[2 * i + 1] = static_cast<int16_t>(at + i);
+  return r;
 }
+inline constexpr WordIndex kHalves = interleaving(16);  // the two 16-word halves of one vector
+inline constexpr WordIndex kSources = interleaving(32);  // the low 16 words of two vectors
 
 // The chunk's V rows as 2C B tiles of 512 values at vt (VNNI: tile t's row i holds dims 16t..16t+15 of keys
 // 2i and 2i + 1, interleaved); keys outside [x0, x1] are zeros.
 template <int C>
 inline void pv_v_tiles(const conveyor::Params& p, const conveyor::Span& s, int64_t key0, int64_t x0, int64_t x1,
                        bf* vt) {
-  const __m512i lo = interleaving(32), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  const __m512i lo = _mm512_load_si512(kSources.w), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   const int64_t stride = p.Hkv * p.D;
   for (int64_t i = 0; i < 16; ++i) {
     const int64_t a = key0 + 2 * i, b = a + 1;
@@ -56,7 +62,7 @@ inline void pv_v_tiles(const conveyor::Params& p, const conveyor::Span& s, int64
 // 16 tokens' weights for the chunk's keys (w: key x's at w + x * 16, token j in lane j; keys outside [x0, x1]
 // weigh 0) as an A tile at at: row j holds token j's 32 weights in key order, rounded to bfloat16.
 inline void pv_a_tokens(const float* w, int64_t key0, int64_t x0, int64_t x1, bf* at) {
-  const __m512i pair = interleaving(16);
+  const __m512i pair = _mm512_load_si512(kHalves.w);
   __m512i d[16];  // d[i] lane j: token j's weights of keys 2i, 2i + 1
   for (int64_t i = 0; i < 16; ++i) {
     const int64_t a = key0 + 2 * i, b = a + 1;
@@ -134,8 +140,8 @@ void amx_pv_rows(const conveyor::Params& p, const conveyor::Span& s, const float
 }
 
 // TDPBF16PS's sums for R rows of one token over dims [d, d + 16 W), keys [lo, hi] of the unit: w (row r's
-// rounded weight of key x at w[r * row + x]) into sums[r * D + d ..], which start at zero. Each chunk's even
-// and odd keys go in pairs, one V row widened once for the R rows. Runs under tile_csr.
+// rounded weight of key x at w[r * row + x]) added to sums[r * D + d ..], which start at zero. A chunk's even
+// keys' chains, then its odd keys', each V row widened once for the R rows. Runs under tile_csr.
 template <int W, int R>
 __attribute__((noinline)) void pv_chains(const conveyor::Params& p, const conveyor::Span& s, const float* w,
                                          int64_t row, int64_t lo, int64_t hi, int64_t d, float* sums) {

@@ -76,9 +76,11 @@ struct Panel {
 // each) -> y[:R, n0 : n0 + 16 C] (+ the residual's rows). Per output, per group t: g = VDPBF16PS chain from
 // zero over the group's 16 k pairs in order (x times 128 + q: exact products), then acc = fma(g, scale,
 // acc) and acc = fma(xsum[t], shift, acc), since w = (q - 8) scale + zero = (128 + q) scale + shift with
-// shift = zero - 136 scale. xsum: each row's group sums of x (row_sums), fixed by the row alone.
+// shift = zero - 136 scale. xb: the block's rows of x as pack_rows lays them out (k pair kp of row r at
+// kp R + r: every broadcast is one offset from one pointer). xsum: each row's group sums of x (row_sums),
+// fixed by the row alone.
 template <int R, int C>
-void block(const bf* x, int64_t ldx, const float* xsum, int64_t kt, const Panel& panel, bf* y, int64_t ldy,
+void block(const int32_t* xb, const float* xsum, int64_t kt, const Panel& panel, bf* y, int64_t ldy,
            const bf* res, int64_t ldr, int64_t n0) {
   alignas(64) float acc[R][C][kTileN] = {};
   for (int64_t t = 0; t < kt; ++t) {
@@ -106,15 +108,12 @@ void block(const bf* x, int64_t ldx, const float* xsum, int64_t kt, const Panel&
           }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        const int64_t kp = t * kTileRows + p + h;
+      const int32_t* xp = xb + (t * kTileRows + p) * R;
+      for (int h = 0; h < 2; ++h)
         for (int r = 0; r < R; ++r) {
-          int32_t pair;  // x[r]'s k pair kp as one dword (memcpy: x's rows need not be 4-byte aligned)
-          std::memcpy(&pair, x + r * ldx + 2 * kp, sizeof(pair));
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[h * R + r]);
           for (int j = 0; j < C; ++j) g[r][j] = _mm512_dpbf16_ps(g[r][j], xv, (__m512bh)w[h][j]);
         }
-      }
     }
     for (int j = 0; j < C; ++j) {
       const __m512 scale = widen16(ts + j * kSzSize), zero = widen16(ts + j * kSzSize + kTileN);
@@ -133,19 +132,29 @@ void block(const bf* x, int64_t ldx, const float* xsum, int64_t kt, const Panel&
     }
 }
 
-// xsum[r][t] = the sum of x[r]'s 32 values of group t, in k order (each row's own, whatever M).
-std::vector<float> row_sums(const bf* x, int64_t ldx, int64_t m, int64_t kt) {
-  std::vector<float> out(m * kt);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t t = 0; t < kt; ++t) {
-      float s = 0.f;
-      for (int e = 0; e < kTileK; ++e) s += static_cast<float>(x[r * ldx + t * kTileK + e]);
-      out[r * kt + t] = s;
+// x's rows [r0, r0 + rows) -> out, k pair kp of row r at kp rows + r (block's layout), and each row's
+// group sums xsum[r][t] (the sum of its 32 values of group t, from zero in k order: a row's own, whatever
+// M), both for the block's rows at once: a lane per row, the adds in the same order as one row alone.
+void pack_rows(const bf* x, int64_t ldx, int64_t rows, int64_t kt, int32_t* out, float* xsum) {
+  const int64_t pairs = kt * kTileRows;
+  for (int64_t kp = 0; kp < pairs; ++kp)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + kp * rows + r, x + r * ldx + 2 * kp, sizeof(int32_t));
+  const __mmask16 lanes = static_cast<__mmask16>((1u << rows) - 1);
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  alignas(64) float sums[kTileN];
+  for (int64_t t = 0; t < kt; ++t) {
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t kp = t * kTileRows; kp < (t + 1) * kTileRows; ++kp) {
+      const __m512i pair = _mm512_maskz_loadu_epi32(lanes, out + kp * rows);
+      s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(pair, 16)));  // k = 2 kp
+      s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_and_si512(pair, high)));  // k = 2 kp + 1
     }
-  return out;
+    _mm512_store_ps(sums, s);
+    for (int64_t r = 0; r < rows; ++r) xsum[r * kt + t] = sums[r];
+  }
 }
 
-using Block = void (*)(const bf*, int64_t, const float*, int64_t, const Panel&, bf*, int64_t, const bf*, int64_t, int64_t);
+using Block = void (*)(const int32_t*, const float*, int64_t, const Panel&, bf*, int64_t, const bf*, int64_t, int64_t);
 constexpr Block kBlocks[2][kBlock] = {
     {block<1, 1>, block<2, 1>, block<3, 1>, block<4, 1>, block<5, 1>, block<6, 1>, block<7, 1>, block<8, 1>,
      block<9, 1>, block<10, 1>, block<11, 1>, block<12, 1>},
@@ -170,7 +179,17 @@ at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const 
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const bf* sp = scale_zero.data_ptr<bf>();
   bf* yp = y.data_ptr<bf>();
-  const std::vector<float> xsum = row_sums(xp, ldx, m, kt);
+  // x in row blocks (pack_rows), once per call: every panel reads a block as one stream
+  const int64_t blocks = (m + kBlock - 1) / kBlock, pairs = kt * kTileRows;
+  std::vector<int32_t> xpacked(m * pairs);
+  std::vector<float> xsum(m * kt);
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * kBlock;
+      pack_rows(xp + r0 * ldx, ldx, std::min<int64_t>(kBlock, m - r0), kt, xpacked.data() + r0 * pairs,
+                xsum.data() + r0 * kt);
+    }
+  });
   const int64_t panels = (nt + 1) / 2, codes_step = kt * kTileBytes, sz_step = kt * kSzSize;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     // this thread's unpacked panel, kept where more than one block of rows reads it
@@ -181,8 +200,8 @@ at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const 
       const Panel cached{fresh.codes, fresh.sz, nullptr, kept};
       for (int64_t r0 = 0; r0 < m; r0 += kBlock) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlock, m - r0));
-        kBlocks[cols - 1][rows - 1](xp + r0 * ldx, ldx, xsum.data() + r0 * kt, kt, r0 ? cached : fresh, yp + r0 * n,
-                                    n, res ? res + r0 * ldr : nullptr, ldr, kPanelN * p);
+        kBlocks[cols - 1][rows - 1](xpacked.data() + r0 * pairs, xsum.data() + r0 * kt, kt, r0 ? cached : fresh,
+                                    yp + r0 * n, n, res ? res + r0 * ldr : nullptr, ldr, kPanelN * p);
       }
     }
     free(kept);

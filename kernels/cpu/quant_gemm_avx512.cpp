@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "quant_int4.h"
@@ -181,12 +182,12 @@ at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const 
   bf* yp = y.data_ptr<bf>();
   // x in row blocks (pack_rows), once per call: every panel reads a block as one stream
   const int64_t blocks = (m + kBlock - 1) / kBlock, pairs = kt * kTileRows;
-  std::vector<int32_t> xpacked(m * pairs);
+  const std::unique_ptr<int32_t[]> xpacked(new int32_t[m * pairs]);  // every word written below
   std::vector<float> xsum(m * kt);
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * kBlock;
-      pack_rows(xp + r0 * ldx, ldx, std::min<int64_t>(kBlock, m - r0), kt, xpacked.data() + r0 * pairs,
+      pack_rows(xp + r0 * ldx, ldx, std::min<int64_t>(kBlock, m - r0), kt, xpacked.get() + r0 * pairs,
                 xsum.data() + r0 * kt);
     }
   });
@@ -200,7 +201,7 @@ at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const 
       const Panel cached{fresh.codes, fresh.sz, nullptr, kept};
       for (int64_t r0 = 0; r0 < m; r0 += kBlock) {
         const int rows = static_cast<int>(std::min<int64_t>(kBlock, m - r0));
-        kBlocks[cols - 1][rows - 1](xpacked.data() + r0 * pairs, xsum.data() + r0 * kt, kt, r0 ? cached : fresh,
+        kBlocks[cols - 1][rows - 1](xpacked.get() + r0 * pairs, xsum.data() + r0 * kt, kt, r0 ? cached : fresh,
                                     yp + r0 * n, n, res ? res + r0 * ldr : nullptr, ldr, kPanelN * p);
       }
     }

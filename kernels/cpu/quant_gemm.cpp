@@ -12,8 +12,10 @@
 // fixed (tile after tile, each tile's dot product in hardware order), work is split across threads by
 // output columns, never by k, and a tile holds only the call's rows (a row's sums do not depend on the
 // other rows of its tile). So a token's projections have the same bits alone, in a batch of any size, or
-// inside a prompt chunk (issue #30). The panel is dequantized one k tile ahead of the TDPs that read it, so
-// the vector ports dequantize while the tile unit multiplies (multiply_streamed).
+// inside a prompt chunk (issue #30). The panel is dequantized one k tile ahead of the TDPs that read it, into
+// an L1 ring (multiply_streamed), so that the vector ports could dequantize while the tile unit multiplies; on
+// the AMX Xeon measured, a call of 1..32 rows still takes about the sum of the two alone (docs/performance.md,
+// session 25), so the dequantization, not the TDPs, bounds decode-sized calls.
 // Prompt-sized calls keep a group of dequantized panels and walk x once per group, not once per panel, and
 // write each block's C tiles out while the next block's TDPs run (multiply_many): the loop order moves, the
 // TDPs each C tile sees do not.

@@ -18,11 +18,12 @@ CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
 # the proxy (docs/kernels.md), up to 128; where it wins even there the copy still takes 128 rows and
 # more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
 AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
-# For the int8 AVX2 kernel (float32 activations) against a float32 packed copy: the copy takes over
-# from the first of these where it wins to the last; none: the kernel at every row count. Not 128:
-# there the copy is MKL's plain matrix, which lost (docs/kernels.md), and a head call that large
-# (a row per sequence whose logits a step needs) is rare, so it would decide the common sizes.
-INT8_AVX2_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# For the int8 kernels below a copy (the AVX2 kernel with float32 activations; on AVX-512 BF16 CPUs
+# without AMX the int8 AMX kernel's rows path): the copy takes over from the first of these where it
+# wins to the last; none: the kernel at every row count. Not 128: there the AVX2 kernel's copy is
+# MKL's plain matrix, which lost (docs/kernels.md), and a head call that large (a row per sequence
+# whose logits a step needs) is rare, so it would decide the common sizes.
+INT8_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
 
 
@@ -68,9 +69,14 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
 
 def _below(m: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
     """The kernel m takes below its packed copy: the AVX-512 BF16 int4 kernel where tiles_avx512,
-    the int8 AVX2 kernel where m has its codes, else torch's int kernel."""
+    the int8 AMX kernel's rows path where an int8 matrix has tiles_avx512, the int8 AVX2 kernel
+    where m has its codes, else torch's int kernel."""
     if isinstance(m, Int4Linear) and m.tiles_avx512:
         return m.tile_mm
+    if isinstance(m, Int8Linear) and m.tiles_avx512:
+        tile_codes, tile_scale = m.tile_codes, m.tile_scale
+        assert tile_codes is not None and tile_scale is not None  # make_tiles made both
+        return lambda x: amx.int8_mm_rows(x, tile_codes, tile_scale)
     if isinstance(m, Int8Linear) and (codes := m.avx2_codes) is not None:
         return lambda x: int8_avx2.int8_mm(x, codes, m.scales)
     return m.quantized_mm

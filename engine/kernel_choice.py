@@ -18,7 +18,8 @@ kernels round differently. So where one int4 kernel is as fast at every row coun
 kernel) the int4 matrices take it at every row count instead (invariant_by_default, attach_tiles).
 On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
 int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
-packed copies on prompt-sized calls, so it takes every row count only under --deterministic.
+packed copies on prompt-sized calls, so it takes every row count only under --deterministic. There the
+int8 head likewise takes the int8 AMX kernel's rows path (AVX-512 only) in place of torch's int8 kernel.
 With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
 float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
@@ -33,7 +34,7 @@ from torch import nn
 
 from engine.kernel_calibration import (
     AVX512_CALIBRATION_ROWS,
-    INT8_AVX2_CALIBRATION_ROWS,
+    INT8_CALIBRATION_ROWS,
     NEVER,
     calibrate,
 )
@@ -123,8 +124,9 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
                   int4_handover: int | None) -> tuple[dict[str, int], set[str]]:
     """int4 / int8 -> the rows from which the modules with copies take them, and which of those
     were calibrated here: the table for this CPU kind and thread count where it holds, else a
-    calibration. The table timed torch's int4 kernel, so int4 matrices on the AVX-512 BF16 kernel
-    below the threshold are always calibrated (against that kernel: chain_times)."""
+    calibration. The table timed torch's int kernels, so int4 matrices on the AVX-512 BF16 kernel
+    and int8 matrices on the int8 kernel's rows path below the threshold are always calibrated
+    (against that kernel: chain_times)."""
     table = dict(quantized_packed_from(kind, torch.get_num_threads()) or {})
     if int4_handover is not None:
         table["int4"] = int4_handover
@@ -132,10 +134,13 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
     if avx512:
         rows = AVX512_CALIBRATION_ROWS
         table["int4"] = min(calibrate(avx512, rows), rows[-1])
+    rows_path = [m for m in modules if isinstance(m, Int8Linear) and m.tiles_avx512]
+    if rows_path:  # the table timed torch's int8 kernel, not this one
+        table["int8"] = calibrate(rows_path, INT8_CALIBRATION_ROWS)
     measured = {kind_of(m) for m in modules} - table.keys()
     for k in measured:
         table[k] = calibrate([m for m in modules if kind_of(m) == k])
-    return table, measured | ({"int4"} if avx512 else set())
+    return table, measured | ({"int4"} if avx512 else set()) | ({"int8"} if rows_path else set())
 
 
 def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
@@ -157,15 +162,21 @@ def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
     CPUs its AVX-512 BF16 sibling, from one row). -> (ids of the modules that need no packed copy,
     the rows from which the others of their kind hand over to one: None where the table for their
     kind or a calibration decides). Deterministic: that kernel at every row count (one kernel, whose
-    rows do not depend on the row count), no copy; on AMX CPUs the int8 head on its own AMX kernel
-    too."""
+    rows do not depend on the row count), no copy; the int8 head on its own kernel too (on
+    AVX512_BF16 CPUs that kernel's rows path, which has the AMX tiles' bits)."""
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
-    if kind == "AVX512_BF16" and tiled and int4_avx512.usable():
+    if kind == "AVX512_BF16":
+        # the int8 head on the int8 kernel's rows path: at every row count, or (by default) below
+        # its packed copy's rows, calibrated against it (handover_rows)
+        int8 = attach_int8_tiles(modules, avx512=True)
+        int8 = int8 if deterministic else set()
+        if not tiled or not int4_avx512.usable():
+            return int8, None
         for m in tiled:  # in place of torch's int4 kernel; the copies take over from a calibration
             m.tiles_avx512, m.amx_from = True, 1
         log.info("int4 GEMMs on the AVX-512 BF16 kernel %s",
                  "at every row count" if deterministic else "below their packed copies' rows")
-        return ({id(m) for m in tiled} if deterministic else set()), None
+        return ({id(m) for m in tiled} | int8 if deterministic else int8), None
     if kind != "AMX":
         return set(), None
     int8 = attach_int8_tiles(modules) if deterministic else set()
@@ -180,15 +191,17 @@ def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
     return ({id(m) for m in tiled} | int8, None) if handover >= NEVER else (int8, handover)
 
 
-def attach_int8_tiles(modules: Sequence[QuantizedLinear]) -> set[int]:
+def attach_int8_tiles(modules: Sequence[QuantizedLinear], avx512: bool = False) -> set[int]:
     """Deterministic (the AMX default): int8 matrices (the tied head) on the int8 AMX kernel at
     every row count, with no packed copy: one arithmetic at any row count, reading 1 byte a weight
-    where the padded copy read 2 (docs/kernels.md, "The int8 GEMM on AMX tiles"). -> their ids."""
-    tiled = [m for m in modules if isinstance(m, Int8Linear) and m.make_tiles()]
+    where the padded copy read 2 (docs/kernels.md, "The int8 GEMM on AMX tiles"). avx512 (a CPU
+    with AVX-512 BF16 and no AMX): on that kernel's rows path, 5 rows at a time. -> their ids."""
+    tiled = [m for m in modules if isinstance(m, Int8Linear) and m.make_tiles(avx512)]
     for m in tiled:
         m.amx_from = 1
     if tiled:
-        log.info("int8 GEMMs on AMX tiles at every row count")
+        log.info("int8 GEMMs on %s at every row count",
+                 "the AMX kernel's rows path (AVX-512)" if avx512 else "AMX tiles")
     return {id(m) for m in tiled}
 
 
@@ -197,7 +210,7 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
     """Float32 int8 matrices (the tied head) on the int8 AVX2 kernel (engine/load/int8_avx2.py:
     torch's int8 kernel is scalar with float32 activations) below the rows from which their float32
     packed copy (attach_packed_copies) takes over, calibrated here; NEVER where the kernel wins to
-    INT8_AVX2_CALIBRATION_ROWS' last, or there is no copy, or deterministic (the kernel's
+    INT8_CALIBRATION_ROWS' last, or there is no copy, or deterministic (the kernel's
     arithmetic does not depend on the rows; the copy's differs): then the copy is dropped. The
     codes' [N, K] layout goes too: only the kernel's is kept. Called after attach_packed_copies.
     -> that row count; None where no matrix takes the kernel."""
@@ -205,7 +218,7 @@ def attach_int8_avx2(model: nn.Module, dtype: torch.dtype,
         return None
     mats = [m for m in switched_modules(model) if isinstance(m, Int8Linear) and m.make_avx2()]
     copies = [m for m in mats if m.packed is not None]
-    handover = calibrate(copies, INT8_AVX2_CALIBRATION_ROWS) if copies and not deterministic \
+    handover = calibrate(copies, INT8_CALIBRATION_ROWS) if copies and not deterministic \
         else NEVER
     for m in mats:
         m.amx_from, m.packed_from = 1, handover

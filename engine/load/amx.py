@@ -128,6 +128,7 @@ def int8_mm_tiles(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def int8_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8_mm on the rows path (at most ROWS_PATH_LIMIT rows), whatever the rows."""
+    """int8_mm on the rows path (AVX-512 BF16, no AMX: the tiles' bits, 5 rows at a time), at any
+    row count."""
     y: torch.Tensor = torch.ops.conveyor_cpu.int8_gemm_rows(x.contiguous(), codes, scale)
     return y

@@ -131,6 +131,7 @@ class Int8Linear(QuantizedLinear):
         # codes for the int8 AMX kernel, made after load for the matrices that multiply
         self.tile_codes: torch.Tensor | None = None
         self.tile_scale: torch.Tensor | None = None
+        self.tiles_avx512 = False  # the codes multiply on the kernel's rows path only (no AMX)
         self.avx2_codes: torch.Tensor | None  # make_avx2's
         self.register_buffer("avx2_codes", None, persistent=False)
 
@@ -148,14 +149,17 @@ class Int8Linear(QuantizedLinear):
         assert self.avx2_codes is not None and self.amx_from == 1
         self.qweight = None
 
-    def make_tiles(self) -> bool:
+    def make_tiles(self, avx512: bool = False) -> bool:
         """Repacks the codes for the int8 AMX kernel (engine/load/amx.py) where this CPU runs it
-        and the activations are bfloat16. -> whether the matrix has them."""
+        and the activations are bfloat16; avx512: for its rows path alone, at every row count,
+        where the CPU has AVX-512 BF16 but no AMX (tiles_avx512). -> whether the matrix has them."""
         n, k = self.shape()
+        runs = int4_avx512.usable() if avx512 else amx.usable()
         if self.tile_codes is None and self.scales.dtype == torch.bfloat16 and amx.fits(n, k) \
-                and amx.usable():
+                and runs:
             self.tile_codes = amx.pack_int8(self.codes())
             self.tile_scale = self.scales.float()
+            self.tiles_avx512 = avx512
         return self.tile_codes is not None
 
     def make_avx2(self) -> bool:
@@ -171,7 +175,9 @@ class Int8Linear(QuantizedLinear):
         if x.shape[0] < self.amx_from:
             return None
         codes, scale = self.tile_codes, self.tile_scale
-        if codes is not None and scale is not None:
+        if codes is not None and scale is not None and self.tiles_avx512:
+            y = amx.int8_mm_rows(x, codes, scale)  # no AMX here: the rows path at every row count
+        elif codes is not None and scale is not None:
             y = amx.int8_mm(x, codes, scale)  # x is bfloat16, as the scales (make_tiles)
         elif self.avx2_codes is not None:
             y = int8_avx2.int8_mm(x, self.avx2_codes, self.scales)  # float32 x

@@ -1,6 +1,7 @@
 // Weight-only int8 GEMMs (one scale per output column, Int8Linear; the tied LM head among them) on AMX
-// tiles, and for a few rows on AVX-512 with the tiles' bits: the int4 kernels' design (quant_gemm.cpp,
-// quant_gemm_rows.cpp) for int8 codes.
+// tiles, and on AVX-512 with the tiles' bits (the rows path: a few rows on AMX CPUs, every row count on CPUs
+// with AVX-512 BF16 and no AMX): the int4 kernels' design (quant_gemm.cpp, quant_gemm_rows.cpp) for int8
+// codes.
 //
 // y[r, n] = bfloat16((sum_k x[r, k] * q[n, k]) * scale[n]). An int8 code is exact in bfloat16 (|q| <= 127
 // needs 7 bits), so a tile is dequantized by conversion alone and the scale multiplies each column's
@@ -29,7 +30,9 @@
 namespace {
 
 constexpr int kCodesPerTile = kTileRows * kTileK;  // int8 codes of one B tile: 16 rows of 32
-constexpr int kRowsMax = 8;                        // the most rows the rows path takes
+// The rows the rows path takes at once (a chunk): from 6 its sums spill (the head's 49,152 x 576 on the AMX
+// Xeon, 2 threads: 0.28 ms a row at 5 rows, 0.36-0.42 at 6-8).
+constexpr int kRowsMax = 5;
 
 
 struct alignas(64) TileConfig {
@@ -197,7 +200,7 @@ __attribute__((noinline)) void rows_panel(const float* xs, int64_t kh, const Int
 
 using RowsPanel = void (*)(const float*, int64_t, const Int8Matrix&, int64_t, int, float*);
 constexpr RowsPanel kRowsPanel[kRowsMax] = {rows_panel<1>, rows_panel<2>, rows_panel<3>, rows_panel<4>,
-                                            rows_panel<5>, rows_panel<6>, rows_panel<7>, rows_panel<8>};
+                                            rows_panel<5>};
 
 }  // namespace
 
@@ -220,35 +223,44 @@ at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
-// int8_gemm's product for at most kRowsMax rows on AVX-512, with the tiles' bits: each code converted
-// once and used by every row at once.
+// int8_gemm's product on AVX-512 with the tiles' bits, any rows: chunks of at most kRowsMax rows, each code
+// converted once per chunk and used by the chunk's rows at once. A row's chains are its own, so its bits do
+// not depend on its chunk: a CPU with AVX-512 BF16 and no AMX gets one arithmetic at every row count.
 at::Tensor int8_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "the rows path needs AVX-512 with bfloat16 conversions");
   const Int8Matrix w = int8_operands(x, codes, scale);
   const int64_t m = x.size(0), n = w.nt * kTileN, kh = w.kt * kTileRows;
-  TORCH_CHECK(m <= kRowsMax, "the rows path takes at most ", kRowsMax, " rows");
   at::Tensor y = at::empty({m, n}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (m == 0) return y;
-  // x's even k, then its odd k, widened to float32 (exact; DAZ reads the denormals as zero, as the tiles do)
+  // per chunk of rows [r0, r0 + rows): their even k [rows][kh], then their odd k, widened to float32 (exact;
+  // DAZ reads the denormals as zero, as the tiles do); chunk r0's at 2 r0 kh
   std::vector<float> xs(2 * m * kh);
   const bf* xp = x.data_ptr<bf>();
-  for (int64_t r = 0; r < m; ++r)
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t r0 = r / kRowsMax * kRowsMax, rows = std::min<int64_t>(kRowsMax, m - r0);
+    float* even = &xs[(2 * r0 + r - r0) * kh];
+    float* odd = even + rows * kh;
     for (int64_t i = 0; i < kh; i += 16) {
       const __m512i pairs = _mm512_loadu_si512(xp + r * x.stride(0) + 2 * i);
-      _mm512_storeu_si512(&xs[r * kh + i], _mm512_slli_epi32(pairs, 16));
-      _mm512_storeu_si512(&xs[(m + r) * kh + i], _mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000u)));
+      _mm512_storeu_si512(even + i, _mm512_slli_epi32(pairs, 16));
+      _mm512_storeu_si512(odd + i, _mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000u)));
     }
+  }
   bf* yp = y.data_ptr<bf>();
   at::parallel_for(0, (w.nt + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     alignas(64) float c[kRowsMax * kPanelN];
     const unsigned csr = _mm_getcsr();
     for (int64_t p = p0; p < p1; ++p) {
       const int cols = (2 * p + 1 < w.nt) ? 2 : 1;
-      switch_csr(kTileCsr);
-      kRowsPanel[m - 1](xs.data(), kh, w, p, cols, c);
-      switch_csr(csr);
-      for (int j = 0; j < cols; ++j)
-        write_scaled(c + kTileN * j, kPanelN, m, w.scale + kPanelN * p + kTileN * j, yp + kPanelN * p + kTileN * j, n);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsMax) {
+        const int64_t rows = std::min<int64_t>(kRowsMax, m - r0);
+        switch_csr(kTileCsr);
+        kRowsPanel[rows - 1](&xs[2 * r0 * kh], kh, w, p, cols, c);
+        switch_csr(csr);
+        for (int j = 0; j < cols; ++j)
+          write_scaled(c + kTileN * j, kPanelN, rows, w.scale + kPanelN * p + kTileN * j,
+                       yp + r0 * n + kPanelN * p + kTileN * j, n);
+      }
     }
   });
   return y;

@@ -359,7 +359,7 @@ def test_load_gives_copies_from_the_cpu_kinds_table_or_a_calibration(tiny_gguf,
     if int4_avx2.usable():
         heads = [m for m in modules if isinstance(m, Int8Linear)]
         assert heads and all(m.amx_from == 1 for m in heads)
-        assert all(m.packed_from in kernel_calibration.INT8_AVX2_CALIBRATION_ROWS
+        assert all(m.packed_from in kernel_calibration.INT8_CALIBRATION_ROWS
                    if m.packed is not None else m.packed_from == kernel_calibration.NEVER
                    for m in heads)
     else:
@@ -470,7 +470,22 @@ def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
     """The default's contract on that kind (the test below, and its mutation check)."""
     from engine import kernel_choice
 
+    int8_rows: list[int] = []
+    rows_path, torch_int8 = amx.int8_mm_rows, Int8Linear.quantized_mm
+
+    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        int8_rows.append(x.shape[0])
+        return rows_path(x, *args)
+
+    def no_torch_int8(m: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+        int8_rows.append(-1)
+        return torch_int8(m, x)
+
+    monkeypatch.setattr(amx, "int8_mm_rows", spy)
+    monkeypatch.setattr(Int8Linear, "quantized_mm", no_torch_int8)
     model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, False)
+    # the head's calibration timed the rows path at its row counts, never torch's int8 kernel
+    assert set(int8_rows) == set(kernel_calibration.INT8_CALIBRATION_ROWS)
     # below the handover the AVX-512 BF16 kernel, from it the packed copy, which a calibration
     # timed against that kernel (never AMX, nor torch's int4 kernel the static table timed)
     assert calibrated and set(calibrated) == {"avx512"}
@@ -478,7 +493,11 @@ def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
                         and m.packed_from == HANDOVER for m in int4)
     assert not kernel_choice.invariant_by_default(int4 + head, torch.bfloat16, "AVX512_BF16")
     assert causal_lm(model).native_stack is None
-    assert head and all(m.packed is None or not m.packed.pad_one_row for m in head)
+    # the int8 head on the int8 kernel's rows path below its copy's rows, calibrated against it
+    # (the real calibration: none where the rows path won at every row count tried)
+    assert head and all(m.tiles_avx512 and m.amx_from == 1 and (m.packed is None) ==
+                        (m.packed_from >= kernel_calibration.NEVER) for m in head)
+    assert all(m.packed is None or not m.packed.pad_one_row for m in head)
     short = random.Random(5).sample(range(3, 512), HANDOVER - 1)
     fast = logits(model, cfg, short)
     assert rows and set(rows) == {HANDOVER - 1}
@@ -517,18 +536,31 @@ def test_deterministic_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row
         tiny_gguf, monkeypatch) -> None:
     """--deterministic on the AMD EPYC kind: every int4 matrix on kernels/cpu/quant_gemm_avx512.cpp
     at every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
-    the int8 head on its packed copy padded; one row and a prompt take that kernel alone."""
+    the int8 head on the int8 kernel's rows path (the AMX tiles' bits on AVX-512, 5 rows at a time;
+    no copy); one row and a prompt take those kernels alone."""
 
     model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, True)
     assert not calibrated
     assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
     assert causal_lm(model).native_stack is None
-    assert head and all(m.packed is not None and m.packed_from == 1 and m.packed.pad_one_row
-                        and m.packed.max_rows is None for m in head)
+    assert head and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in head)
+    head_rows: list[int] = []
+    rows_path = amx.int8_mm_rows
+
+    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        head_rows.append(x.shape[0])
+        return rows_path(x, *args)
+
+    def no_tiles(*args: Any) -> torch.Tensor:
+        raise AssertionError("the int8 AMX tiles on a CPU without AMX")
+
+    monkeypatch.setattr(amx, "int8_mm_rows", spy)
+    monkeypatch.setattr(amx, "int8_mm", no_tiles)
     ids = random.Random(5).sample(range(3, 512), 40)
     full = logits(model, cfg, ids)
     logits(model, cfg, ids[:1])
     assert rows and set(rows) == {40, 1}
+    assert head_rows and set(head_rows) <= {40, 1}
     # against the same weights through torch's int4 kernel: within the int4 tolerance
     for m in int4:
         m.amx_from = kernel_calibration.NEVER

@@ -1,26 +1,31 @@
 """The int8 AMX GEMM (kernels/cpu/quant_int8.cpp; on AMX CPUs the default's tied LM head) against a
 dequantize-then-matmul reference, against TDPBF16PS's arithmetic written out, each row's bits
-independent of the rows beside it, and its rows path bitwise equal to its tiles. Skipped where the
-CPU has no AMX tiles (the engine makes the codes only there); every machine runs the packing
-check."""
+independent of the rows beside it, and its rows path bitwise equal to its tiles. The tiles' tests
+are skipped where the CPU has no AMX tiles; the rows path's (AVX-512 BF16, any row count: the int8
+head on such CPUs without AMX) where it lacks avx512_bf16; every machine runs the packing check."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.load import amx
+from engine.load import amx, int4_avx512
 from engine.load.quant import Int8Linear
 from tests.kernels.tdpbf16ps import tile_sums
 
 needs_amx = pytest.mark.skipif(not amx.usable(), reason="this CPU (or OS) does not run AMX tiles")
+needs_avx512_bf16 = pytest.mark.skipif(
+    not int4_avx512.usable(),
+    reason="this CPU lacks avx512_bf16 (or the native kernels are not built)")
 # the tied head's width (a slice of its 49,152 rows), SmolLM2's down projection, small tails
 SHAPES = [(4096, 576), (576, 1536), (48, 64), (16, 32)]
 
 
-def module(n: int, k: int, seed: int = 0) -> Int8Linear:
+def module(n: int, k: int, seed: int = 0, avx512: bool = False) -> Int8Linear:
+    """avx512: codes for the rows path alone (as on a CPU with AVX-512 BF16 and no AMX)."""
     m = Int8Linear(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, None,
                    torch.bfloat16)
-    assert m.make_tiles() == amx.usable()
+    assert m.make_tiles(avx512) == (int4_avx512.usable() if avx512 else amx.usable())
+    assert m.tiles_avx512 == (avx512 and m.tile_codes is not None)
     return m
 
 
@@ -38,15 +43,17 @@ def test_packing_puts_each_code_where_the_tile_reads_it() -> None:
         assert codes[place[nb, kb], 32 * r + e] == q[16 * nb + e // 2, 32 * kb + 2 * r + e % 2]
 
 
-@needs_amx
+@pytest.mark.parametrize("avx512", [pytest.param(False, marks=needs_amx),
+                                    pytest.param(True, marks=needs_avx512_bf16)])
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
-def test_equals_dequantize_then_matmul(n: int, k: int, rows: int) -> None:
+def test_equals_dequantize_then_matmul(n: int, k: int, rows: int, avx512: bool) -> None:
     """Within 2^-8 relative (the output's bfloat16 rounding) plus 1e-4 of the largest output (the
     sum's order) of the float32 product with the module's codes times its scales in float32 (the
     kernel rounds once, at the end; the module's bfloat16 dequantized() would add its own rounding
-    of each weight), through forward; add_to adds the residual to that."""
-    m = module(n, k)
+    of each weight), through forward; add_to adds the residual to that. avx512: the rows path at
+    every row count."""
+    m = module(n, k, avx512=avx512)
     m.amx_from = 1
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     w = m.codes().float() * m.scales.float()[:, None]  # [N, K]
@@ -78,9 +85,23 @@ def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: in
     for rows in (1, 2, 5, 8, 15, 16, 17, 32, 33, 40):
         assert torch.equal(amx.int8_mm_tiles(x[:rows], codes, scale).view(torch.int16),
                            want[:rows]), rows
-        if rows <= 8:
-            assert torch.equal(amx.int8_mm_rows(x[:rows], codes, scale).view(torch.int16),
-                               want[:rows]), rows
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("n,k", [(576, 576), (48, 64), (80, 96)])
+def test_rows_path_equals_the_tdpbf16ps_reference_bitwise_at_any_rows(n: int, k: int) -> None:
+    """The rows path (AVX-512 FMAs in TDPBF16PS's order, 5 rows at a time), row counts on either
+    side of its chunks, bit for bit against tdpbf16ps_reference: on CPUs without AMX it is the
+    head's arithmetic (at every row count under --deterministic), with the tiles' bits."""
+    gen = torch.Generator().manual_seed(n + k)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, generator=gen) * 0.02 + 1e-3
+    codes = amx.pack_int8(q)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    want = tdpbf16ps_reference(q, scale, x).view(torch.int16)
+    for rows in (1, 2, 4, 5, 6, 9, 10, 11, 16, 17, 24, 33, 40):
+        assert torch.equal(amx.int8_mm_rows(x[:rows], codes, scale).view(torch.int16),
+                           want[:rows]), rows
 
 
 @needs_amx
@@ -118,11 +139,28 @@ def test_a_rows_bits_do_not_depend_on_the_calls_rows(threads: int) -> None:
         torch.set_num_threads(saved)
 
 
-@needs_amx
+@needs_avx512_bf16
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_rows_paths_rows_do_not_depend_on_the_calls_rows(threads: int) -> None:
+    """Issue #30 on CPUs without AMX: each row's bits alone equal its bits inside rows-path calls of
+    1..300 rows (chunks of 5 and their remainders), at 1 and 2 threads."""
+    m = module(1024, 576, seed=4, avx512=True)
+    m.amx_from = 1
+    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        alone = torch.cat([m.forward(x[i:i + 1]) for i in range(300)]).view(torch.int16)
+        for size in [2, 3, 4, 5, 6, 9, 10, 11, 16, 31, 64, 100, 300]:
+            got = torch.cat([m.forward(x[i:i + size]) for i in range(0, 300, size)])
+            assert torch.equal(got.view(torch.int16), alone), size
+    finally:
+        torch.set_num_threads(saved)
+
+
+@needs_avx512_bf16
 def test_rows_path_refuses_what_it_cannot_take() -> None:
-    m = module(48, 64)
+    m = module(48, 64, avx512=True)
     assert m.tile_codes is not None and m.tile_scale is not None
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        amx.int8_mm_rows(torch.zeros(9, 64, dtype=torch.bfloat16), m.tile_codes, m.tile_scale)
     with pytest.raises(RuntimeError, match="do not match"):
         amx.int8_mm_rows(torch.zeros(1, 128, dtype=torch.bfloat16), m.tile_codes, m.tile_scale)

@@ -71,37 +71,23 @@ def tdpbf16ps_reference(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -
     return (tile_sums(x, q) * scale.float()).to(torch.bfloat16)
 
 
-@needs_amx
+@pytest.mark.parametrize("path", [pytest.param("tiles", marks=needs_amx),
+                                  pytest.param("rows", marks=needs_avx512_bf16)])
 @pytest.mark.parametrize("n,k", [(576, 576), (48, 64), (80, 96)])
-def test_tiles_and_rows_path_equal_the_tdpbf16ps_reference_bitwise(n: int, k: int) -> None:
-    """Both kernels, row counts on either side of the tiles' 16-row blocks and the rows path's
-    limit, bit for bit against tdpbf16ps_reference (80 columns end on a lone column tile)."""
+def test_each_path_equals_the_tdpbf16ps_reference_bitwise(n: int, k: int, path: str) -> None:
+    """The tiles, and the rows path (AVX-512 FMAs in TDPBF16PS's order, 5 rows at a time: on CPUs
+    without AMX the head's arithmetic), at row counts on either side of the tiles' 16-row blocks
+    and of the rows path's chunks, bit for bit against tdpbf16ps_reference (80 columns end on a
+    lone column tile)."""
     gen = torch.Generator().manual_seed(n + k)
     q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scale = torch.rand(n, generator=gen) * 0.02 + 1e-3
     codes = amx.pack_int8(q)
     x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
     want = tdpbf16ps_reference(q, scale, x).view(torch.int16)
-    for rows in (1, 2, 5, 8, 15, 16, 17, 32, 33, 40):
-        assert torch.equal(amx.int8_mm_tiles(x[:rows], codes, scale).view(torch.int16),
-                           want[:rows]), rows
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize("n,k", [(576, 576), (48, 64), (80, 96)])
-def test_rows_path_equals_the_tdpbf16ps_reference_bitwise_at_any_rows(n: int, k: int) -> None:
-    """The rows path (AVX-512 FMAs in TDPBF16PS's order, 5 rows at a time), row counts on either
-    side of its chunks, bit for bit against tdpbf16ps_reference: on CPUs without AMX it is the
-    head's arithmetic (at every row count under --deterministic), with the tiles' bits."""
-    gen = torch.Generator().manual_seed(n + k)
-    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-    scale = torch.rand(n, generator=gen) * 0.02 + 1e-3
-    codes = amx.pack_int8(q)
-    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
-    want = tdpbf16ps_reference(q, scale, x).view(torch.int16)
-    for rows in (1, 2, 4, 5, 6, 9, 10, 11, 16, 17, 24, 33, 40):
-        assert torch.equal(amx.int8_mm_rows(x[:rows], codes, scale).view(torch.int16),
-                           want[:rows]), rows
+    mm = amx.int8_mm_tiles if path == "tiles" else amx.int8_mm_rows
+    for rows in (1, 2, 4, 5, 6, 8, 9, 10, 11, 15, 16, 17, 24, 32, 33, 40):
+        assert torch.equal(mm(x[:rows], codes, scale).view(torch.int16), want[:rows]), rows
 
 
 @needs_amx
@@ -120,12 +106,14 @@ def test_denormal_sums_are_flushed_as_the_tiles_flush_them() -> None:
                            tiles[:rows].view(torch.int16)), rows
 
 
-@needs_amx
+@pytest.mark.parametrize("avx512", [pytest.param(False, marks=needs_amx),
+                                    pytest.param(True, marks=needs_avx512_bf16)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_rows_bits_do_not_depend_on_the_calls_rows(threads: int) -> None:
-    """Issue #30: each row's bits alone (the rows path) equal its bits inside calls of 1..300 rows
-    through int8_mm (the rows path or the tiles by row count), at 1 and 2 threads."""
-    m = module(1024, 576, seed=4)
+def test_a_rows_bits_do_not_depend_on_the_calls_rows(threads: int, avx512: bool) -> None:
+    """Issue #30: each row's bits alone equal its bits inside calls of 1..300 rows, at 1 and 2
+    threads: through int8_mm (the rows path or the tiles by row count), or avx512 (CPUs without
+    AMX) through the rows path alone (chunks of 5 and their remainders)."""
+    m = module(1024, 576, seed=4, avx512=avx512)
     m.amx_from = 1
     x = torch.randn(300, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     saved = torch.get_num_threads()
@@ -133,25 +121,6 @@ def test_a_rows_bits_do_not_depend_on_the_calls_rows(threads: int) -> None:
         torch.set_num_threads(threads)
         alone = torch.cat([m.forward(x[i:i + 1]) for i in range(300)]).view(torch.int16)
         for size in [*range(1, 41), 63, 64, 65, 100, 255, 300]:
-            got = torch.cat([m.forward(x[i:i + size]) for i in range(0, 300, size)])
-            assert torch.equal(got.view(torch.int16), alone), size
-    finally:
-        torch.set_num_threads(saved)
-
-
-@needs_avx512_bf16
-@pytest.mark.parametrize("threads", [1, 2])
-def test_the_rows_paths_rows_do_not_depend_on_the_calls_rows(threads: int) -> None:
-    """Issue #30 on CPUs without AMX: each row's bits alone equal its bits inside rows-path calls of
-    1..300 rows (chunks of 5 and their remainders), at 1 and 2 threads."""
-    m = module(1024, 576, seed=4, avx512=True)
-    m.amx_from = 1
-    x = torch.randn(300, 576, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    saved = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        alone = torch.cat([m.forward(x[i:i + 1]) for i in range(300)]).view(torch.int16)
-        for size in [2, 3, 4, 5, 6, 9, 10, 11, 16, 31, 64, 100, 300]:
             got = torch.cat([m.forward(x[i:i + size]) for i in range(0, 300, size)])
             assert torch.equal(got.view(torch.int16), alone), size
     finally:

@@ -18,8 +18,9 @@ kernels round differently. So where one int4 kernel is as fast at every row coun
 kernel) the int4 matrices take it at every row count instead (invariant_by_default, attach_tiles).
 On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
 int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
-packed copies on prompt-sized calls, so it takes every row count only under --deterministic. There the
-int8 head likewise takes the int8 AMX kernel's rows path (AVX-512 only) in place of torch's int8 kernel.
+packed copies on prompt-sized calls, so it takes every row count only under --deterministic. There
+the int8 head likewise takes the int8 AMX kernel's rows path (AVX-512 only) in place of torch's int8
+kernel.
 With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
 float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.

@@ -16,11 +16,9 @@ so a large model keeps its quantized size (and torch's int kernels at every row 
 The choice makes a row's arithmetic depend on the step's row count (docs/determinism.md): the two
 kernels round differently. So where one int4 kernel is as fast at every row count (AMX CPUs: the AMX
 kernel) the int4 matrices take it at every row count instead (invariant_by_default, attach_tiles).
-On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel (same repacked codes) replaces torch's
-int4 kernel below the threshold, which a calibration then measures against it; it is slower than the
-packed copies on prompt-sized calls, so it takes every row count only under --deterministic. There
-the int8 head likewise takes the int8 AMX kernel's rows path (AVX-512 only) in place of torch's int8
-kernel.
+On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel and, for the int8 head, the int8 AMX
+kernel's rows path replace torch's kernels below the threshold, calibrated against them; they take
+every row count only under --deterministic (the int4 one is slower than the copies on prompts).
 With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
 float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
@@ -52,14 +50,11 @@ from engine.load.prepack import (
 from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")
-# CPU kinds whose quantized default is batch-invariant (invariant_by_default): AMX (the AMX int4
-# kernel). Not AVX512_BF16: its int4 kernel (kernels/cpu/quant_gemm_avx512.cpp) was 1.1-1.9x the
-# packed copies' time from 128 rows in `python bench/int4_avx512.py` (a proxy on the AMX Xeon's
-# AVX-512 units: docs/kernels.md), so there it is the default below a calibrated threshold only.
+# CPU kinds whose quantized default is batch-invariant (invariant_by_default). Not AVX512_BF16: its
+# int4 kernel lost to the packed copies from 128 rows on a proxy (docs/kernels.md).
 INVARIANT_KINDS = frozenset({"AMX"})
-# The AVX2 int4 matrices a float32 calibration times (six layers' four projections: ~85 MB of
-# float32 copies, past this CPU's caches, so still cold as a forward meets them): all 120 took
-# 20.3 s at load against 3.0 s on the AVX2 EPYC, for the same choice (docs/kernels.md).
+# The AVX2 int4 matrices a float32 calibration times (six layers' four projections, ~85 MB of
+# copies, so cold as in a forward): all 120 took 20.3 s against 3.0 s, same choice (kernels.md).
 FLOAT32_CALIBRATION_MATRICES = 24
 
 
@@ -80,9 +75,8 @@ def attach_packed_copies(model: nn.Module, dtype: torch.dtype, kind: str | None 
                          deterministic: bool = False) -> dict[str, int]:
     """Gives the model's quantized matrices their packed copies and thresholds. -> int4 / int8 ->
     the rows from which that kernel hands over ({} when no copy was made). kind: the CPU kind
-    (tests). deterministic: the copies at every row count (one kernel, so a row's arithmetic does
-    not depend on the step's row count; the faster one for batches), one-row calls padded and,
-    on AMX CPUs, larger ones cut into calls of ONEDNN_SAME_BITS_ROWS."""
+    (tests). deterministic: the copies at every row count (one kernel: a row's arithmetic does not
+    depend on the step's rows), one-row calls padded, on AMX CPUs cut into ONEDNN_SAME_BITS_ROWS."""
     modules = switched_modules(model)
     if dtype == torch.float32 and any(avx2_coded(m) for m in modules):
         return attach_float32_copies(modules, deterministic)
@@ -125,9 +119,8 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
                   int4_handover: int | None) -> tuple[dict[str, int], set[str]]:
     """int4 / int8 -> the rows from which the modules with copies take them, and which of those
     were calibrated here: the table for this CPU kind and thread count where it holds, else a
-    calibration. The table timed torch's int kernels, so int4 matrices on the AVX-512 BF16 kernel
-    and int8 matrices on the int8 kernel's rows path below the threshold are always calibrated
-    (against that kernel: chain_times)."""
+    calibration. The table timed torch's int kernels, so matrices on the AVX-512 BF16 int4 kernel
+    or the int8 rows path below the threshold are always calibrated (against it: chain_times)."""
     table = dict(quantized_packed_from(kind, torch.get_num_threads()) or {})
     if int4_handover is not None:
         table["int4"] = int4_handover
@@ -136,7 +129,7 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
         rows = AVX512_CALIBRATION_ROWS
         table["int4"] = min(calibrate(avx512, rows), rows[-1])
     rows_path = [m for m in modules if isinstance(m, Int8Linear) and m.tiles_avx512]
-    if rows_path:  # the table timed torch's int8 kernel, not this one
+    if rows_path:
         table["int8"] = calibrate(rows_path, INT8_CALIBRATION_ROWS)
     measured = {kind_of(m) for m in modules} - table.keys()
     for k in measured:
@@ -161,16 +154,13 @@ def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
                  kind: str = "AMX") -> tuple[set[int], int | None]:
     """Sets the rows from which int4 matrices with AMX codes take the AMX kernel (on AVX512_BF16
     CPUs its AVX-512 BF16 sibling, from one row). -> (ids of the modules that need no packed copy,
-    the rows from which the others of their kind hand over to one: None where the table for their
-    kind or a calibration decides). Deterministic: that kernel at every row count (one kernel, whose
-    rows do not depend on the row count), no copy; the int8 head on its own kernel too (on
-    AVX512_BF16 CPUs that kernel's rows path, which has the AMX tiles' bits)."""
+    the rows from which the others of their kind hand over to one: None where the table or a
+    calibration decides). Deterministic: that kernel at every row count, no copy; the int8 head on
+    its own kernel too (attach_int8_tiles)."""
     tiled = [m for m in modules if isinstance(m, Int4Linear) and m.tile_codes is not None]
-    if kind == "AVX512_BF16":
-        # the int8 head on the int8 kernel's rows path: at every row count, or (by default) below
-        # its packed copy's rows, calibrated against it (handover_rows)
-        int8 = attach_int8_tiles(modules, avx512=True)
-        int8 = int8 if deterministic else set()
+    if kind == "AVX512_BF16":  # the int8 head on the rows path: below its copy's rows by default
+        rows_path = attach_int8_tiles(modules, avx512=True, everywhere=deterministic)
+        int8 = rows_path if deterministic else set()
         if not tiled or not int4_avx512.usable():
             return int8, None
         for m in tiled:  # in place of torch's int4 kernel; the copies take over from a calibration
@@ -192,17 +182,18 @@ def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
     return ({id(m) for m in tiled} | int8, None) if handover >= NEVER else (int8, handover)
 
 
-def attach_int8_tiles(modules: Sequence[QuantizedLinear], avx512: bool = False) -> set[int]:
-    """Deterministic (the AMX default): int8 matrices (the tied head) on the int8 AMX kernel at
-    every row count, with no packed copy: one arithmetic at any row count, reading 1 byte a weight
-    where the padded copy read 2 (docs/kernels.md, "The int8 GEMM on AMX tiles"). avx512 (a CPU
-    with AVX-512 BF16 and no AMX): on that kernel's rows path, 5 rows at a time. -> their ids."""
+def attach_int8_tiles(modules: Sequence[QuantizedLinear], avx512: bool = False,
+                      everywhere: bool = True) -> set[int]:
+    """int8 matrices (the tied head) on the int8 AMX kernel, reading 1 byte a weight where a padded
+    copy read 2 (docs/kernels.md, "The int8 GEMM on AMX tiles"): everywhere (deterministic, the AMX
+    default), at every row count with no copy; else below their copies' rows. avx512 (AVX-512 BF16,
+    no AMX): on that kernel's rows path, the tiles' bits. -> their ids."""
     tiled = [m for m in modules if isinstance(m, Int8Linear) and m.make_tiles(avx512)]
     for m in tiled:
         m.amx_from = 1
     if tiled:
-        log.info("int8 GEMMs on %s at every row count",
-                 "the AMX kernel's rows path (AVX-512)" if avx512 else "AMX tiles")
+        log.info("int8 GEMMs on %s %s", "the AMX kernel's rows path" if avx512 else "AMX tiles",
+                 "at every row count" if everywhere else "below their packed copies' rows")
     return {id(m) for m in tiled}
 
 

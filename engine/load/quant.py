@@ -11,10 +11,9 @@ so a quantized GGUF is served at its own size instead of inflated to float32.
 - Embeddings are looked up, not multiplied: they are kept as int8 rows (a tied LM head uses the same
   int8 matrix) and dequantized per call, only the rows a step reads.
 - The int kernels win only while a GEMM is bound by memory (a few rows): a projection may also hold
-  a oneDNN-packed copy of its dequantized matrix (engine/kernel_choice.py), which calls of
-  packed_from rows or more take, so a quantized model is not slower than its float form at any
-  batch. Float32 activations take our AVX2 int4 kernel (engine/load/int4_avx2.py), under
-  --quantization w4a8 with the activations rounded to 8 bits.
+  a oneDNN-packed copy of its dequantized matrix, which calls of packed_from rows or more take
+  (engine/kernel_choice.py). Our own kernels (AMX, AVX-512 BF16, AVX2 with float32 activations,
+  w4a8) replace torch's where the CPU runs them.
 - Matrices the int4 kernel cannot take (in-features not a multiple of 32) fall back to int8; MoE
   experts stay in the model's dtype.
 """
@@ -32,9 +31,8 @@ log = logging.getLogger("conveyor.quant")
 
 GROUP = 32
 NEVER = 1 << 62  # a row threshold no call reaches
-# Rows quantized at a time: the float temporaries of one step stay this many rows of the matrix, not
-# all of it (a multiple of 64, so the int4 packing, which works on blocks of rows, packs each chunk
-# as a whole).
+# Rows quantized at a time, so the float temporaries stay this many rows, not the matrix (a multiple
+# of 64: the int4 packing works on blocks of rows).
 CHUNK_ROWS = 1024
 # Our parameter names (engine/models/llama.py) of the projections each decoder layer quantizes.
 LAYER_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -88,8 +86,7 @@ class QuantizedLinear(nn.Module):
 
     def mm(self, x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
         """x @ W.T (+ h) on the kernel for x's rows, without the bias. The row tests come first:
-        packed and the codes are submodules and buffers, which nn.Module looks up in Python
-        (about half a microsecond each, 120 calls a step)."""
+        packed and the codes are submodules and buffers, which nn.Module looks up slowly."""
         rows = x.shape[0]
         if rows >= self.packed_from and self.packed is not None:
             return self.packed.forward(x) if h is None else self.packed.add_to(h, x)
@@ -110,8 +107,7 @@ class Int8Linear(QuantizedLinear):
         columns (a tensor-parallel rank's row-parallel shard), so its codes and scales
         are the whole matrix's."""
         super().__init__()
-        # no autograd graph: it would keep the float matrix alive beside its codes
-        w = weight.detach()
+        w = weight.detach()  # no autograd graph: it would keep the float matrix alive
         n = w.shape[0]
         scale = torch.empty(n)
         q = torch.empty(w.shape, dtype=torch.int8)
@@ -128,10 +124,10 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scale.to(dtype))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype),
                                                            requires_grad=False)
-        # codes for the int8 AMX kernel, made after load for the matrices that multiply
+        # codes for the int8 AMX kernel, made after load where they multiply
         self.tile_codes: torch.Tensor | None = None
         self.tile_scale: torch.Tensor | None = None
-        self.tiles_avx512 = False  # the codes multiply on the kernel's rows path only (no AMX)
+        self.tiles_avx512 = False  # on the kernel's rows path only (no AMX)
         self.avx2_codes: torch.Tensor | None  # make_avx2's
         self.register_buffer("avx2_codes", None, persistent=False)
 
@@ -151,8 +147,7 @@ class Int8Linear(QuantizedLinear):
 
     def make_tiles(self, avx512: bool = False) -> bool:
         """Repacks the codes for the int8 AMX kernel (engine/load/amx.py) where this CPU runs it
-        and the activations are bfloat16; avx512: for its rows path alone, at every row count,
-        where the CPU has AVX-512 BF16 but no AMX (tiles_avx512). -> whether the matrix has them."""
+        (avx512: its rows path alone, on AVX-512 BF16) and x is bfloat16. -> whether it has them."""
         n, k = self.shape()
         runs = int4_avx512.usable() if avx512 else amx.usable()
         if self.tile_codes is None and self.scales.dtype == torch.bfloat16 and amx.fits(n, k) \
@@ -175,10 +170,8 @@ class Int8Linear(QuantizedLinear):
         if x.shape[0] < self.amx_from:
             return None
         codes, scale = self.tile_codes, self.tile_scale
-        if codes is not None and scale is not None and self.tiles_avx512:
-            y = amx.int8_mm_rows(x, codes, scale)  # no AMX here: the rows path at every row count
-        elif codes is not None and scale is not None:
-            y = amx.int8_mm(x, codes, scale)  # x is bfloat16, as the scales (make_tiles)
+        if codes is not None and scale is not None:  # x is bfloat16, as the scales (make_tiles)
+            y = (amx.int8_mm_rows if self.tiles_avx512 else amx.int8_mm)(x, codes, scale)
         elif self.avx2_codes is not None:
             y = int8_avx2.int8_mm(x, self.avx2_codes, self.scales)  # float32 x
         else:

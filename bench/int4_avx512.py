@@ -10,6 +10,10 @@ packed bfloat16 copy, the new kernel, main's switching default on AVX512_BF16 CP
 kernel below the table's hand-over rows, the copy from there: "main"), and the default as wired now
 (the new kernel below the rows kernel_calibration.calibrate picks here, as a load there runs it, the
 copy from there: "wired").
+
+With --head: the model's tied int8 LM head as that kind runs it now (the int8 AMX kernel's rows
+path, AVX-512 only, below a calibrated threshold; at every row count under --deterministic) against
+its packed bfloat16 copy (padded at one row, as --deterministic had it) and torch's int8 kernel.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +53,8 @@ def main() -> None:
                    default=[1, 8, 32, 128, 512, 2048])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--calibrations", type=int, default=3, help="calibrations run (the first wires)")
+    p.add_argument("--head", action="store_true",
+                   help="the int8 LM head instead of the int4 matrices")
     args = p.parse_args()
     pin_threads(args.threads)
     import torch
@@ -55,7 +62,7 @@ def main() -> None:
     from engine import kernel_calibration, kernel_choice
     from engine.load import int4_avx512
     from engine.load.prepack import PackedLinear, quantized_packed_from
-    from engine.load.quant import Int4Linear
+    from engine.load.quant import Int4Linear, Int8Linear
     from engine.load.weights import load_model
     from shared.model_source import resolve_model
 
@@ -64,6 +71,9 @@ def main() -> None:
     print(f"CPU flags: {cpu_features()}; ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']}, "
           f"ATen capability {torch.backends.cpu.get_cpu_capability()}")
     model, _ = load_model(resolve_model(args.model), "bfloat16", "cpu", "int4", prepack=False)
+    if args.head:
+        head(args, [m for m in kernel_choice.switched_modules(model) if isinstance(m, Int8Linear)])
+        return
     mods = [m for m in kernel_choice.switched_modules(model)
             if isinstance(m, Int4Linear) and m.tile_codes is not None]
     copies = [PackedLinear(m.dequantized(), None) for m in mods]
@@ -96,6 +106,39 @@ def main() -> None:
             print(f"{r:>5} {q * 1e3:>10.2f} {cp * 1e3:>11.2f} {new * 1e3:>8.2f} "
                   f"{main_ * 1e3:>8.2f} {now * 1e3:>8.2f} {new / main_:>8.2f} "
                   f"{now / main_:>10.2f}", flush=True)
+
+
+def head(args: argparse.Namespace, heads: list[Any]) -> None:
+    """The --head table: ms a call of each kernel for the head, by rows, and the rows from which
+    kernel_choice.handover_rows's calibration hands the head to its copy (NEVER: no copy)."""
+    import torch
+
+    from engine import kernel_calibration
+    from engine.load import amx
+    from engine.load.prepack import PackedLinear
+
+    assert len(heads) == 1 and heads[0].make_tiles(avx512=True), "a tied int8 head on AVX-512 BF16"
+    m = heads[0]
+    codes, scale = m.tile_codes, m.tile_scale
+    copy = PackedLinear(m.dequantized(), None)
+    padded = PackedLinear(m.dequantized(), None, pad_one_row=True)
+    m.packed, m.amx_from = copy, 1
+    rows = kernel_calibration.INT8_CALIBRATION_ROWS
+    chosen = [c if c < kernel_calibration.NEVER else "NEVER"
+              for c in (kernel_calibration.calibrate([m], rows) for _ in range(args.calibrations))]
+    print(f"{args.model}: the int8 head {m.shape()}, bfloat16 x, {args.threads} threads; ms a call "
+          f"(best of {args.reps}); calibrations over {rows} chose {chosen} (NEVER: no copy)")
+    print(f"{'rows':>5} {'torch int8':>10} {'oneDNN bf16':>11} {'padded':>8} {'rows path':>9} "
+          f"{'rows/copy':>9} {'rows/torch':>10}")
+    with torch.inference_mode():
+        for r in args.rows:
+            x = torch.randn(r, m.shape()[1], dtype=torch.bfloat16)
+            q = best([functools.partial(m.quantized_mm, x)], args.reps)
+            cp = best([functools.partial(copy.forward, x)], args.reps)
+            pad = best([functools.partial(padded.forward, x)], args.reps)
+            rp = best([functools.partial(amx.int8_mm_rows, x, codes, scale)], args.reps)
+            print(f"{r:>5} {q * 1e3:>10.2f} {cp * 1e3:>11.2f} {pad * 1e3:>8.2f} {rp * 1e3:>9.2f} "
+                  f"{rp / cp:>9.2f} {rp / q:>10.2f}", flush=True)
 
 
 if __name__ == "__main__":

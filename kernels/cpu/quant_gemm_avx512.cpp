@@ -78,7 +78,7 @@ struct Panel {
 // zero over the group's 16 k pairs in order (x times 128 + q: exact products), then acc = fma(g, scale,
 // acc) and acc = fma(xsum[t], shift, acc), since w = (q - 8) scale + zero = (128 + q) scale + shift with
 // shift = zero - 136 scale. xb: the block's rows of x as pack_rows lays them out (k pair kp of row r at
-// kp R + r: every broadcast is one offset from one pointer). xsum: each row's group sums of x (row_sums),
+// kp R + r: every broadcast is one offset from one pointer). xsum: each row's group sums of x (pack_rows),
 // fixed by the row alone.
 template <int R, int C>
 void block(const int32_t* xb, const float* xsum, int64_t kt, const Panel& panel, bf* y, int64_t ldy,

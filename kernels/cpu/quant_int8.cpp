@@ -238,7 +238,7 @@ at::Tensor int8_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at
   const bf* xp = x.data_ptr<bf>();
   for (int64_t r = 0; r < m; ++r) {
     const int64_t r0 = r / kRowsMax * kRowsMax, rows = std::min<int64_t>(kRowsMax, m - r0);
-    float* even = &xs[(2 * r0 + r - r0) * kh];
+    float* even = &xs[(r0 + r) * kh];  // chunk r0's at 2 r0 kh, row r its (r - r0)th
     float* odd = even + rows * kh;
     for (int64_t i = 0; i < kh; i += 16) {
       const __m512i pairs = _mm512_loadu_si512(xp + r * x.stride(0) + 2 * i);

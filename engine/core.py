@@ -72,7 +72,8 @@ class EngineCore:
         else:
             pooling.check(self.pooling, self.limits, prompt_token_ids, pool)
             params = SamplingParams(max_tokens=1)
-        speculate = pool is None and self.proposer is not None and can_speculate(params)
+        speculate = (pool is None and self.proposer is not None
+                     and can_speculate(params, self.proposer.greedy_only))
         req = Request(request_id, prompt_token_ids, params, priority, time.monotonic(),
                       self.eos_token_ids, speculate=speculate, pooling=pool)
         req.events["queued"] = time.time()

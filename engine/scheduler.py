@@ -85,6 +85,10 @@ class Scheduler(SchedulerUpdate):
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i, others_waiting = 0, bool(self.waiting)
+        # No drafts while a prompt waits for (more of) its prefill: drafts would take its budget and
+        # lengthen the step its first token comes from (engine/speculative plan_drafts).
+        prompts_pending = others_waiting or any(s.num_computed_tokens < s.num_tokens - 1
+                                                for s in self.running)
         planned: set[int] = set()  # served this step (beams with the first of their group)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -96,7 +100,8 @@ class Scheduler(SchedulerUpdate):
             if not any(ns):
                 i += 1
                 continue
-            drafts = plan_drafts(self.proposer, unit, ns, budget, self.max_model_len, self.bm)
+            drafts = None if prompts_pending else plan_drafts(self.proposer, unit, ns, budget,
+                                                              self.max_model_len, self.bm)
             ns[0] += drafts.num if drafts is not None else 0
             if not self._reserve(unit, ns, plan, i, planned):
                 continue  # the unit itself was preempted; running[i] is now the next sequence

@@ -166,6 +166,8 @@ class SchedulerUpdate:
         stop); the K/V of rejected drafts is dropped with the blocks that only they used."""
         before, drafted = seq.num_computed_tokens, seq.num_tokens + num_drafts - 1
         self.spec_stats.verified(num_drafts, len(accepted))
+        if seq.draft_window is not None:
+            seq.draft_window.verified(num_drafts, len(accepted))
         seq.just_resumed = False
         for t in (*accepted, token):
             self._append(seq, t, None)

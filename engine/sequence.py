@@ -13,11 +13,14 @@ every one of its sequences points to.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.request import Request
 from shared import thinking
 from shared.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.speculative.window import DraftWindow
 
 # One logprob entry per sampled token: (logprob of the sampled token, [(token id, logprob), ...] top
 # k).
@@ -54,7 +57,7 @@ class Sequence:
     __slots__ = ("request", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_sent_tokens", "status", "just_resumed", "cumulative_logprob", "logprobs",
                  "draft_computed", "group", "block_table", "released_blocks", "swapped",
-                 "block_hashes", "matcher", "pooled", "thinking")
+                 "block_hashes", "matcher", "pooled", "thinking", "draft_window")
 
     def __init__(self, request: Request, index: int = 0) -> None:
         self.request = request
@@ -70,6 +73,8 @@ class Sequence:
         wants_logprobs = request.params.logprobs is not None
         self.logprobs: list[LogprobEntry] | None = [] if wants_logprobs else None
         self.draft_computed = 0  # positions whose draft-model K/V this sequence has written
+        # how many drafts it proposes next (engine/speculative/window.py); set at its first chance
+        self.draft_window: DraftWindow | None = None
         # forks share it
         self.group = None if request.params.one_sequence else SequenceGroup(request.params)
         self.block_table: list[int] = []

@@ -119,28 +119,35 @@ class SpeculativeConfig:
     pays when steps are bound by reading the weights (small batches) and the guesses are good.
     """
 
-    # None: off; "ngram": prompt lookup (match the context's last n tokens earlier in it, propose
-    # what followed; free, good for edits, summaries and code); "draft:<model>": a smaller model
-    # with the same vocabulary (HF folder or .gguf) runs on its own paged cache.
-    speculative: str | None = None
-    # Tokens proposed per sequence and step: more = longer accepted runs on easy text, more wasted
-    # compute on rejections.
-    num_speculative_tokens: int = 4
-    # Prompt lookup tries the longest suffix first, down to ngram_min tokens.
-    ngram_min: int = 1
+    # "auto" (the default): prompt lookup for greedy requests on a CPU, nothing elsewhere
+    # (unmeasured on GPUs, whose decode steps run as CUDA graphs); "none" (or None): off; "ngram":
+    # prompt lookup for every request that may speculate (match the context's last n tokens earlier
+    # in it, propose what followed; free, good for edits, summaries, code and text that repeats
+    # itself); "draft:<model>": a smaller model with the same vocabulary (HF folder or .gguf) runs
+    # on its own paged cache. Each sequence drafts as many tokens as its recent drafts earned
+    # (engine/speculative/window.py), so a sequence whose guesses fail soon stops paying for them.
+    speculative: str | None = "auto"
+    # Tokens proposed per sequence and step, at most: more = longer accepted runs on easy text; a
+    # sequence's window only grows to it while every draft holds.
+    num_speculative_tokens: int = 8
+    # Prompt lookup tries the longest suffix first, down to ngram_min tokens (one-token matches are
+    # mostly wrong guesses).
+    ngram_min: int = 2
     ngram_max: int = 4
 
     def __post_init__(self) -> None:
         s = self.speculative
-        _require(s is None or s == "ngram" or (s.startswith("draft:") and len(s) > 6),
-                 "speculative must be 'ngram' or 'draft:<model>'")
+        _require(s is None or s in ("auto", "none", "ngram")
+                 or (s.startswith("draft:") and len(s) > 6),
+                 "speculative must be 'auto', 'none', 'ngram' or 'draft:<model>'")
         _require(1 <= self.num_speculative_tokens <= 16,
                  "num_speculative_tokens must be in [1, 16]")
         _require(1 <= self.ngram_min <= self.ngram_max, "need 1 <= ngram_min <= ngram_max")
 
     @property
     def method(self) -> str | None:
-        return None if self.speculative is None else self.speculative.split(":", 1)[0]
+        s = self.speculative
+        return None if s is None or s == "none" else s.split(":", 1)[0]
 
     @property
     def draft_model(self) -> str | None:

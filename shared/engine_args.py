@@ -117,11 +117,13 @@ def _speculative_args(p: Parser) -> None:
     """Speculative decoding: the proposer and how much it proposes."""
     a = p.add_argument
     a("--speculative",
-      help="speculative decoding: 'ngram' (prompt lookup) or 'draft:<model>' (a smaller model, "
-           "same vocabulary); output unchanged, fewer steps when guesses are good (default: off)")
+      help="speculative decoding: 'auto' (prompt lookup for greedy requests on a CPU, off on a "
+           "GPU), 'ngram' (prompt lookup for every request), 'draft:<model>' (a smaller model, "
+           "same vocabulary) or 'none'; output unchanged, fewer steps when guesses are good "
+           "(default auto)")
     a("--num-speculative-tokens", type=int,
-      help="tokens proposed per sequence and step (default 4)")
-    a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 1)")
+      help="tokens proposed per sequence and step, at most (default 8)")
+    a("--ngram-min", type=int, help="shortest suffix prompt lookup matches (default 2)")
     a("--ngram-max", type=int, help="longest suffix prompt lookup matches (default 4)")
 
 

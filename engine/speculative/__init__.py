@@ -26,6 +26,7 @@ from engine.models import ModelConfig
 from engine.sequence import Sequence
 from engine.speculative.draft import DraftProposer
 from engine.speculative.ngram import NgramProposer
+from engine.speculative.window import DraftWindow
 from engine.step import Drafts
 from kernels.backend import AttentionBackend
 from shared.config import CacheConfig, SpeculativeConfig
@@ -34,6 +35,7 @@ from shared.sampling import SamplingParams
 
 class Proposer(Protocol):
     k: int  # drafts per sequence and step, at most
+    greedy_only: bool  # sampled requests take the plain path (speculative="auto")
     max_model_len: int | None  # the longest sequence it can propose for (a draft model's context)
 
     def plan(self, seq: Sequence, k: int) -> Drafts:
@@ -46,11 +48,15 @@ class Proposer(Protocol):
         ...
 
 
-def can_speculate(params: SamplingParams) -> bool:
+def can_speculate(params: SamplingParams, greedy_only: bool = False) -> bool:
     """Requests whose next-token distribution depends only on the tokens before it. Penalties,
     logprobs, several sequences per request and structured output take the plain path (their outputs
-    are the same either way)."""
+    are the same either way); so do sampled requests where the proposer is greedy_only (their
+    verification samples every drafted position in Python: at 32 streams and temperature 1 on a CPU
+    it cost more than their few accepted drafts saved, docs/performance.md)."""
     p = params
+    if greedy_only and not p.greedy:
+        return False
     # A constrained request opts out: verifying drafts under its mask would need the matcher rolled
     # back for every rejected draft (docs/structured_output.md); a thinking budget forces one token
     # a step.
@@ -67,6 +73,10 @@ def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], 
     if proposer is None or len(unit) != 1 or not seq.request.speculate or ns[0] != 1:
         return None
     k = draft_limit(seq, proposer.k, budget - 1, max_model_len)
+    if k:
+        if seq.draft_window is None:
+            seq.draft_window = DraftWindow(proposer.k)
+        k = min(k, seq.draft_window.drafts_now())
     drafts = proposer.plan(seq, k) if k else None
     if (drafts is None or not drafts.num
             or not bm.can_allocate(bm.num_new_blocks(seq, seq.num_tokens + drafts.num))):
@@ -76,10 +86,12 @@ def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], 
 
 def draft_limit(seq: Sequence, k: int, budget: int, max_model_len: int) -> int:
     """How many drafts seq may verify this step: none unless it decodes (only its last
-    token is left to compute) past min_tokens; at most k and the budget, never past
-    max_tokens or max_model_len."""
+    token is left to compute), nor while min_tokens masks its stop ids (verification does not
+    mask; with no stop ids, as under ignore_eos, min_tokens masks nothing); at most k and the
+    budget, never past max_tokens or max_model_len."""
     p = seq.params
-    if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_output_tokens < p.min_tokens:
+    if seq.num_computed_tokens != seq.num_tokens - 1 or (seq.num_output_tokens < p.min_tokens
+                                                         and seq.stop_ids):
         return 0
     return max(0, min(k, budget, p.max_tokens - seq.num_output_tokens - 1,
                       max_model_len - seq.num_tokens - 1))
@@ -120,10 +132,11 @@ def computed_after(computed_before: int, drafted: int, num_accepted: int,
 def make_proposer(config: SpeculativeConfig, target: ModelConfig, num_blocks: int,
                   cache: CacheConfig, dtype: torch.dtype, device: torch.device,
                   backend: AttentionBackend) -> Proposer | None:
-    if config.method is None:
+    if config.method is None or (config.method == "auto" and device.type != "cpu"):
         return None
-    if config.method == "ngram":
-        return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+    if config.method in ("auto", "ngram"):
+        return NgramProposer(config.num_speculative_tokens, config.ngram_min, config.ngram_max,
+                             greedy_only=config.method == "auto")
     assert config.draft_model is not None, \
         "SpeculativeConfig names a draft model with method 'draft'"
     return DraftProposer(config.draft_model, config.num_speculative_tokens, target, num_blocks,

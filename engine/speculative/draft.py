@@ -39,6 +39,7 @@ class DraftProposer:
                  cache: CacheConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend) -> None:
         self.k = num_tokens
+        self.greedy_only = False
         self.model, mc = load_model(resolve_model(model_name), dtype, device)
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {model_name!r} has a vocabulary of {mc.vocab_size} "

@@ -37,8 +37,9 @@ class NgramProposer:
     """Proposes at schedule time (it is cheap), so the step's budget counts exactly the drafts
     found."""
 
-    def __init__(self, num_tokens: int, n_min: int, n_max: int) -> None:
+    def __init__(self, num_tokens: int, n_min: int, n_max: int, greedy_only: bool = False) -> None:
         self.k, self.n_min, self.n_max = num_tokens, n_min, n_max
+        self.greedy_only = greedy_only
         self.max_model_len: int | None = None  # no model, no context limit of its own
 
     def plan(self, seq: Sequence, k: int) -> Drafts:

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 def run(folder, requests, **options) -> tuple[EngineCore, dict[str, list[int]]]:
     """requests: [(prompt ids, params)] -> (the core after the run, output ids per request)."""
-    options = {"num_blocks": 256, "block_size": 8, **options}
+    options = {"num_blocks": 256, "block_size": 8, "speculative": "none", **options}
     core = EngineCore(build_config(str(folder), **options))
     for i, (prompt, params) in enumerate(requests):
         core.add(f"r{i}", prompt, params)

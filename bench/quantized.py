@@ -164,7 +164,8 @@ def one(args: argparse.Namespace) -> dict[str, Any]:
         mock.patch.object(engine.load.weights, "attach_packed_copies", lambda *_: {}).start()
     base = rss_bytes()
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
-              num_threads=args.threads, kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32)
+              num_threads=args.threads, kv_cache_memory="1GiB", num_cpu_blocks=0, max_num_seqs=32,
+              speculative="none")  # decode steps of one token a sequence: the GEMMs' rows
     model, cfg = llm.core.runner.model, llm.core.model_config
     kv = llm.core.runner.kv_cache
     kv_bytes = sum(t.numel() * t.element_size() for t in (kv.device, kv.cpu))
@@ -434,7 +435,8 @@ def ab(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     llms = {name: LLM(args.model, dtype=dtype, quantization=quant, num_threads=args.threads,
-                      kv_cache_memory="512MiB", num_cpu_blocks=0, max_num_seqs=32)
+                      kv_cache_memory="512MiB", num_cpu_blocks=0, max_num_seqs=32,
+                      speculative="none")
             for name, dtype, quant in (("default", "auto", "auto"),
                                        ("bfloat16/none", "bfloat16", "none"))}
     clock = time.process_time if args.cpu_time else time.perf_counter

@@ -128,13 +128,14 @@ def main() -> None:
     for policy in [] if args.overhead_only else PREFILL_POLICIES:
         core = EngineCore(build_config(args.model, prefill_policy=policy, num_threads=args.threads,
                                        max_num_batched_tokens=args.max_num_batched_tokens,
-                                       max_num_seqs=256, kv_cache_memory="3GiB"))
+                                       max_num_seqs=256, kv_cache_memory="3GiB",
+                                       speculative="none"))
         r = replay(core, reqs, args.rate)
         print(f"{policy:15s}{r['tok/s']:10.1f}{r['ttft50']:10.2f}{r['ttft99']:10.2f}{r['itl50']:9.3f}{r['itl99']:9.3f}",
               flush=True)
     if core is None:
         core = EngineCore(build_config(args.model, num_threads=args.threads, max_num_seqs=256,
-                                       kv_cache_memory="3GiB",
+                                       kv_cache_memory="3GiB", speculative="none",
                                        max_num_batched_tokens=args.max_num_batched_tokens))
     print(f"\n{'running seqs':>12s}{'step ms':>10s}{'forward ms':>12s}{'sample ms':>11s}"
           f"{'outside model':>15s}")

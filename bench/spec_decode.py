@@ -120,7 +120,7 @@ def main() -> None:
 
     common = dict(kv_cache_memory="512MiB", max_num_batched_tokens=2048,
                   enable_prefix_caching=False)
-    plain = EngineCore(build_config(args.model, **common))
+    plain = EngineCore(build_config(args.model, speculative="none", **common))
     spec = EngineCore(build_config(args.model, speculative=args.speculative,
                                    num_speculative_tokens=args.num_speculative_tokens,
                                    ngram_min=args.ngram_min, **common))

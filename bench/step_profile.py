@@ -293,7 +293,8 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
                                    max_num_seqs=room, max_num_batched_tokens=2048,
                                    kv_cache_memory="2GiB", max_model_len=max(1024, longest),
                                    attention_backend=args.attention_backend,
-                                   quantization=quantization, kv_cache_dtype=args.kv_cache_dtype))
+                                   quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
+                                   speculative="none"))  # steps of one token a sequence
     # what auto resolved to
     dtype, quantization = core.model_config.dtype, core.model_config.quantization
     if args.python_layers:

@@ -85,10 +85,9 @@ class Scheduler(SchedulerUpdate):
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         i, others_waiting = 0, bool(self.waiting)
-        # No drafts while a prompt waits for (more of) its prefill: drafts would take its budget and
-        # lengthen the step its first token comes from (engine/speculative plan_drafts).
-        prompts_pending = others_waiting or any(s.num_computed_tokens < s.num_tokens - 1
-                                                for s in self.running)
+        # Drafts get only the budget that no prompt's prefill could take this step (and the decodes
+        # after them): they never delay a first token.
+        reserved = self._prompt_demand() if self.proposer is not None else 0
         planned: set[int] = set()  # served this step (beams with the first of their group)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -100,8 +99,8 @@ class Scheduler(SchedulerUpdate):
             if not any(ns):
                 i += 1
                 continue
-            drafts = None if prompts_pending else plan_drafts(self.proposer, unit, ns, budget,
-                                                              self.max_model_len, self.bm)
+            spare = budget - reserved - (len(self.running) - i - 1)
+            drafts = plan_drafts(self.proposer, unit, ns, spare, self.max_model_len, self.bm)
             ns[0] += drafts.num if drafts is not None else 0
             if not self._reserve(unit, ns, plan, i, planned):
                 continue  # the unit itself was preempted; running[i] is now the next sequence
@@ -112,6 +111,14 @@ class Scheduler(SchedulerUpdate):
             budget -= sum(ns)
             i += 1
         return budget
+
+    def _prompt_demand(self) -> int:
+        """Prompt tokens this step's prefills could take: the rest of every prompt still prefilling,
+        and the whole of each waiting one that has a seat (a queue longer than the seats left,
+        behind a full batch, takes none this step)."""
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        return (sum(max(0, s.num_tokens - 1 - s.num_computed_tokens) for s in self.running)
+                + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting[:seats]))
 
     def _reserve(self, unit: list[Sequence], ns: list[int], plan: StepPlan, first_candidate: int,
                  planned: set[int]) -> bool:

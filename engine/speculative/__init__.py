@@ -67,8 +67,9 @@ def can_speculate(params: SamplingParams, greedy_only: bool = False) -> bool:
 def plan_drafts(proposer: Proposer | None, unit: list[Sequence], ns: list[int], budget: int,
                 max_model_len: int, bm: BlockManager) -> Drafts | None:
     """The drafts a unit the scheduler serves (ns[i] tokens for unit[i]) verifies this step: only a
-    lone sequence that may speculate and decodes (its last token is the budget's first), and none
-    unless their blocks are free already: drafts never cause a preemption."""
+    lone sequence that may speculate and decodes (its last token is the budget's first), within
+    budget (what the step can spare: the scheduler leaves out what pending prompts could take),
+    and none unless their blocks are free already: drafts never cause a preemption."""
     seq = unit[0]
     if proposer is None or len(unit) != 1 or not seq.request.speculate or ns[0] != 1:
         return None

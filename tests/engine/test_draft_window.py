@@ -95,19 +95,28 @@ def test_a_sequence_whose_guesses_fail_soon_stops_drafting(tiny_llama_dir):
     assert out == plain
 
 
-def test_no_drafts_in_a_step_that_carries_a_prompt(tiny_llama_dir, monkeypatch):
-    """A new prompt's chunks get the budget before anyone's drafts: while it prefills, the scheduler
-    plans no drafts for the decoding sequence beside it; after, it does again."""
+def spy_on_drafts(monkeypatch) -> list[str]:
+    """The request ids the scheduler asks for drafts, in order (those it plans with budget to
+    spare: the rest get none)."""
     import engine.scheduler
     from engine.speculative import plan_drafts as plan
 
     asked: list[str] = []
 
-    def spy(proposer, unit, *args):
-        asked.append(unit[0].request.request_id)
-        return plan(proposer, unit, *args)
+    def spy(proposer, unit, ns, budget, *args):
+        if budget > 1 and ns[0] == 1:  # a decoding sequence with budget to spare for drafts
+            asked.append(unit[0].request.request_id)
+        return plan(proposer, unit, ns, budget, *args)
 
     monkeypatch.setattr(engine.scheduler, "plan_drafts", spy)
+    return asked
+
+
+def test_no_drafts_take_a_prompts_budget(tiny_llama_dir, monkeypatch):
+    """A new prompt's chunks get the budget before anyone's drafts: while more of it is left than a
+    step's budget, the decoding sequence beside it gets no budget for drafts; after, it does
+    again."""
+    asked = spy_on_drafts(monkeypatch)
     core = EngineCore(build_config(str(tiny_llama_dir), **OPTIONS, max_num_batched_tokens=16))
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     core.add("copy", [5, 6, 7, 8] * 6, params)
@@ -116,9 +125,27 @@ def test_no_drafts_in_a_step_that_carries_a_prompt(tiny_llama_dir, monkeypatch):
     core.add("long", list(range(10, 90)), params)  # 80 tokens: several 16-token chunks
     long_seq = core.requests["long"].root
     asked.clear()
-    while long_seq.num_computed_tokens < long_seq.num_prompt_tokens:
+    while long_seq.num_prompt_tokens - long_seq.num_computed_tokens >= 16:
         core.step()
     assert asked == []
+    while long_seq.num_computed_tokens < long_seq.num_prompt_tokens:
+        core.step()
+    asked.clear()
     for _ in range(3):
         core.step()
     assert asked.count("copy") == 3 and asked.count("long") == 3
+
+
+def test_a_queue_without_seats_does_not_stop_drafts(tiny_llama_dir, monkeypatch):
+    """Behind a full batch, waiting prompts take no budget this step, so they leave the drafts
+    alone: a saturated server still speculates."""
+    asked = spy_on_drafts(monkeypatch)
+    core = EngineCore(build_config(str(tiny_llama_dir), **OPTIONS, max_num_seqs=1,
+                                   max_num_batched_tokens=64))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    core.add("first", [5, 6, 7, 8] * 6, params)
+    core.step()  # its prompt
+    core.add("queued", list(range(10, 60)), params)  # no seat until "first" ends
+    for _ in range(5):
+        core.step()
+    assert asked.count("first") == 5 and core.requests["queued"].root.num_computed_tokens == 0

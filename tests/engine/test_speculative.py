@@ -269,8 +269,9 @@ def resample_from_p(p, drafts, q, req):
 def test_sampling_distribution_unchanged(small_vocab_dirs, proposer, monkeypatch):
     target, draft = small_vocab_dirs
     marginals = exact_marginals(target, PROMPT, max(CHECKED) + 1)
+    # one-token matches too (the PROMPT's design), so that lookup proposes at every position
     options = {"speculative": "ngram" if proposer == "ngram" else f"draft:{draft}",
-               "num_speculative_tokens": 3}
+               "num_speculative_tokens": 3, "ngram_min": 1}
     samples, stats = sample(target, **options)
     assert stats["total_spec_accepted_tokens"] > 300  # acceptance and rejection both ran many times
     assert stats["total_spec_draft_tokens"] - stats["total_spec_accepted_tokens"] > 300

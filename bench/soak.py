@@ -12,10 +12,10 @@ logprobs, chat, long prompts, streamed (SSE or WebSocket) or not, some opting ou
 One request in 50 is malformed (bad JSON, out-of-range or unknown fields, token ids past the
 vocabulary); 20% of the others go away at a random moment. At a third and two thirds of the run the
 engine is SIGKILLed: the gateway restarts it and resumes the streams in flight. `--topology tp`
-serves with `-tp 2` (speculating as the default does: greedy requests) and kills its worker rank, which takes the
-engine down and back up whole; `--topology dp` serves with `-dp 2` and kills each replica in turn,
-whose streams move to the other at once; `--freeze S` SIGSTOPs the same target for S seconds
-instead of killing it.
+serves with `-tp 2` (speculating as the default does: greedy requests) and kills its worker rank,
+which takes the engine down and back up whole; `--topology dp` serves with `-dp 2` and kills each
+replica in turn, whose streams move to the other at once; `--freeze S` SIGSTOPs the same target for
+S seconds instead of killing it.
 
 Every request ends in exactly one class, and the run fails (exit 1) unless lost, leaked and stalled
 are 0:

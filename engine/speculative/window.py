@@ -7,8 +7,9 @@ guesses are bimodal: a sequence that copies its context, or repeats itself, acce
 them; one that writes new text accepts nearly none. So each sequence keeps its own window: it grows
 while every draft holds, shrinks to what held, and after drafts of which none held the sequence
 decodes plainly for a pause that doubles with each such miss (at most MAX_PAUSE steps), then tries
-one draft again. The window depends on the sequence's own tokens only, never on the traffic, and
-drafting never changes the output (engine/speculative/verify.py), only the steps it takes.
+one draft again. The window follows the sequence's own verifications (the traffic shows in it only
+where a step's budget or free blocks cut its drafts), and drafting never changes the output
+(engine/speculative/verify.py), only the steps it takes.
 """
 from __future__ import annotations
 

@@ -64,8 +64,21 @@ struct Pair {
   v.a.store(p, std::min(n, W));
   v.b.store(p + W, std::clamp<int64_t>(n - W, 0, W));
 }
+// Two float vectors rounded to one bfloat16 vector exactly as ATen's convert_from_float rounds them (to
+// nearest even; a NaN becomes 0xFFFF). Where the CPU has AVX-512 BF16, VCVTNE2PS2BF16 does it in one
+// instruction instead of ATen's sixteen: the same bits for every value but NaNs and denormal inputs (which
+// it reads as zero), so a vector holding either takes ATen's path.
+[[gnu::always_inline]] inline at::vec::Vectorized<BF16> to_bf16(const Vec& a, const Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  constexpr int kNanOrDenormal = 0x01 | 0x20 | 0x80;  // fpclass: quiet NaN, denormal, signalling NaN
+  const __m512 va = a, vb = b;
+  if (!(_mm512_fpclass_ps_mask(va, kNanOrDenormal) | _mm512_fpclass_ps_mask(vb, kNanOrDenormal)))
+    return at::vec::Vectorized<BF16>(reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(vb, va)));
+#endif
+  return at::vec::convert_from_float<BF16>(a, b);
+}
 [[gnu::always_inline]] inline void store2(BF16* p, const Pair& v, int64_t n) {
-  at::vec::convert_from_float<BF16>(v.a, v.b).store(p, std::min(n, 2 * W));
+  to_bf16(v.a, v.b).store(p, std::min(n, 2 * W));
 }
 // exp for SiLU: Sleef's (1 ulp, F.silu's) in float32; in bfloat16 ATen's 20-ulp polynomial (the one its
 // softmax uses, inlined instead of a library call), whose error is a thousandth of the bfloat16 rounding
@@ -75,7 +88,7 @@ Vec silu_exp(const Vec& v, const BF16*) { return v.exp_u20(); }
 // v as it reads back after a store in T: what the next op of a PyTorch chain sees.
 [[gnu::always_inline]] inline Pair rounded(const Pair& v, const float*) { return v; }
 [[gnu::always_inline]] inline Pair rounded(const Pair& v, const BF16*) {
-  auto [a, b] = at::vec::convert_to_float<BF16>(at::vec::convert_from_float<BF16>(v.a, v.b));
+  auto [a, b] = at::vec::convert_to_float<BF16>(to_bf16(v.a, v.b));
   return {a, b};
 }
 
@@ -114,25 +127,6 @@ void rms_rows(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double 
   });
 }
 
-// SiLU of every bfloat16 gate, as the formula below rounds it, widened to float32: a bfloat16 gate has
-// 65,536 values, so its exp and division (most of the op's time) run once per process, by the very same
-// vector code, and each row looks its gates up (the same bits; tests/kernels/test_fused_layer_ops.py).
-const float* silu_table() {
-  static const std::vector<float> table = [] {
-    std::vector<uint16_t> bits(65536);
-    std::vector<float> t(65536);
-    for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
-    const BF16* g = reinterpret_cast<const BF16*>(bits.data());
-    for (int64_t i = 0; i < 65536; i += 2 * W) {
-      const Pair v = load2(g + i, 2 * W);
-      const Pair s = rounded({v.a / (Vec(1.f) + silu_exp(v.a.neg(), g)), v.b / (Vec(1.f) + silu_exp(v.b.neg(), g))}, g);
-      store2(t.data() + i, s, 2 * W);
-    }
-    return t;
-  }();
-  return table.data();
-}
-
 #ifdef CPU_CAPABILITY_AVX512
 // One row of silu_mul_rows<BF16> with the gates' SiLU looked up in table (silu_table): the same product
 // and rounding.
@@ -157,7 +151,7 @@ void silu_mul_rows(const at::Tensor& x, at::Tensor& out, bool lookup) {
 #ifdef CPU_CAPABILITY_AVX512
   if constexpr (std::is_same_v<T, BF16>)
     if (lookup) {
-      const float* table = silu_table();
+      const float* table = conveyor::silu_table();
       at::parallel_for(0, x.size(0), grain_rows(I), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) silu_mul_lookup(xp + r * xs, xp + r * xs + I, op + r * I, I, table);
       });
@@ -218,18 +212,42 @@ void write_rows(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& 
   }
   const int64_t n_slots = cache.size(0) * cache.size(1), bytes = x.size(1) * x.size(2) * x.element_size();
   const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < n_slots, "write: slot ", s[t], " outside the cache");
   const char* src = static_cast<const char*>(x.data_ptr());
   char* dst = static_cast<char*>(cache.data_ptr());
-  for (int64_t t = 0; t < x.size(0); ++t) {
-    TORCH_CHECK(s[t] >= 0 && s[t] < n_slots, "write: slot ", s[t], " outside the cache");
-    std::memcpy(dst + s[t] * bytes, src + t * x.stride(0) * x.element_size(), bytes);
-  }
+  const int64_t row_stride = x.stride(0) * x.element_size();
+  // a prompt chunk's rows over the threads: each copy's destination is a cold cache line, and one thread
+  // waiting on them took ~3% of a 2,048-token step
+  at::parallel_for(0, x.size(0), grain_rows(bytes / x.element_size()), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) std::memcpy(dst + s[t] * bytes, src + t * row_stride, bytes);
+  });
 }
 
 }  // namespace
 
 // The ops, in conveyor:: so other files call them directly (ops.h).
 namespace conveyor {
+
+// SiLU of every bfloat16 gate, as the formula below rounds it, widened to float32: a bfloat16 gate has
+// 65,536 values, so its exp and division (most of the op's time) run once per process, by the very same
+// vector code, and each row looks its gates up (the same bits; tests/kernels/test_fused_layer_ops.py).
+const float* silu_table() {
+  static const std::vector<float> table = [] {
+    std::vector<uint16_t> bits(65536);
+    std::vector<float> t(65536);
+    for (int i = 0; i < 65536; ++i) bits[i] = static_cast<uint16_t>(i);
+    const BF16* g = reinterpret_cast<const BF16*>(bits.data());
+    for (int64_t i = 0; i < 65536; i += 2 * W) {
+      const Pair v = load2(g + i, 2 * W);
+      const Pair s = rounded({v.a / (Vec(1.f) + silu_exp(v.a.neg(), g)), v.b / (Vec(1.f) + silu_exp(v.b.neg(), g))}, g);
+      store2(t.data() + i, s, 2 * W);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
 
 // x [N, D] (rows may be strided, each row contiguous), weight [D] of x's dtype -> new [N, D].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {

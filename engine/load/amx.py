@@ -95,6 +95,13 @@ def int4_mm_tiles(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor
     return y
 
 
+def int4_silu_tiles(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """silu(x @ Wg.T) * (x @ Wu.T) -> [M, N / 2] for the codes of W = [Wg; Wu] (a gate_up
+    projection), on the tiles in one pass: the bits of silu_and_mul(int4_mm_tiles(x))."""
+    y: torch.Tensor = torch.ops.conveyor_cpu.int4_gemm_silu_amx(x.contiguous(), codes, scale_zero)
+    return y
+
+
 def int4_mm_rows(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor,
                  w_min_exponent: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """int4_mm on the rows path (at most ROWS_PATH_LIMIT rows); w_min_exponent:

@@ -129,6 +129,13 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const c10::optional<at::T
   }
 }
 
+// silu(gate) * up of x's gate_up projection: on the tiles in one pass (int4_gemm_silu, the same bits as
+// the two ops), else the projection then silu_and_mul.
+at::Tensor mlp_act(const at::Tensor& x, const Proj& p) {
+  if (p.kind == kInt4Amx && x.size(0) > p.arg[1]) return int4_gemm_silu(x, p.w[0], p.w[1]);
+  return conveyor::silu_and_mul(project(x, p, c10::nullopt));
+}
+
 // The step's attention plan (kernels/torch_plan.py Native) and the kernel's settings.
 struct Plan {
   const at::Tensor &slot_mapping, &block_tables, &q_start, &q_len, &seq_len;
@@ -151,8 +158,7 @@ at::Tensor layer(const at::Tensor& h, const Layer& w, const at::Tensor& kv, cons
                                             p.seq_len, p.scale, p.part_tokens, 0, 0.0, p.isa);  // [T, H, D]
   at::Tensor h2 = project(o.view({T, H * D}), w.o, h);  // h + o_proj(o)
   x = conveyor::rms_norm(h2, *w.post_norm, eps);
-  at::Tensor act = conveyor::silu_and_mul(project(x, w.gate_up, c10::nullopt));  // [T, I]
-  return project(act, w.down, h2);                                               // h2 + down_proj(act)
+  return project(mlp_act(x, w.gate_up), w.down, h2);  // h2 + down_proj(silu(gate) * up)
 }
 
 // h [T, E] (bfloat16 or float32, the cache's dtype) through every layer -> [T, E]; kv_cache [layers, 2,

@@ -8,6 +8,9 @@
 // quant_gemm.cpp: x [M, K] bfloat16 @ W.T (+ residual) on AMX tiles (conveyor_cpu::int4_gemm_amx).
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                      const c10::optional<at::Tensor>& residual);
+// quant_gemm.cpp: silu(x @ Wg.T) * (x @ Wu.T) for W = [Wg; Wu], the bits of silu_and_mul(int4_gemm(x))
+// (conveyor_cpu::int4_gemm_silu_amx).
+at::Tensor int4_gemm_silu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero);
 // quant_gemm_rows.cpp: the same bits for a few rows on AVX-512 (conveyor_cpu::int4_gemm_rows).
 at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                           const c10::optional<at::Tensor>& residual, int64_t w_min_exponent);
@@ -22,6 +25,8 @@ at::Tensor int4_gemm_avx2_q8(const at::Tensor& x, const at::Tensor& codes, const
 namespace conveyor {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& x, bool lookup = true);
+// SiLU of every bfloat16 value (indexed by its bits) as silu_and_mul rounds it, widened to float32.
+const float* silu_table();
 void rope_(at::Tensor x, const at::Tensor& table, const at::Tensor& positions);
 at::Tensor write_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,

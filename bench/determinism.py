@@ -29,7 +29,7 @@ import aiohttp
 
 from bench.english import chat_prompts
 from bench.serving import run_load
-from bench.vs_vllm import BENCH, NAME, bodies, measure, ran_as, running, say
+from bench.vs_vllm import NAME, bodies, log_file, measure, ran_as, running, say
 
 MODES = {"default": (), "deterministic": ("--deterministic",)}
 
@@ -68,8 +68,8 @@ def bench_mode(mode: str, port: int, served: list[dict[str, Any]], single: list[
         many = measure(port, served, 32)
         one = measure(port, single, 1)
         texts = uvloop.run(texts_under_load(url, target, background, repeats, seed=7))
-    log = BENCH / "logs" / f"conveyor-auto{''.join(MODES[mode])}.log"
-    return {"ran": ran_as("conveyor", "auto", log), "tok_s": many["tok_s"], "itl50": one["itl50"],
+    ran = ran_as("conveyor", "auto", log_file("conveyor", "auto", MODES[mode]))
+    return {"ran": ran, "tok_s": many["tok_s"], "itl50": one["itl50"],
             "distinct": len(set(texts))}
 
 

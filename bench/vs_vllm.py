@@ -178,13 +178,19 @@ def ran_as(kind: str, dtype: str, log_path: Path) -> str:
     return f"{found[1]}, {found[2]}" if found else "(not in its log)"
 
 
+def log_file(kind: str, dtype: str, extra: tuple[str, ...] = ()) -> Path:
+    """A server's log under .bench/logs, named by its side, dtype and extra flags (made safe for a
+    file name: a flag's value may be a path)."""
+    return BENCH / "logs" / re.sub(r"[^\w.=-]", "_", f"{kind}-{dtype}{''.join(extra)}.log")
+
+
 @contextmanager
 def running(kind: str, dtype: str, port: int, vllm_python: Path,
             llama_server: Path | None = None, extra: tuple[str, ...] = ()) -> Iterator[float]:
     """Starts a server, yields the seconds it took to answer /v1/models, and stops it (its process
     group: vLLM's engine core and Conveyor's engine are children)."""
     cmd, env = server_command(kind, dtype, port, vllm_python, llama_server, extra)
-    log_path = BENCH / "logs" / f"{kind}-{dtype}{''.join(extra)}.log"
+    log_path = log_file(kind, dtype, extra)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     say(f"starting {kind} ({dtype}); log {log_path}" + (" (the first start compiles: minutes)"
                                                         if kind == "vllm" else ""))
@@ -292,7 +298,7 @@ def bench_server(kind: str, dtype: str, port: int, vllm_python: Path,
                 f"{r['ttft50'] * 1e3:.0f}/{r['ttft99'] * 1e3:.0f} ms, ITL p50/p99 "
                 f"{r['itl50'] * 1e3:.1f}/{r['itl99'] * 1e3:.1f} ms")
     median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    ran = ran_as(kind, dtype, BENCH / "logs" / f"{kind}-{dtype}.log")
+    ran = ran_as(kind, dtype, log_file(kind, dtype, extra if kind == "conveyor" else ()))
     return {**median, "ready_s": ready, "runs": [r["tok_s"] for r in rows], "ran": ran}
 
 

@@ -116,22 +116,33 @@ inline void step16(const bf* at, int64_t stride, const bf* bt, int cols) {
 }
 
 // One k tile: 17..32 rows times `cols` (1 or 2) column tiles -> C tiles j (rows 0-15) and 2 + j (the rest).
+// kStreamA: x's tiles loaded with the hint to keep them out of L1 (TILELOADDT1), where x is a prompt
+// chunk that passes once per panel group: so the panel, which every block of the group reads, keeps L1.
+// 1.07-1.26x at 2,048 rows (docs/kernels.md, session 27). A hint only: the same TDPs, the same bits.
+template <bool kStreamA>
 inline void step32(const bf* at, int64_t stride, const bf* bt, int cols) {
-  _tile_loadd(4, at, stride);
+  if constexpr (kStreamA)
+    _tile_stream_loadd(4, at, stride);
+  else
+    _tile_loadd(4, at, stride);
   _tile_loadd(6, bt, 64);
   _tile_dpbf16ps(0, 4, 6);
   if (cols == 2) {
     _tile_loadd(7, bt + kTileElems, 64);
     _tile_dpbf16ps(1, 4, 7);
   }
-  _tile_loadd(5, at + kTileRows * (stride / sizeof(bf)), stride);
+  if constexpr (kStreamA)
+    _tile_stream_loadd(5, at + kTileRows * (stride / sizeof(bf)), stride);
+  else
+    _tile_loadd(5, at + kTileRows * (stride / sizeof(bf)), stride);
   _tile_dpbf16ps(2, 5, 6);
   if (cols == 2) _tile_dpbf16ps(3, 5, 7);
 }
 
+template <bool kStreamA = false>
 inline void step(bool two, const bf* at, int64_t stride, const bf* bt, int cols) {
   if (two)
-    step32(at, stride, bt, cols);
+    step32<kStreamA>(at, stride, bt, cols);
   else
     step16(at, stride, bt, cols);
 }
@@ -237,7 +248,7 @@ void multiply_block(const bf* x, int64_t rows, int64_t ldx, int64_t kt, const bf
   for (int i = 0; i < n; ++i) {
     zero_c(two, cols);
     for (int64_t t = 0; t < kt; ++t) {
-      step(two, x + t * kTileK, stride, panels[i] + t * cols * kTileElems, cols);
+      step<true>(two, x + t * kTileK, stride, panels[i] + t * cols * kTileElems, cols);
       if (i == 0 && t == std::min<int64_t>(kt - 1, 2)) out.flush();
     }
     store_c(two, cols, slots_of(out.c[i]));
@@ -284,7 +295,10 @@ void multiply_streamed(const bf* x, int64_t m, int64_t ldx, const Int4Matrix& w,
   dequant(0);
   for (int64_t t = 0; t < w.kt; ++t) {
     if (t + 1 < w.kt) dequant(t + 1);
-    step(two, x + t * kTileK, ldx * sizeof(bf), slot(t), cols);
+    if (keep)  // the first block of a prompt chunk (multiply_many): x streams, as in multiply_block
+      step<true>(two, x + t * kTileK, ldx * sizeof(bf), slot(t), cols);
+    else
+      step(two, x + t * kTileK, ldx * sizeof(bf), slot(t), cols);
   }
   store_c(two, cols, c);
 }

@@ -118,7 +118,7 @@ inline void step16(const bf* at, int64_t stride, const bf* bt, int cols) {
 // One k tile: 17..32 rows times `cols` (1 or 2) column tiles -> C tiles j (rows 0-15) and 2 + j (the rest).
 // kStreamA: x's tiles loaded with the hint to keep them out of L1 (TILELOADDT1), where x is a prompt
 // chunk that passes once per panel group: so the panel, which every block of the group reads, keeps L1.
-// 1.07-1.26x at 2,048 rows (docs/kernels.md, session 27). A hint only: the same TDPs, the same bits.
+// 1.05-1.14x at 2,048 rows, gate_up 1.4x at 512 (docs/kernels.md, session 27). A hint only: the same bits.
 template <bool kStreamA>
 inline void step32(const bf* at, int64_t stride, const bf* bt, int cols) {
   if constexpr (kStreamA)

@@ -69,7 +69,7 @@ def test_the_cases_that_need_the_exact_rounding_occur() -> None:
 
 
 @needs_amx
-def test_refuses_a_residual_free_shape_it_cannot_read() -> None:
+def test_refuses_activations_not_in_bfloat16() -> None:
     codes, sz = gate_up(128, 64, 3)
     with pytest.raises(RuntimeError, match="bfloat16"):
         amx.int4_silu_tiles(torch.randn(4, 64), codes, sz)

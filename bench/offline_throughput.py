@@ -11,7 +11,9 @@ workload's model FLOPs at the measured GEMM speed of this machine.
                                        [--skip-baseline]
 
 --kv-cache-dtype adds a second Conveyor run in this one with K/V stored in that dtype (the model in
---dtype), its time set against the first.
+--dtype), its time set against the first. --seeded-sampling adds a run whose requests sample at
+temperature 1, each with its own seed (every row draws a vocabulary's noise from its own generator
+each step), its time set against the greedy run's.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import Workload, gemm_gflops, machine, pin_threads, workload
 
 
-def run_conveyor(reqs: Workload, args: argparse.Namespace, kv_cache_dtype: str = "auto") -> float:
+def run_conveyor(reqs: Workload, args: argparse.Namespace, kv_cache_dtype: str = "auto",
+                 seeded: bool = False) -> float:
     from engine.offline import LLM
     from shared.sampling import SamplingParams
 
@@ -32,7 +35,9 @@ def run_conveyor(reqs: Workload, args: argparse.Namespace, kv_cache_dtype: str =
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory="4GiB",
               dtype=args.dtype, kv_cache_dtype=kv_cache_dtype)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [SamplingParams(temperature=1.0 if seeded else 0, seed=i if seeded else None,
+                             max_tokens=n, ignore_eos=True)
+              for i, (_, n) in enumerate(reqs)]
     t0 = time.perf_counter()
     outs = llm.generate([p for p, _ in reqs], params)
     elapsed = time.perf_counter() - t0
@@ -98,6 +103,8 @@ def main() -> None:
                          "AMX/AVX512-BF16 where the CPU has it)")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                     help="also run Conveyor with K/V stored in this dtype")
+    ap.add_argument("--seeded-sampling", action="store_true",
+                    help="also run Conveyor with every request sampled at temperature 1, seeded")
     ap.add_argument("--skip-baseline", action="store_true")
     args = ap.parse_args()
     pin_threads(args.threads)
@@ -114,6 +121,7 @@ def main() -> None:
     conveyor = run_conveyor(reqs, args)
     kv_run = (None if args.kv_cache_dtype == "auto"
               else run_conveyor(reqs, args, args.kv_cache_dtype))
+    seeded = run_conveyor(reqs, args, seeded=True) if args.seeded_sampling else None
     baseline = None if args.skip_baseline else run_transformers(reqs, args)
     print(f"\n{'':28s}{'seconds':>10s}{'output tok/s':>14s}{'vs baseline':>13s}")
     row = f"{baseline:10.1f}{out_tokens / baseline:14.1f}{1.0:12.2f}x" if baseline else "   skipped"
@@ -125,6 +133,10 @@ def main() -> None:
         print(f"{'conveyor, kv ' + args.kv_cache_dtype:28s}{kv_run:10.1f}"
               f"{out_tokens / kv_run:14.1f}{ratio}"
               f"   ({conveyor / kv_run:.2f}x the speed of conveyor)")
+    if seeded is not None:
+        ratio = f"{baseline / seeded:12.2f}x" if baseline else f"{'':13s}"
+        print(f"{'conveyor, seeded sampling':28s}{seeded:10.1f}{out_tokens / seeded:14.1f}{ratio}"
+              f"   ({conveyor / seeded:.2f}x the speed of greedy conveyor)")
     ratio = f"{baseline / ceiling:12.2f}x" if baseline else ""
     print(f"{'arithmetic ceiling':28s}{ceiling:10.1f}{out_tokens / ceiling:14.1f}{ratio}"
           f"   (model FLOPs at the measured {gflops:.0f} GFLOP/s {args.dtype} GEMM)")

@@ -32,6 +32,8 @@ chunks.
 
 --ops: the elementwise row split by op (calls and ms a step), to see which of the layer's small ops
 a change moved.
+--sampling: only the noise a step of random rows (temperature > 0) draws, for --num-seqs rows:
+torch's exponential_ row by row against engine.sampler.exponential (the same values), seeded or not.
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention
 backend from outside.
@@ -350,6 +352,43 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
             "gemm": gemm_ms, "forward": timed["forward"]}
 
 
+def sampling_noise(args: argparse.Namespace) -> None:
+    """The exponential race's noise for a step of random rows (temperature > 0), seeded and not,
+    over the model's vocabulary: torch's exponential_ row by row (the sampler before session 28)
+    against engine.sampler.exponential, which draws the same values; ms a step, best of --steps."""
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+
+    vocab = len(load_tokenizer(resolve_model(args.model)))
+    print(f"exponential noise for random rows over a {vocab}-token vocabulary, ms per step "
+          f"(best of {args.steps}); x: torch / ours")
+    print("| rows | seeded | torch exponential_ | engine.sampler.exponential | x |")
+    print("|---:|---|---:|---:|---:|")
+    for n in args.num_seqs:
+        for seeded in (False, True):
+            ms = [min(_noise_ms(n, vocab, seeded, ours) for _ in range(args.steps))
+                  for ours in (False, True)]
+            print(f"| {n} | {'yes' if seeded else 'no'} | {ms[0]:.2f} | {ms[1]:.2f} | "
+                  f"{ms[0] / ms[1]:.2f} |")
+
+
+def _noise_ms(rows: int, vocab: int, seeded: bool, ours: bool) -> float:
+    """ms to draw a step's noise for `rows` rows: each row's own generator where seeded."""
+    import torch
+
+    from engine.sampler import exponential
+
+    like = torch.empty(rows, vocab)
+    gens = [torch.Generator().manual_seed(i) if seeded else None for i in range(rows)]
+    t = time.perf_counter()
+    if ours:
+        torch.stack([exponential(like[i], g) for i, g in enumerate(gens)])
+    else:
+        for i, g in enumerate(gens):
+            like[i].exponential_(generator=g)
+    return (time.perf_counter() - t) * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,6 +420,9 @@ def main() -> None:
     ap.add_argument("--python-layers", action="store_true",
                     help="each decoder layer's Python forward, never the layers in one native "
                          "call: the ops split by row")
+    ap.add_argument("--sampling", action="store_true",
+                    help="only the sampler's noise for --num-seqs random rows: torch's "
+                         "exponential_ against engine.sampler.exponential")
     ap.add_argument("--no-prepack", action="store_true",
                     help="projections as plain nn.Linear (the baseline)")
     ap.add_argument("--native-max-context", default="auto",
@@ -395,6 +437,8 @@ def main() -> None:
     print(f"date: {time.strftime('%Y-%m-%d %H:%M %Z')}")
     print(f"machine: {machine()}; {cpu_features()}")
     print(f"command: python bench/step_profile.py {' '.join(sys.argv[1:])}")
+    if args.sampling:
+        return sampling_noise(args)
     if args.dtype is not None:
         dtypes = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
         args.configs = [(d, args.quantization) for d in dtypes]

@@ -49,9 +49,8 @@ class Sampler:
         if all(r.params.greedy for r in seqs):
             return argmax(logits)
         probs = probs_of(logits, seqs)  # [B, V]
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(seqs):
-            noise[i].exponential_(generator=generator_of(r, r.num_tokens, self.device))
+        noise = torch.stack([exponential(probs[i], generator_of(r, r.num_tokens, self.device))
+                             for i, r in enumerate(seqs)])
         tokens = argmax(probs / noise)
         if any(r.params.greedy for r in seqs):
             best = argmax(logits)
@@ -163,6 +162,19 @@ def probs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         mp = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None]
         probs = probs.masked_fill(probs < mp * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
+
+
+def exponential(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) noise shaped as `like`: the values `torch.empty_like(like).exponential_(generator=
+    generator)` draws, about 3x faster on the CPU. torch's CPU kernel takes one float64 uniform u
+    per element, in memory order, and keeps -log1p(-u) element by element; here the generator draws
+    the same uniforms in one call and log1p runs vectorized. tests/engine/test_sampler.py holds the
+    two to the same bits; `python bench/step_profile.py --sampling` times them (a 32-row step of
+    SmolLM2's 49,152-token vocabulary on the AMX Xeon: 24-25 against 8-9 ms)."""
+    if like.device.type != "cpu":
+        return torch.empty_like(like).exponential_(generator=generator)
+    u = torch.empty(like.shape, dtype=torch.float64).uniform_(generator=generator)
+    return torch.log1p(u.neg_(), out=u).neg_().to(like.dtype)
 
 
 def generator_of(seq: Sequence, position: int, device: torch.device,

@@ -1,5 +1,6 @@
 """The sampler's logits processing against transformers' own logits processors on the same logits;
-logprobs against the model's log_softmax; seeded sampling independent of the batch."""
+logprobs against the model's log_softmax; its noise against torch's exponential_; seeded sampling
+independent of the batch."""
 from __future__ import annotations
 
 from typing import cast
@@ -15,7 +16,7 @@ from transformers import (
 
 from engine.core import EngineCore
 from engine.request import Request
-from engine.sampler import Sampler, argmax, probs_of
+from engine.sampler import Sampler, argmax, exponential, probs_of
 from engine.sequence import Sequence
 from shared.config import build_config
 from shared.sampling import SamplingParams
@@ -166,3 +167,26 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(tiny_llama_dir):
                     for t in o.new_token_ids]
         results.append(got)
     assert results[0] == results[1] and len(results[0]) == 16
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_exponential_draws_torchs_exponential_values_bit_for_bit(threads):
+    """The sampler's noise is the values torch's own exponential_ draws from the same generator
+    state, over a whole vocabulary row (seeded) and a [k + 1, V] block (the global generator, as
+    speculative verification draws it): the exponential race samples exactly as before."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed in range(4):
+            row = torch.empty(49152)
+            theirs = row.exponential_(generator=torch.Generator().manual_seed(seed))
+            ours = exponential(row, torch.Generator().manual_seed(seed))
+            assert ours.dtype == torch.float32 and ours.shape == row.shape
+            assert torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+        block = torch.empty(5, 49152)
+        torch.manual_seed(7)
+        theirs = block.exponential_()
+        torch.manual_seed(7)
+        assert torch.equal(exponential(block).view(torch.int32), theirs.view(torch.int32))
+    finally:
+        torch.set_num_threads(before)

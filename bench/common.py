@@ -1,10 +1,11 @@
-"""Shared bits of the benchmarks: thread placement, what machine this is, seeded workloads."""
+"""Shared bits of the benchmarks: thread placement, the machine, seeded workloads, timing."""
 from __future__ import annotations
 
 import os
 import platform
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -91,3 +92,19 @@ def token_outputs(outs: Iterable[RequestOutput | Error]) -> list[RequestOutput]:
             raise RuntimeError(f"request {o.request_id} failed: {o.message}")
         tokens.append(o)
     return tokens
+
+
+def call_ms(fn: Callable[[], object], runs: int) -> list[float]:
+    """ms of each of runs calls of fn, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def min_ms(fn: Callable[[], object], runs: int) -> float:
+    """The fastest of runs: on a machine other processes share, the run least disturbed."""
+    return min(call_ms(fn, runs))

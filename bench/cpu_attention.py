@@ -38,13 +38,12 @@ import functools
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine, pin_threads
+from bench.common import call_ms, machine, min_ms, pin_threads
 from bench.kernels import Case, Shape, attention_traffic, build_batch
 
 # SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64; the engine's default block size.
@@ -61,17 +60,6 @@ def cases() -> list[Case]:
         Case("256 decodes, L 32..768", [1] * 256, spread * 4),
         Case("32 verifies q=4, L 32..768", [4] * 32, spread[::2]),
     ]
-
-
-def call_ms(fn: Callable[[], object], runs: int) -> list[float]:
-    """ms of each of runs calls of fn, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def median_ms(fn: Callable[[], object], runs: int) -> float:
@@ -183,11 +171,6 @@ def prompts_vs_sdpa(runs: int) -> None:
             ms_sdpa = min_ms(functools.partial(sdpa.forward, q, k, v, kc, vc, base, scale), runs)
             print(f"{case.name:26s} {ms_sdpa:9.3f} {ms_native:9.3f} {ms_sdpa / ms_native:5.2f}x "
                   f"{flops / ms_native / 1e6:8.1f}")
-
-
-def min_ms(fn: Callable[[], object], runs: int) -> float:
-    """The fastest of runs: on a machine other processes share, the run least disturbed."""
-    return min(call_ms(fn, runs))
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ chunks.
 --ops: the elementwise row split by op (calls and ms a step), to see which of the layer's small ops
 a change moved.
 --sampling: only the noise a step of random rows (temperature > 0) draws, for --num-seqs rows:
-torch's exponential_ row by row against engine.sampler.exponential (the same values), seeded or not.
+torch's exponential_ row by row against engine.sampler.exponential_ (the same values), seeded
+or not.
 
 A bench, not an engine flag: it wraps the runner's model, sampler and attention
 backend from outside.
@@ -41,6 +42,7 @@ backend from outside.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import sys
@@ -50,7 +52,7 @@ from typing import Any
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.common import cpu_features, gemm_gflops, machine, pin_threads
+from bench.common import cpu_features, gemm_gflops, machine, min_ms, pin_threads
 from bench.scheduler_policies import Timed
 from shared.config import QUANTIZATIONS
 
@@ -355,38 +357,36 @@ def profile_config(args: argparse.Namespace, dtype: str, quantization: str,
 def sampling_noise(args: argparse.Namespace) -> None:
     """The exponential race's noise for a step of random rows (temperature > 0), seeded and not,
     over the model's vocabulary: torch's exponential_ row by row (the sampler before session 28)
-    against engine.sampler.exponential, which draws the same values; ms a step, best of --steps."""
+    against engine.sampler.exponential_, which draws the same values; ms a step, best of --steps."""
+    import torch
+
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
 
     vocab = len(load_tokenizer(resolve_model(args.model)))
     print(f"exponential noise for random rows over a {vocab}-token vocabulary, ms per step "
           f"(best of {args.steps}); x: torch / ours")
-    print("| rows | seeded | torch exponential_ | engine.sampler.exponential | x |")
+    print("| rows | seeded | torch exponential_ | engine.sampler.exponential_ | x |")
     print("|---:|---|---:|---:|---:|")
     for n in args.num_seqs:
+        noise = torch.empty(n, vocab)
         for seeded in (False, True):
-            ms = [min(_noise_ms(n, vocab, seeded, ours) for _ in range(args.steps))
-                  for ours in (False, True)]
-            print(f"| {n} | {'yes' if seeded else 'no'} | {ms[0]:.2f} | {ms[1]:.2f} | "
-                  f"{ms[0] / ms[1]:.2f} |")
+            gens = [torch.Generator().manual_seed(i) if seeded else None for i in range(n)]
+            theirs, ours = (min_ms(functools.partial(_draw_noise, noise, gens, o), args.steps)
+                            for o in (False, True))
+            print(f"| {n} | {'yes' if seeded else 'no'} | {theirs:.2f} | {ours:.2f} | "
+                  f"{theirs / ours:.2f} |")
 
 
-def _noise_ms(rows: int, vocab: int, seeded: bool, ours: bool) -> float:
-    """ms to draw a step's noise for `rows` rows: each row's own generator where seeded."""
-    import torch
+def _draw_noise(noise: Any, gens: list[Any], ours: bool) -> None:
+    """Each row of noise filled from its generator: by torch's exponential_, or by ours."""
+    from engine.sampler import exponential_
 
-    from engine.sampler import exponential
-
-    like = torch.empty(rows, vocab)
-    gens = [torch.Generator().manual_seed(i) if seeded else None for i in range(rows)]
-    t = time.perf_counter()
-    if ours:
-        torch.stack([exponential(like[i], g) for i, g in enumerate(gens)])
-    else:
-        for i, g in enumerate(gens):
-            like[i].exponential_(generator=g)
-    return (time.perf_counter() - t) * 1e3
+    for i, g in enumerate(gens):
+        if ours:
+            exponential_(noise[i], g)
+        else:
+            noise[i].exponential_(generator=g)
 
 
 def main() -> None:
@@ -422,7 +422,7 @@ def main() -> None:
                          "call: the ops split by row")
     ap.add_argument("--sampling", action="store_true",
                     help="only the sampler's noise for --num-seqs random rows: torch's "
-                         "exponential_ against engine.sampler.exponential")
+                         "exponential_ against engine.sampler.exponential_")
     ap.add_argument("--no-prepack", action="store_true",
                     help="projections as plain nn.Linear (the baseline)")
     ap.add_argument("--native-max-context", default="auto",

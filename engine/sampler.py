@@ -49,8 +49,9 @@ class Sampler:
         if all(r.params.greedy for r in seqs):
             return argmax(logits)
         probs = probs_of(logits, seqs)  # [B, V]
-        noise = torch.stack([exponential(probs[i], generator_of(r, r.num_tokens, self.device))
-                             for i, r in enumerate(seqs)])
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(seqs):
+            exponential_(noise[i], generator_of(r, r.num_tokens, self.device))
         tokens = argmax(probs / noise)
         if any(r.params.greedy for r in seqs):
             best = argmax(logits)
@@ -164,17 +165,18 @@ def probs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def exponential(like: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Exp(1) noise shaped as `like`: the values `torch.empty_like(like).exponential_(generator=
-    generator)` draws, about 3x faster on the CPU. torch's CPU kernel takes one float64 uniform u
-    per element, in memory order, and keeps -log1p(-u) element by element; here the generator draws
-    the same uniforms in one call and log1p runs vectorized. tests/engine/test_sampler.py holds the
-    two to the same bits; `python bench/step_profile.py --sampling` times them (a 32-row step of
-    SmolLM2's 49,152-token vocabulary on the AMX Xeon: 24-25 against 8-9 ms)."""
-    if like.device.type != "cpu":
-        return torch.empty_like(like).exponential_(generator=generator)
-    u = torch.empty(like.shape, dtype=torch.float64).uniform_(generator=generator)
-    return torch.log1p(u.neg_(), out=u).neg_().to(like.dtype)
+def exponential_(out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fills `out` with Exp(1) noise, the values `out.exponential_(generator=generator)` draws,
+    about 3x faster on the CPU; -> out. torch's CPU kernel takes one float64 uniform u per element,
+    in memory order, and keeps -log1p(-u) element by element; here the generator draws the same
+    uniforms in one call, log1p runs vectorized, and the sign flips after the rounding to out's
+    dtype (it commutes with it). tests/engine/test_sampler.py holds the two to the same bits;
+    `python bench/step_profile.py --sampling` times them (a 32-row step of SmolLM2's 49,152-token
+    vocabulary on the AMX Xeon: 24-25 against 8-9 ms)."""
+    if out.device.type != "cpu":
+        return out.exponential_(generator=generator)
+    u = torch.empty(out.shape, dtype=torch.float64).uniform_(generator=generator)
+    return out.copy_(torch.log1p(u.neg_(), out=u)).neg_()
 
 
 def generator_of(seq: Sequence, position: int, device: torch.device,

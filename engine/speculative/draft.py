@@ -21,7 +21,7 @@ from engine.batch import Batch
 from engine.kv_cache import KVCache
 from engine.load.weights import load_model
 from engine.models import ModelConfig
-from engine.sampler import argmax, exponential, generator_of, probs_of
+from engine.sampler import argmax, exponential_, generator_of, probs_of
 from engine.sequence import Sequence
 from engine.step import Drafts
 from kernels.backend import AttentionBackend
@@ -93,5 +93,5 @@ class DraftProposer:
             assert q is not None
             position = seqs[i].num_tokens + len(drafts[i])
             generator = generator_of(seqs[i], position, q.device, stream=2)
-            drafts[i].append(int((q[j] / exponential(q[j], generator)).argmax()))
+            drafts[i].append(int((q[j] / exponential_(torch.empty_like(q[j]), generator)).argmax()))
             probs[i].append(q[j])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import argmax, exponential, generator_of, probs_of
+from engine.sampler import argmax, exponential_, generator_of, probs_of
 from engine.sequence import Sequence
 from engine.step import Drafts
 
@@ -65,11 +65,12 @@ def _sample_and_match(p: torch.Tensor, drafts: list[int], q: None,
     decoding would use there, keep the drafts while they equal the samples. P(accept x) = p(x), and
     after a mismatch the sample is p conditioned on not x, which is rejection sampling's residual:
     the same rule, and a seeded request gets exactly the tokens it gets without speculation."""
+    noise = torch.empty_like(p)
     if seq.params.seed is None:
-        noise = exponential(p)
+        exponential_(noise)
     else:
-        noise = torch.stack([exponential(p[i], generator_of(seq, seq.num_tokens + i, p.device))
-                             for i in range(len(p))])
+        for i in range(len(noise)):
+            exponential_(noise[i], generator_of(seq, seq.num_tokens + i, p.device))
     samples = argmax(p / noise)
     a = _matching(drafts, samples)
     return a, samples[a]
@@ -100,4 +101,4 @@ def _rejection_sample(p: torch.Tensor, drafts: list[int], q: torch.Tensor,
 
 def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
     """One token with probability proportional to weights (the exponential race, as the sampler)."""
-    return int((weights / exponential(weights, gen)).argmax())
+    return int((weights / exponential_(torch.empty_like(weights), gen)).argmax())

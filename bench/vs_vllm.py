@@ -152,7 +152,9 @@ def server_command(kind: str, dtype: str, port: int, vllm_python: Path,
         assert llama_server is not None
         return [str(llama_server), "-m", str(default_gguf()), "-np", "1", "-t", "2", "-c", "2048",
                 "--host", "127.0.0.1", "--port", str(port)], env
-    env["PYTHONPATH"] = str(ROOT)
+    # the tree first; a caller's own entries after it (a sitecustomize that makes this CPU a proxy
+    # of another kind)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     # Default --engine-timeout: heartbeats go on during a long step (engine/listener.py Heartbeats);
     # the run still counts any 'engine lost' in the log, which would mean streams were resumed
     # mid-run.

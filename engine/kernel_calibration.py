@@ -10,13 +10,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.load import amx, int8_avx2
+from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
 
 # Row counts a calibration tries; the first from which the packed copy is faster is the threshold.
 CALIBRATION_ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32)
-# For the AVX-512 BF16 int4 kernel, which stayed ahead of the copies to 32 rows and lost from 128 on
-# the proxy (docs/kernels.md), up to 128; where it wins even there the copy still takes 128 rows and
-# more (1.2-1.85x faster from 512 on the proxy; timing those would cost seconds of load).
+# For the AVX-512 BF16 int4 kernel, which stayed ahead of the copies to 32 rows on the proxy
+# (docs/kernels.md), up to 128, where the default hands over at all (prompt_ratio decides); where it
+# wins even at 128 the copy still takes 128 rows and more.
 AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
 # For the int8 kernels below a copy (the AVX2 kernel with float32 activations; on AVX-512 BF16 CPUs
 # without AMX the int8 AMX kernel's rows path): the copy takes over from the first of these where it
@@ -25,6 +26,17 @@ AVX512_CALIBRATION_ROWS = (*CALIBRATION_ROWS, 48, 64, 96, 128)
 # whose logits a step needs) is rare, so it would decide the common sizes.
 INT8_CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
 NEVER = 1 << 62  # packed_from of a copy that no row count takes
+# Where the AVX-512 BF16 int4 kernel takes every row count by default, so that the quantized default
+# is batch-invariant (engine/kernel_choice.py, issue #30): its time on prompt-sized calls at most
+# this many times the packed copies'. Prompt GEMMs were under 30% of served time (issue #25's
+# profile), so 1.15x costs at most ~4.5% of throughput; on the proxy the kernel took 1.09x at 512
+# rows and served throughput moved 0.95-1.03x (docs/determinism.md).
+AVX512_INVARIANT_RATIO = 1.15
+PROMPT_ROWS = 512  # a served prompt step's rows, for that ratio
+# The matrices a float32 calibration and that ratio time: six layers' four projections (~85 MB of
+# float32 copies, so cold as in a forward). All 120 took 20.3 s against 3.0 s for the float32 one,
+# same choice (docs/kernels.md); the ratio takes ~1 s on the proxy.
+CALIBRATION_MATRICES = 24
 
 
 def calibrate(modules: Sequence[QuantizedLinear], rows: Sequence[int] = CALIBRATION_ROWS,
@@ -65,6 +77,22 @@ def chain_times(modules: Sequence[QuantizedLinear], rows: Sequence[int], reps: i
                         _best(by_rows, reps, clock) if tiled and r <= amx.ROWS_PATH_LIMIT
                         else float("inf")))
     return out
+
+
+def prompt_ratio(modules: Sequence[Int4Linear]) -> float:
+    """The AVX-512 BF16 int4 kernel's time over packed bfloat16 copies' at PROMPT_ROWS, on the
+    first CALIBRATION_MATRICES of modules called in turn as a forward calls them. The copies are
+    made for the timing and dropped after it; the modules leave as they came."""
+    sample = list(modules[:CALIBRATION_MATRICES])
+    before = [(m.tiles_avx512, m.packed) for m in sample]
+    for m in sample:
+        m.tiles_avx512, m.packed = True, PackedLinear(m.dequantized(), None)
+    try:
+        [(_, kernel, copies, *_)] = chain_times(sample, (PROMPT_ROWS,))
+    finally:
+        for m, (avx512, packed) in zip(sample, before):
+            m.tiles_avx512, m.packed = avx512, packed
+    return kernel / copies
 
 
 def _below(m: QuantizedLinear) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -14,11 +14,12 @@ copy costs 2 bytes a weight: it is made only while all copies together stay with
 so a large model keeps its quantized size (and torch's int kernels at every row count).
 
 The choice makes a row's arithmetic depend on the step's row count (docs/determinism.md): the two
-kernels round differently. So where one int4 kernel is as fast at every row count (AMX CPUs: the AMX
-kernel) the int4 matrices take it at every row count instead (invariant_by_default, attach_tiles).
-On AVX512_BF16 CPUs without AMX the AVX-512 BF16 int4 kernel and, for the int8 head, the int8 AMX
-kernel's rows path replace torch's kernels below the threshold, calibrated against them; they take
-every row count only under --deterministic (the int4 one is slower than the copies on prompts).
+kernels round differently. So where one int4 kernel is about as fast at every row count (AMX CPUs:
+the AMX kernel; AVX512_BF16 CPUs without AMX: the AVX-512 BF16 int4 kernel, where a timing at load
+finds it within AVX512_INVARIANT_RATIO of the copies on prompts) the int4 matrices take it at every
+row count instead (invariant_by_default, attach_tiles). Elsewhere on AVX512_BF16 CPUs that kernel
+and, for the int8 head, the int8 AMX kernel's rows path replace torch's kernels below the threshold,
+calibrated against them.
 With float32 activations on AVX2 CPUs the int4 matrices carry the AVX2 kernel's codes and take
 float32 copies from rows calibrated at load against it (attach_float32_copies).
 docs/performance.md, "Quantized weights by row count", has the figures and that caveat.
@@ -33,9 +34,13 @@ from torch import nn
 
 from engine.kernel_calibration import (
     AVX512_CALIBRATION_ROWS,
+    AVX512_INVARIANT_RATIO,
+    CALIBRATION_MATRICES,
     INT8_CALIBRATION_ROWS,
     NEVER,
+    PROMPT_ROWS,
     calibrate,
+    prompt_ratio,
 )
 from engine.load import amx, int4_avx512
 from engine.load.dtype import cpu_kind
@@ -50,12 +55,9 @@ from engine.load.prepack import (
 from engine.load.quant import Int4Linear, Int8Linear, QuantizedLinear
 
 log = logging.getLogger("conveyor.kernel_choice")
-# CPU kinds whose quantized default is batch-invariant (invariant_by_default). Not AVX512_BF16: its
-# int4 kernel lost to the packed copies from 128 rows on a proxy (docs/kernels.md).
-INVARIANT_KINDS = frozenset({"AMX"})
-# The AVX2 int4 matrices a float32 calibration times (six layers' four projections, ~85 MB of
-# copies, so cold as in a forward): all 120 took 20.3 s against 3.0 s, same choice (kernels.md).
-FLOAT32_CALIBRATION_MATRICES = 24
+# CPU kinds whose quantized default can be batch-invariant (invariant_by_default): on AVX512_BF16
+# where its int4 kernel keeps up with the packed copies on prompts, timed at load.
+INVARIANT_KINDS = frozenset({"AMX", "AVX512_BF16"})
 
 
 def kind_of(module: QuantizedLinear) -> str:
@@ -140,14 +142,22 @@ def handover_rows(modules: Sequence[QuantizedLinear], kind: str,
 def invariant_by_default(modules: Sequence[QuantizedLinear], dtype: torch.dtype,
                          kind: str) -> bool:
     """Whether the quantized GEMMs take --deterministic's kernels without the flag: where that
-    was measured to cost under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix
-    with tile codes runs the AMX kernel's arithmetic at every row count, and the int8 head the int8
-    AMX kernel's, at about the switching kernels' speed or faster (docs/determinism.md). Not on
-    AVX512_BF16 CPUs: their int4 kernel loses to the packed copies on prompts (INVARIANT_KINDS)."""
+    costs under 5% of served throughput (issue #30). On AMX CPUs every int4 matrix with tile codes
+    runs the AMX kernel's arithmetic at every row count, and the int8 head the int8 AMX kernel's,
+    at about the switching kernels' speed or faster (docs/determinism.md). On AVX512_BF16 CPUs the
+    AVX-512 BF16 int4 kernel, where it is timed here within AVX512_INVARIANT_RATIO of the copies."""
     int4 = [m for m in modules if isinstance(m, Int4Linear)]
     runs = amx.usable() if kind == "AMX" else int4_avx512.usable()
-    return (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
-            and all(m.tile_codes is not None for m in int4) and runs)
+    if not (kind in INVARIANT_KINDS and dtype == torch.bfloat16 and bool(int4)
+            and all(m.tile_codes is not None for m in int4) and runs):
+        return False
+    if kind == "AMX":
+        return True
+    ratio = prompt_ratio(int4)
+    log.info("the AVX-512 BF16 int4 kernel takes %.2fx the packed copies' time at %d rows: %s",
+             ratio, PROMPT_ROWS, "at every row count" if ratio <= AVX512_INVARIANT_RATIO
+             else "below a calibrated handover to them")
+    return ratio <= AVX512_INVARIANT_RATIO
 
 
 def attach_tiles(modules: Sequence[QuantizedLinear], deterministic: bool,
@@ -232,16 +242,12 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
                           deterministic: bool) -> dict[str, int]:
     """Float32 activations where the int4 matrices carry the AVX2 kernel's codes
     (engine/load/int4_avx2.py): they take it below a row count calibrated here against packed
-    float32 copies (with MKL's plain matrix from plain_from_rows, as the float32 model), 128 at
-    the latest: the two tie at 128 rows, so a calibration alone flipped between reloads, and the
-    copies are 1.16x faster on 512-row prompt chunks (docs/kernels.md). The other matrices (the
-    int8 tied head: torch's int8 kernel is slow with float32 activations) take their float32 copy
-    at every row count (attach_int8_avx2 then puts the head on its own kernel).
-    Under w4a8 (activations rounded to 8 bits) the kernel at every row count: it beat the copies
-    at 1..512 rows (docs/kernels.md). Deterministic: the AVX2 kernel at every row count (one
-    arithmetic at any rows), the others' copies with one-row calls padded. No copies at all
-    beyond PLAIN_MAX_BYTES (a large model keeps its codes only). -> int4 / int8 -> the rows from
-    which that kind takes its copy."""
+    float32 copies (MKL's plain matrix from plain_from_rows), 128 at the latest: the two tie at 128
+    rows, so a calibration alone flipped between reloads, and the copies are 1.16x faster on
+    512-row prompts (docs/kernels.md). The others (the int8 head) take their copy at every row
+    count (then attach_int8_avx2). Under w4a8, and deterministic, the kernel at every row count
+    (w4a8's beat the copies at 1..512 rows); deterministic pads the others' one-row calls. No
+    copies beyond PLAIN_MAX_BYTES. -> int4 / int8 -> the rows from which each takes its copy."""
     coded = [m for m in modules if avx2_coded(m)]
     rest = [m for m in modules if not avx2_coded(m)]
     # w4a8's kernel beats the copies at every row count measured (1..512): no copies for them
@@ -259,7 +265,7 @@ def attach_float32_copies(modules: Sequence[QuantizedLinear],
     chosen = {kind_of(m): 1 for m in rest}
     rows = AVX512_CALIBRATION_ROWS  # the last, 128, is the cap: a tie there must not decide
     handover = (NEVER if deterministic or rounded
-                else min(calibrate(coded[:FLOAT32_CALIBRATION_MATRICES], rows[:-1]), rows[-1]))
+                else min(calibrate(coded[:CALIBRATION_MATRICES], rows[:-1]), rows[-1]))
     for m in coded:  # the kernel from one row: its mm fuses the residual
         m.packed_from, m.amx_from = handover, 1
         if handover >= NEVER:

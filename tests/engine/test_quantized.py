@@ -513,33 +513,46 @@ def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
 @needs_bf16_packing
 @needs_avx512_bf16
 @pytest.mark.parametrize("invariant", [False, True])
-def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_below_a_calibrated_handover(
+def test_avx512_bf16_cpus_hand_over_to_copies_where_their_int4_kernel_is_slow_on_prompts(
         tiny_gguf, monkeypatch, invariant: bool) -> None:
-    """Issues #25 and #30 on the AMD EPYC kind: by default the int4 matrices multiply on
-    kernels/cpu/quant_gemm_avx512.cpp in place of torch's int4 kernel for few rows and hand over to
-    their packed copies from a threshold calibrated against it on the CPU that runs it (the new
-    kernel lost to the copies on prompts: docs/kernels.md), so the default is not invariant there.
-    invariant: the mutation, that kind wrongly added to INVARIANT_KINDS, must fail the check."""
+    """Issues #25 and #30 on the AMD EPYC kind, where the load times the AVX-512 BF16 int4 kernel
+    past AVX512_INVARIANT_RATIO of the packed copies' time on prompts: by default the int4 matrices
+    multiply on kernels/cpu/quant_gemm_avx512.cpp in place of torch's int4 kernel for few rows and
+    hand over to their packed copies from a threshold calibrated against it on the CPU that runs
+    it, so the default is not invariant there. invariant: the mutation, the kernel timed at the
+    bound (which counts as keeping up), must fail the check."""
     from engine import kernel_choice
 
+    bound = kernel_calibration.AVX512_INVARIANT_RATIO
+    monkeypatch.setattr(kernel_choice, "prompt_ratio",
+                        lambda modules: bound if invariant else bound + 0.01)
     if not invariant:
         check_the_avx512_bf16_default(tiny_gguf, monkeypatch)
         return
-    monkeypatch.setattr(kernel_choice, "INVARIANT_KINDS", frozenset({"AMX", "AVX512_BF16"}))
     with pytest.raises(AssertionError):
         check_the_avx512_bf16_default(tiny_gguf, monkeypatch)
 
 
 @needs_bf16_packing
 @needs_avx512_bf16
-def test_deterministic_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
-        tiny_gguf, monkeypatch) -> None:
-    """--deterministic on the AMD EPYC kind: every int4 matrix on kernels/cpu/quant_gemm_avx512.cpp
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
+        tiny_gguf, monkeypatch, deterministic: bool) -> None:
+    """The AMD EPYC kind under --deterministic, and by default where the load times the AVX-512
+    BF16 int4 kernel within AVX512_INVARIANT_RATIO of the packed copies on prompts (issue #30: the
+    quantized default batch-invariant there): every int4 matrix on kernels/cpu/quant_gemm_avx512.cpp
     at every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
     the int8 head on the int8 kernel's rows path (the AMX tiles' bits on AVX-512, 5 rows at a time;
     no copy); one row and a prompt take those kernels alone."""
+    from engine import kernel_choice
 
-    model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, True)
+    def keeps_up(modules: Any) -> float:
+        assert not deterministic, "the flag needs no timing"
+        return kernel_calibration.AVX512_INVARIANT_RATIO
+
+    monkeypatch.setattr(kernel_choice, "prompt_ratio", keeps_up)
+    model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch,
+                                                                   deterministic)
     assert not calibrated
     assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
     assert causal_lm(model).native_stack is None
@@ -565,6 +578,41 @@ def test_deterministic_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row
     for m in int4:
         m.amx_from = kernel_calibration.NEVER
     assert (full - logits(model, cfg, ids)).abs().max() < TOLERANCE
+
+
+@needs_bf16_packing
+@needs_avx512_bf16
+def test_the_prompt_ratio_times_the_avx512_int4_kernel_against_copies_it_drops(
+        tiny_gguf, monkeypatch) -> None:
+    """What the AMD EPYC kind's default decides from (kernel_calibration.prompt_ratio): the AVX-512
+    BF16 int4 kernel and packed bfloat16 copies of the same matrices, each at PROMPT_ROWS; the
+    copies are gone after the timing (no 2 bytes a weight kept for nothing) and the modules are
+    as they came."""
+    from engine import kernel_choice
+
+    model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4")
+    int4 = [m for m in kernel_choice.switched_modules(model) if isinstance(m, Int4Linear)]
+    assert int4 and all(m.tile_codes is not None for m in int4)
+    state = [(m.tiles_avx512, m.packed, m.packed_from, m.amx_from) for m in int4]
+    kernel_rows: list[int] = []
+    copy_rows: list[int] = []
+    avx512_mm, copy_forward = int4_avx512.int4_mm, PackedLinear.forward
+
+    def kernel(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        kernel_rows.append(x.shape[0])
+        return avx512_mm(x, *args)
+
+    def copy(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        copy_rows.append(x.shape[0])
+        return copy_forward(self, x)
+
+    monkeypatch.setattr(int4_avx512, "int4_mm", kernel)
+    monkeypatch.setattr(PackedLinear, "forward", copy)
+    ratio = kernel_calibration.prompt_ratio(int4)
+    assert 0 < ratio < float("inf")
+    sample = min(len(int4), kernel_calibration.CALIBRATION_MATRICES)
+    assert kernel_rows == copy_rows == [kernel_calibration.PROMPT_ROWS] * (sample * 4)
+    assert [(m.tiles_avx512, m.packed, m.packed_from, m.amx_from) for m in int4] == state
 
 
 def test_calibration_takes_the_first_row_count_from_which_the_copy_stays_faster(

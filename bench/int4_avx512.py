@@ -8,8 +8,9 @@ layers' int4 projections as the model has them (K=576: N=960 fused q/k/v, 576, 3
 gate/up; K=1536: N=576), each called in turn as a forward calls them: torch's int4 kernel, oneDNN's
 packed bfloat16 copy, the new kernel, main's switching default on AVX512_BF16 CPUs (torch's int4
 kernel below the table's hand-over rows, the copy from there: "main"), and the default as wired now
-(the new kernel below the rows kernel_calibration.calibrate picks here, as a load there runs it, the
-copy from there: "wired").
+as a load there decides it: the new kernel at every row count where kernel_calibration.prompt_ratio
+times it within AVX512_INVARIANT_RATIO of the copies (invariant), else below the rows
+kernel_calibration.calibrate picks here, the copy from there ("wired").
 
 With --head: the model's tied int8 LM head as that kind runs it now (the int8 AMX kernel's rows
 path, AVX-512 only, below a calibrated threshold; at every row count under --deterministic) against
@@ -76,19 +77,24 @@ def main() -> None:
         return
     mods = [m for m in kernel_choice.switched_modules(model)
             if isinstance(m, Int4Linear) and m.tile_codes is not None]
+    ratio = kernel_calibration.prompt_ratio(mods)  # as kernel_choice.invariant_by_default decides
+    invariant = ratio <= kernel_calibration.AVX512_INVARIANT_RATIO
     copies = [PackedLinear(m.dequantized(), None) for m in mods]
     for m, c in zip(mods, copies):  # as kernel_choice.attach_tiles wires that kind's default
         m.packed, m.tiles_avx512, m.amx_from = c, True, 1
     handover = (quantized_packed_from("AVX512_BF16", args.threads) or {}).get("int4", 1 << 62)
     rows = kernel_calibration.AVX512_CALIBRATION_ROWS  # as kernel_choice.handover_rows calibrates
-    chosen = [min(kernel_calibration.calibrate(mods, rows), rows[-1])
-              for _ in range(args.calibrations)]
-    wired = chosen[0]
+    chosen = [] if invariant else [min(kernel_calibration.calibrate(mods, rows), rows[-1])
+                                   for _ in range(args.calibrations)]
+    wired = chosen[0] if chosen else kernel_calibration.NEVER
+    how = (f"at every row count, no copy (prompt ratio {ratio:.2f}x)" if invariant else
+           f"below {wired} rows (prompt ratio {ratio:.2f}x; calibrations chose {chosen}), packed "
+           "copy from there")
     shapes = sorted({m.shape() for m in mods})
     print(f"{args.model}: {len(mods)} int4 matrices (N, K) {shapes}, bfloat16 x, {args.threads} "
           f"threads; ms per forward's projections (best of {args.reps}); main's default on "
           f"AVX512_BF16 = torch int4 below {handover} rows, packed copy from there; wired = the "
-          f"new kernel below {wired} rows (calibrations chose {chosen}), packed copy from there")
+          f"new kernel {how}")
     print(f"{'rows':>5} {'torch int4':>10} {'oneDNN bf16':>11} {'new':>8} {'main':>8} "
           f"{'wired':>8} {'new/main':>8} {'wired/main':>10}")
     tiles = [(m.tile_codes, m.tile_scale_zero) for m in mods

@@ -1,6 +1,7 @@
 """The same request gives the same output whatever the traffic, under --deterministic, and by
-default for the quantized model on AMX CPUs and under w4a8 (the quantized default on AVX2 CPUs
-without native bfloat16; docs/determinism.md).
+default for the quantized model on AMX CPUs, on AVX-512 BF16 CPUs whose int4 kernel keeps up on
+prompts, and under w4a8 (the quantized default on AVX2 CPUs without native bfloat16;
+docs/determinism.md).
 
 One target request runs alone, then inside batches of random other requests (1..32 rows, arriving
 at random steps), with its prompt cached or half cached, chunked at random token budgets, preempted
@@ -20,8 +21,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine import kernel_choice
 from engine.core import EngineCore
-from engine.load import amx, int4_avx2
+from engine.kernel_calibration import AVX512_INVARIANT_RATIO
+from engine.load import amx, int4_avx2, int4_avx512
+from engine.load.dtype import cpu_kind
 from shared.config import build_config
 from shared.protocol import RequestOutput
 from shared.sampling import SamplingParams
@@ -133,16 +137,31 @@ def test_one_request_is_invariant_to_the_traffic(tiny_llama_dir: Path, dtype: st
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_every_scenario_is_covered(tiny_llama_dir: Path, name: str, deterministic: bool) -> None:
+def test_every_scenario_is_covered(tiny_llama_dir: Path, name: str, deterministic: bool,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Each kind of traffic once, in bfloat16 with int4 weights (the default model's arithmetic on
     CPUs with native bfloat16), so no scenario depends on hypothesis drawing it; and without
-    --deterministic on AMX CPUs, whose quantized default is invariant (engine/kernel_choice.py)."""
-    if not deterministic and not amx.usable():
-        pytest.skip("the quantized default is invariant on AMX CPUs only (docs/determinism.md)")
+    --deterministic where the quantized default is invariant (engine/kernel_choice.py)."""
+    if not deterministic and not invariant_default(monkeypatch):
+        pytest.skip("the quantized default is invariant on AMX and AVX-512 BF16 CPUs only "
+                    "(docs/determinism.md)")
     reference = alone(tiny_llama_dir, "bfloat16", "int4", 0.0, deterministic)
     got = scenario(tiny_llama_dir, name, random.Random(5), 0.0, reference,
                    **options("bfloat16", "int4", deterministic))
     assert got == reference, name
+
+
+def invariant_default(monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the bfloat16 int4 default is invariant here: on AMX CPUs always; on AVX-512 BF16
+    CPUs without AMX where the load times their int4 kernel within AVX512_INVARIANT_RATIO of the
+    packed copies on prompts, which is pinned so here (every engine of a test must decide alike;
+    the wiring that decision picks is what this tests)."""
+    if amx.usable():
+        return True
+    if cpu_kind() != "AVX512_BF16" or not int4_avx512.usable():
+        return False
+    monkeypatch.setattr(kernel_choice, "prompt_ratio", lambda modules: AVX512_INVARIANT_RATIO)
+    return True
 
 
 @pytest.mark.skipif(not int4_avx2.usable(), reason="w4a8 runs on CPUs with AVX2, FMA and F16C")

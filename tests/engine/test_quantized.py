@@ -419,6 +419,15 @@ needs_avx512_bf16 = pytest.mark.skipif(not int4_avx512.usable(),
 HANDOVER = 8  # the int4 handover a forced calibration reports in the AVX512_BF16 default's test
 
 
+def recording(f: Callable[..., torch.Tensor], rows: list[int],
+              arg: int = 0) -> Callable[..., torch.Tensor]:
+    """f, appending the rows of its argument `arg` (1 for a method's x) to rows at each call."""
+    def call(*args: Any) -> torch.Tensor:
+        rows.append(args[arg].shape[0])
+        return f(*args)
+    return call
+
+
 def load_as_avx512_bf16(tiny_gguf, monkeypatch, deterministic: bool
                         ) -> tuple[Any, Any, list[Int4Linear], list[Any], list[str], list[int]]:
     """The tiny model loaded as on the AMD EPYC kind (cpu_kind AVX512_BF16, AMX unusable), with
@@ -471,17 +480,13 @@ def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
     from engine import kernel_choice
 
     int8_rows: list[int] = []
-    rows_path, torch_int8 = amx.int8_mm_rows, Int8Linear.quantized_mm
-
-    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        int8_rows.append(x.shape[0])
-        return rows_path(x, *args)
+    torch_int8 = Int8Linear.quantized_mm
 
     def no_torch_int8(m: Int8Linear, x: torch.Tensor) -> torch.Tensor:
         int8_rows.append(-1)
         return torch_int8(m, x)
 
-    monkeypatch.setattr(amx, "int8_mm_rows", spy)
+    monkeypatch.setattr(amx, "int8_mm_rows", recording(amx.int8_mm_rows, int8_rows))
     monkeypatch.setattr(Int8Linear, "quantized_mm", no_torch_int8)
     model, cfg, int4, head, calibrated, rows = load_as_avx512_bf16(tiny_gguf, monkeypatch, False)
     # the head's calibration timed the rows path at its row counts, never torch's int8 kernel
@@ -558,16 +563,11 @@ def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
     assert causal_lm(model).native_stack is None
     assert head and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in head)
     head_rows: list[int] = []
-    rows_path = amx.int8_mm_rows
-
-    def spy(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        head_rows.append(x.shape[0])
-        return rows_path(x, *args)
 
     def no_tiles(*args: Any) -> torch.Tensor:
         raise AssertionError("the int8 AMX tiles on a CPU without AMX")
 
-    monkeypatch.setattr(amx, "int8_mm_rows", spy)
+    monkeypatch.setattr(amx, "int8_mm_rows", recording(amx.int8_mm_rows, head_rows))
     monkeypatch.setattr(amx, "int8_mm", no_tiles)
     ids = random.Random(5).sample(range(3, 512), 40)
     full = logits(model, cfg, ids)
@@ -596,18 +596,8 @@ def test_the_prompt_ratio_times_the_avx512_int4_kernel_against_copies_it_drops(
     state = [(m.tiles_avx512, m.packed, m.packed_from, m.amx_from) for m in int4]
     kernel_rows: list[int] = []
     copy_rows: list[int] = []
-    avx512_mm, copy_forward = int4_avx512.int4_mm, PackedLinear.forward
-
-    def kernel(x: torch.Tensor, *args: Any) -> torch.Tensor:
-        kernel_rows.append(x.shape[0])
-        return avx512_mm(x, *args)
-
-    def copy(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-        copy_rows.append(x.shape[0])
-        return copy_forward(self, x)
-
-    monkeypatch.setattr(int4_avx512, "int4_mm", kernel)
-    monkeypatch.setattr(PackedLinear, "forward", copy)
+    monkeypatch.setattr(int4_avx512, "int4_mm", recording(int4_avx512.int4_mm, kernel_rows))
+    monkeypatch.setattr(PackedLinear, "forward", recording(PackedLinear.forward, copy_rows, 1))
     ratio = kernel_calibration.prompt_ratio(int4)
     assert 0 < ratio < float("inf")
     sample = min(len(int4), kernel_calibration.CALIBRATION_MATRICES)

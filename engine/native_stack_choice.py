@@ -11,25 +11,35 @@ from engine.load import amx
 from engine.load.prepack import PackedLinear
 from engine.load.quant import Int4Linear
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.models.native_stack import INT4_AMX, INT4_AVX2, PACKED, NativeStack, Projection
+from engine.models.native_stack import (
+    INT4_AMX,
+    INT4_AVX2,
+    INT4_AVX512,
+    PACKED,
+    NativeStack,
+    Projection,
+)
 
 # The projection kinds (engine/models/native_stack.py) the native call takes, by the model's dtype:
 # what each dtype's default runs and tests/kernels/test_decoder_layers*.py compare with the Python.
-STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX}),
+STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX, INT4_AVX512}),
                torch.float32: frozenset({PACKED, INT4_AVX2})}
 
 
 def _tiles(m: nn.Module) -> Projection | None:
     """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
-    kernel at every row count and has no bias (the quantized default on AMX CPUs), so the native
-    call takes the kernel its forward takes; else None."""
-    if type(m) is not Int4Linear or m.tiles_avx512:  # not a wrapper's subclass; AMX codes only
+    kernel at every row count and has no bias (the quantized default on AMX CPUs), or its codes
+    and scales where it takes the AVX-512 BF16 kernel so (on AVX512_BF16 CPUs where that default
+    is invariant), so the native call takes the kernel its forward takes; else None."""
+    if type(m) is not Int4Linear:  # not a wrapper's subclass
         return None
     codes, scale_zero = m.tile_codes, m.tile_scale_zero
     if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
         return None
     if m.bias is not None:
         return None
+    if m.tiles_avx512:
+        return Projection(INT4_AVX512, [codes, scale_zero], [])
     return Projection(INT4_AMX, [codes, scale_zero], [m.tile_min_exponent, amx.ROWS_PATH_MAX])
 
 

@@ -1,8 +1,8 @@
 // A stack of Llama decoder layers in one call, for the CPU default's common cases: every projection on one of
 // the kernels below (Kind), every row of the step on the native attention kernel, no bias, window,
 // soft-capping, q/k norm or MoE (engine/models/llama.py and engine/native_stack_choice.py decide; everything
-// else runs its Python layer). bfloat16 with int4 on AMX tiles, or float32 with oneDNN's packed matrices or
-// int4 on the AVX2 kernels.
+// else runs its Python layer). bfloat16 with int4 on AMX tiles or on the AVX-512 BF16 kernel, or float32 with
+// oneDNN's packed matrices or int4 on the AVX2 kernels.
 //
 // At one decode row a layer's ops are short (a GEMM of one row, a norm of 576 numbers), and the Python
 // between them (module lookups, argument parsing, the dispatcher: about 100 us a layer) was a quarter of
@@ -35,10 +35,13 @@ enum Kind : int64_t {
   // there is no copy); ints x_bits (8: x rounded to 8 bits, int4_gemm_avx2_q8; 32: int4_gemm_avx2),
   // packed_from (-1: no copy), then the copy's plain_from.
   kInt4Avx2 = 2,
+  // engine/load/int4_avx512.py int4_mm (AVX-512 BF16 without AMX, at every row count): tensors tile codes,
+  // scales; no ints.
+  kInt4Avx512 = 3,
   kKinds
 };
-constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4};
-constexpr int64_t kIntsOf[kKinds] = {2, 1, 3};
+constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4, 2};
+constexpr int64_t kIntsOf[kKinds] = {2, 1, 3, 0};
 constexpr int64_t kProjections = 4;  // a layer's, in order: qkv, o, gate_up, down
 
 struct Proj {
@@ -124,6 +127,8 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const c10::optional<at::T
         return packed_linear(x, Proj{kPacked, p.w + 2, p.arg + 2}, residual);
       if (p.arg[0] == 8) return int4_gemm_avx2_q8(x, p.w[0], p.w[1], residual);
       return int4_gemm_avx2(x, p.w[0], p.w[1], residual);
+    case kInt4Avx512:
+      return int4_gemm_avx512(x.contiguous(), p.w[0], p.w[1], residual);
     default:
       TORCH_CHECK(false, "decoder_layers: no projection kind ", p.kind);
   }

@@ -14,6 +14,10 @@ at::Tensor int4_gemm_silu(const at::Tensor& x, const at::Tensor& codes, const at
 // quant_gemm_rows.cpp: the same bits for a few rows on AVX-512 (conveyor_cpu::int4_gemm_rows).
 at::Tensor int4_gemm_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
                           const c10::optional<at::Tensor>& residual, int64_t w_min_exponent);
+// quant_gemm_avx512.cpp: x [M, K] bfloat16 @ W.T (+ residual) on AVX-512 BF16, the AMX kernel's codes
+// (conveyor_cpu::int4_gemm_avx512).
+at::Tensor int4_gemm_avx512(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_zero,
+                            const c10::optional<at::Tensor>& residual);
 // quant_gemm_avx2.cpp: x [M, K] float32 @ W.T (+ residual) on AVX2 (conveyor_cpu::int4_gemm_avx2).
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale_low,
                           const c10::optional<at::Tensor>& residual);

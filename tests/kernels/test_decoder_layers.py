@@ -2,7 +2,9 @@
 Python forward, the reference: the same ops in the same order, so the same bits in the residual
 stream and in every K/V row written, at 1, 2, 7 and 32 rows and with a prompt chunk beside
 decodes. On the default model as served on AMX CPUs: SmolLM2-135M's GGUF, bfloat16 activations,
-int4 projections on the AMX kernel."""
+int4 projections on the AMX kernel; and as served on AVX-512 BF16 CPUs without AMX where its int4
+kernel keeps up on prompts (engine/kernel_choice.py invariant_by_default): every int4 projection on
+that kernel at every row count."""
 from __future__ import annotations
 
 import random
@@ -10,25 +12,42 @@ import random
 import pytest
 import torch
 
-from engine.load import amx
+from engine import kernel_choice
+from engine.kernel_calibration import AVX512_INVARIANT_RATIO
+from engine.load import amx, int4_avx512
 from engine.load.quant import Int4Linear
 from engine.load.weights import load_model
 from engine.models.llama import LlamaForCausalLM
+from engine.models.native_stack import INT4_AVX512
 from engine.native_stack_choice import native_stack_of
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.model_source import ModelSource
 from tests.conftest import causal_lm
 
-pytestmark = pytest.mark.skipif(not amx.usable(), reason="no AMX tiles (or native kernels) here")
 BLOCK, BLOCKS = 16, 640
 
 
-@pytest.fixture(scope="module")
-def model(smollm2_source: ModelSource) -> LlamaForCausalLM:
-    loaded, _ = load_model(smollm2_source, torch.bfloat16, "cpu", "int4")
+@pytest.fixture(scope="module", params=["amx", "avx512"])
+def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaForCausalLM:
+    """The default model as loaded on AMX CPUs, or as on AVX-512 BF16 CPUs without AMX whose int4
+    kernel the load timed within AVX512_INVARIANT_RATIO of the packed copies (pinned here)."""
+    if request.param == "amx":
+        if not amx.usable():
+            pytest.skip("no AMX tiles (or native kernels) here")
+        loaded, _ = load_model(smollm2_source, torch.bfloat16, "cpu", "int4")
+    else:
+        if not int4_avx512.usable():
+            pytest.skip("this CPU lacks avx512_bf16 (or native kernels)")
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
+            mp.setattr(amx, "usable", lambda: False)
+            mp.setattr(kernel_choice, "prompt_ratio", lambda modules: AVX512_INVARIANT_RATIO)
+            loaded, _ = load_model(smollm2_source, torch.bfloat16, "cpu", "int4")
     lm = causal_lm(loaded)
-    assert lm.native_stack is not None, "the default model on AMX is the native call's case"
+    assert lm.native_stack is not None, "the default model there is the native call's case"
+    if request.param == "avx512":  # every projection on the AVX-512 BF16 kernel, no ints
+        assert set(lm.native_stack.projections) == {INT4_AVX512}
     return lm
 
 

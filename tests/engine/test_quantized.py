@@ -23,6 +23,7 @@ from engine.load.quant import Int4Linear, Int8Linear
 from engine.load.quantize import weight_bytes
 from engine.load.weights import load_model
 from engine.models.llama import to_interleaved
+from engine.models.native_stack import INT4_AVX512
 from kernels.backend import BatchLayout
 from kernels.torch_backend import TorchBackend
 from shared.config import build_config
@@ -546,9 +547,9 @@ def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
     """The AMD EPYC kind under --deterministic, and by default where the load times the AVX-512
     BF16 int4 kernel within AVX512_INVARIANT_RATIO of the packed copies on prompts (issue #30: the
     quantized default batch-invariant there): every int4 matrix on kernels/cpu/quant_gemm_avx512.cpp
-    at every row count (no packed copy, no AMX, no native layer stack, which calls the AMX kernel),
-    the int8 head on the int8 kernel's rows path (the AMX tiles' bits on AVX-512, 5 rows at a time;
-    no copy); one row and a prompt take those kernels alone."""
+    at every row count (no packed copy, no AMX; the native layer stack, where a step takes it, on
+    the same kernel), the int8 head on the int8 kernel's rows path (the AMX tiles' bits on AVX-512,
+    5 rows at a time; no copy); one row and a prompt take those kernels alone."""
     from engine import kernel_choice
 
     def keeps_up(modules: Any) -> float:
@@ -560,7 +561,8 @@ def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
                                                                    deterministic)
     assert not calibrated
     assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
-    assert causal_lm(model).native_stack is None
+    stack = causal_lm(model).native_stack
+    assert stack is not None and set(stack.projections) == {INT4_AVX512}
     assert head and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in head)
     head_rows: list[int] = []
 

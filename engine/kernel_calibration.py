@@ -35,7 +35,7 @@ AVX512_INVARIANT_RATIO = 1.15
 PROMPT_ROWS = 512  # a served prompt step's rows, for that ratio
 # The matrices a float32 calibration and that ratio time: six layers' four projections (~85 MB of
 # float32 copies, so cold as in a forward). All 120 took 20.3 s against 3.0 s for the float32 one,
-# same choice (docs/kernels.md); the ratio takes ~1 s on the proxy.
+# same choice (docs/kernels.md); the ratio took 1.25-1.30 s on the proxy.
 CALIBRATION_MATRICES = 24
 
 

@@ -399,7 +399,7 @@ def test_the_default_takes_one_kernel_at_every_row_count_on_amx_cpus(tiny_gguf) 
     """Issue #30: on AMX CPUs the quantized default is what --deterministic loads (the int4
     matrices on the int4 AMX kernel from one row, the int8 head on the int8 one), since that costs
     no served throughput there (docs/determinism.md); elsewhere it switches kernels (on AVX-512
-    BF16 CPUs too: their int4 kernel hands over to packed copies, below)."""
+    BF16 CPUs where their int4 kernel lags the packed copies on prompts, below)."""
     from engine import kernel_choice
 
     model, _ = load_model(resolve_model(str(tiny_gguf)), torch.bfloat16, "cpu", "int4")

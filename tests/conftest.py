@@ -173,15 +173,27 @@ def schedulers_never_stall(monkeypatch: pytest.MonkeyPatch):
     assert not stalled, f"a scheduler stalled for {stalled} steps with work waiting"
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+COLLECT_FROM = 3 << 30  # the least resident size that a test may leave before a collection
+COLLECT_SLACK = 1 << 30  # how far past the size the last collection left a test may grow it
+collect_above = COLLECT_FROM
+
+
 @pytest.fixture(autouse=True)
 def free_dead_engines():
     """An engine's KV and swap pools (GiBs, written at start) live until the cyclic collector finds
     the engine, which a suite of few Python objects and many engines seldom runs: dead engines'
     pools then pile up in the one pytest process until the machine runs out of memory (21 GB was
-    seen). Collect after any test that leaves the process large; reading the size costs
-    microseconds."""
+    seen). Collect after a test that grew the process COLLECT_SLACK past what the last collection
+    left (COLLECT_FROM at least). Not after every test once it is large: what stays (imports,
+    torch's pools) kept it past 3 GiB, and a full collection of the suite's objects takes 1-6 s,
+    which had become 60% of the suite's time. Reading the size costs microseconds."""
+    global collect_above
     yield
-    with open("/proc/self/statm") as f:
-        resident = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    if resident > 3 << 30:
+    if resident_bytes() > collect_above:
         gc.collect()
+        collect_above = max(COLLECT_FROM, resident_bytes() + COLLECT_SLACK)

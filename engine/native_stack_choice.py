@@ -29,18 +29,32 @@ STACK_KINDS = {torch.bfloat16: frozenset({INT4_AMX, INT4_AVX512}),
 def _tiles(m: nn.Module) -> Projection | None:
     """An int4 projection's AMX codes, scales and min_exponent where its forward takes the AMX
     kernel at every row count and has no bias (the quantized default on AMX CPUs), or its codes
-    and scales where it takes the AVX-512 BF16 kernel so (on AVX512_BF16 CPUs where that default
-    is invariant), so the native call takes the kernel its forward takes; else None."""
+    and scales where it takes the AVX-512 BF16 kernel from one row (AVX512_BF16 CPUs), with the
+    packed copy it hands over to where it has one, so the native call takes the kernel its
+    forward takes; else None."""
     if type(m) is not Int4Linear:  # not a wrapper's subclass
         return None
     codes, scale_zero = m.tile_codes, m.tile_scale_zero
-    if codes is None or scale_zero is None or m.packed is not None or m.amx_from > 1:
-        return None
-    if m.bias is not None:
+    if codes is None or scale_zero is None or m.amx_from > 1 or m.bias is not None:
         return None
     if m.tiles_avx512:
-        return Projection(INT4_AVX512, [codes, scale_zero], [])
+        return _with_copy(m, INT4_AVX512, [codes, scale_zero], [])
+    if m.packed is not None:
+        return None
     return Projection(INT4_AMX, [codes, scale_zero], [m.tile_min_exponent, amx.ROWS_PATH_MAX])
+
+
+def _with_copy(m: Int4Linear, kind: int, tensors: list[torch.Tensor],
+               ints: list[int]) -> Projection | None:
+    """A kernel's projection (its tensors, then its ints) followed by its packed copy's, which
+    QuantizedLinear.mm takes from packed_from rows (_packed's case; packed_from -1 and the kernel's
+    tensors again where there is no copy); None where the copy is not one the native call takes."""
+    if m.packed is None:
+        return Projection(kind, [*tensors, *tensors], [*ints, -1, -1])
+    copy = _packed(m.packed)
+    if copy is None:
+        return None
+    return Projection(kind, [*tensors, *copy.tensors], [*ints, m.packed_from, *copy.ints])
 
 
 def _packed(m: nn.Module) -> Projection | None:
@@ -61,13 +75,7 @@ def _int4_avx2(m: nn.Module) -> Projection | None:
     if (type(m) is not Int4Linear or m.avx2_scale_low is None or m.bias is not None
             or m.amx_from > 1):
         return None
-    copy = None if m.packed is None else _packed(m.packed)
-    if m.packed is not None and copy is None:
-        return None
-    tensors, x_bits = [m.qweight, m.avx2_scale_low], 8 if m.avx2_q8 else 32
-    if copy is None:
-        return Projection(INT4_AVX2, [*tensors, *tensors], [x_bits, -1, -1])
-    return Projection(INT4_AVX2, [*tensors, *copy.tensors], [x_bits, m.packed_from, *copy.ints])
+    return _with_copy(m, INT4_AVX2, [m.qweight, m.avx2_scale_low], [8 if m.avx2_q8 else 32])
 
 
 def native_stack_of(model: LlamaForCausalLM) -> NativeStack | None:

@@ -1,11 +1,11 @@
 """Every decoder layer in one native call (conveyor_cpu::decoder_layers,
 kernels/cpu/decoder_layers.cpp) for the CPU default's common cases: plain Llama layers whose
-projections are int4 on the AMX kernel or the AVX-512 BF16 one at every row count (bfloat16),
-oneDNN's packed matrices or int4 on an AVX2 kernel (float32), every row of the step on the native
-attention kernel. The call runs the ops DecoderLayer.forward calls, in its order, without the
-Python between them (about 100 us a layer, a quarter of a one-row step); any other model or step
-runs each layer's forward. Loading decides whether a model has a stack
-(engine/native_stack_choice.py native_stack_of), since it chose the GEMMs' kernels."""
+projections are int4 on the AMX kernel at every row count or on the AVX-512 BF16 one below its
+packed copy's rows (bfloat16), oneDNN's packed matrices or int4 on an AVX2 kernel (float32), every
+row of the step on the native attention kernel. The call runs the ops DecoderLayer.forward calls,
+in its order, without the Python between them (about 100 us a layer, a quarter of a one-row
+step); any other model or step runs each layer's forward. Loading decides whether a model has a
+stack (engine/native_stack_choice.py native_stack_of), since it chose the GEMMs' kernels."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -22,7 +22,8 @@ PACKED = 1  # tensors: oneDNN's packed matrix, the plain one; ints: plain_from (
 # tensors: AVX2 codes, scale_low, then a PACKED copy's two; ints: x_bits (8: activations rounded
 # to 8 bits, 32: float32), packed_from (-1: no copy), the copy's plain_from
 INT4_AVX2 = 2
-# tensors: tile codes, scales (the AVX-512 BF16 int4 kernel at every row count, no AMX); no ints
+# tensors: tile codes, scales (the AVX-512 BF16 int4 kernel, no AMX), then a PACKED copy's two;
+# ints: packed_from (-1: no copy, the kernel at every row count), the copy's plain_from
 INT4_AVX512 = 3
 
 

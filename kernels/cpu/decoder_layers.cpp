@@ -35,13 +35,14 @@ enum Kind : int64_t {
   // there is no copy); ints x_bits (8: x rounded to 8 bits, int4_gemm_avx2_q8; 32: int4_gemm_avx2),
   // packed_from (-1: no copy), then the copy's plain_from.
   kInt4Avx2 = 2,
-  // engine/load/int4_avx512.py int4_mm (AVX-512 BF16 without AMX, at every row count): tensors tile codes,
-  // scales; no ints.
+  // engine/load/int4_avx512.py int4_mm (AVX-512 BF16 without AMX), with a PackedLinear copy from packed_from
+  // rows as kInt4Avx2's: tensors tile codes, scales, then the copy's two kPacked tensors (any tensors where
+  // there is no copy); ints packed_from (-1: no copy, the kernel at every row count), the copy's plain_from.
   kInt4Avx512 = 3,
   kKinds
 };
-constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4, 2};
-constexpr int64_t kIntsOf[kKinds] = {2, 1, 3, 0};
+constexpr int64_t kTensorsOf[kKinds] = {2, 2, 4, 4};
+constexpr int64_t kIntsOf[kKinds] = {2, 1, 3, 2};
 constexpr int64_t kProjections = 4;  // a layer's, in order: qkv, o, gate_up, down
 
 struct Proj {
@@ -128,6 +129,8 @@ at::Tensor project(const at::Tensor& x, const Proj& p, const c10::optional<at::T
       if (p.arg[0] == 8) return int4_gemm_avx2_q8(x, p.w[0], p.w[1], residual);
       return int4_gemm_avx2(x, p.w[0], p.w[1], residual);
     case kInt4Avx512:
+      if (p.arg[0] >= 0 && x.size(0) >= p.arg[0])
+        return packed_linear(x, Proj{kPacked, p.w + 2, p.arg + 1}, residual);
       return int4_gemm_avx512(x.contiguous(), p.w[0], p.w[1], residual);
     default:
       TORCH_CHECK(false, "decoder_layers: no projection kind ", p.kind);

@@ -498,7 +498,9 @@ def check_the_avx512_bf16_default(tiny_gguf, monkeypatch) -> None:
     assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is not None
                         and m.packed_from == HANDOVER for m in int4)
     assert not kernel_choice.invariant_by_default(int4 + head, torch.bfloat16, "AVX512_BF16")
-    assert causal_lm(model).native_stack is None
+    # the native layer stack takes the same kernel below the handover and the copy from it
+    stack = causal_lm(model).native_stack
+    assert stack is not None and stack.projections == [INT4_AVX512, HANDOVER, -1] * len(int4)
     # the int8 head on the int8 kernel's rows path below its copy's rows, calibrated against it
     # (the real calibration: none where the rows path won at every row count tried)
     assert head and all(m.tiles_avx512 and m.amx_from == 1 and (m.packed is None) ==
@@ -562,7 +564,7 @@ def test_avx512_bf16_cpus_take_the_avx512_int4_kernel_at_every_row_count(
     assert not calibrated
     assert int4 and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in int4)
     stack = causal_lm(model).native_stack
-    assert stack is not None and set(stack.projections) == {INT4_AVX512}
+    assert stack is not None and stack.projections == [INT4_AVX512, -1, -1] * len(int4)
     assert head and all(m.tiles_avx512 and m.amx_from == 1 and m.packed is None for m in head)
     head_rows: list[int] = []
 

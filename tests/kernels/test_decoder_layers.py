@@ -2,9 +2,9 @@
 Python forward, the reference: the same ops in the same order, so the same bits in the residual
 stream and in every K/V row written, at 1, 2, 7 and 32 rows and with a prompt chunk beside
 decodes. On the default model as served on AMX CPUs: SmolLM2-135M's GGUF, bfloat16 activations,
-int4 projections on the AMX kernel; and as served on AVX-512 BF16 CPUs without AMX where its int4
-kernel keeps up on prompts (engine/kernel_choice.py invariant_by_default): every int4 projection on
-that kernel at every row count."""
+int4 projections on the AMX kernel; and as served on AVX-512 BF16 CPUs without AMX: where its int4
+kernel keeps up on prompts (engine/kernel_choice.py invariant_by_default), every int4 projection on
+that kernel at every row count, else on it below a handover to packed bfloat16 copies."""
 from __future__ import annotations
 
 import random
@@ -26,12 +26,14 @@ from shared.model_source import ModelSource
 from tests.conftest import causal_lm
 
 BLOCK, BLOCKS = 16, 640
+HANDOVER = 7  # the rows from which the handover case's projections take their packed copies
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512"])
+@pytest.fixture(scope="module", params=["amx", "avx512", "avx512-handover"])
 def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaForCausalLM:
-    """The default model as loaded on AMX CPUs, or as on AVX-512 BF16 CPUs without AMX whose int4
-    kernel the load timed within AVX512_INVARIANT_RATIO of the packed copies (pinned here)."""
+    """The default model as loaded on AMX CPUs, or as on AVX-512 BF16 CPUs without AMX: with its
+    int4 kernel timed within AVX512_INVARIANT_RATIO of the packed copies (pinned here), or past it,
+    the copies then taking over from HANDOVER rows (pinned: between the tests' row counts)."""
     if request.param == "amx":
         if not amx.usable():
             pytest.skip("no AMX tiles (or native kernels) here")
@@ -39,15 +41,20 @@ def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaF
     else:
         if not int4_avx512.usable():
             pytest.skip("this CPU lacks avx512_bf16 (or native kernels)")
+        handover = request.param == "avx512-handover"
+        ratio = 2 * AVX512_INVARIANT_RATIO if handover else AVX512_INVARIANT_RATIO
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
             mp.setattr(amx, "usable", lambda: False)
-            mp.setattr(kernel_choice, "prompt_ratio", lambda modules: AVX512_INVARIANT_RATIO)
+            mp.setattr(kernel_choice, "prompt_ratio", lambda modules: ratio)
+            mp.setattr(kernel_choice, "calibrate", lambda modules, rows=(), reps=3: HANDOVER)
             loaded, _ = load_model(smollm2_source, torch.bfloat16, "cpu", "int4")
     lm = causal_lm(loaded)
     assert lm.native_stack is not None, "the default model there is the native call's case"
-    if request.param == "avx512":  # every projection on the AVX-512 BF16 kernel, no ints
-        assert set(lm.native_stack.projections) == {INT4_AVX512}
+    if request.param.startswith("avx512"):  # each projection: its kind, packed_from, plain_from
+        packed_from = HANDOVER if request.param == "avx512-handover" else -1
+        each = [INT4_AVX512, packed_from, -1]
+        assert lm.native_stack.projections == each * 4 * len(lm.model.layers)
     return lm
 
 

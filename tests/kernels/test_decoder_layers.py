@@ -29,7 +29,8 @@ BLOCK, BLOCKS = 16, 640
 HANDOVER = 7  # the rows from which the handover case's projections take their packed copies
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512", "avx512-handover"])
+@pytest.fixture(scope="module", params=["amx", "avx512", pytest.param("avx512-handover",
+                                                                      marks=pytest.mark.slow)])
 def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaForCausalLM:
     """The default model as loaded on AMX CPUs, or as on AVX-512 BF16 CPUs without AMX: with its
     int4 kernel timed within AVX512_INVARIANT_RATIO of the packed copies (pinned here), or past it,

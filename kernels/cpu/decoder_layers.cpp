@@ -21,8 +21,8 @@ namespace {
 
 // How a projection multiplies, as its Python module's forward does for the call's rows. Each projection is
 // described by its kind in `projections`, followed by that kind's ints, and takes that kind's tensors from
-// `weights` (engine/kernel_choice.py writes them in the same order). A new kind: a number here, its counts
-// in kTensorsOf / kIntsOf, a case in project, and its writer in kernel_choice.py.
+// `weights` (engine/native_stack_choice.py writes them in the same order). A new kind: a number here, its
+// counts in kTensorsOf / kIntsOf, a case in project, and its writer in native_stack_choice.py.
 enum Kind : int64_t {
   // engine/load/amx.py int4_mm: tensors tile codes, scales; ints min_exponent, rows_path_max (the rows
   // path up to that many rows, the tiles above).

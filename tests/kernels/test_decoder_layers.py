@@ -35,6 +35,7 @@ def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaF
     """The default model as loaded on AMX CPUs, or as on AVX-512 BF16 CPUs without AMX: with its
     int4 kernel timed within AVX512_INVARIANT_RATIO of the packed copies (pinned here), or past it,
     the copies then taking over from HANDOVER rows (pinned: between the tests' row counts)."""
+    handover = request.param == "avx512-handover"
     if request.param == "amx":
         if not amx.usable():
             pytest.skip("no AMX tiles (or native kernels) here")
@@ -42,7 +43,6 @@ def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaF
     else:
         if not int4_avx512.usable():
             pytest.skip("this CPU lacks avx512_bf16 (or native kernels)")
-        handover = request.param == "avx512-handover"
         ratio = 2 * AVX512_INVARIANT_RATIO if handover else AVX512_INVARIANT_RATIO
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(kernel_choice, "cpu_kind", lambda: "AVX512_BF16")
@@ -53,8 +53,7 @@ def model(smollm2_source: ModelSource, request: pytest.FixtureRequest) -> LlamaF
     lm = causal_lm(loaded)
     assert lm.native_stack is not None, "the default model there is the native call's case"
     if request.param.startswith("avx512"):  # each projection: its kind, packed_from, plain_from
-        packed_from = HANDOVER if request.param == "avx512-handover" else -1
-        each = [INT4_AVX512, packed_from, -1]
+        each = [INT4_AVX512, HANDOVER if handover else -1, -1]
         assert lm.native_stack.projections == each * 4 * len(lm.model.layers)
     return lm
 
